@@ -1,0 +1,32 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both create .venv when it is missing.
+# torch is pinned to the local CPU wheel so nothing here ever pulls CUDA wheels.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+NPROC  ?= 2
+
+.PHONY: venv test test-fast demo bench clean
+
+$(VENV)/.installed: setup.py pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]" "$(TORCH)"
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(NPROC) --durations=15 tests
+
+demo: $(VENV)/.installed
+	OMP_NUM_THREADS=1 ACCELERATE_USE_CPU=1 $(VENV)/bin/accelerate launch --multi_gpu --num_processes 4 \
+		--num_machines 1 --mixed_precision no --dynamo_backend no \
+		examples/demo_gpt2.py --output demo_out
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/load_memory.py
+
+clean:
+	rm -rf demo_out build dist *.egg-info .pytest_cache

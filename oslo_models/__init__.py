@@ -1,0 +1,1 @@
+"""oslo-models: Hugging Face compatible models with parallelism built in."""
