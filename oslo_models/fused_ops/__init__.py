@@ -1,6 +1,7 @@
 """Fused Triton ops with exact torch references (see ``dispatch.py`` for when each path runs)."""
 from oslo_models.fused_ops.dispatch import env_enabled, triton_available, use_triton
 from oslo_models.fused_ops.layer_norm import FusedLayerNorm, layer_norm, layer_norm_reference
+from oslo_models.fused_ops.rms_norm import FusedRMSNorm, rms_norm, rms_norm_reference
 
 __all__ = [
     "FusedLayerNorm", "env_enabled", "layer_norm", "layer_norm_reference", "triton_available", "use_triton",
