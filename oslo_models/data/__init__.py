@@ -1,0 +1,27 @@
+"""Pretraining data: memory-mapped token corpora, packing, blending, collators, a resumable dp sampler.
+
+Typical use::
+
+    python -m oslo_models.data preprocess --input corpus.jsonl --tokenizer gpt2 --output data/corpus --workers 2
+
+    ds = om.data.PackedCausalLMDataset("data/corpus", seq_len=1024, seed=0)
+    loader = om.data.build_dataloader(ds, batch_size=8, collator=om.data.CausalLMCollator(), parallel_context=ctx)
+
+``datasets`` is only needed to preprocess (it is imported lazily there); reading needs numpy and torch.
+"""
+from .blended import BlendedDataset, exact_counts
+from .collators import (CausalLMCollator, MLMCollator, Seq2SeqCollator, SequenceParallelSplitter,
+                        T5SpanCorruptionCollator, t5_lengths)
+from .indexed import FORMAT_VERSION, MMapTokenDataset, tokenizer_identity, write_token_file
+from .loader import ResumableDataLoader, build_dataloader
+from .packed import PackedCausalLMDataset
+from .preprocessing import preprocess
+from .sampler import DistributedResumableSampler
+
+
+__all__ = [
+    "BlendedDataset", "CausalLMCollator", "DistributedResumableSampler", "FORMAT_VERSION", "MLMCollator",
+    "MMapTokenDataset", "PackedCausalLMDataset", "ResumableDataLoader", "Seq2SeqCollator",
+    "SequenceParallelSplitter", "T5SpanCorruptionCollator", "build_dataloader", "exact_counts", "preprocess",
+    "t5_lengths", "tokenizer_identity", "write_token_file",
+]
