@@ -2,6 +2,7 @@
 from oslo_models.fused_ops.dispatch import env_enabled, triton_available, use_triton
 from oslo_models.fused_ops.layer_norm import FusedLayerNorm, layer_norm, layer_norm_reference
 from oslo_models.fused_ops.rms_norm import FusedRMSNorm, rms_norm, rms_norm_reference
+from oslo_models.fused_ops.softmax import softmax, softmax_reference
 
 __all__ = [
     "FusedLayerNorm", "env_enabled", "layer_norm", "layer_norm_reference", "triton_available", "use_triton",
