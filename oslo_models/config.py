@@ -1,0 +1,166 @@
+"""``ParallelConfig``: the one description of a parallel layout, validated when it is built.
+
+The config is pure data: it knows nothing about the launched world. ``ParallelContext`` (``distributed/``)
+combines it with the world size and infers ``data_parallel_size`` when it is left as ``None``.
+
+Every dimension the project will have is a field now, so user code and saved configs do not change as features
+land. Dimensions that are not implemented yet raise ``NotImplementedError`` naming the field when they are set to
+anything but their trivial value: never a silent fallback to a different layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+TENSOR_PARALLEL_MODES = ("1d", "2d", "2.5d", "3d")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+# What is implemented today. Kept in one place so a feature landing is a one-line change here.
+_IMPLEMENTED_TENSOR_PARALLEL_MODES = ("1d",)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How a model is split over processes.
+
+    World layout: ``world_size == pipeline_parallel_size * data_parallel_size * tensor_parallel_size``, with
+    tensor-parallel ranks adjacent (they talk most), then data-parallel, then pipeline (Megatron's order).
+    Expert parallelism is carved out of the data-parallel ranks, so it must divide ``data_parallel_size``.
+
+    Args:
+        tensor_parallel_size: ranks that split each weight matrix.
+        tensor_parallel_mode: ``"1d"`` (Megatron column/row); ``"2d"``, ``"2.5d"``, ``"3d"`` are reserved.
+        tensor_parallel_depth: depth of the 2.5D mode (ignored otherwise).
+        sequence_parallel: Megatron sequence parallelism: activations outside the tensor-parallel regions
+            (norms, dropout, residuals) are split along the sequence over the tensor-parallel group.
+        pipeline_parallel_size: pipeline stages.
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zero_bubble"``.
+        num_microbatches: microbatches per step for the pipeline (``None``: the number of stages).
+        virtual_pipeline_size: model chunks per stage for the interleaved schedule.
+        expert_parallel_size: ranks that split the experts of a mixture-of-experts layer.
+        data_parallel_size: model replicas; ``None`` infers it from the world size.
+        zero_stage: ZeRO stage (0 = plain data parallel) for the training helpers.
+        fused_ops: use the fused Triton kernels where they run (CUDA); the torch reference runs elsewhere.
+        seed: base seed of the tensor-parallel RNG tracker (dropout inside split regions).
+    """
+
+    tensor_parallel_size: int = 1
+    tensor_parallel_mode: str = "1d"
+    tensor_parallel_depth: int = 1
+    sequence_parallel: bool = False
+    pipeline_parallel_size: int = 1
+    pipeline_schedule: str = "1f1b"
+    num_microbatches: int | None = None
+    virtual_pipeline_size: int = 1
+    expert_parallel_size: int = 1
+    data_parallel_size: int | None = None
+    zero_stage: int = 0
+    fused_ops: bool = True
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "tensor_parallel_depth", "pipeline_parallel_size",
+                     "virtual_pipeline_size", "expert_parallel_size"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("num_microbatches", "data_parallel_size"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        for name in ("sequence_parallel", "fused_ops"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ParallelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.tensor_parallel_mode not in TENSOR_PARALLEL_MODES:
+            raise ValueError(f"ParallelConfig.tensor_parallel_mode={self.tensor_parallel_mode!r} is unknown; "
+                             f"choose one of {TENSOR_PARALLEL_MODES}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"ParallelConfig.pipeline_schedule={self.pipeline_schedule!r} is unknown; "
+                             f"choose one of {PIPELINE_SCHEDULES}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"ParallelConfig.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"ParallelConfig.seed must be an int, got {self.seed!r}")
+        if (self.data_parallel_size is not None and self.expert_parallel_size > 1
+                and self.data_parallel_size % self.expert_parallel_size):
+            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must divide "
+                             f"data_parallel_size={self.data_parallel_size}")
+        self._check_implemented()
+
+    def _check_implemented(self) -> None:
+        if self.tensor_parallel_mode not in _IMPLEMENTED_TENSOR_PARALLEL_MODES:
+            raise NotImplementedError(f"tensor_parallel_mode={self.tensor_parallel_mode!r} is not implemented yet; "
+                                      f"available: {_IMPLEMENTED_TENSOR_PARALLEL_MODES}")
+        if self.pipeline_parallel_size > 1:
+            raise NotImplementedError("pipeline_parallel_size > 1 is not implemented yet")
+        if self.virtual_pipeline_size > 1:
+            raise NotImplementedError("virtual_pipeline_size > 1 (interleaved pipeline) is not implemented yet")
+        if self.expert_parallel_size > 1:
+            raise NotImplementedError("expert_parallel_size > 1 is not implemented yet")
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one replica of the model: tensor x pipeline."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def resolve_data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel size for ``world_size`` processes; ``ValueError`` when they do not fit."""
+        if self.data_parallel_size is not None:
+            expected = self.model_parallel_size * self.data_parallel_size
+            if expected != world_size:
+                raise ValueError(
+                    f"The launched world has {world_size} process(es), but the ParallelConfig asks for "
+                    f"tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
+                    f"{self.pipeline_parallel_size} x data_parallel_size={self.data_parallel_size} = {expected}. "
+                    f"Launch {expected} processes (e.g. torchrun --nproc_per_node {expected}) or change the config.")
+            return self.data_parallel_size
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"The launched world has {world_size} process(es), which tensor_parallel_size="
+                f"{self.tensor_parallel_size} x pipeline_parallel_size={self.pipeline_parallel_size} = "
+                f"{self.model_parallel_size} does not divide. Launch a multiple of {self.model_parallel_size} "
+                f"processes (e.g. torchrun --nproc_per_node {self.model_parallel_size}).")
+        return world_size // self.model_parallel_size
+
+    # ------------------------------------------------------------------ (de)serialization
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ParallelConfig":
+        """Build from a mapping; unknown keys raise ``ValueError`` (with the closest known name)."""
+        known = [field.name for field in dataclasses.fields(cls)]
+        unknown = [key for key in values if key not in known]
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, known, n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ValueError(f"Unknown ParallelConfig option(s): {', '.join(hints)}. Known options: {known}")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_json(cls, path_or_text: str | os.PathLike) -> "ParallelConfig":
+        """Build from a JSON file path or a JSON string."""
+        text = str(path_or_text)
+        if not text.lstrip().startswith("{"):
+            with open(text, encoding="utf-8") as handle:
+                text = handle.read()
+        values = json.loads(text)
+        if not isinstance(values, dict):
+            raise ValueError(f"A ParallelConfig JSON must be an object, got {type(values).__name__}")
+        return cls.from_dict(values)
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(text + "\n")
+        return text
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ParallelConfig.{name} must be a positive int, got {value!r}")

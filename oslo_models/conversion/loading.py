@@ -1,0 +1,108 @@
+"""Fill a (tensor-parallel) model from a checkpoint, each rank reading only the slices it owns.
+
+The model arrives with parameters already allocated at their local shapes (``to_empty`` after a meta build).
+For every parameter the model's ``ParallelPlan`` gives the ``ShardSpec``; the spec cuts this rank's piece out of
+the checkpoint through ``CheckpointReader.read`` (a safetensors slice), so peak host memory is the local shard
+plus one tensor piece, never the full model.
+
+Checkpoint keys are matched to parameter names the way ``transformers`` does: exactly, or with the base-model
+prefix added or removed (``h.0.attn.c_attn.weight`` <-> ``transformer.h.0.attn.c_attn.weight``).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .checkpoint import CheckpointReader
+
+logger = logging.getLogger(__name__)
+
+
+def match_checkpoint_keys(param_names: list[str], checkpoint_keys, base_model_prefix: str) -> dict[str, str]:
+    """Parameter name -> checkpoint key, allowing the base-model prefix to be present on one side only."""
+    available = set(checkpoint_keys)
+    prefix = base_model_prefix + "." if base_model_prefix else ""
+    mapping = {}
+    for name in param_names:
+        candidates = [name]
+        if prefix and name.startswith(prefix):
+            candidates.append(name[len(prefix):])
+        elif prefix:
+            candidates.append(prefix + name)
+        for candidate in candidates:
+            if candidate in available:
+                mapping[name] = candidate
+                break
+    return mapping
+
+
+def init_full_tensor(name: str, shape: tuple[int, ...], std: float, generator: torch.Generator) -> torch.Tensor:
+    """``transformers``' default init for a parameter missing from the checkpoint (a new head, say)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "bias":
+        return torch.zeros(shape)
+    if len(shape) == 1:  # norm scale
+        return torch.ones(shape)
+    return torch.randn(shape, generator=generator) * std
+
+
+def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, context, base_model_prefix: str,
+                         init_std: float = 0.02, seed: int = 0, strict_shapes: bool = True,
+                         progress: bool = False) -> dict[str, list[str]]:
+    """Copy this rank's slice of every checkpoint tensor into ``model``; returns missing/unexpected keys."""
+    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    mapping = match_checkpoint_keys(list(params), reader.keys(), base_model_prefix)
+    missing = [name for name in params if name not in mapping]
+    used = set(mapping.values())
+    ignore_patterns = tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    unexpected = [key for key in reader.keys() if key not in used
+                  and not any(pattern in key for pattern in ignore_patterns)
+                  and not _is_tied_duplicate(model, key, base_model_prefix)]
+
+    generator = torch.Generator().manual_seed(seed)
+    items = list(params.items())
+    if progress and context.rank == 0:
+        from tqdm.auto import tqdm
+
+        items = tqdm(items, desc="loading shards", unit="tensor")
+    with torch.no_grad():
+        for name, param in items:
+            spec = plan.shard_spec(model, name)
+            if name in mapping:
+                key = mapping[name]
+                full_shape = reader.shape(key)
+                read = lambda index, key=key: reader.read(key, index)  # noqa: E731
+            else:
+                full_shape = _full_shape(param.shape, spec, context.tp_size)
+                full = init_full_tensor(name, full_shape, init_std, generator)
+                read = lambda index, full=full: full[index]  # noqa: E731
+            expected = tuple(param.shape)
+            if tuple(spec.local_shape(full_shape, context.tp_size)) != expected:
+                raise ValueError(f"Checkpoint tensor for {name!r} has shape {tuple(full_shape)}, which does not "
+                                 f"give the local shape {expected} at tensor_parallel_size={context.tp_size}; the "
+                                 "checkpoint does not match the model config")
+            local = spec.read_shard(full_shape, read, context.tp_rank, context.tp_size)
+            param.copy_(local.to(device=param.device, dtype=param.dtype))
+    if missing:
+        logger.warning("Some weights of %s were not in the checkpoint and are newly initialized: %s",
+                       type(model).__name__, missing)
+    if unexpected:
+        logger.warning("Some checkpoint weights were not used by %s: %s", type(model).__name__, unexpected)
+    return {"missing_keys": missing, "unexpected_keys": unexpected}
+
+
+def _full_shape(local_shape, spec, tp_size: int) -> tuple[int, ...]:
+    shape = list(local_shape)
+    if spec.dim is not None:
+        shape[spec.dim] = spec.vocab_size if spec.padded_vocab else shape[spec.dim] * tp_size
+    return tuple(shape)
+
+
+def _is_tied_duplicate(model: nn.Module, key: str, prefix: str) -> bool:
+    """A checkpoint's copy of a tied weight (``lm_head.weight``) is expected and not 'unexpected'."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    return key in tied or (prefix and f"{prefix}.{key}" in tied)
+
+

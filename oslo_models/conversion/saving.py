@@ -1,0 +1,113 @@
+"""Gather a tensor-parallel model into the plain Hub layout and write it atomically; push from rank 0.
+
+``gather_full_state_dict``: every parameter is reassembled over its tensor-parallel group with the plan's
+``ShardSpec.gather`` (all-gather; padding stripped; packed q|k|v re-interleaved). Only the data-parallel replica
+0 gathers (the other replicas hold the same values), and only global rank 0 keeps the result, on CPU.
+
+``write_hub_folder``: rank 0 writes safetensors shards (``huggingface_hub.split_torch_state_dict_into_shards``),
+the index, ``config.json`` and ``generation_config.json`` into a temporary sibling folder, then swaps it in with
+renames. A crash mid-save leaves the previous folder untouched; other files already in the folder (a tokenizer,
+a README) are carried over; stale weight shards are not.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.context import ParallelContext
+
+_WEIGHT_FILE_PREFIXES = ("model.safetensors", "model-", "pytorch_model", "config.json", "generation_config.json")
+
+
+def gather_full_state_dict(model: torch.nn.Module, *, plan, context: ParallelContext,
+                           skip_keys: set[str] = frozenset()) -> dict[str, torch.Tensor] | None:
+    """Full-size CPU state dict on global rank 0 (``None`` elsewhere). Collective over each TP group."""
+    if context.dp_rank != 0:
+        return None
+    keep = context.rank == 0
+    full_state = {} if keep else None
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name in skip_keys or id(tensor) in seen:
+            continue  # tied weights are saved once, under the name transformers keeps
+        seen.add(id(tensor))
+        full = plan.shard_spec(model, name).gather(tensor.detach(), context.tp_group)
+        if keep:
+            full_state[name] = full.to("cpu", copy=True).contiguous()
+    return full_state
+
+
+def _carry_over_files(save_directory: str, staging: str) -> None:
+    """Copy files the user keeps next to the weights (tokenizer, README...) into the new folder."""
+    for entry in os.listdir(save_directory):
+        if entry.startswith(_WEIGHT_FILE_PREFIXES) or os.path.exists(os.path.join(staging, entry)):
+            continue
+        source = os.path.join(save_directory, entry)
+        target = os.path.join(staging, entry)
+        if os.path.isdir(source):
+            shutil.copytree(source, target)
+        else:
+            shutil.copy2(source, target)
+
+
+def write_hub_folder(save_directory: str | os.PathLike, state_dict: dict[str, torch.Tensor], *, config,
+                     generation_config=None, max_shard_size: str | int = "5GB") -> None:
+    """Write a plain Hub folder (safetensors + index + configs) atomically. Call on one process only."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    save_directory = os.path.abspath(os.fspath(save_directory))
+    if os.path.isfile(save_directory):
+        raise ValueError(f"save_directory {save_directory!r} is a file, not a folder")
+    parent, name = os.path.split(save_directory.rstrip(os.sep))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{name}.saving-", dir=parent)
+    try:
+        split = split_torch_state_dict_into_shards(state_dict, max_shard_size=max_shard_size)
+        for filename, keys in split.filename_to_tensors.items():
+            shard = {key: state_dict[key] for key in keys}
+            save_file(shard, os.path.join(staging, filename), metadata={"format": "pt"})
+        if split.is_sharded:
+            index = {"metadata": {**split.metadata, "total_size": sum(t.numel() * t.element_size()
+                                                                     for t in state_dict.values())},
+                     "weight_map": split.tensor_to_filename}
+            with open(os.path.join(staging, "model.safetensors.index.json"), "w", encoding="utf-8") as handle:
+                json.dump(index, handle, indent=2, sort_keys=True)
+        config.save_pretrained(staging)
+        if generation_config is not None:
+            generation_config.save_pretrained(staging)
+        if os.path.isdir(save_directory):
+            _carry_over_files(save_directory, staging)
+            previous = tempfile.mkdtemp(prefix=f".{name}.previous-", dir=parent)
+            os.rmdir(previous)
+            os.rename(save_directory, previous)
+            os.rename(staging, save_directory)
+            shutil.rmtree(previous, ignore_errors=True)
+        else:
+            os.rename(staging, save_directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def run_on_main_process(context: ParallelContext, fn, *args, **kwargs):
+    """Run ``fn`` on global rank 0 while the others wait; an error there is raised on every rank (no hang)."""
+    result, error = None, None
+    if context.rank == 0:
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as caught:  # re-raised below on every rank
+            error = caught
+    if context.world_size > 1:
+        status = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(status, src=0)
+        if status[0] is not None and error is None:
+            raise RuntimeError(f"rank 0 failed: {status[0]}")
+    if error is not None:
+        raise error
+    return result

@@ -1,0 +1,176 @@
+"""``ParallelContext``: process groups over a named DeviceMesh, built from a ``ParallelConfig`` and the world.
+
+Nothing here is global: every model and layer receives the context it should use, so two models with different
+layouts can live in one process and tests can build contexts freely.
+
+Mesh axes, outermost first: ``("pp", "dp", "tp")``. Tensor-parallel ranks are adjacent (global ranks
+``r*tp .. r*tp+tp-1``), which keeps the chattiest group inside one node.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config import ParallelConfig
+from ..parallel_layers.random import RNGTracker
+
+MESH_AXES = ("pp", "dp", "tp")
+
+
+def _world_from_environment() -> tuple[int, int]:
+    """(world_size, rank) of the launched job without touching any collective."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    return world, rank
+
+
+def _init_process_group_from_environment(device_type: str) -> None:
+    """Initialize the default group from torchrun's environment (NCCL on CUDA, gloo on CPU)."""
+    missing = [key for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if key not in os.environ]
+    if missing:
+        raise ValueError(f"torch.distributed is not initialized and the environment lacks {missing}; "
+                         "launch with torchrun / accelerate launch, or call torch.distributed.init_process_group")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend)
+
+
+@dataclass(frozen=True)
+class AxisInfo:
+    """One mesh axis seen from this rank: its group (``None`` when the axis has one rank), size and rank."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    ranks: tuple[int, ...]  # global ranks of this rank's group, in axis order
+
+
+class ParallelContext:
+    """Process groups for one parallel layout, seen from the calling rank.
+
+    Build with ``ParallelContext.from_config(cfg)``. Attributes used by layers:
+
+    - ``tp_group``/``tp_size``/``tp_rank`` (and ``dp_*``, ``pp_*``): ``group`` is ``None`` when the axis has size
+      one, which every layer treats as "no communication", so the same layer runs single-process.
+    - ``sequence_parallel``: Megatron sequence parallelism over the tensor-parallel group.
+    - ``device``: where this rank's parameters live (``cuda:LOCAL_RANK`` with NCCL, ``cpu`` with gloo).
+    - ``rng``: the ``RNGTracker`` that gives dropout inside split regions a per-rank stream.
+    - ``mesh``: the ``DeviceMesh`` (``None`` single-process), for FSDP2/DTensor users.
+    """
+
+    def __init__(self, config: ParallelConfig, *, world_size: int, rank: int, device: torch.device,
+                 mesh=None, axes: dict[str, AxisInfo]):
+        self.config = config
+        self.world_size = world_size
+        self.rank = rank
+        self.device = device
+        self.mesh = mesh
+        self._axes = axes
+        self.rng = RNGTracker(config.seed, tp_rank=axes["tp"].rank, tp_size=axes["tp"].size, pp_rank=axes["pp"].rank,
+                              device=device)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, config: ParallelConfig | None = None, *, device_type: str | None = None
+                    ) -> "ParallelContext":
+        """Validate ``config`` against the launched world, initialize torch.distributed if needed, build the mesh.
+
+        The world-size check runs before any collective, so a wrong launch is a ``ValueError``, never a hang.
+        """
+        config = config or ParallelConfig()
+        if not isinstance(config, ParallelConfig):
+            raise ValueError(f"parallel= must be a ParallelConfig, got {type(config).__name__}")
+        if device_type is None:
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        world_size, rank = _world_from_environment()
+        data_parallel_size = config.resolve_data_parallel_size(world_size)  # raises ValueError on mismatch
+        sizes = {"pp": config.pipeline_parallel_size, "dp": data_parallel_size, "tp": config.tensor_parallel_size}
+
+        if world_size == 1 and not dist.is_initialized():
+            # Single process, not launched by torchrun: no process group is needed for anything.
+            device = torch.device(device_type)
+            axes = {name: AxisInfo(None, 1, 0, (0,)) for name in MESH_AXES}
+            return cls(config, world_size=1, rank=0, device=device, axes=axes)
+
+        if not dist.is_initialized():
+            _init_process_group_from_environment(device_type)
+        if device_type == "cuda":
+            local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
+        else:
+            device = torch.device("cpu")
+
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, tuple(sizes[name] for name in MESH_AXES), mesh_dim_names=MESH_AXES)
+        axes = {}
+        for name in MESH_AXES:
+            sub = mesh[name]
+            ranks = tuple(int(r) for r in sub.mesh.flatten().tolist())
+            group = sub.get_group() if sizes[name] > 1 else None
+            axes[name] = AxisInfo(group, sizes[name], sub.get_local_rank(), ranks)
+        return cls(config, world_size=world_size, rank=rank, device=device, mesh=mesh, axes=axes)
+
+    # ------------------------------------------------------------------ accessors
+    def axis(self, name: str) -> AxisInfo:
+        if name not in self._axes:
+            raise ValueError(f"Unknown mesh axis {name!r}; axes are {MESH_AXES}")
+        return self._axes[name]
+
+    @property
+    def tp_group(self):
+        return self._axes["tp"].group
+
+    @property
+    def tp_size(self) -> int:
+        return self._axes["tp"].size
+
+    @property
+    def tp_rank(self) -> int:
+        return self._axes["tp"].rank
+
+    @property
+    def dp_group(self):
+        return self._axes["dp"].group
+
+    @property
+    def dp_size(self) -> int:
+        return self._axes["dp"].size
+
+    @property
+    def dp_rank(self) -> int:
+        return self._axes["dp"].rank
+
+    @property
+    def pp_group(self):
+        return self._axes["pp"].group
+
+    @property
+    def pp_size(self) -> int:
+        return self._axes["pp"].size
+
+    @property
+    def pp_rank(self) -> int:
+        return self._axes["pp"].rank
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.config.sequence_parallel and self.tp_size > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def __repr__(self) -> str:
+        return (f"ParallelContext(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
+                f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size}, "
+                f"sequence_parallel={self.sequence_parallel}, device={self.device})")

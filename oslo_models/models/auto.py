@@ -1,0 +1,65 @@
+"""Auto classes: dispatch on ``config.model_type`` to this project's model classes.
+
+``MODEL_REGISTRY[task][model_type]`` is the one table; families add their classes here.
+"""
+from __future__ import annotations
+
+import os
+
+from transformers import AutoConfig, PretrainedConfig
+
+from .gpt2 import GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
+
+MODEL_REGISTRY: dict[str, dict[str, type]] = {
+    "base": {"gpt2": GPT2Model},
+    "causal_lm": {"gpt2": GPT2LMHeadModel},
+    "sequence_classification": {"gpt2": GPT2ForSequenceClassification},
+}
+
+
+class _AutoModel:
+    task: str = "base"
+
+    def __init__(self, *args, **kwargs):
+        raise EnvironmentError(f"{type(self).__name__} is built with from_pretrained(...) or from_config(...)")
+
+    @classmethod
+    def model_class_for(cls, config: PretrainedConfig) -> type:
+        table = MODEL_REGISTRY[cls.task]
+        if config.model_type not in table:
+            raise ValueError(f"Unsupported model type {config.model_type!r} for {cls.__name__}; supported: "
+                             f"{sorted(table)}")
+        return table[config.model_type]
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *, parallel=None, revision=None,
+                        token=None, cache_dir=None, local_files_only: bool = False, subfolder: str = "",
+                        **kwargs):
+        """Read ``config.json`` (local folder, cache or Hub), then ``<Family>.from_pretrained(...)``."""
+        config = AutoConfig.from_pretrained(pretrained_model_name_or_path, revision=revision, token=token,
+                                            cache_dir=cache_dir, local_files_only=local_files_only,
+                                            subfolder=subfolder)
+        model_class = cls.model_class_for(config)
+        return model_class.from_pretrained(pretrained_model_name_or_path, parallel=parallel, revision=revision,
+                                           token=token, cache_dir=cache_dir, local_files_only=local_files_only,
+                                           subfolder=subfolder, **kwargs)
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig, *, parallel=None, **kwargs):
+        """A randomly initialized model (seed every rank alike first)."""
+        model_class = cls.model_class_for(config)
+        if not isinstance(config, model_class.config_class):
+            config = model_class.config_class.from_dict(config.to_dict())
+        return model_class.from_config(config, parallel=parallel, **kwargs)
+
+
+class AutoModel(_AutoModel):
+    task = "base"
+
+
+class AutoModelForCausalLM(_AutoModel):
+    task = "causal_lm"
+
+
+class AutoModelForSequenceClassification(_AutoModel):
+    task = "sequence_classification"

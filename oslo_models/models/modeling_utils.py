@@ -1,0 +1,224 @@
+"""``OsloPreTrainedModel``: the ``transformers.PreTrainedModel`` base of every family, with parallelism built in.
+
+A family writes its modules with the plain layers of ``parallel_layers.layers`` and declares, as class data:
+
+- ``parallel_plan``: the ``ParallelPlan`` (module pattern -> style) of that class;
+- ``hf_twin``: the ``transformers`` class with the same module tree, used to initialize full weights from the
+  seed exactly as ``transformers`` would, before they are sliced (so ``from_config`` at tp=N gives the slices
+  of the tp=1 weights).
+
+This base turns the plain model into the parallel one (``parallel_plan.apply``), fills it from a checkpoint
+with sliced reads (``from_pretrained``) or from the twin (``from_config``), gathers it back into the plain
+layout (``save_pretrained``, ``push_to_hub``), and keeps the ``transformers`` API (``generate``, Auto classes).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import ClassVar
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from ..config import ParallelConfig
+from ..conversion.checkpoint import CheckpointReader, InMemoryReader
+from ..conversion.loading import load_checkpoint_into
+from ..conversion.saving import gather_full_state_dict, run_on_main_process, write_hub_folder
+from ..distributed.context import ParallelContext
+from ..parallel_layers.plan import ParallelPlan
+
+
+def _resolve_context(parallel: ParallelConfig | ParallelContext | None) -> ParallelContext:
+    if isinstance(parallel, ParallelContext):
+        return parallel
+    return ParallelContext.from_config(parallel or ParallelConfig())
+
+
+def _resolve_dtype(dtype, config) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if dtype == "auto":
+        found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        return getattr(torch, found) if isinstance(found, str) else found
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"Unknown dtype {dtype!r}")
+        return getattr(torch, dtype)
+    return dtype
+
+
+class OsloPreTrainedModel(PreTrainedModel):
+    """Base class: see the module docstring. ``parallel_context`` says which ranks this model spans."""
+
+    parallel_plan: ClassVar[ParallelPlan] = ParallelPlan({})
+    hf_twin: ClassVar[type | None] = None
+
+    def __init__(self, config, *, parallel_context: ParallelContext | None = None, **kwargs):
+        super().__init__(config, **kwargs)
+        self.parallel_context = parallel_context or ParallelContext.from_config(ParallelConfig())
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
+        """Raise ``ValueError`` for sizes the family cannot split (override per family). Runs before any
+        process group exists, so a bad layout never turns into a hang."""
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """No per-module init here: weights come from a checkpoint or from ``hf_twin`` (see ``finish_init``)."""
+
+    def finish_init(self) -> None:
+        """Swap in the parallel layers of the plan; off the meta device, initialize like ``transformers``.
+
+        Called at the end of the outermost ``__init__`` (submodules are built with ``submodule=True``).
+        """
+        self.parallel_plan.apply(self, self.parallel_context)
+        self.tie_parallel_weights()
+        if not any(param.is_meta for param in self.parameters()):
+            self.initialize_from_twin()
+
+    def tie_parallel_weights(self) -> None:
+        """Re-tie the output embedding to the input embedding after the plan replaced the modules."""
+        if not getattr(self.config, "tie_word_embeddings", False):
+            return
+        output, inputs = self.get_output_embeddings(), self.get_input_embeddings()
+        if output is not None and inputs is not None:
+            output.weight = inputs.weight
+
+    def initialize_from_twin(self) -> None:
+        """Initialize the full weights with ``hf_twin(config)`` (same seed, same values as ``transformers``),
+        then keep this rank's slices. Costs one full model of host memory while it runs."""
+        if self.hf_twin is None:
+            raise NotImplementedError(f"{type(self).__name__} has no hf_twin to initialize from")
+        twin_config = self.config.__class__.from_dict(self.config.to_dict())
+        twin = self.hf_twin(twin_config)
+        self.load_from_reader(InMemoryReader(twin.state_dict()))
+
+    def load_from_reader(self, reader: CheckpointReader, *, progress: bool = False) -> dict[str, list[str]]:
+        return load_checkpoint_into(self, reader, plan=self.parallel_plan, context=self.parallel_context,
+                                    base_model_prefix=self.base_model_prefix,
+                                    init_std=getattr(self.config, "initializer_range", 0.02),
+                                    seed=self.parallel_context.config.seed, progress=progress)
+
+    @classmethod
+    def _build_empty(cls, config, context: ParallelContext, dtype: torch.dtype) -> "OsloPreTrainedModel":
+        """The parallel model at its local shapes, allocated on ``context.device`` but not filled."""
+        with torch.device("meta"):
+            model = cls(config, parallel_context=context)
+        model.to(dtype)
+        model.to_empty(device=context.device)
+        model.tie_parallel_weights()
+        return model
+
+    @classmethod
+    def from_config(cls, config, *, parallel: ParallelConfig | ParallelContext | None = None, dtype=None,
+                    **kwargs) -> "OsloPreTrainedModel":
+        """A randomly initialized model: the full weights ``transformers`` would draw from the current torch seed,
+        sliced for this rank. Seed every rank alike (``torch.manual_seed``) before calling."""
+        if kwargs:
+            raise ValueError(f"Unknown from_config option(s): {sorted(kwargs)}")
+        if isinstance(parallel, ParallelConfig) or parallel is None:
+            cls.validate_parallel_config(config, parallel or ParallelConfig())
+        context = _resolve_context(parallel)
+        model = cls._build_empty(config, context, _resolve_dtype(dtype, config))
+        with torch.device("cpu"):
+            model.initialize_from_twin()
+        return model
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args,
+                        parallel: ParallelConfig | ParallelContext | None = None, dtype=None, config=None,
+                        revision: str | None = None, token: str | bool | None = None, cache_dir=None,
+                        local_files_only: bool = False, subfolder: str = "", progress: bool = True,
+                        **config_kwargs) -> "OsloPreTrainedModel":
+        """Load a Hub checkpoint (id, cache or local folder) sliced for this rank.
+
+        Each rank builds the model on the meta device, allocates only its shards and reads only its slices
+        (safetensors ``get_slice``), so peak host memory per rank is about its shard. ``parallel`` is a
+        ``ParallelConfig`` (the process group is initialized from the torchrun environment if needed) or a ready
+        ``ParallelContext``. ``dtype``: a torch dtype, its name, ``"auto"`` (the checkpoint's) or ``None`` (fp32).
+        Extra keyword arguments override config attributes, as in ``transformers``.
+        """
+        if model_args:
+            raise ValueError("Positional model arguments are not supported; pass options by keyword")
+        hub = dict(revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only,
+                   subfolder=subfolder)
+        if config is None:
+            config, unused = cls.config_class.from_pretrained(pretrained_model_name_or_path, return_unused_kwargs=True,
+                                                              **hub, **config_kwargs)
+            if unused:
+                raise ValueError(f"Unknown from_pretrained option(s): {sorted(unused)}")
+        expected_type = getattr(cls.config_class, "model_type", None)
+        if expected_type and config.model_type != expected_type:
+            raise ValueError(f"{cls.__name__} expects a {expected_type!r} checkpoint, got model_type="
+                             f"{config.model_type!r} from {pretrained_model_name_or_path}")
+        if isinstance(parallel, ParallelConfig) or parallel is None:
+            cls.validate_parallel_config(config, parallel or ParallelConfig())
+        reader = CheckpointReader.open(pretrained_model_name_or_path, **hub)  # file errors before any collective
+        context = _resolve_context(parallel)
+        model = cls._build_empty(config, context, _resolve_dtype(dtype, config))
+        model.load_from_reader(reader, progress=progress)
+        if model.can_generate():
+            with contextlib.suppress(OSError, ValueError):
+                model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub)
+        model.eval()
+        return model
+
+    # ------------------------------------------------------------------ saving
+    def _tied_keys_to_skip(self) -> set[str]:
+        if not getattr(self.config, "tie_word_embeddings", False):
+            return set()
+        return set((getattr(self, "all_tied_weights_keys", None) or {}).keys())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The plain (unsplit) state dict on global rank 0, ``None`` elsewhere. Collective: call on every rank."""
+        return gather_full_state_dict(self, plan=self.parallel_plan, context=self.parallel_context,
+                                      skip_keys=self._tied_keys_to_skip())
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: str | int = "5GB",
+                        is_main_process: bool | None = None, state_dict=None, push_to_hub: bool = False,
+                        **kwargs) -> None:
+        """Write a plain Hub folder that ``transformers`` loads with no conversion. Call on every rank.
+
+        Gathers each tensor over its tensor-parallel group, then global rank 0 writes safetensors (sharded at
+        ``max_shard_size`` with an index), ``config.json`` and ``generation_config.json`` atomically.
+        """
+        if kwargs.pop("safe_serialization", True) is False:
+            raise ValueError("Only safetensors serialization is supported")
+        if kwargs:
+            raise ValueError(f"Unknown save_pretrained option(s): {sorted(kwargs)}")
+        if state_dict is not None:
+            raise ValueError("state_dict= is not supported: the gathered model state is always saved")
+        full_state = self.full_state_dict()
+        config = self.config.__class__.from_dict(self.config.to_dict())
+        config.architectures = [type(self).__name__]
+        dtypes = {tensor.dtype for tensor in (full_state or {}).values() if tensor.is_floating_point()}
+        if len(dtypes) == 1:
+            config.dtype = dtypes.pop()
+        generation_config = self.generation_config if self.can_generate() else None
+        run_on_main_process(self.parallel_context, write_hub_folder, save_directory, full_state, config=config,
+                            generation_config=generation_config, max_shard_size=max_shard_size)
+        self.parallel_context.barrier()
+        if push_to_hub:
+            raise ValueError("Use model.push_to_hub(repo_id) to upload")
+
+    def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | bool | None = None,
+                    commit_message: str = "Upload model", revision: str | None = None,
+                    max_shard_size: str | int = "5GB", **kwargs):
+        """Save (gathered, plain Hub layout) and upload from global rank 0 while the other ranks wait."""
+        if kwargs:
+            raise ValueError(f"Unknown push_to_hub option(s): {sorted(kwargs)}")
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = os.path.join(tmp, "model")
+            self.save_pretrained(folder, max_shard_size=max_shard_size)
+
+            def upload():
+                from huggingface_hub import HfApi
+
+                api = HfApi(token=token)
+                api.create_repo(repo_id, private=private, exist_ok=True)
+                return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
+                                         revision=revision)
+
+            return run_on_main_process(self.parallel_context, upload)

@@ -1,0 +1,76 @@
+"""Plain (single-device) layers the model files are written with.
+
+They behave exactly like their ``torch``/``transformers`` twins and keep the same parameter names and layouts.
+Two small additions let a parallel plan swap them for the tensor-parallel layers in ``tensor_parallel.py``
+without the model code changing:
+
+- ``forward(x, *, sequence_parallel=False)``: whether this call runs Megatron sequence parallelism. A plain layer
+  has nothing to do with it; its parallel replacement gathers / reduce-scatters along the sequence.
+- ``Dropout.rng_context()``: the RNG stream dropout inside this module draws from (the default one here).
+
+Layouts: activations ``[batch, seq, hidden]``; ``Linear(layout="linear")`` stores ``weight`` as ``[out, in]``
+(``nn.Linear``), ``layout="conv1d"`` as ``[in, out]`` (GPT-2's ``Conv1D``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LAYOUTS = ("linear", "conv1d")
+
+
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
+    """``x @ W (+ b)`` for either weight layout; conv1d uses ``addmm`` exactly as ``transformers``' Conv1D."""
+    if layout == "linear":
+        return F.linear(x, weight, bias)
+    out_shape = x.shape[:-1] + (weight.shape[1],)
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
+    return out.view(out_shape)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` with the weight stored in ``layout`` (see module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, layout: str = "linear",
+                 device=None, dtype=None):
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.in_features, self.out_features, self.layout = in_features, out_features, layout
+        shape = (out_features, in_features) if layout == "linear" else (in_features, out_features)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        return linear_forward(x, self.weight, self.bias, self.layout)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, layout={self.layout}"
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding``: ``[batch, seq]`` ids -> ``[batch, seq, dim]``."""
+
+    def forward(self, ids: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        return super().forward(ids)
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` over the last dim."""
+
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        return super().forward(x)
+
+
+class Dropout(nn.Dropout):
+    """``nn.Dropout`` drawing from torch's default generator."""
+
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        return super().forward(x)
+
+    def rng_context(self, sequence_parallel: bool = False):
+        return contextlib.nullcontext()

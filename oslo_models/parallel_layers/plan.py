@@ -1,0 +1,244 @@
+"""Parallel plans as data: which module is split how, read by the model builder, the loader and the saver.
+
+A model family declares one ``ParallelPlan``: a mapping from module-name patterns (``*`` matches one name
+component, e.g. ``transformer.h.*.attn.c_attn``) to a style. A style knows three things about its module:
+
+- ``build(module, context)``: the parallel layer that replaces the plain one (on the same device, meta while
+  loading);
+- ``shard_specs(module)``: for each parameter, the ``ShardSpec`` saying which tensor dim is split, whether it
+  holds packed blocks (q|k|v) and whether it is a padded vocabulary;
+- ``hf_style``: the ``transformers`` style string published in ``base_model_tp_plan``.
+
+``ShardSpec.read_shard`` cuts this rank's piece out of a full tensor *or* a lazily read checkpoint slice, and
+``ShardSpec.gather`` reassembles the full tensor from all ranks' pieces, so slicing and gathering share one
+definition of the layout.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from .mappings import _all_gather, group_size
+from .tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelDropout,
+    RowParallelLinear,
+    SequenceParallelLayerNorm,
+    VocabParallelEmbedding,
+    divide,
+    padded_size,
+)
+
+Reader = Callable[[tuple], torch.Tensor]  # index (tuple of slices) -> tensor piece
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is laid out over the tensor-parallel group.
+
+    ``dim=None``: replicated. ``num_packed``: the split dim holds that many equal blocks, each split on its own.
+    ``vocab_size``: the split dim is a vocabulary of that many rows, padded with zero rows up to a multiple of
+    the group size; the padding exists only on the ranks, never in a checkpoint.
+    """
+
+    dim: int | None = None
+    num_packed: int = 1
+    vocab_size: int | None = None
+
+    @property
+    def padded_vocab(self) -> bool:
+        return self.vocab_size is not None
+
+    def local_shape(self, full_shape: tuple[int, ...], tp_size: int) -> tuple[int, ...]:
+        if self.dim is None:
+            return tuple(full_shape)
+        shape = list(full_shape)
+        if self.padded_vocab:
+            shape[self.dim] = padded_size(shape[self.dim], tp_size) // tp_size
+        else:
+            block = divide(shape[self.dim], self.num_packed, "packed size")
+            shape[self.dim] = divide(block, tp_size, "split size") * self.num_packed
+        return tuple(shape)
+
+    def read_shard(self, full_shape: tuple[int, ...], read: Reader, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """This rank's piece, reading only the rows/columns it owns through ``read``."""
+        everything = tuple(slice(None) for _ in full_shape)
+        if self.dim is None or tp_size == 1 and not self.padded_vocab:
+            return read(everything)
+        dim, size = self.dim, full_shape[self.dim]
+
+        def index(start: int, stop: int) -> tuple:
+            idx = list(everything)
+            idx[dim] = slice(start, stop)
+            return tuple(idx)
+
+        if self.padded_vocab:
+            per_rank = padded_size(size, tp_size) // tp_size
+            start = tp_rank * per_rank
+            stop = min(start + per_rank, size)
+            piece = read(index(start, max(start, stop))) if stop > start else None
+            num_pad = per_rank - max(0, stop - start)
+            if num_pad == 0:
+                return piece
+            pad_shape = list(full_shape)
+            pad_shape[dim] = num_pad
+            ref = piece if piece is not None else read(index(0, 1))
+            pad = torch.zeros(pad_shape, dtype=ref.dtype)
+            return pad if piece is None else torch.cat([piece, pad], dim=dim)
+        block = divide(size, self.num_packed, "packed size")
+        per_rank = divide(block, tp_size, "split size")
+        pieces = [read(index(p * block + tp_rank * per_rank, p * block + (tp_rank + 1) * per_rank))
+                  for p in range(self.num_packed)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+    def gather(self, local: torch.Tensor, group) -> torch.Tensor:
+        """Full tensor from every rank's piece (all-gather over ``group``); padding rows stripped."""
+        if self.dim is None or group_size(group) == 1 and not self.padded_vocab:
+            return local
+        full = _all_gather(local, group, self.dim)
+        if self.padded_vocab:
+            return full.narrow(self.dim, 0, self.vocab_size)
+        if self.num_packed > 1:
+            tp = group_size(group)
+            ranks = [part.chunk(self.num_packed, dim=self.dim) for part in full.chunk(tp, dim=self.dim)]
+            full = torch.cat([ranks[r][p] for p in range(self.num_packed) for r in range(tp)], dim=self.dim)
+        return full
+
+
+# ---------------------------------------------------------------------------------------------- styles
+class Style:
+    hf_style = "replicate"
+
+    def build(self, module: nn.Module, context) -> nn.Module:
+        return module
+
+    def shard_specs(self, module: nn.Module) -> dict[str, ShardSpec]:
+        return {}
+
+
+def _weight_out_dim(module) -> int:
+    return 0 if getattr(module, "layout", "linear") == "linear" else 1
+
+
+@dataclass(frozen=True)
+class Colwise(Style):
+    """Column-parallel linear. ``num_packed``: fused blocks (q|k|v). ``vocab``: LM head over a padded vocab."""
+
+    num_packed: int = 1
+    vocab: bool = False
+    gather_output: bool = False
+
+    @property
+    def hf_style(self) -> str:
+        if self.num_packed > 1:
+            return "packed_colwise"
+        return "colwise_gather_output" if self.vocab else "colwise"
+
+    def build(self, module, context):
+        options = dict(num_packed=self.num_packed, gather_output=self.gather_output)
+        if self.vocab:
+            options["vocab_size"] = getattr(module, "full_out_features", module.out_features)
+        return ColumnParallelLinear.from_plain(module, context.tp_group, **options)
+
+    def shard_specs(self, module):
+        vocab_size = module.vocab_size if self.vocab else None
+        specs = {"weight": ShardSpec(_weight_out_dim(module), self.num_packed, vocab_size)}
+        if getattr(module, "bias", None) is not None:
+            specs["bias"] = ShardSpec(0, self.num_packed, vocab_size)
+        return specs
+
+
+@dataclass(frozen=True)
+class Rowwise(Style):
+    hf_style = "rowwise"
+
+    def build(self, module, context):
+        return RowParallelLinear.from_plain(module, context.tp_group)
+
+    def shard_specs(self, module):
+        return {"weight": ShardSpec(1 - _weight_out_dim(module))}
+
+
+@dataclass(frozen=True)
+class VocabEmbedding(Style):
+    hf_style = "embedding_rowwise"
+
+    def build(self, module, context):
+        return VocabParallelEmbedding.from_plain(module, context.tp_group)
+
+    def shard_specs(self, module):
+        return {"weight": ShardSpec(0, vocab_size=module.vocab_size)}
+
+
+@dataclass(frozen=True)
+class SequenceParallelNorm(Style):
+    """Replicated norm whose grads are summed over TP ranks when the call is sequence-parallel."""
+
+    hf_style = "sequence_parallel"
+
+    def build(self, module, context):
+        return SequenceParallelLayerNorm.from_plain(module, context.tp_group)
+
+
+@dataclass(frozen=True)
+class TPDropout(Style):
+    """Dropout on TP-split activations (``always_split``) or on the residual stream (split only under SP)."""
+
+    always_split: bool = False
+    hf_style = None
+
+    def build(self, module, context):
+        return ParallelDropout.from_plain(module, context.tp_group, rng=context.rng, always_split=self.always_split)
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+def _pattern_to_regex(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
+
+
+class ParallelPlan:
+    """Module-name pattern -> ``Style``. First matching pattern wins; unmatched modules stay replicated."""
+
+    def __init__(self, styles: Mapping[str, Style]):
+        self.styles = dict(styles)
+        self._compiled = [(_pattern_to_regex(pattern), style) for pattern, style in self.styles.items()]
+
+    def style_for(self, module_name: str) -> Style | None:
+        for regex, style in self._compiled:
+            if regex.match(module_name):
+                return style
+        return None
+
+    def apply(self, model: nn.Module, context) -> None:
+        """Replace every planned module by its parallel version (in place, any device, meta included)."""
+        for name, module in list(model.named_modules()):
+            style = self.style_for(name)
+            if style is None:
+                continue
+            replacement = style.build(module, context)
+            if replacement is not module:
+                parent_name, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+
+    def shard_spec(self, model: nn.Module, param_name: str) -> ShardSpec:
+        """The ``ShardSpec`` of a parameter of ``model`` by its full name (replicated when unplanned)."""
+        module_name, _, leaf = param_name.rpartition(".")
+        style = self.style_for(module_name)
+        if style is None:
+            return ShardSpec()
+        return style.shard_specs(model.get_submodule(module_name)).get(leaf, ShardSpec())
+
+    def hf_tp_plan(self, base_model_prefix: str = "") -> dict[str, str]:
+        """The plan as ``transformers``' ``base_model_tp_plan`` strings, relative to the base model."""
+        out = {}
+        for pattern, style in self.styles.items():
+            if style.hf_style in (None, "replicate"):
+                continue
+            if base_model_prefix and pattern.startswith(base_model_prefix + "."):
+                pattern = pattern[len(base_model_prefix) + 1:]
+            out[pattern] = style.hf_style
+        return out

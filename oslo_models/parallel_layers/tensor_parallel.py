@@ -1,0 +1,232 @@
+"""1D (Megatron) tensor-parallel layers, with optional sequence parallelism.
+
+Each class replaces the plain layer of the same kind (``layers.py``): same parameter names, same weight layout,
+only the split dimension is ``1/tp`` of the full size. They are built by ``from_plain(module, context, ...)``
+(on the meta device while a model loads, so nothing is allocated twice) and called with the plain layer's
+signature. ``group`` is the tensor-parallel group; ``None`` means one rank and no communication.
+
+Activations: ``[batch, seq, hidden]``; with ``sequence_parallel=True`` the tensors outside the TP regions are
+``[batch, seq/tp, hidden]`` (this rank's contiguous slice of the sequence).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import Dropout, Embedding, LayerNorm, Linear, linear_forward
+from .mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    group_rank,
+    group_size,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} = {numerator} is not divisible by tensor_parallel_size = {denominator}")
+    return numerator // denominator
+
+
+def padded_size(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+class ColumnParallelLinear(Linear):
+    """``Y = X A + b`` with ``A`` split by output columns: rank ``r`` computes ``Y[..., r-th block]``.
+
+    Input ``[b, s, in]`` replicated (or ``[b, s/tp, in]`` under sequence parallelism); output ``[b, s, out/tp]``.
+    Forward collective: none (sequence parallel: all-gather along seq). Backward: all-reduce of the input
+    gradient (sequence parallel: reduce-scatter along seq).
+
+    ``num_packed`` > 1 means the output holds that many equal blocks (GPT-2's fused q|k|v); each block is split
+    separately so rank ``r`` owns heads ``r*n/tp .. (r+1)*n/tp`` of q, of k and of v. ``vocab_size`` pads the
+    output up to a multiple of ``tp`` (for LM heads) and masks the padded logits to ``-inf``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group, bias: bool = True, layout: str = "linear",
+                 num_packed: int = 1, vocab_size: int | None = None, gather_output: bool = False,
+                 device=None, dtype=None):
+        self.group, self.tp_size, self.tp_rank = group, group_size(group), group_rank(group)
+        self.full_out_features, self.num_packed, self.vocab_size = out_features, num_packed, vocab_size
+        if vocab_size is not None:
+            local = padded_size(out_features, self.tp_size) // self.tp_size
+        else:
+            block = divide(out_features, num_packed, "packed output size") if num_packed > 1 else out_features
+            local = divide(block, self.tp_size, "output features") * num_packed
+        super().__init__(in_features, local, bias=bias, layout=layout, device=device, dtype=dtype)
+        self.gather_output = gather_output
+
+    @classmethod
+    def from_plain(cls, module: Linear | nn.Linear, group, **options) -> "ColumnParallelLinear":
+        layout = getattr(module, "layout", "linear")
+        return cls(module.in_features, module.out_features, group=group, bias=module.bias is not None,
+                   layout=layout, device=module.weight.device, dtype=module.weight.dtype, **options)
+
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        if sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group, grad_is_partial=True)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.group)
+        y = linear_forward(x, self.weight, self.bias, self.layout)
+        if self.vocab_size is not None and self.tp_size > 1:
+            y = self.mask_vocab_padding(y)
+        if self.gather_output:
+            y = self.gather(y)
+        return y
+
+    def mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Padded vocabulary columns get ``-inf`` so they carry no probability mass and no gradient."""
+        start = self.tp_rank * self.out_features
+        num_real = max(0, min(self.out_features, self.vocab_size - start))
+        if num_real == self.out_features:
+            return logits
+        pad = torch.zeros(self.out_features, dtype=torch.bool, device=logits.device)
+        pad[num_real:] = True
+        return logits.masked_fill(pad, float("-inf"))
+
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        """Local output ``[..., out/tp]`` -> full ``[..., out]`` (padding stripped). Backward: split."""
+        full = gather_from_tensor_parallel_region(y, self.group, dim=-1)
+        if self.vocab_size is not None:
+            full = full[..., : self.vocab_size]
+        elif self.num_packed > 1 and self.tp_size > 1:
+            parts = full.chunk(self.tp_size, dim=-1)
+            blocks = [part.chunk(self.num_packed, dim=-1) for part in parts]
+            full = torch.cat([blocks[r][p] for p in range(self.num_packed) for r in range(self.tp_size)], dim=-1)
+        return full
+
+    @property
+    def vocab_start_index(self) -> int:
+        return self.tp_rank * self.out_features
+
+
+class RowParallelLinear(Linear):
+    """``Y = X A + b`` with ``A`` split by input rows: rank ``r`` holds ``X[..., r-th block]`` and ``A[r-th rows]``.
+
+    Input ``[b, s, in/tp]`` (the output of a column-parallel layer); output ``[b, s, out]`` replicated, or
+    ``[b, s/tp, out]`` under sequence parallelism. Forward collective: all-reduce of the partial products
+    (sequence parallel: reduce-scatter along seq). Backward: none (sequence parallel: all-gather along seq).
+    The bias is added once, after the reduction; under sequence parallelism its gradient is summed over ranks.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group, bias: bool = True, layout: str = "linear",
+                 device=None, dtype=None):
+        self.group, self.tp_size = group, group_size(group)
+        self.full_in_features = in_features
+        super().__init__(divide(in_features, self.tp_size, "input features"), out_features, bias=bias,
+                         layout=layout, device=device, dtype=dtype)
+
+    @classmethod
+    def from_plain(cls, module: Linear | nn.Linear, group, **options) -> "RowParallelLinear":
+        layout = getattr(module, "layout", "linear")
+        return cls(module.in_features, module.out_features, group=group, bias=module.bias is not None,
+                   layout=layout, device=module.weight.device, dtype=module.weight.dtype, **options)
+
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        if self.tp_size == 1:
+            return linear_forward(x, self.weight, self.bias, self.layout)
+        y = linear_forward(x, self.weight, None, self.layout)
+        if sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+            bias = copy_to_tensor_parallel_region(self.bias, self.group) if self.bias is not None else None
+        else:
+            y = reduce_from_tensor_parallel_region(y, self.group)
+            bias = self.bias
+        return y + bias if bias is not None else y
+
+
+class VocabParallelEmbedding(Embedding):
+    """Embedding table split by vocabulary rows; the vocabulary is padded up to a multiple of ``tp``.
+
+    Input ``[b, s]`` ids (replicated); output ``[b, s, dim]``. Each rank looks up the ids it owns and writes zeros
+    elsewhere. Forward: all-reduce of the partial lookups. Backward: none (each rank's rows get their own grads).
+    The padded rows are zeros and are dropped when the model is saved.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group, padding_idx=None, device=None,
+                 dtype=None):
+        self.group, self.tp_size, self.tp_rank = group, group_size(group), group_rank(group)
+        self.vocab_size = num_embeddings
+        local = padded_size(num_embeddings, self.tp_size) // self.tp_size
+        self.vocab_start_index = self.tp_rank * local
+        super().__init__(local, embedding_dim, device=device, dtype=dtype)
+        self.padding_idx_full = padding_idx  # kept for repr only: rows are loaded, never re-initialized here
+
+    @classmethod
+    def from_plain(cls, module: nn.Embedding, group, **options) -> "VocabParallelEmbedding":
+        return cls(module.num_embeddings, module.embedding_dim, group=group, padding_idx=module.padding_idx,
+                   device=module.weight.device, dtype=module.weight.dtype, **options)
+
+    def forward(self, ids: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local_ids = ids - self.vocab_start_index
+        outside = (local_ids < 0) | (local_ids >= self.num_embeddings)
+        out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(out, self.group)
+
+
+class SequenceParallelLayerNorm(LayerNorm):
+    """LayerNorm whose replicated weight and bias see only this rank's tokens under sequence parallelism.
+
+    Forward: none. Backward: all-reduce of the weight and bias gradients over the TP group when the call was
+    sequence-parallel (each rank holds a partial sum over its slice of the sequence); none otherwise.
+    """
+
+    def __init__(self, normalized_shape, *, group, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, device=None, dtype=None):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
+                         device=device, dtype=dtype)
+        self.group = group
+
+    @classmethod
+    def from_plain(cls, module: nn.LayerNorm, group, **options) -> "SequenceParallelLayerNorm":
+        weight = module.weight
+        return cls(module.normalized_shape, group=group, eps=module.eps,
+                   elementwise_affine=module.elementwise_affine, bias=module.bias is not None,
+                   device=weight.device if weight is not None else None,
+                   dtype=weight.dtype if weight is not None else None)
+
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if sequence_parallel:
+            weight = copy_to_tensor_parallel_region(weight, self.group) if weight is not None else None
+            bias = copy_to_tensor_parallel_region(bias, self.group) if bias is not None else None
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
+class ParallelDropout(Dropout):
+    """Dropout that draws from the tensor-parallel RNG stream when its activations differ across TP ranks.
+
+    ``always_split=True``: activations inside a TP region (this rank's attention heads). Otherwise the stream is
+    split only for sequence-parallel calls (this rank's slice of the tokens) and is the default one when the
+    activations are replicated, so every TP rank drops the same elements.
+    """
+
+    def __init__(self, p: float, *, rng, always_split: bool = False):
+        super().__init__(p)
+        self.rng, self.always_split = rng, always_split
+
+    @classmethod
+    def from_plain(cls, module: nn.Dropout, group, *, rng, always_split: bool = False) -> "ParallelDropout":
+        return cls(module.p, rng=rng, always_split=always_split)
+
+    def rng_context(self, sequence_parallel: bool = False):
+        if self.rng is None:
+            return contextlib.nullcontext()
+        return self.rng.fork(enabled=self.always_split or sequence_parallel)
+
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        with self.rng_context(sequence_parallel):
+            return F.dropout(x, self.p, True)
+
