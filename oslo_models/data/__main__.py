@@ -21,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--batch-size", type=int, default=1000, help="documents per tokenizer call")
     pre.add_argument("--no-eos", action="store_true", help="do not append EOS to every document")
     pre.add_argument("--add-special-tokens", action="store_true", help="let the tokenizer add BOS/CLS/...")
+    pre.add_argument("--cache-dir", default=None, help="datasets cache folder (default: the HF cache)")
     pre.add_argument("--quiet", action="store_true", help="no progress bars")
 
     info = sub.add_parser("info", help="print the header of PREFIX.idx and check PREFIX.bin")
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
             header = preprocess(args.input, args.output, args.tokenizer, text_field=args.text_field,
                                 workers=args.workers, batch_size=args.batch_size, append_eos=not args.no_eos,
                                 add_special_tokens=args.add_special_tokens, input_format=args.input_format,
-                                show_progress=not args.quiet)
+                                show_progress=not args.quiet, cache_dir=args.cache_dir)
             print(f"wrote {args.output}.bin and {args.output}.idx: {header['num_documents']} documents, "
                   f"{header['num_tokens']} tokens ({header['dtype']})")
         else:

@@ -41,7 +41,7 @@ def _infer_format(files: Sequence[str]) -> str:
     return kinds.pop()
 
 
-def _load_input(source, input_format, split):
+def _load_input(source, input_format, split, cache_dir):
     import datasets
 
     if isinstance(source, datasets.DatasetDict):
@@ -60,12 +60,13 @@ def _load_input(source, input_format, split):
     if not expanded:
         raise ValueError(f"empty corpus: no input files in {files}")
     fmt = input_format or _infer_format(expanded)
-    return datasets.load_dataset(fmt, data_files=expanded, split="train")
+    return datasets.load_dataset(fmt, data_files=expanded, split="train", cache_dir=cache_dir)
 
 
 def preprocess(source, output_prefix, tokenizer, *, text_field: str = "text", workers: int = 1,
                batch_size: int = 1000, append_eos: bool = True, add_special_tokens: bool = False,
-               input_format: str | None = None, split: str = "train", show_progress: bool = True) -> dict:
+               input_format: str | None = None, split: str = "train", show_progress: bool = True,
+               cache_dir=None) -> dict:
     """Tokenize ``source`` and write ``output_prefix.bin`` / ``output_prefix.idx``; return the index header.
 
     Args:
@@ -77,6 +78,7 @@ def preprocess(source, output_prefix, tokenizer, *, text_field: str = "text", wo
         append_eos: end every document with ``eos_token_id`` (``sep_token_id`` for tokenizers without EOS, e.g.
             BERT) so packed samples keep document boundaries.
         add_special_tokens: also let the tokenizer add its per-sequence special tokens (BOS/CLS...).
+        cache_dir: where ``datasets`` keeps its Arrow caches (default: its own, ``~/.cache/huggingface``).
 
     Raises ``ValueError`` for a missing text column, a tokenizer with neither EOS nor SEP when ``append_eos``, or an
     empty corpus (no tokens at all); ``FileNotFoundError`` for a missing input.
@@ -89,7 +91,7 @@ def preprocess(source, output_prefix, tokenizer, *, text_field: str = "text", wo
     if append_eos and eos is None:
         raise ValueError(f"tokenizer {tok.name_or_path!r} has no eos_token_id or sep_token_id; pass "
                          f"append_eos=False (--no-eos) or set tokenizer.eos_token")
-    ds = _load_input(source, input_format, split)
+    ds = _load_input(source, input_format, split, cache_dir)
     if text_field not in ds.column_names:
         raise ValueError(f"text field {text_field!r} not in the input columns {ds.column_names}")
     if len(ds) == 0:
