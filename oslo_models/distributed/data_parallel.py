@@ -1,0 +1,21 @@
+"""Data parallelism over the data-parallel group only (never across tensor-parallel ranks)."""
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .context import ParallelContext
+
+
+def data_parallel(model: nn.Module, context: ParallelContext | None = None, **ddp_kwargs) -> nn.Module:
+    """Wrap ``model`` in torch DDP over ``context.dp_group``; return it unchanged when there is one replica.
+
+    Gradients are averaged over the ranks that hold the *same* shard (same tp rank, different dp rank), so each
+    tensor-parallel shard is averaged with its own replicas only. Feed every rank of one TP group the same batch
+    and different data-parallel ranks different batches (``oslo_models.data`` samplers do this).
+    """
+    context = context or model.parallel_context
+    if context.dp_size == 1:
+        return model
+    device_ids = [context.device.index] if context.device.type == "cuda" else None
+    return DistributedDataParallel(model, process_group=context.dp_group, device_ids=device_ids, **ddp_kwargs)

@@ -1,0 +1,56 @@
+"""Tiny models for parity tests: built with ``transformers`` from a fixed seed and saved in Hub format."""
+from __future__ import annotations
+
+import torch
+import transformers
+
+
+def tiny_gpt2_config(**overrides) -> transformers.GPT2Config:
+    values = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=101, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                  attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    values.update(overrides)
+    return transformers.GPT2Config(**values)
+
+
+def save_tiny_gpt2(path, *, seed: int = 0, cls=transformers.GPT2LMHeadModel, **overrides) -> str:
+    torch.manual_seed(seed)
+    cls(tiny_gpt2_config(**overrides)).save_pretrained(path)
+    return str(path)
+
+
+def padded_batch(vocab_size: int, batch: int = 3, seq: int = 8, seed: int = 1):
+    """Right-padded batch of unequal lengths: ids, attention_mask, labels (-100 on padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab_size, (batch, seq), generator=gen)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for row in range(1, batch):
+        mask[row, seq - 2 * row:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def expected_shard(model, name: str, full: torch.Tensor) -> torch.Tensor:
+    """The slice of a full (reference) tensor that parameter ``name`` of ``model`` holds on this rank."""
+    spec = model.parallel_plan.shard_spec(model, name)
+    ctx = model.parallel_context
+    return spec.read_shard(tuple(full.shape), lambda index: full[index], ctx.tp_rank, ctx.tp_size)
+
+
+def assert_grads_match(model, reference, atol: float = 1e-5, rtol: float = 1e-4) -> int:
+    """Every local gradient equals the matching slice of the reference gradient; returns how many were checked."""
+    reference_params = dict(reference.named_parameters())
+    checked = 0
+    for name, param in model.named_parameters():
+        expected = expected_shard(model, name, reference_params[name].grad)
+        torch.testing.assert_close(param.grad, expected, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+        checked += 1
+    return checked
+
+
+def assert_params_match(model, reference, atol: float = 1e-5, rtol: float = 1e-4) -> None:
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        expected = expected_shard(model, name, reference_params[name].detach())
+        torch.testing.assert_close(param.detach(), expected, atol=atol, rtol=rtol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
