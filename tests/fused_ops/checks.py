@@ -29,8 +29,9 @@ def _flat(out) -> list[torch.Tensor]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def run_fwd_bwd(fn: Callable, inputs: Sequence, grad_idx: Sequence[int], upcast: bool = False, seed: int = 1234):
-    """``fn(*inputs)`` and the grads of ``sum(out * dy)`` w.r.t. ``inputs[grad_idx]``; dy is seeded."""
+def run_fwd_bwd(fn: Callable, inputs: Sequence, grad_idx: Sequence[int], upcast: bool = False, seed: int = 1234,
+                unit_dy: bool = False):
+    """``fn(*inputs)`` and the grads of ``sum(out * dy)`` w.r.t. ``inputs[grad_idx]``; dy is seeded (or 1)."""
     args = []
     for i, t in enumerate(inputs):
         if isinstance(t, torch.Tensor):
@@ -44,6 +45,8 @@ def run_fwd_bwd(fn: Callable, inputs: Sequence, grad_idx: Sequence[int], upcast:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     # dy is drawn in the op's own dtype so the fp32 truth sees exactly the same upstream gradient.
     dys = [torch.randn(o.shape, generator=gen).to(inputs_dtype(inputs)).to(o.device).to(o.dtype) for o in outs]
+    if unit_dy:
+        dys = [torch.ones_like(o) for o in outs]
     grads = torch.autograd.grad(outs, [args[i] for i in grad_idx], dys, allow_unused=True) if grad_idx else ()
     return [o.detach() for o in outs], list(grads)
 
@@ -64,19 +67,20 @@ def assert_low_precision_close(actual, truth, plain, what: str, eps: float = BF1
 
 
 def check_op(fused: Callable, references: dict[str, Callable], inputs: Sequence, grad_idx: Sequence[int],
-             atol: float = 1e-5, rtol: float = 1e-5, eps: float = BF16_EPS) -> None:
-    out, grads = run_fwd_bwd(fused, inputs, grad_idx)
+             atol: float = 1e-5, rtol: float = 1e-5, eps: float = BF16_EPS, unit_dy: bool = False) -> None:
+    """``unit_dy``: upstream grad 1 instead of random (a scalar loss as ``loss.backward()`` sees it)."""
+    out, grads = run_fwd_bwd(fused, inputs, grad_idx, unit_dy=unit_dy)
     names = ["out"] * len(out) + [f"grad[{i}]" for i in grad_idx]
     fused_all = out + grads
     assert all(g is not None for g in grads), "fused op returned no gradient for a differentiable input"
     low_precision = inputs_dtype(inputs) != torch.float32
     for ref_name, ref in references.items():
-        ref_out, ref_grads = run_fwd_bwd(ref, inputs, grad_idx)
+        ref_out, ref_grads = run_fwd_bwd(ref, inputs, grad_idx, unit_dy=unit_dy)
         if not low_precision:
             for name, a, b in zip(names, fused_all, ref_out + ref_grads):
                 torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m: f"{ref_name} {name}: {m}")
             continue
-        truth_out, truth_grads = run_fwd_bwd(ref, inputs, grad_idx, upcast=True)
+        truth_out, truth_grads = run_fwd_bwd(ref, inputs, grad_idx, upcast=True, unit_dy=unit_dy)
         for name, a, t, p in zip(names, fused_all, truth_out + truth_grads, ref_out + ref_grads):
             assert a.dtype == p.dtype, f"{ref_name} {name}: dtype {a.dtype} != {p.dtype}"
             assert_low_precision_close(a, t, p, f"{ref_name} {name}", eps)

@@ -53,36 +53,31 @@ def test_cross_entropy_opcheck():
                           (logits, labels, lse, torch.rand(9), 0, 301, 0.1, -100))
 
 
-def _vocab_parallel_worker(use_kernel: bool, reduction: str, label_smoothing: float) -> None:
+def _vocab_parallel_worker(cases) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     logits, labels = _inputs(torch.float32, vocab=4230)
     local_vocab = logits.shape[1] // world
-    kw = dict(label_smoothing=label_smoothing, reduction=reduction)
-    full = logits.clone().requires_grad_(True)
-    ref = torch.nn.functional.cross_entropy(full, labels, **kw)
-    shard = logits[:, rank * local_vocab:(rank + 1) * local_vocab].clone().requires_grad_(True)
-    if use_kernel:
-        loss = cross_entropy(shard, labels, group=dist.group.WORLD, force_triton=True, **kw)
-    else:
-        loss = cross_entropy(shard, labels, group=dist.group.WORLD, enabled=False, **kw)
-    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
-    dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(0))
-    ref.backward(dy)
-    loss.backward(dy)
-    torch.testing.assert_close(shard.grad, full.grad[:, rank * local_vocab:(rank + 1) * local_vocab],
-                               atol=1e-5, rtol=1e-5)
+    cols = slice(rank * local_vocab, (rank + 1) * local_vocab)
+    for use_kernel, reduction, label_smoothing in cases:
+        kw = dict(label_smoothing=label_smoothing, reduction=reduction)
+        full = logits.clone().requires_grad_(True)
+        ref = torch.nn.functional.cross_entropy(full, labels, **kw)
+        shard = logits[:, cols].clone().requires_grad_(True)
+        path = dict(force_triton=True) if use_kernel else dict(enabled=False)
+        loss = cross_entropy(shard, labels, group=dist.group.WORLD, **path, **kw)
+        torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+        dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(0))
+        ref.backward(dy)
+        loss.backward(dy)
+        torch.testing.assert_close(shard.grad, full.grad[:, cols], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("use_kernel", [pytest.param(True, marks=requires_triton), False])
 def test_vocab_parallel_cross_entropy_matches_full_logits(use_kernel):
     # Each of 2 ranks holds half the vocab; loss and the local grad slice must equal the full-logits torch op.
-    run_distributed(_vocab_parallel_worker, 2, use_kernel, "mean", 0.1)
-
-
-@requires_triton
-def test_vocab_parallel_cross_entropy_reduction_none():
-    run_distributed(_vocab_parallel_worker, 2, True, "none", 0.0)
+    cases = [(use_kernel, "mean", 0.1), (use_kernel, "none", 0.0), (use_kernel, "sum", 0.0)]
+    run_distributed(_vocab_parallel_worker, 2, cases)
 
 
 def test_cross_entropy_rejects_bad_input():

@@ -1,0 +1,155 @@
+"""Linear (LM head) + cross-entropy in row chunks, so the ``[rows, vocab]`` logits never exist at once.
+
+``loss = cross_entropy(hidden @ weight.T + bias, labels)`` with the semantics of ``cross_entropy.py`` (label
+smoothing, ignore_index, ``reduction`` "mean" or "sum", vocab-parallel via ``group``).
+
+Layout: ``hidden`` ``[..., H]``, ``weight`` ``[V_local, H]`` (the ``nn.Linear``/``lm_head`` layout),
+``bias`` ``[V_local]`` or ``None``, ``labels`` ``[...]`` int64. With ``group`` of size > 1 each rank holds the
+vocab slice ``weight[rank * V_local:(rank + 1) * V_local]`` and the same full (replicated) ``hidden``/``labels``.
+
+Forward, per chunk of ``chunk_size`` rows: ``logits_c = hidden_c @ weight.T + bias`` (input dtype), the
+cross-entropy stats kernel, (vocab parallel: all-reduce MAX, then one all-reduce SUM per chunk, as in
+``cross_entropy.py``), the loss, and at once the gradient kernel with the per-row scale the reduction implies
+(1/count for "mean"), so ``dlogits_c`` feeds ``dhidden_c = dlogits_c @ weight`` and
+``dweight += dlogits_c.T @ hidden_c`` (fp32 accumulator) before the chunk is freed. The peak extra memory is
+one chunk of logits and its gradient instead of two full ``[rows, V]`` tensors (plus the ``[rows, H]`` hidden
+grad and an fp32 ``[V_local, H]`` weight-grad accumulator). Precision note: in fp16/bf16 the stored hidden grad
+is rounded before the backward scales it by the upstream grad, one rounding more than eager when that grad is
+not a power of two (``loss.backward()`` passes 1.0; an fp16 loss scale is a power of two). Because the gradient is formed
+in the forward, ``reduction="none"`` is not offered (its per-row upstream grads are unknown until backward).
+
+Backward: scales the stored grads by the (scalar) upstream grad. Vocab parallel: ``dhidden`` is a partial sum
+over this rank's vocab slice, so backward runs **one all-reduce SUM of dhidden over the group** -- the same
+collective a column-parallel linear's input does. Callers therefore pass the replicated hidden states directly,
+without their own copy-to-tensor-parallel-region mapping. ``dweight``/``dbias`` are local (no collective).
+
+The default ``chunk_size`` makes one chunk of logits about as large as ``hidden`` (``rows * H / V_local``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from oslo_models.fused_ops.cross_entropy import (_grad_torch, _stats_torch, check_args, combine_stats,
+                                                 cross_entropy_reference, vocab_range)
+from oslo_models.fused_ops.dispatch import use_triton
+
+
+def default_chunk_size(n_rows: int, hidden: int, local_vocab: int) -> int:
+    return max(1, min(n_rows, math.ceil(n_rows * hidden / max(local_vocab, 1))))
+
+
+def _vocab_parallel(group: Optional[dist.ProcessGroup]) -> bool:
+    return group is not None and dist.get_world_size(group) > 1
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Chunked LM head + cross-entropy; returns the reduced fp32 loss. Grads are formed in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, label_smoothing, reduction, group, chunk_size,
+                use_kernel):
+        n_rows = hidden.shape[0]
+        vocab_start, vocab_total = vocab_range(weight.shape[0], group)
+        count = (labels != ignore_index).sum()
+        row_scale = torch.ones(n_rows, dtype=torch.float32, device=hidden.device)
+        if reduction == "mean":
+            row_scale = row_scale / count  # d(mean)/d(row loss); NaN grads when every row is ignored, as torch
+        stats_fn = torch.ops.oslo_models.cross_entropy_stats if use_kernel else _stats_torch
+        grad_fn = torch.ops.oslo_models.cross_entropy_backward if use_kernel else _grad_torch
+        dhidden = torch.empty_like(hidden)
+        dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        dbias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, n_rows, chunk_size):
+            rows = slice(start, min(start + chunk_size, n_rows))
+            h, y = hidden[rows], labels[rows]
+            logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+            stats = stats_fn(logits, y, vocab_start, ignore_index)
+            loss_rows, lse = combine_stats(stats, y, vocab_total, label_smoothing, ignore_index, group)
+            loss += loss_rows.sum()
+            dlogits = grad_fn(logits, y, lse, row_scale[rows], vocab_start, vocab_total, label_smoothing,
+                              ignore_index)
+            del logits  # free the chunk's logits before the matmuls allocate
+            torch.mm(dlogits, weight, out=dhidden[rows])
+            if weight.dtype == torch.float32:
+                dweight.addmm_(dlogits.t(), h)
+            else:
+                dweight += dlogits.t() @ h  # half-precision matmul, fp32 accumulation across chunks
+            if dbias is not None:
+                dbias += dlogits.sum(0, dtype=torch.float32)
+        if reduction == "mean":
+            loss = loss / count
+        ctx.save_for_backward(dhidden, dweight, dbias)
+        ctx.group = group
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        dhidden, dweight, dbias = ctx.saved_tensors
+        dhidden = dhidden * grad_loss.to(dhidden.dtype)  # a new tensor: safe to reduce in place
+        if _vocab_parallel(ctx.group):
+            dist.all_reduce(dhidden, op=dist.ReduceOp.SUM, group=ctx.group)
+        dweight = (dweight * grad_loss).to(ctx.dtypes[0])
+        dbias = None if dbias is None else (dbias * grad_loss).to(ctx.dtypes[1])
+        return dhidden, dweight, dbias, None, None, None, None, None, None, None
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward, all-reduce SUM of the grad in backward (the reference's column-parallel input)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                                         bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                                         label_smoothing: float = 0.0, reduction: str = "mean",
+                                         group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Plain torch with full logits: ``cross_entropy_reference(F.linear(hidden, weight, bias), labels)``."""
+    if _vocab_parallel(group):
+        hidden = _CopyToGroup.apply(hidden, group)
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return cross_entropy_reference(logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                   reduction=reduction, group=group)
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                               bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                               label_smoothing: float = 0.0, reduction: str = "mean",
+                               group: Optional[dist.ProcessGroup] = None, chunk_size: Optional[int] = None,
+                               enabled: bool = True, force_triton: bool = False) -> torch.Tensor:
+    """Loss of ``F.linear(hidden, weight, bias)`` against ``labels`` without full logits; see module docstring."""
+    check_args(hidden.shape, labels, label_smoothing, reduction, "fused_linear_cross_entropy")
+    if reduction == "none":
+        raise ValueError("fused_linear_cross_entropy: reduction='none' is not supported (grads are formed in "
+                         "the forward); use 'mean' or 'sum', or cross_entropy on explicit logits")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"fused_linear_cross_entropy: weight must be [vocab, {hidden.shape[-1]}], "
+                         f"got {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"fused_linear_cross_entropy: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"fused_linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
+    if not use_triton(hidden, weight, bias, labels, enabled=enabled, force_triton=force_triton):
+        return fused_linear_cross_entropy_reference(hidden, weight, labels, bias=bias, ignore_index=ignore_index,
+                                                    label_smoothing=label_smoothing, reduction=reduction,
+                                                    group=group)
+    hidden2 = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    labels1 = labels.reshape(-1).long()
+    chunk = chunk_size or default_chunk_size(hidden2.shape[0], hidden2.shape[1], weight.shape[0])
+    loss = FusedLinearCrossEntropyFunction.apply(hidden2, weight, bias, labels1, ignore_index,
+                                                 float(label_smoothing), reduction, group, chunk, True)
+    return loss.to(hidden.dtype)
