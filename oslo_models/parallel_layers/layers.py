@@ -14,6 +14,7 @@ Layouts: activations ``[batch, seq, hidden]``; ``Linear(layout="linear")`` store
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,16 @@ class Linear(nn.Module):
         shape = (out_features, in_features) if layout == "linear" else (in_features, out_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default init (models overwrite it with their own init or a checkpoint)."""
+        if self.weight.is_meta:
+            return
+        bound = 1.0 / math.sqrt(self.in_features) if self.in_features else 0.0
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
         return linear_forward(x, self.weight, self.bias, self.layout)
