@@ -1,0 +1,85 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from oslo_models import fused_ops
+from oslo_models.fused_ops import dispatch
+from tests.fused_ops.checks import requires_triton
+
+CPU = torch.zeros(2, 3)
+
+
+class _FakeCuda:
+    """Stands in for a CUDA tensor in the pure decision function (it only reads ``is_cuda``)."""
+    is_cuda = True
+
+
+def test_cpu_tensors_take_the_reference():
+    assert not dispatch.use_triton(CPU)
+    assert not dispatch.use_triton(CPU, None, enabled=True)
+
+
+def test_cuda_tensors_take_triton_unless_disabled(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    assert dispatch.use_triton(_FakeCuda(), None) == dispatch.triton_available()
+    assert not dispatch.use_triton(_FakeCuda(), enabled=False)
+    for off in ("0", "false", "OFF", "no"):
+        monkeypatch.setenv(dispatch.ENV_VAR, off)
+        assert not dispatch.env_enabled()
+        assert not dispatch.use_triton(_FakeCuda())
+    monkeypatch.setenv(dispatch.ENV_VAR, "1")
+    assert dispatch.use_triton(_FakeCuda()) == dispatch.triton_available()
+
+
+def test_mixed_devices_take_the_reference():
+    assert not dispatch.use_triton(_FakeCuda(), CPU)
+
+
+@requires_triton
+def test_force_triton_runs_the_kernel_on_cpu_under_the_interpreter(monkeypatch):
+    from oslo_models.fused_ops import rms_norm as rms_norm_module
+
+    launches = []
+    launcher = rms_norm_module.rms_norm_forward
+    monkeypatch.setattr(rms_norm_module, "rms_norm_forward", lambda *a: launches.append(1) or launcher(*a))
+    x, w = torch.randn(3, 8), torch.ones(8)
+    fused_ops.rms_norm(x, w)
+    assert launches == []  # CPU without force: reference
+    monkeypatch.setenv(dispatch.ENV_VAR, "0")  # force beats the debugging switch: tests rely on it
+    out = fused_ops.rms_norm(x, w, force_triton=True)
+    assert launches == [1]
+    torch.testing.assert_close(out, fused_ops.rms_norm_reference(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+def test_force_triton_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET|triton cannot be imported"):
+        dispatch.use_triton(CPU, force_triton=True)
+
+
+def test_public_functions_fall_back_to_reference_on_cpu():
+    # Without force, CPU calls must be bit-identical to the reference (no kernel, no interpreter).
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(9, 341, generator=gen), torch.randn(341, generator=gen), torch.randn(341, generator=gen)
+    assert torch.equal(fused_ops.layer_norm(x, w, b), fused_ops.layer_norm_reference(x, w, b, 1e-5))
+    assert torch.equal(fused_ops.rms_norm(x, w), fused_ops.rms_norm_reference(x, w, 1e-6))
+    assert torch.equal(fused_ops.bias_gelu(x, b), torch.nn.functional.gelu(x + b, approximate="tanh"))
+    labels = torch.randint(0, 341, (9,), generator=gen)
+    assert torch.equal(fused_ops.cross_entropy(x, labels), torch.nn.functional.cross_entropy(x, labels))
+
+
+def test_import_without_triton_and_reference_path_works():
+    # A fresh interpreter where `import triton` fails: the package imports and the reference path runs.
+    code = (
+        "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+        "import torch, oslo_models.fused_ops as f\n"
+        "assert not f.triton_available()\n"
+        "x = torch.randn(4, 6); w = torch.ones(6)\n"
+        "torch.testing.assert_close(f.rms_norm(x, w), f.rms_norm_reference(x, w, 1e-6))\n"
+        "try:\n    f.rms_norm(x, w, force_triton=True)\nexcept ValueError as e:\n    print('ok', e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "ok force_triton=True but triton cannot be imported" in result.stdout
