@@ -15,8 +15,9 @@ cross-entropy stats kernel, (vocab parallel: all-reduce MAX, then one all-reduce
 one chunk of logits and its gradient instead of two full ``[rows, V]`` tensors (plus the ``[rows, H]`` hidden
 grad and an fp32 ``[V_local, H]`` weight-grad accumulator). Precision note: in fp16/bf16 the stored hidden grad
 is rounded before the backward scales it by the upstream grad, one rounding more than eager when that grad is
-not a power of two (``loss.backward()`` passes 1.0; an fp16 loss scale is a power of two). Because the gradient is formed
-in the forward, ``reduction="none"`` is not offered (its per-row upstream grads are unknown until backward).
+not a power of two (``loss.backward()`` passes 1.0; an fp16 loss scale is a power of two). Because the gradient
+is formed in the forward, ``reduction="none"`` is not offered (its per-row upstream grads are unknown until
+backward).
 
 Backward: scales the stored grads by the (scalar) upstream grad. Vocab parallel: ``dhidden`` is a partial sum
 over this rank's vocab slice, so backward runs **one all-reduce SUM of dhidden over the group** -- the same
