@@ -27,14 +27,13 @@ _APPROXIMATIONS = ("tanh", "none")
 def _gelu_and_grad(u, TANH: tl.constexpr, WANT_GRAD: tl.constexpr):
     """gelu(u) if not WANT_GRAD else gelu'(u), in fp32."""
     if TANH:
-        k: tl.constexpr = 0.7978845608028654  # sqrt(2 / pi)
-        inner = k * (u + 0.044715 * u * u * u)
+        inner = 0.7978845608028654 * (u + 0.044715 * u * u * u)  # sqrt(2 / pi) * (...)
         # Clamp so exp never overflows; sigmoid(+-40) is already 1 / ~4e-18 in fp32.
         inner = tl.minimum(tl.maximum(inner, -20.0), 20.0)
         s = tl.sigmoid(2.0 * inner)  # = 0.5 * (1 + tanh(inner))
         if WANT_GRAD:
             # d/du [u * s(2 inner)] = s + u * 2 s (1 - s) * k (1 + 3 * 0.044715 u^2)
-            return s + u * 2.0 * s * (1.0 - s) * k * (1.0 + 0.134145 * u * u)
+            return s + u * 2.0 * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 0.134145 * u * u)
         return u * s
     else:
         cdf = 0.5 * (1.0 + tl.math.erf(u * 0.7071067811865476))
