@@ -1,0 +1,106 @@
+"""Per-rank peak RSS growth and wall time of ``from_pretrained`` at tp = 1, 2, 4 vs plain ``transformers``.
+
+    python benchmarks/load_memory.py [--layers 10 --hidden 768 --vocab 32000] [--json load_memory.json]
+
+Builds a random GPT-2 once (safetensors, saved locally), then launches each measurement in fresh processes with
+``torchrun`` (gloo on CPU) so imports and earlier loads do not pollute the numbers. Growth is measured with
+``oslo_models.utils.PeakRSS`` around the load call only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def worker(args) -> None:
+    import torch
+
+    from oslo_models.utils import PeakRSS
+
+    if args.hf:
+        import transformers
+
+        with PeakRSS() as peak:
+            start = time.perf_counter()
+            transformers.GPT2LMHeadModel.from_pretrained(args.path, dtype=torch.float32)
+            seconds = time.perf_counter() - start
+        rank = 0
+    else:
+        import oslo_models as om
+
+        context = om.ParallelContext.from_config(om.ParallelConfig(tensor_parallel_size=args.tp))
+        rank = context.rank
+        with PeakRSS() as peak:
+            start = time.perf_counter()
+            om.AutoModelForCausalLM.from_pretrained(args.path, parallel=context, progress=False)
+            seconds = time.perf_counter() - start
+    with open(args.out, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"rank": rank, "peak_rss_growth_bytes": peak.growth_bytes,
+                                 "seconds": seconds}) + "\n")
+
+
+def run(label: str, command: list[str], out: str) -> list[dict]:
+    if os.path.exists(out):
+        os.remove(out)
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                   stdout=subprocess.DEVNULL)
+    return [dict(json.loads(line), label=label) for line in open(out, encoding="utf-8")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--json", default="load_memory.json")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hf", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    import torch
+    import transformers
+
+    tmp = tempfile.mkdtemp(prefix="oslo-load-memory-")
+    path = os.path.join(tmp, "model")
+    config = transformers.GPT2Config(n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
+                                     vocab_size=args.vocab, n_positions=512)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    num_params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(path)
+    del model
+    model_bytes = os.path.getsize(os.path.join(path, "model.safetensors"))
+    out = os.path.join(tmp, "rows.jsonl")
+    me = os.path.abspath(__file__)
+    rows = run("transformers", [sys.executable, me, "--worker", "--hf", "--path", path, "--out", out], out)
+    for tp in (1, 2, 4):
+        rows += run(f"oslo tp={tp}", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp),
+                                      me, "--worker", "--tp", str(tp), "--path", path, "--out", out], out)
+    summary = []
+    print(f"GPT-2 {num_params / 1e6:.1f}M parameters, checkpoint {model_bytes / 2**20:.0f} MiB (fp32 safetensors)")
+    print(f"{'load':<16}{'ranks':>6}{'max peak RSS growth / rank':>29}{'x model':>9}{'max seconds':>13}")
+    for label in dict.fromkeys(row["label"] for row in rows):
+        group = [row for row in rows if row["label"] == label]
+        growth = max(row["peak_rss_growth_bytes"] for row in group)
+        seconds = max(row["seconds"] for row in group)
+        summary.append({"label": label, "ranks": len(group), "max_peak_rss_growth_bytes": growth,
+                        "ratio_to_model_bytes": growth / model_bytes, "max_seconds": seconds, "per_rank": group})
+        print(f"{label:<16}{len(group):>6}{growth / 2**20:>25.0f} MiB{growth / model_bytes:>9.2f}{seconds:>13.2f}")
+    with open(args.json, "w", encoding="utf-8") as handle:
+        json.dump({"num_params": num_params, "model_bytes": model_bytes, "results": summary}, handle, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
