@@ -1,0 +1,287 @@
+"""Training checkpoints (model, optimizer, scheduler, data position, RNG) that resume at any tp x dp layout.
+
+Format: a folder written with ``torch.distributed.checkpoint`` (DCP) plus two small side files:
+
+- DCP entries ``model/<param name>`` and ``optim/<param name>/<state key>`` hold every tensor in a *canonical*,
+  layout-independent shape, as a DTensor sharded over the tensor-parallel mesh axis (plain tensor at tp=1). The
+  model's plan (``ShardSpec``) says how: a column/row split is ``Shard(dim)``; packed q|k|v blocks are viewed as
+  ``[..., num_packed, block, ...]`` and sharded on the block dim; a padded vocabulary drops its padding rows, which
+  is exactly ``Shard(0)``'s uneven chunking. DCP stores each chunk once (replicas over dp are de-duplicated) and on
+  load reads, for every rank of the *new* layout, just the slice it owns - so tp=2 x dp=2 resumes at tp=4 or
+  tp=1 x dp=2 with no conversion step.
+- ``trainer_state.pt`` (rank 0): step, scheduler, loader/sampler position, optimizer hyperparameters, loss scaler,
+  the layout, user extras. ``rng/rank<k>.pt`` (every rank): torch/CUDA/numpy/python RNG and the tensor-parallel RNG
+  tracker. RNG is restored only at the same layout (a rank of another layout has another role).
+
+ZeRO: under FSDP2 (stages 2/3) each tensor is first all-gathered over dp (``full_tensor``), one tensor at a time;
+under ZeRO-1 only the rank that owns a parameter's optimizer state writes it and only the new owner reads it.
+Saving is atomic: everything goes to ``<path>.partial`` and is renamed into place when every rank has finished;
+the previous checkpoint at ``path`` is removed only after that.
+
+Collectives: DCP's plan exchange (gather/scatter of metadata), FSDP2 all-gathers, and barriers.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from .zero import unwrap_model, unwrap_optimizer
+
+_MARKER = "oslo_checkpoint.txt"
+_TRAINER_STATE = "trainer_state.pt"
+
+
+# ---------------------------------------------------------------------------------------------- canonical form
+def _canonical(local: torch.Tensor, spec, context):
+    """``(view, global_shape, shard_dim)``: ``local`` (a tp-local tensor) in the layout-independent shape."""
+    shape = list(local.shape)
+    if spec.dim is None:
+        return local, tuple(shape), None
+    dim, tp = spec.dim, context.tp_size
+    if spec.padded_vocab:
+        real = max(0, min(shape[dim], spec.vocab_size - context.tp_rank * shape[dim]))
+        view, full = local.narrow(dim, 0, real), shape[:dim] + [spec.vocab_size] + shape[dim + 1:]
+    elif spec.num_packed > 1:
+        packed = shape[:dim] + [spec.num_packed, shape[dim] // spec.num_packed] + shape[dim + 1:]
+        view, full, dim = local.view(packed), packed[:dim + 1] + [packed[dim + 1] * tp] + packed[dim + 2:], dim + 1
+    else:
+        view, full = local, shape[:dim] + [shape[dim] * tp] + shape[dim + 1:]
+    return view, tuple(full), (dim if tp > 1 else None)
+
+
+def _to_dcp(view: torch.Tensor, full_shape, shard_dim, context):
+    if shard_dim is None:
+        return view
+    from torch.distributed.tensor import DTensor, Shard
+
+    stride = torch.empty(full_shape, device="meta").stride()
+    return DTensor.from_local(view, context.mesh["tp"], [Shard(shard_dim)], run_check=False, shape=full_shape,
+                              stride=stride)
+
+
+def _tp_local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor-parallel-local value: FSDP2 DTensors (sharded over dp) are all-gathered over dp."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _set_tp_local(target: torch.Tensor, value: torch.Tensor, context) -> None:
+    """Write a tp-local ``value`` into ``target``; for an FSDP2 DTensor only this dp rank's dim-0 chunk."""
+    if hasattr(target, "to_local"):
+        chunks = value.chunk(context.dp_size, dim=0)  # FSDP2's Shard(0) uses torch.chunk's uneven split
+        local = target.to_local()
+        if context.dp_rank < len(chunks):
+            local.copy_(chunks[context.dp_rank])
+        return
+    target.copy_(value)
+
+
+def _local_optimizer(optimizer):
+    """The optimizer that holds this rank's state: ZeroRedundancyOptimizer keeps its shard in ``.optim``."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+# ---------------------------------------------------------------------------------------------- save
+def _rng_state(context) -> dict:
+    numpy_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "tp": context.rng.state_dict(), "python": random.getstate(),
+             "numpy": (numpy_state[0], torch.from_numpy(numpy_state[1].astype(np.int64)), *numpy_state[2:])}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_rng(state: dict, context) -> None:
+    torch.set_rng_state(state["torch"])
+    context.rng.load_state_dict(state["tp"])
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _layout(context) -> dict:
+    return {"tp": context.tp_size, "dp": context.dp_size, "pp": context.pp_size, "world": context.world_size}
+
+
+def _unwrap_scheduler(scheduler):
+    return getattr(scheduler, "scheduler", scheduler)
+
+
+def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=None, scaler=None, step: int = 0,
+                    extra: dict | None = None) -> None:
+    """Save a resumable training checkpoint to the folder ``path`` (call on every rank).
+
+    ``model``/``optimizer``/``scheduler`` may be the objects returned by :func:`prepare` or
+    :func:`shard_data_parallel`. ``dataloader``: anything with ``state_dict()`` (``oslo_models.data`` loaders).
+    ``scaler``: a ``GradScaler`` (``accelerator.scaler``). ``extra``: small picklable-free values (numbers,
+    strings, lists, dicts, tensors) returned by :func:`load_checkpoint`.
+    """
+    path = os.fspath(path)
+    inner = unwrap_model(model)
+    context, plan = inner.parallel_context, inner.parallel_plan
+    partial = path + ".partial"
+    if context.is_main_process and os.path.exists(partial):
+        shutil.rmtree(partial)
+    context.barrier()
+
+    state = {}
+    params = dict(inner.named_parameters())
+    for name, param in params.items():
+        view, full, shard_dim = _canonical(_tp_local(param.detach()), plan.shard_spec(inner, name), context)
+        state[f"model/{name}"] = _to_dcp(view.contiguous(), full, shard_dim, context)
+    all_param_names = {name for name, _ in inner.named_parameters(remove_duplicate=False)}
+    for name, buffer in inner.state_dict().items():
+        if name not in all_param_names:  # persistent buffers: replicated
+            state[f"model/{name}"] = buffer.detach()
+    opt = unwrap_optimizer(optimizer)
+    if opt is not None:
+        holder = _local_optimizer(opt)
+        for name, param in params.items():
+            for key, value in holder.state.get(param, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(f"optimizer state {name}/{key} is not a tensor ({type(value).__name__}); "
+                                     "only tensor optimizer state can be checkpointed")
+                value = _tp_local(value.detach())
+                if value.dim() == 0:
+                    state[f"optim/{name}/{key}"] = value
+                else:
+                    view, full, shard_dim = _canonical(value, plan.shard_spec(inner, name), context)
+                    state[f"optim/{name}/{key}"] = _to_dcp(view.contiguous(), full, shard_dim, context)
+    dcp.save(state, checkpoint_id=partial)
+
+    os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
+    torch.save(_rng_state(context), os.path.join(partial, "rng", f"rank{context.rank}.pt"))
+    if context.is_main_process:
+        trainer_state = {
+            "step": int(step), "layout": _layout(context), "extra": extra or {},
+            "param_groups": ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                             if opt is not None else None),
+            "scheduler": _unwrap_scheduler(scheduler).state_dict() if scheduler is not None else None,
+            "dataloader": dataloader.state_dict() if dataloader is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
+        torch.save(trainer_state, os.path.join(partial, _TRAINER_STATE))
+    context.barrier()
+    if context.is_main_process:
+        with open(os.path.join(partial, _MARKER), "w", encoding="utf-8") as handle:
+            handle.write(f"complete oslo_models training checkpoint, step {int(step)}\n")
+        old = path + ".old"
+        if os.path.exists(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    context.barrier()
+
+
+# ---------------------------------------------------------------------------------------------- load
+def _target(shape, dtype, spec, context, key, metadata):
+    """A zero tp-local buffer, its canonical DCP value and a check of the saved global shape."""
+    buffer = torch.zeros(shape, dtype=dtype)
+    view, full, shard_dim = _canonical(buffer, spec, context)
+    if key not in metadata:
+        raise ValueError(f"the checkpoint has no entry {key!r}: it was saved from another model")
+    saved = tuple(metadata[key].size)
+    if saved != full:
+        raise ValueError(f"{key}: the checkpoint holds shape {saved}, this model needs {full}: another model config")
+    return buffer, view, _to_dcp(view, full, shard_dim, context)
+
+
+def _read_back(view: torch.Tensor, loaded) -> None:
+    local = loaded.to_local() if hasattr(loaded, "to_local") else loaded
+    if local.data_ptr() != view.data_ptr() or local.shape != view.shape:
+        view.copy_(local)
+
+
+def load_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=None, scaler=None) -> dict:
+    """Restore what :func:`save_checkpoint` wrote into objects built at this (possibly different) layout.
+
+    Build the model, shard it (same ZeRO stage or another), build the optimizer/scheduler/loader as for a fresh
+    run, then call this on every rank. Returns ``{"step", "extra", "layout", "same_layout"}``. Raises
+    ``FileNotFoundError`` for a missing or incomplete folder and ``ValueError`` for a checkpoint of another model.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, _MARKER)):
+        raise FileNotFoundError(f"{path} is not a complete oslo_models training checkpoint (no {_MARKER}); an "
+                                "interrupted save leaves only a '.partial' folder")
+    inner = unwrap_model(model)
+    context, plan = inner.parallel_context, inner.parallel_plan
+    trainer_state = torch.load(os.path.join(path, _TRAINER_STATE), weights_only=True)
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+
+    state, pending = {}, []  # pending: (key, tp-local buffer, canonical view, apply(buffer))
+    params = dict(inner.named_parameters())
+    for name, param in params.items():
+        key = f"model/{name}"
+        buffer, view, state[key] = _target(param.shape, param.dtype, plan.shard_spec(inner, name), context, key,
+                                           metadata)
+        pending.append((key, buffer, view, lambda b, p=param: _set_tp_local(p.data, b, context)))
+    all_param_names = {name for name, _ in inner.named_parameters(remove_duplicate=False)}
+    for name, buffer in inner.state_dict().items():
+        if name not in all_param_names and f"model/{name}" in metadata:
+            state[f"model/{name}"] = target = torch.empty_like(buffer)
+            pending.append((f"model/{name}", target, target, lambda b, t=buffer: t.copy_(b)))
+
+    opt = unwrap_optimizer(optimizer)
+    restored_optimizer_state = {}
+    if opt is not None:
+        holder = _local_optimizer(opt)
+        owned = [p for group in holder.param_groups for p in group["params"]]
+        for name, param in params.items():
+            if not any(param is p for p in owned):  # ZeRO-1: another dp rank owns this state
+                continue
+            prefix = f"optim/{name}/"
+            for key in (k for k in metadata if k.startswith(prefix)):
+                entry = metadata[key]
+                dtype = entry.properties.dtype
+                if len(entry.size) == 0:
+                    state[key] = buffer = torch.zeros((), dtype=dtype)
+                    pending.append((key, buffer, buffer, None))
+                else:
+                    buffer, view, state[key] = _target(param.shape, dtype, plan.shard_spec(inner, name), context,
+                                                       key, metadata)
+                    pending.append((key, buffer, view, None))
+                restored_optimizer_state.setdefault(param, {})[key[len(prefix):]] = buffer
+    dcp.load(state, checkpoint_id=path)
+
+    with torch.no_grad():
+        for key, buffer, view, apply in pending:
+            _read_back(view, state[key])
+            if apply is not None:
+                apply(buffer)
+        for param, entries in restored_optimizer_state.items():
+            values = {}
+            for state_key, buffer in entries.items():
+                if buffer.dim() == 0 or not hasattr(param, "to_local"):
+                    values[state_key] = buffer.to(param.device) if buffer.dim() else buffer
+                else:  # FSDP2: the state is a DTensor sharded like its parameter
+                    values[state_key] = torch.zeros_like(param, dtype=buffer.dtype)
+                    _set_tp_local(values[state_key], buffer, context)
+            _local_optimizer(opt).state[param] = values
+
+    if opt is not None and trainer_state["param_groups"] is not None:
+        if len(trainer_state["param_groups"]) != len(opt.param_groups):
+            raise ValueError(f"the checkpoint's optimizer has {len(trainer_state['param_groups'])} param groups, this "
+                             f"one {len(opt.param_groups)}")
+        for group, saved in zip(opt.param_groups, trainer_state["param_groups"]):
+            group.update(saved)
+    if scheduler is not None and trainer_state["scheduler"] is not None:
+        _unwrap_scheduler(scheduler).load_state_dict(trainer_state["scheduler"])
+    if dataloader is not None and trainer_state["dataloader"] is not None:
+        dataloader.load_state_dict(trainer_state["dataloader"])
+    if scaler is not None and trainer_state["scaler"] is not None:
+        scaler.load_state_dict(trainer_state["scaler"])
+    same_layout = trainer_state["layout"] == _layout(context)
+    rng_file = os.path.join(path, "rng", f"rank{context.rank}.pt")
+    if same_layout and os.path.isfile(rng_file):
+        _restore_rng(torch.load(rng_file, weights_only=True), context)
+    context.barrier()
+    return {"step": trainer_state["step"], "extra": trainer_state["extra"], "layout": trainer_state["layout"],
+            "same_layout": same_layout}

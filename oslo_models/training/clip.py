@@ -1,0 +1,109 @@
+"""Gradient norm and clipping that are right for tensor-, data- and ZeRO-sharded gradients.
+
+``torch.nn.utils.clip_grad_norm_`` on one rank of a tensor-parallel model sees only that rank's shards and would
+clip each rank by a different norm; Accelerate's ``clip_grad_norm_`` does the same with plain tensors. The norm of
+the *whole* model's gradient is assembled from the pieces each rank holds, using the model's parallel plan (the one
+place that says which parameter is split):
+
+- a parameter split over the tensor-parallel group (``ShardSpec.dim is not None``) contributes once per shard: its
+  partial sums are added over the tp group;
+- a replicated parameter (norms, biases of row-parallel layers) holds the same gradient on every tp rank and is
+  counted once: no reduction over tp;
+- under ZeRO-2/3 (FSDP2) every gradient is additionally split over the dp group (a DTensor): partial sums are added
+  over dp as well; under DDP/ZeRO-1 gradients are already identical over dp and are not reduced again;
+- pipeline stages (when they exist) hold different parameters: partial sums are added over pp.
+
+Collectives: one all-reduce over dp (only for FSDP2 gradients), one over tp, one over pp, each of two numbers.
+Padded vocabulary rows have zero gradient, so they do not change the norm.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .mixed_precision import mark_overflow
+from .zero import unwrap_model
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local part of a gradient: a DTensor's local shard (FSDP2), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _all_reduce(values: torch.Tensor, group, op) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(values, op=op, group=group)
+    return values
+
+
+def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the full model's gradient, equal on every rank (fp32 scalar on the parameters' device).
+
+    ``norm_type``: a positive real p (default 2) or ``inf``. Call on every rank (collective).
+    """
+    norm_type = float(norm_type)
+    if not (norm_type > 0):
+        raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
+    inner = unwrap_model(model)
+    context, plan = inner.parallel_context, inner.parallel_plan
+    is_inf = math.isinf(norm_type)
+    split, replicated = [], []  # per-tensor partial values: sum of |g|^p, or max |g| for inf
+    dp_sharded = False
+    device = context.device
+    for name, param in inner.named_parameters():
+        if param.grad is None:
+            continue
+        dp_sharded |= hasattr(param.grad, "to_local")
+        local = _local(param.grad)
+        device = local.device
+        if local.numel() == 0:  # an FSDP2 shard can be empty when dim 0 is smaller than dp
+            continue
+        value = torch.linalg.vector_norm(local.detach().float(), norm_type)
+        value = value if is_inf else value.pow(norm_type)
+        sharded = context.tp_size > 1 and plan.shard_spec(inner, name).dim is not None
+        (split if sharded else replicated).append(value)
+
+    def combine(values):
+        if not values:
+            return torch.zeros((), device=device)
+        stacked = torch.stack([v.to(device) for v in values])
+        return stacked.max() if is_inf else stacked.sum()
+
+    parts = torch.stack([combine(split), combine(replicated)])
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    if dp_sharded:
+        _all_reduce(parts, context.dp_group, op)
+    # Only the tp-split part is reduced over tp; the replicated part is already the full value on every tp rank.
+    split_total = _all_reduce(parts[0].clone(), context.tp_group, op)
+    total = torch.maximum(split_total, parts[1]) if is_inf else split_total + parts[1]
+    total = _all_reduce(total, context.pp_group, op)
+    return total if is_inf else total.pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *, accelerator=None,
+                    optimizer=None) -> torch.Tensor:
+    """Scale all gradients of ``model`` so that their global norm is at most ``max_norm``; return the norm
+    before clipping (same value on every rank).
+
+    With ``accelerator`` (fp16 loss scaling), the gradients are unscaled first through
+    ``accelerator.unscale_gradients(optimizer)``, and a non-finite global norm marks the step as overflowed on
+    *every* rank (one rank's shard may hold the inf the others do not see), so all ranks skip it together.
+    Use it in place of ``accelerator.clip_grad_norm_`` for ``oslo_models`` models.
+    """
+    if max_norm is None or not max_norm > 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm!r}")
+    if accelerator is not None:
+        accelerator.unscale_gradients(optimizer)
+    total = grad_norm(model, norm_type)
+    if accelerator is not None and not torch.isfinite(total):
+        mark_overflow(accelerator.scaler)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for param in unwrap_model(model).parameters():
+        if param.grad is not None:
+            local = _local(param.grad)
+            local.mul_(coef.to(local.device, local.dtype))
+    return total

@@ -1,0 +1,130 @@
+"""``prepare``: what ``accelerator.prepare`` does, made right for a model with tensor parallelism inside.
+
+``accelerator.prepare(model)`` wraps the model in DDP over the *whole* world, which would average gradients across
+tensor-parallel ranks (they hold different shards: wrong), and ``accelerator.prepare(dataloader)`` shards batches
+over the world instead of over the data-parallel group (tensor-parallel ranks must see the *same* batch). Use::
+
+    accelerator = Accelerator(cpu=..., mixed_precision="bf16", gradient_accumulation_steps=2)
+    model = om.AutoModelForCausalLM.from_pretrained(name, parallel=om.ParallelConfig(tensor_parallel_size=2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    loader = om.data.build_dataloader(ds, batch_size=8, parallel_context=model.parallel_context)
+    model, optimizer, loader, scheduler = om.training.prepare(accelerator, model, optimizer, loader, scheduler,
+                                                              zero_stage=2)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                om.training.clip_grad_norm_(model, 1.0, accelerator=accelerator)
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+What each piece becomes:
+
+- model: Accelerate applies what is layout-independent (autocast for bf16/fp16, ``torch.compile`` if configured,
+  device placement) through ``accelerator.prepare_model(model, evaluation_mode=True)`` - the documented mode that
+  does exactly that and no wrapping -, then :func:`~oslo_models.training.zero.shard_data_parallel` wraps it over the
+  dp group only (DDP, ZeRO-1, FSDP2 ZeRO-2/3, CPU offload).
+- optimizer: sharded as the ZeRO stage says, then ``accelerator.prepare_optimizer`` (loss scaling, skipping the
+  step on non-sync micro-batches of gradient accumulation).
+- data loaders: an ``oslo_models.data`` loader is already split by dp rank and is returned as is; any other
+  ``DataLoader`` is split by Accelerate's ``prepare_data_loader`` with ``num_processes=dp_size`` and
+  ``process_index=dp_rank``, so every tp rank of a replica gets the same batches.
+- schedulers: Accelerate's ``AcceleratedScheduler`` with ``split_batches=True``: one scheduler step per optimizer
+  step (skipped with it on fp16 overflow), not one per process (Accelerate's default multiplies by the world size,
+  which counts tp ranks as if they were data-parallel).
+
+Collectives: none here beyond what DDP/FSDP2 run at construction (a parameter broadcast/none).
+"""
+from __future__ import annotations
+
+import torch
+
+from .mixed_precision import check_mixed_precision
+from .zero import shard_data_parallel, unwrap_model
+
+
+def _context_of(model):
+    context = getattr(unwrap_model(model), "parallel_context", None)
+    if context is None:
+        raise ValueError(f"oslo_models.training.prepare needs an oslo_models model (with .parallel_context); got "
+                         f"{type(model).__name__}. Plain models go through accelerator.prepare.")
+    return context
+
+
+def _check_world(accelerator, context) -> None:
+    if accelerator.num_processes != context.world_size:
+        raise ValueError(
+            f"Accelerate sees {accelerator.num_processes} process(es) but the model's ParallelContext spans "
+            f"{context.world_size}. On a machine without GPUs launch with `ACCELERATE_USE_CPU=1 accelerate launch "
+            f"--multi_gpu --num_processes N` or build `Accelerator(cpu=True)` under torchrun.")
+    kind = str(accelerator.distributed_type)
+    if "FSDP" in kind:
+        raise ValueError("Do not configure Accelerate's FSDP plugin for an oslo_models model: pass zero_stage=2/3 "
+                         "to oslo_models.training.prepare, which shards over the data-parallel group only")
+    if "DEEPSPEED" in kind and context.tp_size > 1:
+        raise ValueError("DeepSpeed ZeRO through Accelerate shards over the whole world and cannot be combined with "
+                         "tensor_parallel_size > 1; use zero_stage=1/2/3 of oslo_models.training.prepare instead")
+
+
+def _prepare_dataloader(accelerator, loader, context):
+    from ..data.loader import ResumableDataLoader
+
+    if isinstance(loader, ResumableDataLoader):
+        if loader.sampler.dp_size != context.dp_size or loader.sampler.dp_rank != context.dp_rank:
+            raise ValueError(f"the data loader is split for dp_rank={loader.sampler.dp_rank}/{loader.sampler.dp_size}"
+                             f" but the model's context has dp_rank={context.dp_rank}/{context.dp_size}; build it "
+                             f"with parallel_context=model.parallel_context")
+        return loader
+    from accelerate.data_loader import prepare_data_loader
+
+    return prepare_data_loader(loader, accelerator.device, num_processes=context.dp_size,
+                               process_index=context.dp_rank, split_batches=False, put_on_device=True,
+                               rng_types=None, dispatch_batches=False, even_batches=True,
+                               use_seedable_sampler=False)
+
+
+def prepare(accelerator, model, *objects, zero_stage: int | None = None, cpu_offload: bool = False,
+            **ddp_kwargs):
+    """``accelerator.prepare`` for an ``oslo_models`` model: data parallelism over the dp group only.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` whose world equals the model's (``ValueError`` otherwise).
+        model: the (tensor-)parallel model, not wrapped yet.
+        objects: any of: one optimizer over ``model.parameters()`` (fresh), data loaders, LR schedulers (built on
+            that optimizer). Returned in the same order, after the model, like ``accelerator.prepare``.
+        zero_stage: 0 (DDP), 1, 2, 3; default ``model.parallel_context.config.zero_stage``.
+        cpu_offload: stages 2/3: parameters, gradients and optimizer state in host memory.
+    """
+    context = _context_of(model)
+    _check_world(accelerator, context)
+    check_mixed_precision(accelerator)
+    optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
+    if len(optimizers) > 1:
+        raise ValueError("pass at most one optimizer (one model, one optimizer)")
+    # Autocast, compile and placement only: Accelerate must not wrap the model in world-wide DDP.
+    model = accelerator.prepare_model(model, evaluation_mode=True)
+    model, sharded = shard_data_parallel(model, optimizers[0] if optimizers else None, zero_stage=zero_stage,
+                                         cpu_offload=cpu_offload, **ddp_kwargs)
+    prepared_optimizer = accelerator.prepare_optimizer(sharded) if sharded is not None else None
+
+    from accelerate.scheduler import AcceleratedScheduler
+
+    out = []
+    for obj in objects:
+        if isinstance(obj, torch.optim.Optimizer):
+            out.append(prepared_optimizer)
+        elif isinstance(obj, torch.utils.data.DataLoader):
+            out.append(_prepare_dataloader(accelerator, obj, context))
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            if prepared_optimizer is None:
+                raise ValueError("a scheduler needs its optimizer in the same prepare call")
+            if obj.optimizer is not optimizers[0]:
+                raise ValueError("the scheduler must be built on the optimizer passed to prepare")
+            # The scheduler adjusts lr on the param groups of the optimizer it was built on; ZeRO-1/FSDP2 may have
+            # built a new optimizer, so point it there (same groups, same order).
+            obj.optimizer = sharded
+            scheduler = AcceleratedScheduler(obj, prepared_optimizer, step_with_optimizer=True, split_batches=True)
+            out.append(scheduler)
+        else:
+            raise ValueError(f"prepare does not know what to do with a {type(obj).__name__}")
+    return (model, *out)

@@ -1,0 +1,160 @@
+"""Data parallelism and ZeRO over the data-parallel group only, for a (tensor-)parallel model.
+
+One entry point, :func:`shard_data_parallel`, takes a model built by ``oslo_models`` and the optimizer built on its
+parameters, and returns the pair ready to train at ``zero_stage`` 0-3. Every variant works on the ``dp`` axis of the
+model's ``ParallelContext``: tensor-parallel ranks hold *different* shards of a weight, so their gradients must never
+be averaged together; each shard is averaged only with the replicas of the same shard (same tp rank).
+
+=====  ==========================================  =====================================================
+stage  what is sharded over dp                     engine and collectives (per optimizer step)
+=====  ==========================================  =====================================================
+0      nothing                                     torch DDP on the dp group: all-reduce of gradients
+1      optimizer state (Adam moments)              DDP (all-reduce of gradients) + torch
+                                                   ``ZeroRedundancyOptimizer`` on the dp group: each rank
+                                                   steps the parameters it owns, then broadcasts them
+2      optimizer state + gradients                 FSDP2 ``fully_shard`` on the dp sub-mesh with
+                                                   ``reshard_after_forward=False``: all-gather of
+                                                   parameters before forward, reduce-scatter of gradients
+3      optimizer state + gradients + parameters    FSDP2 ``fully_shard``, ``reshard_after_forward=True``:
+                                                   all-gather again before backward (1.5x stage 2 traffic)
+=====  ==========================================  =====================================================
+
+``cpu_offload`` (stages 2 and 3) keeps the sharded parameters, gradients and optimizer state in host memory
+(FSDP2 ``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
+
+FSDP2 shards each tensor-parallel *local* tensor along its dim 0 over dp, so a weight of a tp x dp layout ends up
+split twice: over tp by the model's plan, over dp by FSDP. Transformer blocks (``model._no_split_modules``, the
+same hint ``transformers`` and Accelerate use for wrapping) each become one FSDP unit, so only one block's
+parameters are gathered at a time; the root unit holds the embeddings, final norm and (tied) head.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from ..distributed.data_parallel import data_parallel
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The ``oslo_models`` model inside DDP (``.module``); FSDP2 keeps the model object itself."""
+    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def unwrap_optimizer(optimizer):
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (kept as ``.optimizer``)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _param_groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The optimizer's param groups with parameter *names* in place of tensors (to survive re-creation)."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    groups = []
+    for group in optimizer.param_groups:
+        unknown = [p for p in group["params"] if id(p) not in names]
+        if unknown:
+            raise ValueError("the optimizer holds parameters that are not parameters of the model; build it with "
+                             "model.parameters() (or param groups of them) before calling shard_data_parallel")
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [names[id(p)] for p in group["params"]]})
+    return groups
+
+
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.defaults`` restricted to what its constructor accepts (AdamW's defaults carry keys, such as
+    ``decoupled_weight_decay``, that it sets itself); the groups keep every key anyway."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+
+def _check_fresh(optimizer: torch.optim.Optimizer) -> None:
+    if any(optimizer.state.values()):
+        raise ValueError("the optimizer already has state (it has stepped); shard it before training, and restore "
+                         "state with oslo_models.training.load_checkpoint afterwards")
+
+
+def _fully_shard(model: nn.Module, mesh, *, reshard_after_forward: bool, cpu_offload: bool) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    block_types = set(getattr(model, "_no_split_modules", None) or ())
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+    for module in model.modules():
+        if module is not model and type(module).__name__ in block_types:
+            fully_shard(module, **options)
+    # The root keeps what no block owns; its parameters are needed first and last, so never reshard them early.
+    fully_shard(model, **{**options, "reshard_after_forward": False})
+
+
+def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                        zero_stage: int | None = None, cpu_offload: bool = False, **ddp_kwargs):
+    """Make ``model`` (and ``optimizer``) data parallel over the model's dp group at ``zero_stage``.
+
+    Args:
+        model: an ``oslo_models`` model (it carries ``parallel_context``), not wrapped yet.
+        optimizer: a fresh optimizer over ``model.parameters()`` (any torch optimizer; its class, param groups and
+            hyperparameters are kept). Stages 2/3 replace the parameters with DTensors, so the optimizer is rebuilt
+            on them; stage 1 wraps it in ``ZeroRedundancyOptimizer``.
+        zero_stage: 0-3; default ``model.parallel_context.config.zero_stage``.
+        cpu_offload: stages 2/3 only: parameters, gradients and optimizer state in host memory.
+
+    Returns ``(model, optimizer)``: use the returned objects for forward, backward and step. With one dp rank the
+    model is returned unwrapped and the optimizer unchanged (there is nothing to shard).
+    """
+    context = getattr(unwrap_model(model), "parallel_context", None)
+    if context is None:
+        raise ValueError("shard_data_parallel needs an oslo_models model (with .parallel_context)")
+    if model is not unwrap_model(model) or getattr(model, "_oslo_zero_stage", None) is not None:
+        raise ValueError("the model is already wrapped for data parallelism; pass the plain model")
+    stage = context.config.zero_stage if zero_stage is None else zero_stage
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {stage!r}")
+    if cpu_offload and stage < 2:
+        raise ValueError(f"cpu_offload needs zero_stage 2 or 3 (FSDP2 offload), got zero_stage={stage}")
+    if optimizer is not None:
+        optimizer = unwrap_optimizer(optimizer)
+        _check_fresh(optimizer)
+    if context.dp_size == 1 and not cpu_offload:
+        model._oslo_zero_stage = stage
+        return model, optimizer
+
+    if stage <= 1:
+        wrapped = data_parallel(model, context, **ddp_kwargs)
+        if stage == 1 and optimizer is not None:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            # Whole tensors are partitioned over the dp ranks by size; process_group=dp_group, never the world.
+            # Groups keep their own hyperparameters (and a scheduler's initial_lr).
+            groups = [dict(group) for group in optimizer.param_groups]
+            zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
+                                           process_group=context.dp_group,
+                                           **_constructor_defaults(optimizer))
+            optimizer = zero
+        wrapped._oslo_zero_stage = stage
+        return wrapped, optimizer
+
+    if context.mesh is None:
+        raise ValueError("zero_stage 2/3 and cpu_offload need torch.distributed (launch with torchrun or "
+                         "accelerate launch)")
+    if ddp_kwargs:
+        raise ValueError(f"DDP options {sorted(ddp_kwargs)} do not apply to zero_stage {stage} (FSDP2)")
+    groups = _param_groups_by_name(model, optimizer) if optimizer is not None else None
+    _fully_shard(model, context.mesh["dp"], reshard_after_forward=stage == 3, cpu_offload=cpu_offload)
+    model._oslo_zero_stage = stage
+    if optimizer is not None:
+        params = dict(model.named_parameters())
+        rebuilt = [{**group, "params": [params[name] for name in group["params"]]} for group in groups]
+        optimizer = type(optimizer)(rebuilt, **_constructor_defaults(optimizer))
+    return model, optimizer
+
+
+def zero_stage_of(model: nn.Module) -> int:
+    """The ZeRO stage ``model`` was prepared with (0 when it was not prepared)."""
+    return getattr(model, "_oslo_zero_stage", None) or getattr(unwrap_model(model), "_oslo_zero_stage", None) or 0
