@@ -4,6 +4,8 @@ Rule (``use_triton``):
 
 1. ``force_triton=True`` always takes the Triton path (tests use it on CPU tensors with ``TRITON_INTERPRET=1``);
    it raises ``ValueError`` when that path cannot run (no Triton, or CPU tensors without the interpreter).
+   ``OSLO_FUSED_OPS=force`` does the same for every op a model calls with ``enabled=True`` (how the model-level
+   tests run the kernels on CPU under the interpreter).
 2. Otherwise the Triton path runs only when all of these hold: the caller passed ``enabled=True`` (models pass
    ``ParallelConfig.fused_ops``), the environment does not say ``OSLO_FUSED_OPS=0`` (a debugging switch that
    beats the config), Triton imports, and every tensor is on CUDA.
@@ -36,6 +38,8 @@ def triton_available() -> bool:
 def use_triton(*tensors: torch.Tensor | None, enabled: bool = True, force_triton: bool = False) -> bool:
     """Whether an op called on ``tensors`` (``None`` entries are skipped) should run its Triton kernel."""
     present = [t for t in tensors if t is not None]
+    if enabled and os.environ.get(ENV_VAR, "").strip().lower() == "force":
+        force_triton = True
     if force_triton:
         if not HAS_TRITON:
             raise ValueError("force_triton=True but triton cannot be imported")

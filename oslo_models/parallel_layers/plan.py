@@ -181,7 +181,7 @@ class SequenceParallelNorm(Style):
     hf_style = "sequence_parallel"
 
     def build(self, module, context):
-        return SequenceParallelLayerNorm.from_plain(module, context.tp_group)
+        return SequenceParallelLayerNorm.from_plain(module, context.tp_group, fused=context.config.fused_ops)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import fused_ops
 from .layers import Dropout, Embedding, LayerNorm, Linear, linear_forward
 from .mappings import (
     copy_to_tensor_parallel_region,
@@ -157,7 +158,10 @@ class VocabParallelEmbedding(Embedding):
         local = padded_size(num_embeddings, self.tp_size) // self.tp_size
         self.vocab_start_index = self.tp_rank * local
         super().__init__(local, embedding_dim, device=device, dtype=dtype)
-        self.padding_idx_full = padding_idx  # kept for repr only: rows are loaded, never re-initialized here
+        self.padding_idx_full = padding_idx
+        # As nn.Embedding(padding_idx=...): the padding row gets no gradient. Only the rank owning it has it.
+        owned = padding_idx is not None and 0 <= padding_idx - self.vocab_start_index < local
+        self.local_padding_idx = padding_idx - self.vocab_start_index if owned else None
 
     @classmethod
     def from_plain(cls, module: nn.Embedding, group, **options) -> "VocabParallelEmbedding":
@@ -166,10 +170,10 @@ class VocabParallelEmbedding(Embedding):
 
     def forward(self, ids: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight, padding_idx=self.local_padding_idx)
         local_ids = ids - self.vocab_start_index
         outside = (local_ids < 0) | (local_ids >= self.num_embeddings)
-        out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local_ids.masked_fill(outside, 0), self.weight, padding_idx=self.local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_parallel_region(out, self.group)
 
@@ -182,16 +186,17 @@ class SequenceParallelLayerNorm(LayerNorm):
     """
 
     def __init__(self, normalized_shape, *, group, eps: float = 1e-5, elementwise_affine: bool = True,
-                 bias: bool = True, device=None, dtype=None):
+                 bias: bool = True, fused: bool = False, device=None, dtype=None):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
                          device=device, dtype=dtype)
         self.group = group
+        self.fused = fused  # the Triton kernel on CUDA (oslo_models.fused_ops.layer_norm); the torch op elsewhere
 
     @classmethod
-    def from_plain(cls, module: nn.LayerNorm, group, **options) -> "SequenceParallelLayerNorm":
+    def from_plain(cls, module: nn.LayerNorm, group, *, fused: bool = False) -> "SequenceParallelLayerNorm":
         weight = module.weight
         return cls(module.normalized_shape, group=group, eps=module.eps,
-                   elementwise_affine=module.elementwise_affine, bias=module.bias is not None,
+                   elementwise_affine=module.elementwise_affine, bias=module.bias is not None, fused=fused,
                    device=weight.device if weight is not None else None,
                    dtype=weight.dtype if weight is not None else None)
 
@@ -200,6 +205,8 @@ class SequenceParallelLayerNorm(LayerNorm):
         if sequence_parallel:
             weight = copy_to_tensor_parallel_region(weight, self.group) if weight is not None else None
             bias = copy_to_tensor_parallel_region(bias, self.group) if bias is not None else None
+        if self.fused and weight is not None and len(self.normalized_shape) == 1:
+            return fused_ops.layer_norm(x, weight, bias, self.eps, enabled=True)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
