@@ -6,8 +6,29 @@
 from . import data
 from .config import ParallelConfig
 from .distributed import ParallelContext, data_parallel
-from .models.auto import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+from .models.auto import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForPreTraining,
+    AutoModelForQuestionAnswering,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTextEncoding,
+    AutoModelForTokenClassification,
+)
+from .models.bert import (
+    BertConfig,
+    BertForMaskedLM,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertModel,
+)
 from .models.gpt2 import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
+from .models.roberta import RobertaConfig, RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel
+from .models.t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
 
 __version__ = "0.1.0"
 
@@ -16,4 +37,10 @@ __all__ = [
     "ParallelConfig", "ParallelContext", "data_parallel",
     "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
     "GPT2Config", "GPT2Model", "GPT2LMHeadModel", "GPT2ForSequenceClassification",
+    "AutoModelForMaskedLM", "AutoModelForPreTraining", "AutoModelForSeq2SeqLM", "AutoModelForTokenClassification",
+    "AutoModelForQuestionAnswering", "AutoModelForTextEncoding",
+    "BertConfig", "BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification",
+    "BertForTokenClassification", "BertForQuestionAnswering",
+    "RobertaConfig", "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
+    "T5Config", "T5Model", "T5ForConditionalGeneration", "T5EncoderModel",
 ]

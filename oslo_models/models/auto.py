@@ -8,12 +8,29 @@ import os
 
 from transformers import AutoConfig, PretrainedConfig
 
+from .bert import (
+    BertForMaskedLM,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertModel,
+)
 from .gpt2 import GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
+from .roberta import RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel
+from .t5 import T5EncoderModel, T5ForConditionalGeneration, T5Model
 
 MODEL_REGISTRY: dict[str, dict[str, type]] = {
-    "base": {"gpt2": GPT2Model},
+    "base": {"gpt2": GPT2Model, "bert": BertModel, "roberta": RobertaModel, "t5": T5Model},
     "causal_lm": {"gpt2": GPT2LMHeadModel},
-    "sequence_classification": {"gpt2": GPT2ForSequenceClassification},
+    "sequence_classification": {"gpt2": GPT2ForSequenceClassification, "bert": BertForSequenceClassification,
+                                "roberta": RobertaForSequenceClassification},
+    "masked_lm": {"bert": BertForMaskedLM, "roberta": RobertaForMaskedLM},
+    "pretraining": {"bert": BertForPreTraining},
+    "seq2seq_lm": {"t5": T5ForConditionalGeneration},
+    "token_classification": {"bert": BertForTokenClassification},
+    "question_answering": {"bert": BertForQuestionAnswering},
+    "text_encoding": {"t5": T5EncoderModel},
 }
 
 
@@ -63,3 +80,27 @@ class AutoModelForCausalLM(_AutoModel):
 
 class AutoModelForSequenceClassification(_AutoModel):
     task = "sequence_classification"
+
+
+class AutoModelForMaskedLM(_AutoModel):
+    task = "masked_lm"
+
+
+class AutoModelForPreTraining(_AutoModel):
+    task = "pretraining"
+
+
+class AutoModelForSeq2SeqLM(_AutoModel):
+    task = "seq2seq_lm"
+
+
+class AutoModelForTokenClassification(_AutoModel):
+    task = "token_classification"
+
+
+class AutoModelForQuestionAnswering(_AutoModel):
+    task = "question_answering"
+
+
+class AutoModelForTextEncoding(_AutoModel):
+    task = "text_encoding"

@@ -1,0 +1,11 @@
+"""BERT config: ``transformers.BertConfig`` itself (same ``model_type`` and ``config.json``) plus the published
+HF-style ``base_model_tp_plan`` (a class attribute, never serialized)."""
+from __future__ import annotations
+
+import transformers
+
+from .parallel_plan import BERT_BASE_PLAN
+
+
+class BertConfig(transformers.BertConfig):
+    base_model_tp_plan = BERT_BASE_PLAN.hf_tp_plan()

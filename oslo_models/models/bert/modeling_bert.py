@@ -1,0 +1,463 @@
+"""BERT, written single-device with the module tree and state-dict keys of ``transformers``' BERT.
+
+Parallelism enters through the layers the plan (``parallel_plan.py``) swaps in and through two explicit
+sequence-parallel boundaries in ``BertModel.forward``: after the embeddings (sum, LayerNorm, dropout: cheap and
+replicated) the residual stream is scattered along the sequence (``[b, s, h] -> [b, s/tp, h]``) and after the
+last layer it is gathered back, so pooler, heads and every public tensor see HF's ``[batch, seq, hidden]``.
+The q/k/v projections are three column-parallel layers (as in the checkpoint), so under sequence parallelism
+each gathers the sequence on its own: three all-gathers forward, three reduce-scatters backward per layer.
+
+Shapes: b batch, s sequence, h hidden, n heads (n/tp per rank), d head dim, V vocabulary.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPoolingAndCrossAttentions,
+    MaskedLMOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, eager_attention_forward
+
+from ...config import ParallelConfig
+from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
+from ..common import attend, enter_sequence_parallel, full_logits, leave_sequence_parallel, split_heads, token_loss
+from ..common import use_sequence_parallel
+from ..heads import sequence_classification_loss
+from ..modeling_utils import OsloPreTrainedModel
+from .configuration_bert import BertConfig
+from .parallel_plan import BERT_BASE_PLAN, BERT_HEAD_PLAN, BERT_MLM_PLAN
+
+
+class BertEmbeddings(nn.Module):
+    """word + position + token-type embeddings, LayerNorm, dropout: ``[b, s]`` ids -> ``[b, s, h]``.
+
+    The word embeddings are vocab-parallel (one all-reduce); everything else is replicated. Position ids are
+    ``past_length .. past_length + s - 1`` unless given (RoBERTa overrides ``make_position_ids``).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.word_embeddings = Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = Dropout(config.hidden_dropout_prob)
+
+    def make_position_ids(self, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:
+        seq_len = inputs_embeds.shape[1]
+        return (torch.arange(seq_len, device=inputs_embeds.device) + past_length).unsqueeze(0)
+
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                past_key_values_length: int = 0) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)  # vocab-parallel: all-reduce over TP
+        if position_ids is None:
+            position_ids = self.make_position_ids(input_ids, inputs_embeds, past_key_values_length)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
+        embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
+        return self.dropout(self.LayerNorm(embeddings))
+
+
+class BertSelfAttention(nn.Module):
+    """Bidirectional attention on this rank's heads: input ``[b, s(/tp), h]``, output ``[b, s, (n/tp)*d]``."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.num_attention_heads = config.num_attention_heads
+        self.attention_head_size = config.hidden_size // config.num_attention_heads
+        self.all_head_size = self.num_attention_heads * self.attention_head_size
+        self.scaling = self.attention_head_size ** -0.5
+        self.is_causal = False
+        self.query = Linear(config.hidden_size, self.all_head_size)
+        self.key = Linear(config.hidden_size, self.all_head_size)
+        self.value = Linear(config.hidden_size, self.all_head_size)
+        self.dropout = Dropout(config.attention_probs_dropout_prob)
+
+    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, **kwargs):
+        query, key, value = (split_heads(proj(hidden_states, sequence_parallel=sequence_parallel),
+                                         self.attention_head_size) for proj in (self.query, self.key, self.value))
+        return attend(self, query, key, value, attention_mask, dropout=self.dropout, scaling=self.scaling,
+                      eager_fallback=eager_attention_forward, **kwargs)
+
+
+class BertSelfOutput(nn.Module):
+    """Row-parallel ``dense`` (all-reduce, or reduce-scatter under SP), dropout, post-LN residual."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.dense = Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states, input_tensor, *, sequence_parallel=False):
+        sp = sequence_parallel
+        hidden_states = self.dropout(self.dense(hidden_states, sequence_parallel=sp), sequence_parallel=sp)
+        return self.LayerNorm(hidden_states + input_tensor, sequence_parallel=sp)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config)
+
+    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, **kwargs):
+        attention_output, _ = self.self(hidden_states, attention_mask, sequence_parallel=sequence_parallel, **kwargs)
+        return self.output(attention_output, hidden_states, sequence_parallel=sequence_parallel)
+
+
+class BertIntermediate(nn.Module):
+    """Column-parallel ``dense`` + activation: ``[b, s(/tp), h] -> [b, s, i/tp]``."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.dense = Linear(config.hidden_size, config.intermediate_size)
+        self.intermediate_act_fn = ACT2FN[config.hidden_act] if isinstance(config.hidden_act, str) else config.hidden_act
+
+    def forward(self, hidden_states, *, sequence_parallel=False):
+        return self.intermediate_act_fn(self.dense(hidden_states, sequence_parallel=sequence_parallel))
+
+
+class BertOutput(BertSelfOutput):
+    """Row-parallel ``dense`` from the intermediate size back to ``h``, dropout, post-LN residual."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.dense = Linear(config.intermediate_size, config.hidden_size)
+
+
+class BertLayer(GradientCheckpointingLayer):
+    def __init__(self, config):
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+
+    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, **kwargs):
+        sp = sequence_parallel
+        attention_output = self.attention(hidden_states, attention_mask, sequence_parallel=sp, **kwargs)
+        intermediate = self.intermediate(attention_output, sequence_parallel=sp)
+        return self.output(intermediate, attention_output, sequence_parallel=sp)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
+
+    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, **kwargs):
+        for layer in self.layer:
+            hidden_states = layer(hidden_states, attention_mask, sequence_parallel=sequence_parallel, **kwargs)
+        return hidden_states
+
+
+class BertPooler(nn.Module):
+    """``tanh(dense(h[:, 0]))``, replicated."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.dense = Linear(config.hidden_size, config.hidden_size)
+        self.activation = nn.Tanh()
+
+    def forward(self, hidden_states):
+        return self.activation(self.dense(hidden_states[:, 0]))
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.dense = Linear(config.hidden_size, config.hidden_size)
+        self.transform_act_fn = ACT2FN[config.hidden_act] if isinstance(config.hidden_act, str) else config.hidden_act
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, hidden_states):
+        return self.LayerNorm(self.transform_act_fn(self.dense(hidden_states)))
+
+
+class BertLMPredictionHead(nn.Module):
+    """Replicated transform, then the vocab-parallel ``decoder`` (weight tied to the word embeddings, bias tied
+    to this module's ``bias``): ``[b, s, h] -> [b, s, V_padded/tp]``."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        self.decoder = Linear(config.hidden_size, config.vocab_size, bias=True)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, hidden_states):
+        return self.decoder(self.transform(hidden_states))
+
+
+class BertOnlyMLMHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+
+    def forward(self, sequence_output):
+        return self.predictions(sequence_output)
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+        self.seq_relationship = Linear(config.hidden_size, 2)
+
+    def forward(self, sequence_output, pooled_output):
+        return self.predictions(sequence_output), self.seq_relationship(pooled_output)
+
+
+class BertPreTrainedModel(OsloPreTrainedModel):
+    config_class = BertConfig
+    config: BertConfig
+    base_model_prefix = "bert"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["BertEmbeddings", "BertLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _decoder_bias_owner: ClassVar[str | None] = None  # the MLM head module whose ``bias`` the decoder shares
+
+    @classmethod
+    def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
+        tp = parallel.tensor_parallel_size
+        name = type(config).__name__.replace("Config", "")
+        if config.hidden_size % config.num_attention_heads:
+            raise ValueError(f"{name} hidden_size={config.hidden_size} is not divisible by num_attention_heads="
+                             f"{config.num_attention_heads}")
+        if config.num_attention_heads % tp:
+            raise ValueError(f"{name} num_attention_heads={config.num_attention_heads} is not divisible by "
+                             f"tensor_parallel_size={tp}")
+        if config.intermediate_size % tp:
+            raise ValueError(f"{name} intermediate_size={config.intermediate_size} is not divisible by "
+                             f"tensor_parallel_size={tp}")
+        if config.is_decoder or config.add_cross_attention:
+            raise NotImplementedError(f"{name} as a decoder (is_decoder / add_cross_attention) is not implemented")
+
+    def tie_parallel_weights(self) -> None:
+        """Tie the decoder weight to the word embeddings and, as ``transformers`` does, the decoder bias to the
+        head's own ``bias`` (both only when ``tie_word_embeddings``)."""
+        super().tie_parallel_weights()
+        if self._decoder_bias_owner and getattr(self.config, "tie_word_embeddings", False):
+            head = self.get_submodule(self._decoder_bias_owner)
+            head.decoder.bias = head.bias
+
+
+class BertModel(BertPreTrainedModel):
+    """Embeddings, ``num_hidden_layers`` layers, optional pooler. ``last_hidden_state``: ``[b, s, h]``;
+    ``pooler_output``: ``[b, h]``."""
+
+    parallel_plan = BERT_BASE_PLAN
+    hf_twin = transformers.BertModel
+    embeddings_class: ClassVar[type] = BertEmbeddings
+
+    def __init__(self, config, add_pooling_layer: bool = True, *, parallel_context=None, submodule: bool = False):
+        super().__init__(config, parallel_context=parallel_context)
+        self.embeddings = self.embeddings_class(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.gradient_checkpointing = False
+        self.post_init()
+        if not submodule:
+            self.finish_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings.word_embeddings = value
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None, **kwargs):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        hidden_states = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids,
+                                        position_ids=position_ids, inputs_embeds=inputs_embeds)
+        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
+                                         attention_mask=attention_mask)
+        sp = use_sequence_parallel(self, hidden_states.shape[1])
+        if sp:
+            hidden_states = enter_sequence_parallel(hidden_states, self.parallel_context)
+        hidden_states = self.encoder(hidden_states, mask, sequence_parallel=sp, **kwargs)
+        if sp:
+            hidden_states = leave_sequence_parallel(hidden_states, self.parallel_context)
+        pooled = self.pooler(hidden_states) if self.pooler is not None else None
+        return BaseModelOutputWithPoolingAndCrossAttentions(last_hidden_state=hidden_states, pooler_output=pooled)
+
+
+def _base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs) -> dict:
+    for flag in ("output_attentions", "output_hidden_states", "return_dict"):
+        kwargs.pop(flag, None)  # accepted for API compatibility; only the last hidden state is returned
+    return dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
+
+
+class BertForMaskedLM(BertPreTrainedModel):
+    """BERT with the MLM head. The decoder is vocab-parallel and the loss runs on the vocab-split logits;
+    ``logits`` are gathered to ``[b, s, V]`` unless ``gather_logits=False`` (then ``[b, s, V_padded/tp]``)."""
+
+    parallel_plan = BERT_MLM_PLAN
+    hf_twin = transformers.BertForMaskedLM
+    _decoder_bias_owner = "cls.predictions"
+    _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+                          "cls.predictions.decoder.bias": "cls.predictions.bias"}
+
+    def __init__(self, config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.bert = BertModel(config, add_pooling_layer=False, parallel_context=self.parallel_context,
+                              submodule=True)
+        self.cls = BertOnlyMLMHead(config)
+        self.post_init()
+        self.finish_init()
+
+    def get_output_embeddings(self):
+        return self.cls.predictions.decoder
+
+    def get_input_embeddings(self):
+        return self.bert.embeddings.word_embeddings
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, gather_logits: bool = True, num_items_in_batch=None, **kwargs):
+        outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                                           kwargs))
+        local_logits = self.cls(outputs.last_hidden_state)  # [b, s, V_padded/tp]
+        decoder = self.cls.predictions.decoder
+        loss = None
+        if labels is not None:
+            loss = token_loss(local_logits, labels, decoder, num_items_in_batch=num_items_in_batch)
+        return MaskedLMOutput(loss=loss, logits=full_logits(local_logits, decoder, gather_logits))
+
+
+class BertForPreTraining(BertPreTrainedModel):
+    """MLM head (vocab-parallel, as ``BertForMaskedLM``) plus the replicated next-sentence head on the pooler.
+    The loss is MLM + NSP when both ``labels`` and ``next_sentence_label`` are given."""
+
+    parallel_plan = BERT_MLM_PLAN
+    hf_twin = transformers.BertForPreTraining
+    _decoder_bias_owner = "cls.predictions"
+    _tied_weights_keys = BertForMaskedLM._tied_weights_keys
+
+    def __init__(self, config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.bert = BertModel(config, parallel_context=self.parallel_context, submodule=True)
+        self.cls = BertPreTrainingHeads(config)
+        self.post_init()
+        self.finish_init()
+
+    def get_output_embeddings(self):
+        return self.cls.predictions.decoder
+
+    def get_input_embeddings(self):
+        return self.bert.embeddings.word_embeddings
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, next_sentence_label=None, gather_logits: bool = True, **kwargs):
+        outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                                           kwargs))
+        local_logits, seq_relationship = self.cls(outputs.last_hidden_state, outputs.pooler_output)
+        decoder = self.cls.predictions.decoder
+        loss = None
+        if labels is not None and next_sentence_label is not None:
+            loss = token_loss(local_logits, labels, decoder) + F.cross_entropy(
+                seq_relationship.view(-1, 2), next_sentence_label.view(-1))
+        return BertForPreTrainingOutput(loss=loss, prediction_logits=full_logits(local_logits, decoder, gather_logits),
+                                        seq_relationship_logits=seq_relationship)
+
+
+class BertForSequenceClassification(BertPreTrainedModel):
+    """Replicated ``classifier`` on the pooled ``[CLS]`` state: ``logits [b, num_labels]``."""
+
+    parallel_plan = BERT_HEAD_PLAN
+    hf_twin = transformers.BertForSequenceClassification
+
+    def __init__(self, config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.num_labels = config.num_labels
+        self.bert = BertModel(config, parallel_context=self.parallel_context, submodule=True)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = Dropout(dropout)
+        self.classifier = Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+        self.finish_init()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, **kwargs):
+        outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                                           kwargs))
+        logits = self.classifier(self.dropout(outputs.pooler_output))
+        loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+class BertForTokenClassification(BertPreTrainedModel):
+    """Replicated ``classifier`` on every token: ``logits [b, s, num_labels]``."""
+
+    parallel_plan = BERT_HEAD_PLAN
+    hf_twin = transformers.BertForTokenClassification
+
+    def __init__(self, config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.num_labels = config.num_labels
+        self.bert = BertModel(config, add_pooling_layer=False, parallel_context=self.parallel_context,
+                              submodule=True)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = Dropout(dropout)
+        self.classifier = Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+        self.finish_init()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, **kwargs):
+        outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                                           kwargs))
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.view(-1, self.num_labels), labels.to(logits.device).view(-1))
+        return TokenClassifierOutput(loss=loss, logits=logits)
+
+
+class BertForQuestionAnswering(BertPreTrainedModel):
+    """Replicated ``qa_outputs``: ``start_logits, end_logits [b, s]``; the loss as ``transformers`` (positions
+    outside the sequence are clamped and ignored)."""
+
+    parallel_plan = BERT_HEAD_PLAN
+    hf_twin = transformers.BertForQuestionAnswering
+
+    def __init__(self, config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.num_labels = config.num_labels
+        self.bert = BertModel(config, add_pooling_layer=False, parallel_context=self.parallel_context,
+                              submodule=True)
+        self.qa_outputs = Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+        self.finish_init()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, start_positions=None, end_positions=None, **kwargs):
+        outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                                           kwargs))
+        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).split(1, dim=-1)
+        start_logits, end_logits = start_logits.squeeze(-1).contiguous(), end_logits.squeeze(-1).contiguous()
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            ignored = start_logits.size(1)
+            start = start_positions.view(-1).clamp(0, ignored)
+            end = end_positions.view(-1).clamp(0, ignored)
+            loss = (F.cross_entropy(start_logits, start, ignore_index=ignored)
+                    + F.cross_entropy(end_logits, end, ignore_index=ignored)) / 2
+        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)

@@ -1,0 +1,11 @@
+"""Pieces shared by the encoder and encoder-decoder families (BERT, RoBERTa, T5): attention over this rank's
+heads, T5-style feed-forwards, the RMS norm, sequence-parallel boundaries and vocab-parallel token losses."""
+from .attention import attend, split_heads
+from .lm_loss import full_logits, token_loss
+from .mlp import DenseActDense, DenseGatedActDense
+from .rms_norm import RMSNorm, SequenceParallelRMSNorm, SequenceParallelRMSNormStyle
+from .sequence_parallel import enter_sequence_parallel, leave_sequence_parallel, use_sequence_parallel
+
+__all__ = ["attend", "split_heads", "full_logits", "token_loss", "DenseActDense", "DenseGatedActDense", "RMSNorm",
+           "SequenceParallelRMSNorm", "SequenceParallelRMSNormStyle", "enter_sequence_parallel",
+           "leave_sequence_parallel", "use_sequence_parallel"]

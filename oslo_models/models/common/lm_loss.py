@@ -1,0 +1,34 @@
+"""Token-level loss and logits of a vocab-parallel output layer (MLM decoders, seq2seq LM heads).
+
+The decoder is a ``ColumnParallelLinear`` over a padded vocabulary: each rank holds logits
+``[..., V_padded/tp]`` (padding columns are ``-inf``). The loss runs on those slices (three all-reduces, see
+``parallel_layers.cross_entropy``); the full logits are built only for the returned output.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...parallel_layers.cross_entropy import vocab_parallel_cross_entropy
+
+
+def token_loss(local_logits: torch.Tensor, labels: torch.Tensor, decoder, *, ignore_index: int = -100,
+               num_items_in_batch=None) -> torch.Tensor:
+    """``CrossEntropyLoss()`` of ``transformers``' MLM / seq2seq heads (no shift): mean over tokens whose label is
+    not ``ignore_index`` (or sum / ``num_items_in_batch`` when given)."""
+    labels = labels.to(local_logits.device)
+    per_token = vocab_parallel_cross_entropy(local_logits.reshape(-1, local_logits.shape[-1]), labels.reshape(-1),
+                                             group=getattr(decoder, "group", None),
+                                             vocab_start=getattr(decoder, "vocab_start_index", 0),
+                                             ignore_index=ignore_index)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(per_token.device)
+        return per_token.sum() / num_items_in_batch
+    return per_token.sum() / (labels != ignore_index).sum()
+
+
+def full_logits(local_logits: torch.Tensor, decoder, gather: bool = True) -> torch.Tensor:
+    """``[..., V]`` (all-gather; padding stripped) or, with ``gather=False``, this rank's ``[..., V_padded/tp]``."""
+    if gather and hasattr(decoder, "gather"):
+        return decoder.gather(local_logits)
+    return local_logits

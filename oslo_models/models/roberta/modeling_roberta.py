@@ -1,0 +1,139 @@
+"""RoBERTa: BERT's encoder (imported, not copied) with RoBERTa's position ids and heads.
+
+What differs from BERT, and nothing else, lives here: position ids count non-padding tokens from
+``padding_idx + 1`` (padding keeps ``padding_idx``, whose embedding row gets no gradient), the MLM head
+``lm_head`` (dense, GELU, ``layer_norm``, vocab-parallel ``decoder`` with a tied ``bias``), and the
+classification head on the ``<s>`` token. Shapes and collectives are BERT's (see ``bert/modeling_bert.py``).
+"""
+from __future__ import annotations
+
+import torch
+import transformers
+from torch import nn
+from transformers.activations import gelu
+from transformers.modeling_outputs import MaskedLMOutput, SequenceClassifierOutput
+
+from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
+from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel, _base_kwargs
+from ..common import full_logits, token_loss
+from ..heads import sequence_classification_loss
+from .configuration_roberta import RobertaConfig
+from .parallel_plan import ROBERTA_BASE_PLAN, ROBERTA_HEAD_PLAN, ROBERTA_MLM_PLAN
+
+
+class RobertaEmbeddings(BertEmbeddings):
+    def __init__(self, config):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.position_embeddings = Embedding(config.max_position_embeddings, config.hidden_size,
+                                             padding_idx=self.padding_idx)
+
+    def make_position_ids(self, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:
+        """fairseq's ``make_positions``: ``padding_idx + 1 + (index among non-padding tokens)``, ``padding_idx``
+        on padding. Without ``input_ids`` padding cannot be seen, so positions are sequential."""
+        if input_ids is None:
+            seq_len = inputs_embeds.shape[1]
+            positions = torch.arange(self.padding_idx + 1, seq_len + self.padding_idx + 1, device=inputs_embeds.device)
+            return positions.unsqueeze(0).expand(inputs_embeds.shape[:2])
+        not_pad = input_ids.ne(self.padding_idx).int()
+        return ((torch.cumsum(not_pad, dim=1).type_as(not_pad) + past_length) * not_pad).long() + self.padding_idx
+
+
+class RobertaPreTrainedModel(BertPreTrainedModel):
+    config_class = RobertaConfig
+    config: RobertaConfig
+    base_model_prefix = "roberta"
+    _no_split_modules = ["RobertaEmbeddings", "BertLayer"]
+
+
+class RobertaModel(RobertaPreTrainedModel, BertModel):
+    parallel_plan = ROBERTA_BASE_PLAN
+    hf_twin = transformers.RobertaModel
+    embeddings_class = RobertaEmbeddings
+
+
+class RobertaLMHead(nn.Module):
+    """``decoder(layer_norm(gelu(dense(x))))``; the dense and norm are replicated, the decoder vocab-parallel:
+    ``[b, s, h] -> [b, s, V_padded/tp]``."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.dense = Linear(config.hidden_size, config.hidden_size)
+        self.layer_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = Linear(config.hidden_size, config.vocab_size)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, features):
+        return self.decoder(self.layer_norm(gelu(self.dense(features))))
+
+
+class RobertaForMaskedLM(RobertaPreTrainedModel):
+    """RoBERTa with the MLM head; loss on vocab-split logits, ``logits`` gathered unless ``gather_logits=False``."""
+
+    parallel_plan = ROBERTA_MLM_PLAN
+    hf_twin = transformers.RobertaForMaskedLM
+    _decoder_bias_owner = "lm_head"
+    _tied_weights_keys = {"lm_head.decoder.weight": "roberta.embeddings.word_embeddings.weight",
+                          "lm_head.decoder.bias": "lm_head.bias"}
+
+    def __init__(self, config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.roberta = RobertaModel(config, add_pooling_layer=False, parallel_context=self.parallel_context,
+                                    submodule=True)
+        self.lm_head = RobertaLMHead(config)
+        self.post_init()
+        self.finish_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head.decoder
+
+    def get_input_embeddings(self):
+        return self.roberta.embeddings.word_embeddings
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, gather_logits: bool = True, num_items_in_batch=None, **kwargs):
+        outputs = self.roberta(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
+                                              inputs_embeds, kwargs))
+        local_logits = self.lm_head(outputs.last_hidden_state)  # [b, s, V_padded/tp]
+        loss = None
+        if labels is not None:
+            loss = token_loss(local_logits, labels, self.lm_head.decoder, num_items_in_batch=num_items_in_batch)
+        return MaskedLMOutput(loss=loss, logits=full_logits(local_logits, self.lm_head.decoder, gather_logits))
+
+
+class RobertaClassificationHead(nn.Module):
+    """``out_proj(dropout(tanh(dense(dropout(h[:, 0])))))``, replicated."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.dense = Linear(config.hidden_size, config.hidden_size)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = Dropout(dropout)
+        self.out_proj = Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, features):
+        x = self.dropout(features[:, 0, :])
+        x = self.dropout(torch.tanh(self.dense(x)))
+        return self.out_proj(x)
+
+
+class RobertaForSequenceClassification(RobertaPreTrainedModel):
+    parallel_plan = ROBERTA_HEAD_PLAN
+    hf_twin = transformers.RobertaForSequenceClassification
+
+    def __init__(self, config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.num_labels = config.num_labels
+        self.roberta = RobertaModel(config, add_pooling_layer=False, parallel_context=self.parallel_context,
+                                    submodule=True)
+        self.classifier = RobertaClassificationHead(config)
+        self.post_init()
+        self.finish_init()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, **kwargs):
+        outputs = self.roberta(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
+                                              inputs_embeds, kwargs))
+        logits = self.classifier(outputs.last_hidden_state)
+        loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
+        return SequenceClassifierOutput(loss=loss, logits=logits)

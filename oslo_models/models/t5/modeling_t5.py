@@ -1,0 +1,479 @@
+"""T5 (and T5 v1.1 / Flan-T5), written single-device with the module tree and state-dict keys of
+``transformers``' T5.
+
+Parallelism enters through the layers the plan (``parallel_plan.py``) swaps in and through the explicit
+sequence-parallel boundaries of each ``T5Stack``: after the token embeddings the residual stream is scattered
+along the sequence (``[b, s, d] -> [b, s/tp, d]``), after the final norm and dropout it is gathered back. The
+encoder output is therefore full and replicated, which is what the decoder's cross-attention k/v (column-parallel,
+``sequence_parallel=False``) consume.
+
+T5 specifics kept exactly: attention is unscaled (``scaling=1``) with a learned relative position bias computed
+once per stack by block 0 (this rank's heads only) and reused by every block; RMS norms without bias; ReLU or
+gated-GELU feed-forward; ``lm_head`` tied to ``shared`` with the ``d_model**-0.5`` rescale when
+``config.scale_decoder_outputs`` (original T5), or a separate head read from the checkpoint (Flan-T5).
+
+Shapes: b batch, s sequence, d d_model, n heads (n/tp per rank), d_kv head dim, V vocabulary.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch import nn
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+)
+from transformers.models.t5.modeling_t5 import T5Attention as _HFT5Attention
+from transformers.models.t5.modeling_t5 import eager_attention_forward
+
+from ...config import ParallelConfig
+from ...parallel_layers.layers import Dropout, Embedding, Linear
+from ..common import (
+    DenseActDense,
+    DenseGatedActDense,
+    RMSNorm,
+    attend,
+    enter_sequence_parallel,
+    full_logits,
+    leave_sequence_parallel,
+    split_heads,
+    token_loss,
+    use_sequence_parallel,
+)
+from ..modeling_utils import OsloPreTrainedModel
+from .configuration_t5 import T5Config
+from .parallel_plan import T5_PLAN
+
+_OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "return_dict")
+
+
+class T5Attention(nn.Module):
+    """Self- or cross-attention on this rank's heads. Input ``[b, s(/tp), d]``; output ``[b, s(/tp), d]``
+    (``o`` is row-parallel: all-reduce, or reduce-scatter under SP). Returns ``(output, position_bias)`` with
+    ``position_bias [1, n/tp, s_q, s_k]`` for the next blocks to reuse."""
+
+    def __init__(self, config, has_relative_attention_bias: bool = False, layer_idx: int | None = None,
+                 is_causal: bool = False):
+        super().__init__()
+        self.config = config
+        self.is_decoder = config.is_decoder
+        self.is_causal = is_causal
+        self.has_relative_attention_bias = has_relative_attention_bias
+        self.relative_attention_num_buckets = config.relative_attention_num_buckets
+        self.relative_attention_max_distance = config.relative_attention_max_distance
+        self.key_value_proj_dim = config.d_kv
+        self.n_heads = config.num_heads
+        self.inner_dim = self.n_heads * self.key_value_proj_dim
+        self.layer_idx = layer_idx
+        self.q = Linear(config.d_model, self.inner_dim, bias=False)
+        self.k = Linear(config.d_model, self.inner_dim, bias=False)
+        self.v = Linear(config.d_model, self.inner_dim, bias=False)
+        self.o = Linear(self.inner_dim, config.d_model, bias=False)
+        if has_relative_attention_bias:
+            self.relative_attention_bias = Embedding(self.relative_attention_num_buckets, self.n_heads)
+        self.dropout = Dropout(config.dropout_rate)  # attention probabilities (a float in transformers: no keys)
+
+    def compute_bias(self, query_length: int, key_length: int, device=None, past_seen_tokens=0) -> torch.Tensor:
+        """Bucketed relative position bias for this rank's heads: ``[1, n/tp, query_length, key_length]``."""
+        context_position = torch.arange(query_length, dtype=torch.long, device=device)[:, None] + past_seen_tokens
+        memory_position = torch.arange(key_length, dtype=torch.long, device=device)[None, :]
+        buckets = _HFT5Attention._relative_position_bucket(
+            memory_position - context_position, bidirectional=not self.is_decoder,
+            num_buckets=self.relative_attention_num_buckets, max_distance=self.relative_attention_max_distance)
+        return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+
+    def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, past_key_values=None,
+                *, sequence_parallel: bool = False, **kwargs):
+        sp = sequence_parallel
+        past_seen = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
+        is_cross_attention = key_value_states is not None
+        query = split_heads(self.q(hidden_states, sequence_parallel=sp), self.key_value_proj_dim)  # [b, n/tp, s, d_kv]
+
+        cache, is_updated = past_key_values, False
+        if isinstance(past_key_values, EncoderDecoderCache):
+            is_updated = past_key_values.is_updated.get(self.layer_idx)
+            cache = past_key_values.cross_attention_cache if is_cross_attention else past_key_values.self_attention_cache
+        if is_cross_attention and past_key_values is not None and is_updated:  # encoder k/v computed at step one
+            key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+        else:
+            # cross-attention reads the encoder output: full sequence and replicated, so never sequence-parallel
+            source, source_sp = (key_value_states, False) if is_cross_attention else (hidden_states, sp)
+            key = split_heads(self.k(source, sequence_parallel=source_sp), self.key_value_proj_dim)
+            value = split_heads(self.v(source, sequence_parallel=source_sp), self.key_value_proj_dim)
+            if past_key_values is not None:
+                key, value = cache.update(key, value, self.layer_idx)
+                if is_cross_attention and isinstance(past_key_values, EncoderDecoderCache):
+                    past_key_values.is_updated[self.layer_idx] = True
+
+        if position_bias is None:
+            query_length, key_length = query.shape[2], key.shape[2]  # full lengths, also under SP
+            if self.has_relative_attention_bias:
+                position_bias = self.compute_bias(query_length, key_length, query.device, past_seen)
+            else:
+                position_bias = torch.zeros((1, query.shape[1], query_length, key_length), device=query.device,
+                                            dtype=query.dtype)
+        out, _ = attend(self, query, key, value, mask, dropout=self.dropout, scaling=1.0,
+                        eager_fallback=eager_attention_forward, position_bias=position_bias, **kwargs)
+        return self.o(out, sequence_parallel=sp), position_bias
+
+
+class T5LayerSelfAttention(nn.Module):
+    def __init__(self, config, has_relative_attention_bias=False, layer_idx=None):
+        super().__init__()
+        self.SelfAttention = T5Attention(config, has_relative_attention_bias, layer_idx, is_causal=config.is_decoder)
+        self.layer_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states, attention_mask=None, position_bias=None, past_key_values=None, *,
+                sequence_parallel=False, **kwargs):
+        sp = sequence_parallel
+        out, position_bias = self.SelfAttention(self.layer_norm(hidden_states, sequence_parallel=sp),
+                                                mask=attention_mask, position_bias=position_bias,
+                                                past_key_values=past_key_values, sequence_parallel=sp, **kwargs)
+        return hidden_states + self.dropout(out, sequence_parallel=sp), position_bias
+
+
+class T5LayerCrossAttention(nn.Module):
+    def __init__(self, config, layer_idx=None):
+        super().__init__()
+        self.EncDecAttention = T5Attention(config, has_relative_attention_bias=False, layer_idx=layer_idx)
+        self.layer_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states, key_value_states, attention_mask=None, position_bias=None,
+                past_key_values=None, *, sequence_parallel=False, **kwargs):
+        sp = sequence_parallel
+        out, position_bias = self.EncDecAttention(self.layer_norm(hidden_states, sequence_parallel=sp),
+                                                  mask=attention_mask, key_value_states=key_value_states,
+                                                  position_bias=position_bias, past_key_values=past_key_values,
+                                                  sequence_parallel=sp, **kwargs)
+        return hidden_states + self.dropout(out, sequence_parallel=sp), position_bias
+
+
+class T5LayerFF(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        mlp = DenseGatedActDense if config.is_gated_act else DenseActDense
+        self.DenseReluDense = mlp(config.d_model, config.d_ff, act=config.dense_act_fn, dropout=config.dropout_rate)
+        self.layer_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states, *, sequence_parallel=False):
+        sp = sequence_parallel
+        out = self.DenseReluDense(self.layer_norm(hidden_states, sequence_parallel=sp), sequence_parallel=sp)
+        return hidden_states + self.dropout(out, sequence_parallel=sp)
+
+
+def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
+    """transformers' guard against fp16 overflow in T5 activations (a no-op in other dtypes)."""
+    if hidden_states.dtype != torch.float16:
+        return hidden_states
+    finfo = torch.finfo(hidden_states.dtype)
+    clamp_value = torch.where(torch.isinf(hidden_states).any(), finfo.max - 1000, finfo.max)
+    return torch.clamp(hidden_states, min=-clamp_value, max=clamp_value)
+
+
+class T5Block(GradientCheckpointingLayer):
+    def __init__(self, config, has_relative_attention_bias=False, layer_idx=None):
+        super().__init__()
+        self.is_decoder = config.is_decoder
+        self.layer = nn.ModuleList([T5LayerSelfAttention(config, has_relative_attention_bias, layer_idx)])
+        if self.is_decoder:
+            self.layer.append(T5LayerCrossAttention(config, layer_idx=layer_idx))
+        self.layer.append(T5LayerFF(config))
+
+    def forward(self, hidden_states, attention_mask=None, position_bias=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, encoder_decoder_position_bias=None, past_key_values=None, *,
+                sequence_parallel=False, **kwargs):
+        sp = sequence_parallel
+        hidden_states, position_bias = self.layer[0](hidden_states, attention_mask, position_bias, past_key_values,
+                                                     sequence_parallel=sp, **kwargs)
+        hidden_states = _clamp_fp16(hidden_states)
+        if self.is_decoder and encoder_hidden_states is not None:
+            hidden_states, encoder_decoder_position_bias = self.layer[1](
+                hidden_states, encoder_hidden_states, encoder_attention_mask, encoder_decoder_position_bias,
+                past_key_values, sequence_parallel=sp, **kwargs)
+            hidden_states = _clamp_fp16(hidden_states)
+        hidden_states = _clamp_fp16(self.layer[-1](hidden_states, sequence_parallel=sp))
+        return hidden_states, position_bias, encoder_decoder_position_bias
+
+
+class T5PreTrainedModel(OsloPreTrainedModel):
+    config_class = T5Config
+    config: T5Config
+    base_model_prefix = "transformer"
+    parallel_plan = T5_PLAN
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["T5Block"]
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _keys_to_ignore_on_load_unexpected = ["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"]
+
+    @classmethod
+    def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
+        tp = parallel.tensor_parallel_size
+        for what, size in (("num_heads", config.num_heads), ("d_kv*num_heads", config.d_kv * config.num_heads),
+                           ("d_ff", config.d_ff)):
+            if size % tp:
+                raise ValueError(f"T5 {what}={size} is not divisible by tensor_parallel_size={tp}")
+
+    def tie_parallel_weights(self) -> None:
+        """The stacks' ``embed_tokens`` always share ``shared``; ``lm_head`` does too unless the checkpoint
+        carried a different one (``_lm_head_tied``), as ``transformers`` decides when loading."""
+        shared = getattr(self, "shared", None)
+        if shared is None:
+            return
+        for stack in (getattr(self, "encoder", None), getattr(self, "decoder", None)):
+            if stack is not None:
+                stack.embed_tokens.weight = shared.weight
+        if hasattr(self, "lm_head") and getattr(self, "_lm_head_tied", True):
+            self.lm_head.weight = shared.weight
+
+    def _tied_keys_to_skip(self) -> set[str]:
+        """Skip on save only the tied keys that really share storage (an untied Flan-T5 head is saved)."""
+        skip = set()
+        for target, source in (getattr(self, "all_tied_weights_keys", None) or {}).items():
+            try:
+                if self.get_parameter(target) is self.get_parameter(source):
+                    skip.add(target)
+            except AttributeError:
+                continue
+        return skip
+
+    def _shift_right(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Decoder inputs from labels: prepend ``decoder_start_token_id``, drop the last token, -100 -> pad."""
+        start, pad = self.config.decoder_start_token_id, self.config.pad_token_id
+        if start is None or pad is None:
+            raise ValueError("T5 needs config.decoder_start_token_id and config.pad_token_id to shift labels")
+        shifted = input_ids.new_zeros(input_ids.shape)
+        shifted[..., 1:] = input_ids[..., :-1].clone()
+        shifted[..., 0] = start
+        return shifted.masked_fill_(shifted == -100, pad)
+
+
+class T5Stack(T5PreTrainedModel):
+    """Embeddings, ``num_layers`` blocks, final norm and dropout (encoder, or decoder with cross-attention and a
+    cache). ``last_hidden_state``: ``[b, s, d]``. Built inside a parent model, never on its own."""
+
+    def __init__(self, config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.embed_tokens = Embedding(config.vocab_size, config.d_model)
+        self.is_decoder = config.is_decoder
+        self.block = nn.ModuleList([T5Block(config, has_relative_attention_bias=i == 0, layer_idx=i)
+                                    for i in range(config.num_layers)])
+        self.final_layer_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = Dropout(config.dropout_rate)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def set_input_embeddings(self, new_embeddings):
+        self.embed_tokens = new_embeddings
+
+    def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
+                inputs_embeds=None, past_key_values=None, use_cache=None, **kwargs):
+        for flag in _OUTPUT_FLAGS:
+            kwargs.pop(flag, None)  # accepted for API compatibility; only the last hidden state is returned
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)  # vocab-parallel: all-reduce over TP
+        if use_cache and not self.is_decoder:
+            raise ValueError(f"`use_cache` can only be set to `True` if {type(self).__name__} is used as a decoder")
+        if self.is_decoder:
+            use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+            if use_cache and past_key_values is None:
+                past_key_values = (EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+                                   if self.config.is_encoder_decoder else DynamicCache(config=self.config))
+            self_cache = (past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache)
+                          else past_key_values)
+            mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                      past_key_values=self_cache)
+        else:
+            past_key_values = None
+            mask = create_bidirectional_mask(config=self.config, inputs_embeds=inputs_embeds,
+                                             attention_mask=attention_mask)
+        encoder_mask = None
+        if self.is_decoder and encoder_hidden_states is not None:
+            encoder_mask = create_bidirectional_mask(config=self.config, inputs_embeds=inputs_embeds,
+                                                     attention_mask=encoder_attention_mask,
+                                                     encoder_hidden_states=encoder_hidden_states)
+
+        sp = use_sequence_parallel(self, inputs_embeds.shape[1])
+        hidden_states = enter_sequence_parallel(inputs_embeds, self.parallel_context) if sp else inputs_embeds
+        hidden_states = self.dropout(hidden_states, sequence_parallel=sp)
+        position_bias = encoder_decoder_position_bias = None
+        for block in self.block:  # block 0 computes the position biases, the others reuse them
+            hidden_states, position_bias, encoder_decoder_position_bias = block(
+                hidden_states, mask, position_bias, encoder_hidden_states, encoder_mask,
+                encoder_decoder_position_bias, past_key_values=past_key_values, sequence_parallel=sp, **kwargs)
+        hidden_states = self.dropout(self.final_layer_norm(hidden_states, sequence_parallel=sp), sequence_parallel=sp)
+        if sp:
+            hidden_states = leave_sequence_parallel(hidden_states, self.parallel_context)
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states,
+                                                         past_key_values=past_key_values)
+
+
+def _stack_config(config, *, is_decoder: bool):
+    stack_config = copy.deepcopy(config)
+    stack_config.is_decoder = is_decoder
+    if is_decoder:
+        stack_config.num_layers = config.num_decoder_layers
+    else:
+        stack_config.use_cache = False
+    return stack_config
+
+
+def _as_encoder_output(encoder_outputs) -> BaseModelOutput:
+    if isinstance(encoder_outputs, BaseModelOutput):
+        return encoder_outputs
+    return BaseModelOutput(last_hidden_state=encoder_outputs[0])
+
+
+class T5Model(T5PreTrainedModel):
+    """Encoder-decoder without a head. ``last_hidden_state``: the decoder's ``[b, s_dec, d]``."""
+
+    hf_twin = transformers.T5Model
+    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight",
+                          "decoder.embed_tokens.weight": "shared.weight"}
+
+    def __init__(self, config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.shared = Embedding(config.vocab_size, config.d_model)
+        self.encoder = T5Stack(_stack_config(config, is_decoder=False), parallel_context=self.parallel_context)
+        self.decoder = T5Stack(_stack_config(config, is_decoder=True), parallel_context=self.parallel_context)
+        self.post_init()
+        self.finish_init()
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def get_encoder(self):
+        return self.encoder
+
+    def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
+                encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
+                use_cache=None, **kwargs):
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                                           inputs_embeds=inputs_embeds, **kwargs)
+        encoder_outputs = _as_encoder_output(encoder_outputs)
+        decoder_outputs = self.decoder(input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
+                                       inputs_embeds=decoder_inputs_embeds, past_key_values=past_key_values,
+                                       encoder_hidden_states=encoder_outputs.last_hidden_state,
+                                       encoder_attention_mask=attention_mask, use_cache=use_cache, **kwargs)
+        return Seq2SeqModelOutput(last_hidden_state=decoder_outputs.last_hidden_state,
+                                  past_key_values=decoder_outputs.past_key_values,
+                                  encoder_last_hidden_state=encoder_outputs.last_hidden_state)
+
+
+class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
+    """T5 with the vocab-parallel LM head. The loss runs on vocab-split logits; ``logits`` are gathered to
+    ``[b, s_dec, V]`` unless ``gather_logits=False`` (then ``[b, s_dec, V_padded/tp]``)."""
+
+    hf_twin = transformers.T5ForConditionalGeneration
+    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight",
+                          "decoder.embed_tokens.weight": "shared.weight",
+                          "lm_head.weight": "shared.weight"}
+
+    def __init__(self, config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.model_dim = config.d_model
+        self._lm_head_tied = True
+        self.shared = Embedding(config.vocab_size, config.d_model)
+        self.encoder = T5Stack(_stack_config(config, is_decoder=False), parallel_context=self.parallel_context)
+        self.decoder = T5Stack(_stack_config(config, is_decoder=True), parallel_context=self.parallel_context)
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+        self.finish_init()
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def get_encoder(self):
+        return self.encoder
+
+    def load_from_reader(self, reader, *, progress: bool = False):
+        """As ``transformers``: a checkpoint whose ``lm_head.weight`` differs from ``shared.weight`` (Flan-T5,
+        T5 v1.1) gets its own head. Each rank compares only its vocabulary slice; the verdict is all-reduced."""
+        if self._lm_head_tied and self._checkpoint_head_differs(reader):
+            self.lm_head.weight = nn.Parameter(torch.empty_like(self.shared.weight))
+            self._lm_head_tied = False
+        return super().load_from_reader(reader, progress=progress)
+
+    def _checkpoint_head_differs(self, reader) -> bool:
+        keys = set(reader.keys())
+        if "lm_head.weight" not in keys or "shared.weight" not in keys:
+            return False
+        context = self.parallel_context
+        spec = self.parallel_plan.shard_spec(self, "lm_head.weight")
+        head, shared = (spec.read_shard(tuple(reader.shape(key)), lambda index, key=key: reader.read(key, index),
+                                        context.tp_rank, context.tp_size) for key in ("lm_head.weight", "shared.weight"))
+        differs = torch.tensor([0 if torch.equal(head, shared) else 1], device=context.device)
+        if context.tp_group is not None:
+            dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=context.tp_group)
+        return bool(differs.item())
+
+    def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
+                encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
+                labels=None, use_cache=None, gather_logits: bool = True, num_items_in_batch=None, **kwargs):
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                                           inputs_embeds=inputs_embeds, **kwargs)
+        encoder_outputs = _as_encoder_output(encoder_outputs)
+        if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
+            decoder_input_ids = self._shift_right(labels)
+        decoder_outputs = self.decoder(input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
+                                       inputs_embeds=decoder_inputs_embeds, past_key_values=past_key_values,
+                                       encoder_hidden_states=encoder_outputs.last_hidden_state,
+                                       encoder_attention_mask=attention_mask, use_cache=use_cache, **kwargs)
+        sequence_output = decoder_outputs.last_hidden_state
+        if self.config.scale_decoder_outputs:  # original T5 (tied head) rescales before the projection
+            sequence_output = sequence_output * (self.model_dim ** -0.5)
+        local_logits = self.lm_head(sequence_output)  # [b, s_dec, V_padded/tp], padding columns -inf
+        loss = None
+        if labels is not None:
+            loss = token_loss(local_logits, labels, self.lm_head, num_items_in_batch=num_items_in_batch)
+        return Seq2SeqLMOutput(loss=loss, logits=full_logits(local_logits, self.lm_head, gather_logits),
+                               past_key_values=decoder_outputs.past_key_values,
+                               encoder_last_hidden_state=encoder_outputs.last_hidden_state)
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        return self._shift_right(labels)
+
+
+class T5EncoderModel(T5PreTrainedModel):
+    """The encoder alone. ``last_hidden_state``: ``[b, s, d]``."""
+
+    hf_twin = transformers.T5EncoderModel
+    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
+    _keys_to_ignore_on_load_unexpected = ["decoder"]
+
+    def __init__(self, config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.shared = Embedding(config.vocab_size, config.d_model)
+        encoder_config = _stack_config(config, is_decoder=False)
+        encoder_config.is_encoder_decoder = False
+        self.encoder = T5Stack(encoder_config, parallel_context=self.parallel_context)
+        self.post_init()
+        self.finish_init()
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def get_encoder(self):
+        return self.encoder
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, **kwargs):
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)

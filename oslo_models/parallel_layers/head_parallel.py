@@ -1,0 +1,73 @@
+"""Styles for parameters split along a dimension other than a linear layer's rows or columns.
+
+- ``HeadwiseEmbedding``: an embedding table whose *columns* are attention heads, e.g. T5's
+  ``relative_attention_bias`` (``[num_buckets, num_heads]``). Rank ``r`` keeps heads ``r*n/tp .. (r+1)*n/tp``,
+  the same heads its column-parallel q/k/v produce, so the bias it looks up matches its attention scores.
+  Forward: none. Backward: none (each rank's columns get their own gradients).
+- ``VocabBias``: a vocabulary-sized ``bias`` held directly on a head module (BERT's ``cls.predictions.bias``,
+  RoBERTa's ``lm_head.bias``), split and padded exactly like the vocab-parallel decoder it is tied to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import Embedding
+from .mappings import group_rank, group_size
+from .plan import ShardSpec, Style
+from .tensor_parallel import divide, padded_size
+
+
+class HeadParallelEmbedding(Embedding):
+    """``[num_embeddings, num_heads]`` table split along dim 1. Input ids ``[...]`` (replicated); output
+    ``[..., num_heads/tp]``: this rank's heads. No collectives."""
+
+    def __init__(self, num_embeddings: int, num_heads: int, *, group, device=None, dtype=None):
+        self.group, self.tp_size, self.tp_rank = group, group_size(group), group_rank(group)
+        self.full_num_heads = num_heads
+        super().__init__(num_embeddings, divide(num_heads, self.tp_size, "number of heads"), device=device,
+                         dtype=dtype)
+
+    @classmethod
+    def from_plain(cls, module: nn.Embedding, group) -> "HeadParallelEmbedding":
+        return cls(module.num_embeddings, module.embedding_dim, group=group, device=module.weight.device,
+                   dtype=module.weight.dtype)
+
+    def forward(self, ids: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+@dataclass(frozen=True)
+class HeadwiseEmbedding(Style):
+    hf_style = "colwise"  # transformers' colwise on an nn.Embedding shards the last (here: heads) dim
+
+    def build(self, module, context):
+        return HeadParallelEmbedding.from_plain(module, context.tp_group)
+
+    def shard_specs(self, module):
+        return {"weight": ShardSpec(1)}
+
+
+@dataclass(frozen=True)
+class VocabBias(Style):
+    """The module's own ``bias`` (``[vocab]``) becomes this rank's padded slice ``[vocab_padded/tp]``.
+
+    The module is kept (only the parameter changes); its full vocabulary size is recorded as ``vocab_size`` so
+    the loader and saver can pad and strip. Padded entries are zero and never reach a checkpoint.
+    """
+
+    hf_style = None
+
+    def build(self, module, context):
+        bias = module.bias
+        tp = context.tp_size
+        module.vocab_size = bias.shape[0]
+        local = padded_size(module.vocab_size, tp) // tp
+        module.bias = nn.Parameter(torch.zeros(local, device=bias.device, dtype=bias.dtype))
+        return module
+
+    def shard_specs(self, module):
+        return {"bias": ShardSpec(0, vocab_size=module.vocab_size)}
