@@ -7,13 +7,14 @@ tensor-parallel-correct gradient clipping, mixed precision kept in step, resumab
     om.training.save_checkpoint("ckpt/step_100", model, optimizer, scheduler, dataloader=loader, step=100)
 """
 from .checkpoint import load_checkpoint, save_checkpoint
+from .export import plain_copy, save_pretrained, unsharded
 from .clip import clip_grad_norm_, grad_norm
 from .mixed_precision import check_mixed_precision, mark_overflow, sync_overflow
 from .prepare import prepare
 from .zero import ZERO_STAGES, shard_data_parallel, unwrap_model, unwrap_optimizer, zero_stage_of
 
 __all__ = [
-    "ZERO_STAGES", "check_mixed_precision", "clip_grad_norm_", "grad_norm", "load_checkpoint", "mark_overflow",
-    "prepare", "save_checkpoint", "shard_data_parallel", "sync_overflow", "unwrap_model", "unwrap_optimizer",
+    "ZERO_STAGES", "check_mixed_precision", "clip_grad_norm_", "grad_norm", "load_checkpoint", "mark_overflow", "plain_copy",
+    "prepare", "save_checkpoint", "save_pretrained", "unsharded", "shard_data_parallel", "sync_overflow", "unwrap_model", "unwrap_optimizer",
     "zero_stage_of",
 ]

@@ -105,7 +105,10 @@ def prepare(accelerator, model, *objects, zero_stage: int | None = None, cpu_off
     model = accelerator.prepare_model(model, evaluation_mode=True)
     model, sharded = shard_data_parallel(model, optimizers[0] if optimizers else None, zero_stage=zero_stage,
                                          cpu_offload=cpu_offload, **ddp_kwargs)
-    prepared_optimizer = accelerator.prepare_optimizer(sharded) if sharded is not None else None
+    # device_placement=False: the state is already where the parameters are, and Accelerate's placement round trip
+    # (state_dict -> load_state_dict) would need ZeRO-1's consolidated global state.
+    prepared_optimizer = (accelerator.prepare_optimizer(sharded, device_placement=False) if sharded is not None
+                          else None)
 
     from accelerate.scheduler import AcceleratedScheduler
 
