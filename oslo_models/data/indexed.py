@@ -235,6 +235,10 @@ class MMapTokenDataset:
         if tokenizer is not None:
             self.check_tokenizer(tokenizer)
         self.tokens = np.memmap(bpath, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
+        # plain-ndarray views of the same maps: slicing them skips np.memmap's Python-level __getitem__ and
+        # __array_finalize__, which are most of the cost of reading one sample
+        self._tokens = self.tokens.view(np.ndarray)
+        self._offsets = self.doc_offsets.view(np.ndarray)
         self.release_every_bytes = release_every_bytes
         self._touched = 0
 
@@ -260,13 +264,13 @@ class MMapTokenDataset:
         if not -len(self) <= d < len(self):
             raise IndexError(f"document {d} out of range for {len(self)} documents")
         d %= len(self)
-        start, end = int(self.doc_offsets[d]), int(self.doc_offsets[d + 1])
+        start, end = int(self._offsets[d]), int(self._offsets[d + 1])
         self._account(end - start)
-        return self.tokens[start:end]
+        return self._tokens[start:end]
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Copy ``tokens[start:start+length]`` into a new ``int64`` array."""
-        out = np.array(self.tokens[start:start + length], dtype=np.int64)
+        out = self._tokens[start:start + length].astype(np.int64)
         self._account(length)
         return out
 

@@ -78,6 +78,10 @@ class PackedCausalLMDataset(torch.utils.data.Dataset):
         self.num_samples = int(num_samples)
         self._lengths = self.data.document_lengths()
         self.doc_idx, self.sample_idx, self.shuffle_idx = self._load_or_build(cache, cache_dir)
+        # plain views for the hot path (np.memmap indexing is several times slower per call)
+        self._doc_idx, self._sample_idx, self._shuffle_idx = (
+            a.view(np.ndarray) for a in (self.doc_idx, self.sample_idx, self.shuffle_idx))
+        self._starts = self.data._offsets
 
     # ---- index -------------------------------------------------------------------------------------------------
     def _cache_key(self) -> str:
@@ -141,16 +145,20 @@ class PackedCausalLMDataset(torch.utils.data.Dataset):
 
         ``doc_starts[t]`` is True where a new document begins at token ``t`` (not counting ``t == 0``).
         """
-        pos, offset = (int(x) for x in self.sample_idx[j])
+        pos, offset = self._sample_idx[j].tolist()
+        doc = int(self._doc_idx[pos])
+        take = int(self._lengths[doc]) - offset
+        if take >= self.seq_len:  # fast path: the window lies inside one document
+            return self.data.read(int(self._starts[doc]) + offset, self.seq_len), np.zeros(self.seq_len, bool)
         pieces, starts = [], np.zeros(self.seq_len, dtype=bool)
         filled = 0
         while filled < self.seq_len:
-            doc = int(self.doc_idx[pos])
+            doc = int(self._doc_idx[pos])
             take = min(self.seq_len - filled, int(self._lengths[doc]) - offset)
             if take > 0:
                 if filled > 0:
                     starts[filled] = True
-                pieces.append(self.data.read(int(self.data.doc_offsets[doc]) + offset, take))
+                pieces.append(self.data.read(int(self._starts[doc]) + offset, take))
                 filled += take
             pos, offset = pos + 1, 0
         return (pieces[0] if len(pieces) == 1 else np.concatenate(pieces)), starts
@@ -158,7 +166,7 @@ class PackedCausalLMDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not -self.num_samples <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
-        tokens, starts = self.stream_sample(int(self.shuffle_idx[i % self.num_samples]))
+        tokens, starts = self.stream_sample(int(self._shuffle_idx[i % self.num_samples]))
         item = {"input_ids": torch.from_numpy(tokens)}
         if self.document_position_ids:
             item["position_ids"] = torch.from_numpy(_positions(starts))
