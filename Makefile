@@ -23,7 +23,7 @@ test: $(VENV)/.installed
 demo: $(VENV)/.installed
 	OMP_NUM_THREADS=1 ACCELERATE_USE_CPU=1 $(VENV)/bin/accelerate launch --multi_gpu --num_processes 4 \
 		--num_machines 1 --mixed_precision no --dynamo_backend no \
-		examples/demo_gpt2.py --output demo_out
+		examples/train_clm.py --tp 2 --steps 300 --seq-len 32 --batch-size 8 --output demo_out
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/load_memory.py
