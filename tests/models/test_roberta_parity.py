@@ -1,0 +1,46 @@
+"""RoBERTa (position ids from ``padding_idx``, ``lm_head`` with a tied bias) at tp 1/2/4, sequence parallelism off
+and on, equals plain ``transformers``: logits, loss, every gradient, parameters after 3 AdamW steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import oslo_models as om
+from tests.helpers.dist import run_distributed
+from tests.helpers.encoders import assert_steps_match, mlm_batch, save_tiny, tiny_bert_config
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("roberta"), transformers.RobertaForMaskedLM,
+                     tiny_bert_config(transformers.RobertaConfig, max_position_embeddings=16))
+
+
+def _parity_worker(path: str, tp: int) -> None:
+    inputs, labels = mlm_batch(pad_token_id=1)
+    for sp in (False, True):
+        parallel = om.ParallelConfig(tensor_parallel_size=tp, sequence_parallel=sp)
+        reference = transformers.RobertaForMaskedLM.from_pretrained(path).train()
+        model = om.AutoModelForMaskedLM.from_pretrained(path, parallel=parallel, progress=False).train()
+        assert isinstance(model, om.RobertaForMaskedLM)
+        assert model.lm_head.decoder.bias is model.lm_head.bias
+        assert_steps_match(model, reference, inputs, labels)
+
+
+def test_tp1_matches_transformers(checkpoint):
+    _parity_worker(checkpoint, 1)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_matches_transformers(checkpoint, tp):
+    run_distributed(_parity_worker, tp, checkpoint, tp)
+
+
+def test_sequence_classification_matches_transformers(tmp_path):
+    path = save_tiny(tmp_path, transformers.RobertaForSequenceClassification,
+                     tiny_bert_config(transformers.RobertaConfig, num_labels=3))
+    inputs, _ = mlm_batch(pad_token_id=1)
+    reference = transformers.RobertaForSequenceClassification.from_pretrained(path).train()
+    model = om.AutoModelForSequenceClassification.from_pretrained(path, progress=False).train()
+    assert_steps_match(model, reference, inputs, torch.tensor([0, 2, 1]), steps=1)
