@@ -3,7 +3,7 @@
     import oslo_models as om
     model = om.AutoModelForCausalLM.from_pretrained("gpt2", parallel=om.ParallelConfig(tensor_parallel_size=2))
 """
-from . import data
+from . import data, training
 from .config import ParallelConfig
 from .distributed import ParallelContext, data_parallel
 from .models.auto import (
@@ -33,7 +33,7 @@ from .models.t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5M
 __version__ = "0.1.0"
 
 __all__ = [
-    "data",
+    "data", "training",
     "ParallelConfig", "ParallelContext", "data_parallel",
     "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
     "GPT2Config", "GPT2Model", "GPT2LMHeadModel", "GPT2ForSequenceClassification",
