@@ -41,6 +41,9 @@ class ParallelConfig:
         pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zero_bubble"``.
         num_microbatches: microbatches per step for the pipeline (``None``: the number of stages).
         virtual_pipeline_size: model chunks per stage for the interleaved schedule.
+        pipeline_partition: how layers are cut into stages: ``"uniform"`` (equal counts; ``ValueError`` when they
+            do not divide), ``"parameters"`` (balanced parameter counts, embeddings and head included) or a tuple
+            of layers per stage (``pipeline_parallel_size * virtual_pipeline_size`` entries).
         expert_parallel_size: ranks that split the experts of a mixture-of-experts layer.
         data_parallel_size: model replicas; ``None`` infers it from the world size.
         zero_stage: ZeRO stage (0 = plain data parallel) for the training helpers.
@@ -56,6 +59,7 @@ class ParallelConfig:
     pipeline_schedule: str = "1f1b"
     num_microbatches: int | None = None
     virtual_pipeline_size: int = 1
+    pipeline_partition: str | tuple[int, ...] = "uniform"
     expert_parallel_size: int = 1
     data_parallel_size: int | None = None
     zero_stage: int = 0
@@ -78,6 +82,7 @@ class ParallelConfig:
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"ParallelConfig.pipeline_schedule={self.pipeline_schedule!r} is unknown; "
                              f"choose one of {PIPELINE_SCHEDULES}")
+        self._check_pipeline()
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"ParallelConfig.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -92,12 +97,43 @@ class ParallelConfig:
         if self.tensor_parallel_mode not in _IMPLEMENTED_TENSOR_PARALLEL_MODES:
             raise NotImplementedError(f"tensor_parallel_mode={self.tensor_parallel_mode!r} is not implemented yet; "
                                       f"available: {_IMPLEMENTED_TENSOR_PARALLEL_MODES}")
-        if self.pipeline_parallel_size > 1:
-            raise NotImplementedError("pipeline_parallel_size > 1 is not implemented yet")
-        if self.virtual_pipeline_size > 1:
-            raise NotImplementedError("virtual_pipeline_size > 1 (interleaved pipeline) is not implemented yet")
         if self.expert_parallel_size > 1:
             raise NotImplementedError("expert_parallel_size > 1 is not implemented yet")
+
+    def _check_pipeline(self) -> None:
+        """Pipeline options that do not fit each other (the model-dependent checks run when it is split)."""
+        partition = self.pipeline_partition
+        if isinstance(partition, list):  # from JSON
+            partition = tuple(partition)
+            object.__setattr__(self, "pipeline_partition", partition)
+        if isinstance(partition, tuple):
+            if not partition or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in partition):
+                raise ValueError(f"ParallelConfig.pipeline_partition must hold positive layer counts, got {partition!r}")
+            if len(partition) != self.pipeline_parallel_size * self.virtual_pipeline_size:
+                raise ValueError(f"ParallelConfig.pipeline_partition={partition} has {len(partition)} stage(s), but "
+                                 f"pipeline_parallel_size x virtual_pipeline_size = "
+                                 f"{self.pipeline_parallel_size * self.virtual_pipeline_size}")
+        elif partition not in ("uniform", "parameters"):
+            raise ValueError(f"ParallelConfig.pipeline_partition={partition!r} is unknown; use 'uniform', "
+                             "'parameters' or a tuple of layers per stage")
+        multi_stage = self.pipeline_schedule in ("interleaved_1f1b", "zero_bubble")
+        if self.virtual_pipeline_size > 1 and not multi_stage:
+            raise ValueError(f"virtual_pipeline_size={self.virtual_pipeline_size} needs pipeline_schedule="
+                             f"'interleaved_1f1b' or 'zero_bubble', got {self.pipeline_schedule!r}")
+        if self.pipeline_schedule == "interleaved_1f1b" and self.pipeline_parallel_size > 1 \
+                and self.virtual_pipeline_size < 2:
+            raise ValueError("pipeline_schedule='interleaved_1f1b' needs virtual_pipeline_size >= 2 (model chunks "
+                             "per rank); use '1f1b' for one chunk per rank")
+        pp, microbatches = self.pipeline_parallel_size, self.num_microbatches or self.pipeline_parallel_size
+        if pp > 1 and self.pipeline_schedule == "1f1b" and microbatches < pp:
+            raise ValueError(f"pipeline_schedule='1f1b' needs num_microbatches >= pipeline_parallel_size ({pp}), "
+                             f"got {microbatches}; use more microbatches or 'gpipe'")
+        if pp > 1 and multi_stage:
+            rounds = max(1, microbatches // pp)
+            if microbatches % rounds:
+                raise ValueError(f"pipeline_schedule={self.pipeline_schedule!r} runs microbatches in rounds of "
+                                 f"pipeline_parallel_size={pp}: num_microbatches={microbatches} must be a multiple "
+                                 f"of {rounds} (or at most {pp})")
 
     # ------------------------------------------------------------------ sizes
     @property

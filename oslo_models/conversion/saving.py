@@ -29,7 +29,8 @@ def gather_full_state_dict(model: torch.nn.Module, *, plan, context: ParallelCon
     """Full-size CPU state dict on global rank 0 (``None`` elsewhere). Collective over each TP group."""
     if context.dp_rank != 0:
         return None
-    keep = context.rank == 0
+    # Each stage's tp rank 0 keeps its stage's tensors; at pipeline_parallel_size == 1 that is global rank 0.
+    keep = context.tp_rank == 0
     full_state = {} if keep else None
     seen: set[int] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -39,6 +40,10 @@ def gather_full_state_dict(model: torch.nn.Module, *, plan, context: ParallelCon
         full = plan.shard_spec(model, name).gather(tensor.detach(), context.tp_group)
         if keep:
             full_state[name] = full.to("cpu", copy=True).contiguous()
+    if context.pp_size > 1:  # pipeline stages hold disjoint tensors: merge them on global rank 0
+        from ..pipeline.checkpoint import collect_stage_state_dicts
+
+        return collect_stage_state_dicts(full_state, context)
     return full_state
 
 

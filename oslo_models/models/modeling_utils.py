@@ -74,6 +74,12 @@ class OsloPreTrainedModel(PreTrainedModel):
         Called at the end of the outermost ``__init__`` (submodules are built with ``submodule=True``).
         """
         self.parallel_plan.apply(self, self.parallel_context)
+        if self.parallel_context.pp_size > 1:
+            # Pipeline parallelism: keep only this rank's stages (layers, and embeddings/head on the first/last
+            # stage) before anything is allocated; names stay the Hub names. See oslo_models/pipeline/stage.py.
+            from ..pipeline.stage import keep_stage_modules
+
+            keep_stage_modules(self, self.parallel_context)
         self.tie_parallel_weights()
         if not any(param.is_meta for param in self.parameters()):
             self.initialize_from_twin()
@@ -96,6 +102,11 @@ class OsloPreTrainedModel(PreTrainedModel):
         self.load_from_reader(InMemoryReader(twin.state_dict()))
 
     def load_from_reader(self, reader: CheckpointReader, *, progress: bool = False) -> dict[str, list[str]]:
+        if self.parallel_context.pp_size > 1:
+            # Pipeline parallelism: read only this stage's tensors (and the tied head from the input embedding).
+            from ..pipeline.checkpoint import StageReader
+
+            reader = StageReader.for_model(self, reader)
         return load_checkpoint_into(self, reader, plan=self.parallel_plan, context=self.parallel_context,
                                     base_model_prefix=self.base_model_prefix,
                                     init_std=getattr(self.config, "initializer_range", 0.02),
@@ -164,6 +175,29 @@ class OsloPreTrainedModel(PreTrainedModel):
                 model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub)
         model.eval()
         return model
+
+    # ------------------------------------------------------------------ training steps
+    def train_step(self, batch, *, labels=None, attention_mask=None, optimizer=None) -> torch.Tensor:
+        """Forward + backward of one batch (``input_ids [b, s]`` or a dict with ``input_ids``, ``labels``,
+        ``attention_mask``); returns the loss on every rank. With ``pipeline_parallel_size > 1`` this runs the
+        configured pipeline schedule (see ``oslo_models.pipeline.runner``). With ``optimizer``, also steps it.
+        Collective: call on every rank."""
+        return self._pipeline_runner().train_step(batch, labels=labels, attention_mask=attention_mask,
+                                                  optimizer=optimizer)
+
+    def eval_step(self, batch, *, labels=None, attention_mask=None) -> torch.Tensor:
+        """Forward only; returns the loss on every rank (see ``train_step``)."""
+        return self._pipeline_runner().eval_step(batch, labels=labels, attention_mask=attention_mask)
+
+    def _pipeline_runner(self):
+        # Built on first use (it creates process groups) and kept on the instance: no global state.
+        runner = self.__dict__.get("_oslo_pipeline_runner")
+        if runner is None:
+            from ..pipeline.runner import PipelineRunner
+
+            runner = PipelineRunner(self)
+            self.__dict__["_oslo_pipeline_runner"] = runner
+        return runner
 
     # ------------------------------------------------------------------ saving
     def _tied_keys_to_skip(self) -> set[str]:

@@ -1,0 +1,17 @@
+"""Pipeline parallelism for this project's models, on ``torch.distributed.pipelining``.
+
+    cfg = om.ParallelConfig(pipeline_parallel_size=2, num_microbatches=8, pipeline_schedule="1f1b")
+    model = om.AutoModelForCausalLM.from_pretrained("gpt2", parallel=cfg)   # each stage loads only its layers
+    loss = model.train_step({"input_ids": ids, "labels": ids}, optimizer=opt)  # loss on every rank
+    model.save_pretrained("out/")                                           # one plain Hub folder
+
+``partition``: which layers each stage runs; ``stage``: cutting an unmodified model into stages; ``runner``:
+torch's schedules over those stages (train/eval steps, gradient sync); ``plot``: the schedule as a picture;
+``checkpoint``: per-stage loading and the all-stage save.
+"""
+from .partition import measure_layer_costs, partition_by_cost, partition_layers
+from .runner import PipelineRunner, schedule_class
+from .stage import PipelineLayout, StageLayers, StageModule
+
+__all__ = ["PipelineRunner", "PipelineLayout", "StageLayers", "StageModule", "measure_layer_costs",
+           "partition_by_cost", "partition_layers", "schedule_class"]

@@ -1,0 +1,211 @@
+"""Run a pipelined model: ``torch.distributed.pipelining`` schedules over this project's stages.
+
+``PipelineRunner(model).train_step(batch)`` is one training step on this data-parallel replica's batch
+``input_ids [b, s]`` (+ ``labels``, ``attention_mask``): split into ``num_microbatches`` microbatches along the
+batch, run through the configured schedule, gradients synchronized, loss returned on every rank.
+
+Schedules (``ParallelConfig.pipeline_schedule``), all torch's, on ``PipelineStage`` with static shapes:
+
+- ``"gpipe"``: ``ScheduleGPipe`` (all forwards, then all backwards);
+- ``"1f1b"``: ``Schedule1F1B`` (PipeDream-flush; needs ``num_microbatches >= pp``);
+- ``"interleaved_1f1b"``: ``ScheduleInterleaved1F1B`` over ``virtual_pipeline_size >= 2`` stages per rank;
+- ``"zero_bubble"``: ``ScheduleInterleavedZeroBubble`` (ZB1P: the weight-gradient half of each backward fills
+  the bubble), over ``virtual_pipeline_size`` stages per rank.
+
+Loss scaling: the loss of microbatch ``i`` is ``sum of its token losses / N`` with ``N`` the number of loss
+tokens in the whole (local) batch, and torch's ``1/num_microbatches`` grad scaling is off, so the summed loss and
+the gradients equal the unpipelined model's mean loss on the same batch exactly, also when microbatches hold
+different numbers of padding tokens.
+
+Communication per step, besides the schedule's point-to-point sends of activations ``[mb, s(/tp), h]`` (and
+their gradients) between neighbouring stages of one pipeline group:
+
+- tied embeddings: one all-reduce (sum) of the ``wte``/``lm_head`` gradient between the first and last stage;
+- data parallelism: one all-reduce (mean) of every local gradient over the data-parallel group;
+- the loss: one broadcast from the last stage over the pipeline group (and a mean over data parallelism).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from .stage import StageModule, adapter_for, tied_embedding_group, tied_parameter
+
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+
+
+def schedule_class(name: str):
+    """The torch schedule class run for ``ParallelConfig.pipeline_schedule == name``."""
+    if name not in SCHEDULE_CLASSES:
+        raise ValueError(f"Unknown pipeline_schedule {name!r}; choose one of {tuple(SCHEDULE_CLASSES)}")
+    return SCHEDULE_CLASSES[name]
+
+
+class _LossFn:
+    """``loss(local_logits, labels, num_items_in_batch)`` of one microbatch, on the last stage."""
+
+    def __init__(self, model):
+        self.model, self.adapter = model, adapter_for(model)
+
+    def __call__(self, local_logits, labels, num_items_in_batch=None):
+        return self.adapter.loss(self.model, local_logits, labels, num_items_in_batch)
+
+
+class PipelineRunner:
+    """Owns the stages and schedules of one pipelined model (one per microbatch shape, built on first use).
+
+    Collective at construction (the tied-embedding process groups) and in every step: call on every rank.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.context = model.parallel_context
+        config = self.context.config
+        self.schedule_name = config.pipeline_schedule
+        self.pipelined = self.context.pp_size > 1
+        # Unpipelined (pp == 1), a step is the model's own forward + backward on the whole batch.
+        self.num_microbatches = (config.num_microbatches or self.context.pp_size) if self.pipelined else 1
+        self.layout = getattr(model, "pipeline_layout", None)
+        self.adapter = adapter_for(model) if self.pipelined else None
+        self.tie_group = tied_embedding_group(self.context, self.layout) if self.pipelined else None
+        self.tied = tied_parameter(model, self.layout) if self.pipelined else None
+        self._schedules: dict[tuple, object] = {}
+
+    # ------------------------------------------------------------------ schedule construction
+    def _schedule(self, microbatch: int, seq_len: int, training: bool):
+        key = (microbatch, seq_len, training)
+        if key not in self._schedules:
+            self._schedules[key] = self._build_schedule(microbatch, seq_len, training)
+        return self._schedules[key]
+
+    def _build_schedule(self, microbatch: int, seq_len: int, training: bool):
+        model, context, layout = self.model, self.context, self.layout
+        sp = self.adapter.use_sequence_parallel(model, seq_len)
+        dtype = next(model.parameters()).dtype
+        activation = torch.empty(self.adapter.activation_shape(model, microbatch, seq_len, sp), dtype=dtype,
+                                 device="meta")
+        stages = []
+        for stage_index in layout.local_stages:
+            module = StageModule(model, stage_index, layout, sequence_parallel=sp)
+            # Static shapes: no shape-inference forward (which would run the TP collectives on empty tensors).
+            # Activations (sent and received) are marked requires_grad in training: torch sizes the gradient
+            # buffers from these metas and skips the backward send/receive of tensors that do not need grad.
+            inputs = (torch.empty(microbatch, seq_len, dtype=torch.long, device="meta") if module.is_first
+                      else activation.detach().requires_grad_(training))
+            outputs = (torch.empty(self.adapter.output_shape(model, microbatch, seq_len), dtype=dtype, device="meta")
+                       if module.is_last else activation).detach().requires_grad_(training)
+            stages.append(PipelineStage(module, stage_index, layout.num_stages, context.device, input_args=inputs,
+                                        output_args=outputs, group=context.pp_group))
+        cls = schedule_class(self.schedule_name)
+        loss_fn = _LossFn(model)
+        if self.schedule_name in MULTI_STAGE_SCHEDULES:
+            return cls(stages, self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        return cls(stages[0], self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    # ------------------------------------------------------------------ steps
+    def _unpack(self, batch, labels, attention_mask):
+        if isinstance(batch, Mapping):
+            unknown = set(batch) - {"input_ids", "labels", "attention_mask"}
+            if unknown:
+                raise ValueError(f"Pipeline batches take input_ids, labels and attention_mask; got {sorted(unknown)}")
+            batch, labels, attention_mask = batch["input_ids"], batch.get("labels", labels), batch.get(
+                "attention_mask", attention_mask)
+        input_ids = batch
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[0] % self.num_microbatches:
+            raise ValueError(f"The batch of {input_ids.shape[0]} sequences is not divisible by num_microbatches="
+                             f"{self.num_microbatches}; use a batch size that is a multiple of it")
+        device = self.context.device
+        kwargs = {}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask.to(device)
+        return input_ids.to(device), (None if labels is None else labels.to(device)), kwargs
+
+    def _run(self, batch, labels, attention_mask, training: bool) -> torch.Tensor:
+        input_ids, labels, kwargs = self._unpack(batch, labels, attention_mask)
+        if labels is None:
+            raise ValueError("A pipeline step computes the loss: pass labels (or a batch with 'labels')")
+        if not self.pipelined:
+            return self._run_unpipelined(input_ids, labels, kwargs, training)
+        microbatch, seq_len = input_ids.shape[0] // self.num_microbatches, input_ids.shape[1]
+        schedule = self._schedule(microbatch, seq_len, training)
+        layout = self.layout
+        args = (input_ids,) if layout.has_first else ()
+        target = labels if layout.has_last else None
+        losses: list[torch.Tensor] = []
+        loss_kwargs = {"num_items_in_batch": max(self.adapter.num_loss_items(labels), 1)}
+        if training:
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs,
+                          **kwargs)
+        else:
+            with torch.no_grad():
+                schedule.eval(*args, target=target, losses=losses, loss_kwargs=loss_kwargs, **kwargs)
+        loss = (torch.stack(losses).sum().detach().float() if layout.has_last
+                else torch.zeros((), dtype=torch.float32, device=self.context.device))
+        dist.broadcast(loss, src=dist.get_global_rank(self.context.pp_group, layout.last_rank),
+                       group=self.context.pp_group)
+        if self.context.dp_size > 1:
+            dist.all_reduce(loss, group=self.context.dp_group)
+            loss /= self.context.dp_size
+        return loss
+
+    def _run_unpipelined(self, input_ids, labels, kwargs, training: bool) -> torch.Tensor:
+        with torch.set_grad_enabled(training):
+            loss = self.model(input_ids, labels=labels, **kwargs).loss
+        if training:
+            loss.backward()
+        loss = loss.detach().float()
+        if self.context.dp_size > 1:
+            dist.all_reduce(loss, group=self.context.dp_group)
+            loss /= self.context.dp_size
+        return loss
+
+    def train_step(self, batch, *, labels=None, attention_mask=None, optimizer=None) -> torch.Tensor:
+        """Forward and backward of one batch through the schedule; returns the mean loss on every rank.
+
+        Gradients accumulate into ``.grad`` (tied copies summed, data-parallel replicas averaged). With
+        ``optimizer``, also runs ``optimizer.step()`` and ``optimizer.zero_grad()``.
+        """
+        loss = self._run(batch, labels, attention_mask, training=True)
+        self.sync_gradients()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
+
+    @torch.no_grad()
+    def eval_step(self, batch, *, labels=None, attention_mask=None) -> torch.Tensor:
+        """Forward only through the schedule; returns the mean loss on every rank."""
+        return self._run(batch, labels, attention_mask, training=False)
+
+    # ------------------------------------------------------------------ gradients
+    def sync_gradients(self) -> None:
+        """Sum the tied embedding's gradient over its two copies; average every gradient over data parallel."""
+        if self.tie_group is not None and self.tied is not None:
+            if self.tied.grad is None:
+                self.tied.grad = torch.zeros_like(self.tied)
+            dist.all_reduce(self.tied.grad, group=self.tie_group)
+        if self.context.dp_size > 1:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            if grads:
+                flat = torch._utils._flatten_dense_tensors(grads)
+                dist.all_reduce(flat, group=self.context.dp_group)
+                flat /= self.context.dp_size
+                for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    grad.copy_(synced)
