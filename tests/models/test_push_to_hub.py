@@ -1,0 +1,54 @@
+"""``push_to_hub`` under TP: rank 0 uploads exactly what ``save_pretrained`` writes, the other ranks wait, and an
+upload error reaches every rank instead of leaving them blocked. The Hub is replaced by a recording fake."""
+from __future__ import annotations
+
+import os
+import shutil
+from unittest import mock
+
+import pytest
+import torch
+import transformers
+
+import oslo_models as om
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import padded_batch, save_tiny_gpt2
+
+
+class _RecordingApi:
+    def __init__(self, target: str, fail: bool):
+        self.target, self.fail = target, fail
+
+    def __call__(self, token=None):
+        return self
+
+    def create_repo(self, repo_id, private=None, exist_ok=False):
+        if self.fail:
+            raise ConnectionError("hub unreachable")
+
+    def upload_folder(self, repo_id, folder_path, commit_message, revision=None):
+        shutil.copytree(folder_path, os.path.join(self.target, repo_id.replace("/", "--")))
+        return f"uploaded {repo_id}"
+
+
+def _push_worker(source: str, target: str) -> None:
+    model = om.AutoModelForCausalLM.from_pretrained(source, parallel=om.ParallelConfig(tensor_parallel_size=2),
+                                                    progress=False)
+    rank = torch.distributed.get_rank()
+    with mock.patch("huggingface_hub.HfApi", _RecordingApi(os.path.join(target, f"rank{rank}"), fail=False)):
+        result = model.push_to_hub("me/tiny")
+    assert (result == "uploaded me/tiny") == (rank == 0)
+    with mock.patch("huggingface_hub.HfApi", _RecordingApi(target, fail=True)):
+        with pytest.raises((ConnectionError, RuntimeError), match="hub unreachable"):
+            model.push_to_hub("me/tiny")
+
+
+def test_push_to_hub_uploads_from_rank0_only(tmp_path):
+    source = save_tiny_gpt2(tmp_path / "src")
+    run_distributed(_push_worker, 2, source, str(tmp_path / "hub"))
+    assert sorted(os.listdir(tmp_path / "hub")) == ["rank0"]
+    uploaded = tmp_path / "hub" / "rank0" / "me--tiny"
+    ids, mask, _ = padded_batch(101)
+    plain = transformers.GPT2LMHeadModel.from_pretrained(uploaded)
+    reference = transformers.GPT2LMHeadModel.from_pretrained(source)
+    torch.testing.assert_close(plain(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
