@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
@@ -87,3 +88,13 @@ def assert_steps_match(model, reference, inputs: dict, labels, *, steps: int = 3
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
         assert_params_match(model, reference)
+
+
+@pytest.fixture
+def single_thread():
+    """In-process (tp=1) runs use one intra-op thread, as the spawned ranks do: on the shared 2-core CI box,
+    torch's default thread pool makes these tiny matmuls many times slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -10,6 +10,7 @@ import transformers
 import oslo_models as om
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import VOCAB, assert_steps_match, mlm_batch, save_tiny, tiny_bert_config
+from tests.helpers.encoders import single_thread  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def _parity_worker(mlm_path: str, cls_path: str, tp: int) -> None:
         assert_steps_match(model, reference, inputs, torch.tensor([0, 2, 1]))
 
 
-def test_tp1_matches_transformers(checkpoints):
+def test_tp1_matches_transformers(checkpoints, single_thread):
     _parity_worker(*checkpoints, 1)
 
 

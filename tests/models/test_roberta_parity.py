@@ -9,6 +9,7 @@ import transformers
 import oslo_models as om
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import assert_steps_match, mlm_batch, save_tiny, tiny_bert_config
+from tests.helpers.encoders import single_thread  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def _parity_worker(path: str, tp: int) -> None:
         assert_steps_match(model, reference, inputs, labels)
 
 
-def test_tp1_matches_transformers(checkpoint):
+def test_tp1_matches_transformers(checkpoint, single_thread):
     _parity_worker(checkpoint, 1)
 
 
@@ -37,7 +38,7 @@ def test_tensor_parallel_matches_transformers(checkpoint, tp):
     run_distributed(_parity_worker, tp, checkpoint, tp)
 
 
-def test_sequence_classification_matches_transformers(tmp_path):
+def test_sequence_classification_matches_transformers(tmp_path, single_thread):
     path = save_tiny(tmp_path, transformers.RobertaForSequenceClassification,
                      tiny_bert_config(transformers.RobertaConfig, num_labels=3))
     inputs, _ = mlm_batch(pad_token_id=1)

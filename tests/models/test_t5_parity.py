@@ -11,6 +11,7 @@ import transformers
 import oslo_models as om
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import assert_steps_match, save_tiny_t5, seq2seq_batch
+from tests.helpers.encoders import single_thread  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def _parity_worker(relu_path: str, gated_path: str, tp: int) -> None:
     torch.testing.assert_close(model(**odd).logits, reference(**odd).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_tp1_matches_transformers(checkpoints):
+def test_tp1_matches_transformers(checkpoints, single_thread):
     _parity_worker(*checkpoints, 1)
 
 

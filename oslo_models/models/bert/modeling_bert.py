@@ -39,6 +39,10 @@ from .configuration_bert import BertConfig
 from .parallel_plan import BERT_BASE_PLAN, BERT_HEAD_PLAN, BERT_MLM_PLAN
 
 
+def _activation(hidden_act):
+    return ACT2FN[hidden_act] if isinstance(hidden_act, str) else hidden_act
+
+
 class BertEmbeddings(nn.Module):
     """word + position + token-type embeddings, LayerNorm, dropout: ``[b, s]`` ids -> ``[b, s, h]``.
 
@@ -125,7 +129,7 @@ class BertIntermediate(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.dense = Linear(config.hidden_size, config.intermediate_size)
-        self.intermediate_act_fn = ACT2FN[config.hidden_act] if isinstance(config.hidden_act, str) else config.hidden_act
+        self.intermediate_act_fn = _activation(config.hidden_act)
 
     def forward(self, hidden_states, *, sequence_parallel=False):
         return self.intermediate_act_fn(self.dense(hidden_states, sequence_parallel=sequence_parallel))
@@ -180,7 +184,7 @@ class BertPredictionHeadTransform(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.dense = Linear(config.hidden_size, config.hidden_size)
-        self.transform_act_fn = ACT2FN[config.hidden_act] if isinstance(config.hidden_act, str) else config.hidden_act
+        self.transform_act_fn = _activation(config.hidden_act)
         self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden_states):

@@ -101,7 +101,8 @@ class T5Attention(nn.Module):
         cache, is_updated = past_key_values, False
         if isinstance(past_key_values, EncoderDecoderCache):
             is_updated = past_key_values.is_updated.get(self.layer_idx)
-            cache = past_key_values.cross_attention_cache if is_cross_attention else past_key_values.self_attention_cache
+            cache = (past_key_values.cross_attention_cache if is_cross_attention
+                     else past_key_values.self_attention_cache)
         if is_cross_attention and past_key_values is not None and is_updated:  # encoder k/v computed at step one
             key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
         else:
@@ -291,8 +292,9 @@ class T5Stack(T5PreTrainedModel):
         if self.is_decoder:
             use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
             if use_cache and past_key_values is None:
-                past_key_values = (EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
-                                   if self.config.is_encoder_decoder else DynamicCache(config=self.config))
+                past_key_values = DynamicCache(config=self.config)
+                if self.config.is_encoder_decoder:
+                    past_key_values = EncoderDecoderCache(past_key_values, DynamicCache(config=self.config))
             self_cache = (past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache)
                           else past_key_values)
             mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
@@ -419,7 +421,8 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
         context = self.parallel_context
         spec = self.parallel_plan.shard_spec(self, "lm_head.weight")
         head, shared = (spec.read_shard(tuple(reader.shape(key)), lambda index, key=key: reader.read(key, index),
-                                        context.tp_rank, context.tp_size) for key in ("lm_head.weight", "shared.weight"))
+                                        context.tp_rank, context.tp_size)
+                        for key in ("lm_head.weight", "shared.weight"))
         differs = torch.tensor([0 if torch.equal(head, shared) else 1], device=context.device)
         if context.tp_group is not None:
             dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=context.tp_group)
