@@ -156,6 +156,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where to write the corpora (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the generated files")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--readers", default="packed,arrow_fixed_uint16,arrow_list_int64",
+                        help="comma-separated subset of readers to run")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
 
@@ -165,14 +167,16 @@ def main() -> None:
         t = time.perf_counter()
         num_tokens = generate(work / "corpus", args.gb, args.seed)
         gen_s = time.perf_counter() - t
+        readers = args.readers.split(",")
         t = time.perf_counter()
-        build_arrow(work / "corpus", args.seq_len, work / "fixed.arrow", "fixed")
-        build_arrow(work / "corpus", args.seq_len, work / "list.arrow", "list")
+        paths = {"packed": work / "corpus"}
+        for name, layout in (("arrow_fixed_uint16", "fixed"), ("arrow_list_int64", "list")):
+            if name in readers:
+                paths[name] = work / f"{layout}.arrow"
+                build_arrow(work / "corpus", args.seq_len, paths[name], layout)
         arrow_s = time.perf_counter() - t
         cap = args.max_samples or (num_tokens // args.seq_len)
-        results = [run_in_child("packed", str(work / "corpus"), args.seq_len, cap, args.seed),
-                   run_in_child("arrow_fixed_uint16", str(work / "fixed.arrow"), args.seq_len, cap, args.seed),
-                   run_in_child("arrow_list_int64", str(work / "list.arrow"), args.seq_len, cap, args.seed)]
+        results = [run_in_child(name, str(paths[name]), args.seq_len, cap, args.seed) for name in readers]
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
