@@ -1,0 +1,47 @@
+"""``python -m oslo_models <command>`` / the ``oslo-models`` console script.
+
+Commands:
+    pipeline-plot   draw the pipeline schedule the runner executes (SVG or PNG)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _pipeline_plot(args: argparse.Namespace) -> int:
+    from .pipeline.plot import write_schedule_plot
+
+    output = args.output or f"pipeline_{args.schedule}_pp{args.pp}_m{args.microbatches}.svg"
+    path = write_schedule_plot(output, args.schedule, args.pp, args.microbatches, args.virtual)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .config import PIPELINE_SCHEDULES
+
+    parser = argparse.ArgumentParser(prog="oslo-models", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    plot = commands.add_parser("pipeline-plot", help="draw a pipeline schedule timeline (SVG/PNG)")
+    plot.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
+    plot.add_argument("--microbatches", type=int, required=True)
+    plot.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b")
+    plot.add_argument("--virtual", type=int, default=1, help="stages per rank (interleaved / zero bubble)")
+    plot.add_argument("--output", "-o", help="file ending in .svg or .png (default: an .svg named after the run)")
+    plot.set_defaults(handler=_pipeline_plot)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except ValueError as error:
+        parser.error(str(error))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
