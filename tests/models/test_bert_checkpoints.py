@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import oslo_models as om
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import mlm_batch, save_tiny, tiny_bert_config
+from tests.helpers.encoders import single_thread  # noqa: F401 (a fixture)
 from tests.helpers.models import assert_params_match
 
 HEADS = {  # our Auto class -> transformers class, with a batch's extra inputs
@@ -97,3 +98,23 @@ def test_sizes_that_do_not_divide_are_value_errors(overrides, tp, message):
     config = tiny_bert_config(**overrides)
     with pytest.raises(ValueError, match=message):
         om.AutoModelForMaskedLM.from_config(config, parallel=om.ParallelConfig(tensor_parallel_size=tp))
+
+
+def test_legacy_layernorm_gamma_beta_keys_load(tmp_path, single_thread):
+    """Old Hub BERT checkpoints store ``LayerNorm.gamma/beta``; they load as transformers loads them."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    reference = transformers.BertForMaskedLM(tiny_bert_config()).eval()
+    with torch.no_grad():  # LayerNorms start at ones/zeros: move them, or a missed key would go unnoticed
+        for name, param in reference.named_parameters():
+            if "LayerNorm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    state = {key.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): value
+             for key, value in reference.state_dict().items() if "decoder" not in key}
+    assert any(key.endswith("LayerNorm.gamma") for key in state)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    reference.config.save_pretrained(tmp_path)
+    inputs, _ = mlm_batch()
+    model = om.AutoModelForMaskedLM.from_pretrained(tmp_path, progress=False)
+    torch.testing.assert_close(model(**inputs).logits, reference(**inputs).logits, atol=1e-6, rtol=1e-6)

@@ -33,6 +33,7 @@ from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ..common import attend, enter_sequence_parallel, full_logits, leave_sequence_parallel, split_heads, token_loss
 from ..common import use_sequence_parallel
+from ..common.legacy_keys import LegacyKeyReader
 from ..heads import sequence_classification_loss
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_bert import BertConfig
@@ -251,6 +252,9 @@ class BertPreTrainedModel(OsloPreTrainedModel):
                              f"tensor_parallel_size={tp}")
         if config.is_decoder or config.add_cross_attention:
             raise NotImplementedError(f"{name} as a decoder (is_decoder / add_cross_attention) is not implemented")
+
+    def load_from_reader(self, reader, *, progress: bool = False):
+        return super().load_from_reader(LegacyKeyReader.wrap(reader), progress=progress)  # LayerNorm.gamma/beta
 
     def tie_parallel_weights(self) -> None:
         """Tie the decoder weight to the word embeddings and, as ``transformers`` does, the decoder bias to the

@@ -1,5 +1,6 @@
 """Pieces shared by the encoder and encoder-decoder families (BERT, RoBERTa, T5): attention over this rank's
-heads, T5-style feed-forwards, the RMS norm, sequence-parallel boundaries and vocab-parallel token losses."""
+heads, T5-style feed-forwards, the RMS norm, sequence-parallel boundaries, vocab-parallel token losses and the
+legacy (``LayerNorm.gamma/beta``) checkpoint key view."""
 from .attention import attend, split_heads
 from .lm_loss import full_logits, token_loss
 from .mlp import DenseActDense, DenseGatedActDense
