@@ -29,6 +29,7 @@ from .models.bert import (
 from .models.gpt2 import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
 from .models.roberta import RobertaConfig, RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel
 from .models.t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
+from . import pipeline  # noqa: E402  pipeline parallelism: partitioning, runner, schedule plot
 
 __version__ = "0.1.0"
 
@@ -44,3 +45,4 @@ __all__ = [
     "RobertaConfig", "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
     "T5Config", "T5Model", "T5ForConditionalGeneration", "T5EncoderModel",
 ]
+__all__ += ["pipeline"]
