@@ -63,6 +63,15 @@ def _checkpoint_worker(root: str) -> None:
                                    reference(input_ids=prompt, attention_mask=mask, **extra).last_hidden_state,
                                    atol=1e-5, rtol=1e-5)
 
+    # Negative control: the same numbers with this rank's heads of the position bias swapped must NOT match.
+    model = om.AutoModelForSeq2SeqLM.from_pretrained(relu, parallel=parallel, progress=False)
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(relu)
+    bias = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+    with torch.no_grad():
+        bias.copy_(bias.flip(1))
+    assert not torch.allclose(model(**inputs, labels=labels).logits, reference(**inputs, labels=labels).logits,
+                              atol=1e-3)
+
     config = tiny_t5_config("gated-gelu", vocab_size=103)
     torch.manual_seed(7)
     reference = transformers.T5ForConditionalGeneration(config)
