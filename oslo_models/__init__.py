@@ -27,7 +27,14 @@ from .models.bert import (
     BertModel,
 )
 from .models.gpt2 import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
-from .models.roberta import RobertaConfig, RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel
+from .models.roberta import (
+    RobertaConfig,
+    RobertaForMaskedLM,
+    RobertaForQuestionAnswering,
+    RobertaForSequenceClassification,
+    RobertaForTokenClassification,
+    RobertaModel,
+)
 from .models.t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
 from . import pipeline  # noqa: E402  pipeline parallelism: partitioning, runner, schedule plot
 
@@ -43,6 +50,7 @@ __all__ = [
     "BertConfig", "BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification",
     "BertForTokenClassification", "BertForQuestionAnswering",
     "RobertaConfig", "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
+    "RobertaForTokenClassification", "RobertaForQuestionAnswering",
     "T5Config", "T5Model", "T5ForConditionalGeneration", "T5EncoderModel",
 ]
 __all__ += ["pipeline"]

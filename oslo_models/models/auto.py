@@ -17,7 +17,13 @@ from .bert import (
     BertModel,
 )
 from .gpt2 import GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
-from .roberta import RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel
+from .roberta import (
+    RobertaForMaskedLM,
+    RobertaForQuestionAnswering,
+    RobertaForSequenceClassification,
+    RobertaForTokenClassification,
+    RobertaModel,
+)
 from .t5 import T5EncoderModel, T5ForConditionalGeneration, T5Model
 
 MODEL_REGISTRY: dict[str, dict[str, type]] = {
@@ -28,8 +34,8 @@ MODEL_REGISTRY: dict[str, dict[str, type]] = {
     "masked_lm": {"bert": BertForMaskedLM, "roberta": RobertaForMaskedLM},
     "pretraining": {"bert": BertForPreTraining},
     "seq2seq_lm": {"t5": T5ForConditionalGeneration},
-    "token_classification": {"bert": BertForTokenClassification},
-    "question_answering": {"bert": BertForQuestionAnswering},
+    "token_classification": {"bert": BertForTokenClassification, "roberta": RobertaForTokenClassification},
+    "question_answering": {"bert": BertForQuestionAnswering, "roberta": RobertaForQuestionAnswering},
     "text_encoding": {"t5": T5EncoderModel},
 }
 

@@ -77,7 +77,7 @@ def assert_steps_match(model, reference, inputs: dict, labels, *, steps: int = 3
     """
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
-    kwargs = dict(inputs, labels=labels, **label_kwargs)
+    kwargs = dict(inputs, **label_kwargs) if labels is None else dict(inputs, labels=labels, **label_kwargs)
     for _ in range(steps):
         expected, got = reference(**kwargs), model(**kwargs)
         torch.testing.assert_close(got[logits_key], expected[logits_key], atol=1e-5, rtol=1e-5)

@@ -38,10 +38,23 @@ def test_tensor_parallel_matches_transformers(checkpoint, tp):
     run_distributed(_parity_worker, tp, checkpoint, tp)
 
 
-def test_sequence_classification_matches_transformers(tmp_path, single_thread):
-    path = save_tiny(tmp_path, transformers.RobertaForSequenceClassification,
-                     tiny_bert_config(transformers.RobertaConfig, num_labels=3))
+@pytest.mark.parametrize("kind", ["sequence", "token", "qa"])
+def test_heads_match_transformers(tmp_path, kind, single_thread):
+    """The replicated heads (on the encoder tested above): one step of logits, loss and gradients."""
+    hf_class, auto, label_kwargs = {
+        "sequence": (transformers.RobertaForSequenceClassification, om.AutoModelForSequenceClassification,
+                     dict(labels=torch.tensor([0, 2, 1]))),
+        "token": (transformers.RobertaForTokenClassification, om.AutoModelForTokenClassification,
+                  dict(labels=torch.tensor([[0, 2, 1, -100, 1, 0, 2, 2]] * 3))),
+        "qa": (transformers.RobertaForQuestionAnswering, om.AutoModelForQuestionAnswering,
+               dict(start_positions=torch.tensor([1, 0, 9]), end_positions=torch.tensor([3, 2, 5]))),
+    }[kind]
+    config = tiny_bert_config(transformers.RobertaConfig, num_labels=2 if kind == "qa" else 3)
+    path = save_tiny(tmp_path, hf_class, config)
     inputs, _ = mlm_batch(pad_token_id=1)
-    reference = transformers.RobertaForSequenceClassification.from_pretrained(path).train()
-    model = om.AutoModelForSequenceClassification.from_pretrained(path, progress=False).train()
-    assert_steps_match(model, reference, inputs, torch.tensor([0, 2, 1]), steps=1)
+    reference = hf_class.from_pretrained(path).train()
+    model = auto.from_pretrained(path, progress=False).train()
+    assert type(model).__name__ == hf_class.__name__
+    labels = label_kwargs.pop("labels", None)
+    assert_steps_match(model, reference, inputs, labels, steps=1,
+                       logits_key="start_logits" if kind == "qa" else "logits", **label_kwargs)

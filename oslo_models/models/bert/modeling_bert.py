@@ -314,6 +314,28 @@ def _base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs
                 position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
 
 
+def token_classification_output(logits, labels) -> TokenClassifierOutput:
+    """``logits [b, s, num_labels]``; cross-entropy over every token (``-100`` ignored)."""
+    loss = None
+    if labels is not None:
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.to(logits.device).view(-1))
+    return TokenClassifierOutput(loss=loss, logits=logits)
+
+
+def question_answering_output(logits, start_positions, end_positions) -> QuestionAnsweringModelOutput:
+    """``logits [b, s, 2]`` -> start/end logits ``[b, s]``; the loss as ``transformers`` (positions outside the
+    sequence are clamped to ``s`` and ignored)."""
+    start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
+    loss = None
+    if start_positions is not None and end_positions is not None:
+        ignored = start_logits.size(1)
+        start = start_positions.view(-1).clamp(0, ignored).to(logits.device)
+        end = end_positions.view(-1).clamp(0, ignored).to(logits.device)
+        loss = (F.cross_entropy(start_logits, start, ignore_index=ignored)
+                + F.cross_entropy(end_logits, end, ignore_index=ignored)) / 2
+    return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)
+
+
 class BertForMaskedLM(BertPreTrainedModel):
     """BERT with the MLM head. The decoder is vocab-parallel and the loss runs on the vocab-split logits;
     ``logits`` are gathered to ``[b, s, V]`` unless ``gather_logits=False`` (then ``[b, s, V_padded/tp]``)."""
@@ -432,16 +454,11 @@ class BertForTokenClassification(BertPreTrainedModel):
                 inputs_embeds=None, labels=None, **kwargs):
         outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                            kwargs))
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, self.num_labels), labels.to(logits.device).view(-1))
-        return TokenClassifierOutput(loss=loss, logits=logits)
+        return token_classification_output(self.classifier(self.dropout(outputs.last_hidden_state)), labels)
 
 
 class BertForQuestionAnswering(BertPreTrainedModel):
-    """Replicated ``qa_outputs``: ``start_logits, end_logits [b, s]``; the loss as ``transformers`` (positions
-    outside the sequence are clamped and ignored)."""
+    """Replicated ``qa_outputs``: ``start_logits, end_logits [b, s]``."""
 
     parallel_plan = BERT_HEAD_PLAN
     hf_twin = transformers.BertForQuestionAnswering
@@ -459,13 +476,4 @@ class BertForQuestionAnswering(BertPreTrainedModel):
                 inputs_embeds=None, start_positions=None, end_positions=None, **kwargs):
         outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                            kwargs))
-        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).split(1, dim=-1)
-        start_logits, end_logits = start_logits.squeeze(-1).contiguous(), end_logits.squeeze(-1).contiguous()
-        loss = None
-        if start_positions is not None and end_positions is not None:
-            ignored = start_logits.size(1)
-            start = start_positions.view(-1).clamp(0, ignored)
-            end = end_positions.view(-1).clamp(0, ignored)
-            loss = (F.cross_entropy(start_logits, start, ignore_index=ignored)
-                    + F.cross_entropy(end_logits, end, ignore_index=ignored)) / 2
-        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)
+        return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions)

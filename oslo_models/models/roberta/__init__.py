@@ -1,6 +1,14 @@
 from .configuration_roberta import RobertaConfig
-from .modeling_roberta import RobertaForMaskedLM, RobertaForSequenceClassification, RobertaModel, RobertaPreTrainedModel
+from .modeling_roberta import (
+    RobertaForMaskedLM,
+    RobertaForQuestionAnswering,
+    RobertaForSequenceClassification,
+    RobertaForTokenClassification,
+    RobertaModel,
+    RobertaPreTrainedModel,
+)
 from .parallel_plan import ROBERTA_BASE_PLAN, ROBERTA_HEAD_PLAN, ROBERTA_MLM_PLAN
 
 __all__ = ["RobertaConfig", "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
-           "RobertaPreTrainedModel", "ROBERTA_BASE_PLAN", "ROBERTA_MLM_PLAN", "ROBERTA_HEAD_PLAN"]
+           "RobertaForTokenClassification", "RobertaForQuestionAnswering", "RobertaPreTrainedModel",
+           "ROBERTA_BASE_PLAN", "ROBERTA_MLM_PLAN", "ROBERTA_HEAD_PLAN"]
