@@ -434,16 +434,20 @@ class BertForSequenceClassification(BertPreTrainedModel):
 
 
 class BertForTokenClassification(BertPreTrainedModel):
-    """Replicated ``classifier`` on every token: ``logits [b, s, num_labels]``."""
+    """Replicated ``classifier`` on every token: ``logits [b, s, num_labels]``.
+
+    The encoder is ``base_model_class`` registered under ``base_model_prefix``, so RoBERTa reuses this class
+    with its own encoder and keys (``roberta.*``)."""
 
     parallel_plan = BERT_HEAD_PLAN
     hf_twin = transformers.BertForTokenClassification
+    base_model_class = BertModel
 
     def __init__(self, config, *, parallel_context=None):
         super().__init__(config, parallel_context=parallel_context)
         self.num_labels = config.num_labels
-        self.bert = BertModel(config, add_pooling_layer=False, parallel_context=self.parallel_context,
-                              submodule=True)
+        setattr(self, self.base_model_prefix, self.base_model_class(
+            config, add_pooling_layer=False, parallel_context=self.parallel_context, submodule=True))
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
         self.dropout = Dropout(dropout)
         self.classifier = Linear(config.hidden_size, config.num_labels)
@@ -452,28 +456,29 @@ class BertForTokenClassification(BertPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, **kwargs):
-        outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                                           kwargs))
+        outputs = self.base_model(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
+                                                 inputs_embeds, kwargs))
         return token_classification_output(self.classifier(self.dropout(outputs.last_hidden_state)), labels)
 
 
 class BertForQuestionAnswering(BertPreTrainedModel):
-    """Replicated ``qa_outputs``: ``start_logits, end_logits [b, s]``."""
+    """Replicated ``qa_outputs``: ``start_logits, end_logits [b, s]``. Encoder as in the token classifier."""
 
     parallel_plan = BERT_HEAD_PLAN
     hf_twin = transformers.BertForQuestionAnswering
+    base_model_class = BertModel
 
     def __init__(self, config, *, parallel_context=None):
         super().__init__(config, parallel_context=parallel_context)
         self.num_labels = config.num_labels
-        self.bert = BertModel(config, add_pooling_layer=False, parallel_context=self.parallel_context,
-                              submodule=True)
+        setattr(self, self.base_model_prefix, self.base_model_class(
+            config, add_pooling_layer=False, parallel_context=self.parallel_context, submodule=True))
         self.qa_outputs = Linear(config.hidden_size, config.num_labels)
         self.post_init()
         self.finish_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, start_positions=None, end_positions=None, **kwargs):
-        outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                                           kwargs))
+        outputs = self.base_model(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
+                                                 inputs_embeds, kwargs))
         return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions)

@@ -16,11 +16,11 @@ from transformers.modeling_outputs import MaskedLMOutput, SequenceClassifierOutp
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ..bert.modeling_bert import (
     BertEmbeddings,
+    BertForQuestionAnswering,
+    BertForTokenClassification,
     BertModel,
     BertPreTrainedModel,
     _base_kwargs,
-    question_answering_output,
-    token_classification_output,
 )
 from ..common import full_logits, token_loss
 from ..heads import sequence_classification_loss
@@ -146,47 +146,17 @@ class RobertaForSequenceClassification(RobertaPreTrainedModel):
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
 
-class RobertaForTokenClassification(RobertaPreTrainedModel):
-    """Replicated ``classifier`` on every token: ``logits [b, s, num_labels]``."""
+class RobertaForTokenClassification(RobertaPreTrainedModel, BertForTokenClassification):
+    """BERT's token classifier on RoBERTa's encoder (``roberta.*`` keys)."""
 
     parallel_plan = ROBERTA_HEAD_PLAN
     hf_twin = transformers.RobertaForTokenClassification
-
-    def __init__(self, config, *, parallel_context=None):
-        super().__init__(config, parallel_context=parallel_context)
-        self.num_labels = config.num_labels
-        self.roberta = RobertaModel(config, add_pooling_layer=False, parallel_context=self.parallel_context,
-                                    submodule=True)
-        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = Dropout(dropout)
-        self.classifier = Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-        self.finish_init()
-
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs):
-        outputs = self.roberta(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
-                                              inputs_embeds, kwargs))
-        return token_classification_output(self.classifier(self.dropout(outputs.last_hidden_state)), labels)
+    base_model_class = RobertaModel
 
 
-class RobertaForQuestionAnswering(RobertaPreTrainedModel):
-    """Replicated ``qa_outputs``: ``start_logits, end_logits [b, s]``."""
+class RobertaForQuestionAnswering(RobertaPreTrainedModel, BertForQuestionAnswering):
+    """BERT's span head on RoBERTa's encoder (``roberta.*`` keys)."""
 
     parallel_plan = ROBERTA_HEAD_PLAN
     hf_twin = transformers.RobertaForQuestionAnswering
-
-    def __init__(self, config, *, parallel_context=None):
-        super().__init__(config, parallel_context=parallel_context)
-        self.num_labels = config.num_labels
-        self.roberta = RobertaModel(config, add_pooling_layer=False, parallel_context=self.parallel_context,
-                                    submodule=True)
-        self.qa_outputs = Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-        self.finish_init()
-
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, start_positions=None, end_positions=None, **kwargs):
-        outputs = self.roberta(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
-                                              inputs_embeds, kwargs))
-        return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions)
+    base_model_class = RobertaModel
