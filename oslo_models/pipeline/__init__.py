@@ -5,13 +5,14 @@
     loss = model.train_step({"input_ids": ids, "labels": ids}, optimizer=opt)  # loss on every rank
     model.save_pretrained("out/")                                           # one plain Hub folder
 
-``partition``: which layers each stage runs; ``stage``: cutting an unmodified model into stages; ``runner``:
+``adapter``: what a model family tells the engine; ``partition``: which layers each stage runs; ``stage``: cutting an unmodified model into stages; ``runner``:
 torch's schedules over those stages (train/eval steps, gradient sync); ``plot``: the schedule as a picture;
 ``checkpoint``: per-stage loading and the all-stage save.
 """
+from .adapter import PipelineAdapter, adapter_for
 from .partition import measure_layer_costs, partition_by_cost, partition_layers
 from .runner import PipelineRunner, schedule_class
 from .stage import PipelineLayout, StageLayers, StageModule
 
-__all__ = ["PipelineRunner", "PipelineLayout", "StageLayers", "StageModule", "measure_layer_costs",
+__all__ = ["PipelineAdapter", "adapter_for", "PipelineRunner", "PipelineLayout", "StageLayers", "StageModule", "measure_layer_costs",
            "partition_by_cost", "partition_layers", "schedule_class"]

@@ -2,8 +2,9 @@
 
 Loading: ``StageReader`` wraps a ``CheckpointReader`` so that the loader sees only the keys of this rank's
 parameters (no "unexpected key" noise for the other stages' layers, and nothing else is read), plus one alias:
-a last stage whose output embedding is tied (``lm_head.weight``, absent from tied Hub checkpoints) reads the
-input embedding's tensor (``transformer.wte.weight``), sliced by its own ``ShardSpec``.
+a stage holding a copy of a tied tensor under a name the checkpoint lacks (a last stage's ``lm_head.weight``, absent
+from tied Hub checkpoints) reads it from a name of the same tied group that is stored (``transformer.wte.weight``),
+sliced by its own ``ShardSpec``.
 
 Saving: after the tensor-parallel gather inside each stage, the stage leaders (``dp_rank == tp_rank == 0``:
 exactly the pipeline group of global rank 0) send their CPU state dicts to global rank 0 with one
@@ -29,21 +30,26 @@ class StageReader(CheckpointReader):
     @classmethod
     def for_model(cls, model, reader: CheckpointReader) -> "StageReader":
         """The view of ``reader`` that ``model`` (already cut to its stages) should load from."""
-        from .stage import adapter_for
+        from .adapter import adapter_for
 
         prefix = model.base_model_prefix + "." if model.base_model_prefix else ""
+
+        def spellings(name: str) -> tuple[str, str]:  # checkpoints may store the base model without its prefix
+            return (name, name[len(prefix):] if prefix and name.startswith(prefix) else prefix + name)
+
         owned: set[str] = set()
-        for name, _ in model.named_parameters():
-            owned.add(name)
-            owned.add(name[len(prefix):] if prefix and name.startswith(prefix) else prefix + name)
+        for name, _ in model.named_parameters(remove_duplicate=False):
+            owned.update(spellings(name))
+        available = set(reader.keys())
         aliases = {}
-        tied_in, tied_out = adapter_for(model).tied
-        if getattr(model.config, "tie_word_embeddings", False) and tied_out in owned:
-            available = set(reader.keys())
-            stripped = tied_in[len(prefix):] if prefix and tied_in.startswith(prefix) else tied_in
-            for key in (tied_in, stripped):  # the checkpoint may store the base model without its prefix
-                if key in available:
-                    aliases.setdefault(tied_out, key)
+        for names in adapter_for(model).tied_groups(model):
+            sources = [key for name in names for key in spellings(name) if key in available]
+            if not sources:
+                continue
+            for name in names:
+                for key in spellings(name):
+                    if key in owned:
+                        aliases.setdefault(key, sources[0])
         return cls(reader, owned, aliases)
 
     def keys(self):

@@ -1,7 +1,7 @@
 """Run a pipelined model: ``torch.distributed.pipelining`` schedules over this project's stages.
 
 ``PipelineRunner(model).train_step(batch)`` is one training step on this data-parallel replica's batch
-``input_ids [b, s]`` (+ ``labels``, ``attention_mask``): split into ``num_microbatches`` microbatches along the
+(``input_ids [b, s]``, ``labels`` and the family's other keys, e.g. ``attention_mask``; see the adapter): split into ``num_microbatches`` microbatches along the
 batch, run through the configured schedule, gradients synchronized, loss returned on every rank.
 
 Schedules (``ParallelConfig.pipeline_schedule``), all torch's, on ``PipelineStage`` with static shapes:
@@ -20,7 +20,8 @@ different numbers of padding tokens.
 Communication per step, besides the schedule's point-to-point sends of activations ``[mb, s(/tp), h]`` (and
 their gradients) between neighbouring stages of one pipeline group:
 
-- tied embeddings: one all-reduce (sum) of the ``wte``/``lm_head`` gradient between the first and last stage;
+- tied weights: one all-reduce (sum) of the gradient of each tied tensor over the ranks holding a copy (GPT-2:
+  ``wte``/``lm_head`` between the first and last stage);
 - data parallelism: one all-reduce (mean) of every local gradient over the data-parallel group;
 - the loss: one broadcast from the last stage over the pipeline group (and a mean over data parallelism).
 """
@@ -38,7 +39,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from .stage import StageModule, adapter_for, tied_embedding_group, tied_parameter
+from .adapter import adapter_for
+from .stage import StageModule, TiedCopies
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -62,8 +64,8 @@ class _LossFn:
     def __init__(self, model):
         self.model, self.adapter = model, adapter_for(model)
 
-    def __call__(self, local_logits, labels, num_items_in_batch=None):
-        return self.adapter.loss(self.model, local_logits, labels, num_items_in_batch)
+    def __call__(self, outputs, labels, num_items_in_batch=None):
+        return self.adapter.loss(self.model, outputs, labels, num_items_in_batch)
 
 
 class PipelineRunner:
@@ -82,35 +84,32 @@ class PipelineRunner:
         self.num_microbatches = (config.num_microbatches or self.context.pp_size) if self.pipelined else 1
         self.layout = getattr(model, "pipeline_layout", None)
         self.adapter = adapter_for(model) if self.pipelined else None
-        self.tie_group = tied_embedding_group(self.context, self.layout) if self.pipelined else None
-        self.tied = tied_parameter(model, self.layout) if self.pipelined else None
+        self.tied = TiedCopies(model, self.layout, self.context) if self.pipelined else None
         self._schedules: dict[tuple, object] = {}
 
     # ------------------------------------------------------------------ schedule construction
-    def _schedule(self, microbatch: int, seq_len: int, training: bool):
-        key = (microbatch, seq_len, training)
+    def _schedule(self, batch: dict[str, torch.Tensor], training: bool):
+        key = (tuple((name, tuple(tensor.shape)) for name, tensor in sorted(batch.items())), training)
         if key not in self._schedules:
-            self._schedules[key] = self._build_schedule(microbatch, seq_len, training)
+            self._schedules[key] = self._build_schedule(batch, training)
         return self._schedules[key]
 
-    def _build_schedule(self, microbatch: int, seq_len: int, training: bool):
-        model, context, layout = self.model, self.context, self.layout
-        sp = self.adapter.use_sequence_parallel(model, seq_len)
-        dtype = next(model.parameters()).dtype
-        activation = torch.empty(self.adapter.activation_shape(model, microbatch, seq_len, sp), dtype=dtype,
-                                 device="meta")
+    def _build_schedule(self, batch: dict[str, torch.Tensor], training: bool):
+        model, context, layout, adapter = self.model, self.context, self.layout, self.adapter
+        sp = adapter.use_sequence_parallel(model, batch)
+        microbatch = {name: torch.empty((tensor.shape[0] // self.num_microbatches, *tensor.shape[1:]),
+                                        dtype=tensor.dtype, device="meta") for name, tensor in batch.items()}
+
+        def meta(tensors):  # activations need grad in training: torch sizes and sends their gradients
+            return tuple(t.detach().requires_grad_(training and t.is_floating_point()) for t in tensors)
+
         stages = []
         for stage_index in layout.local_stages:
             module = StageModule(model, stage_index, layout, sequence_parallel=sp)
             # Static shapes: no shape-inference forward (which would run the TP collectives on empty tensors).
-            # Activations (sent and received) are marked requires_grad in training: torch sizes the gradient
-            # buffers from these metas and skips the backward send/receive of tensors that do not need grad.
-            inputs = (torch.empty(microbatch, seq_len, dtype=torch.long, device="meta") if module.is_first
-                      else activation.detach().requires_grad_(training))
-            outputs = (torch.empty(self.adapter.output_shape(model, microbatch, seq_len), dtype=dtype, device="meta")
-                       if module.is_last else activation).detach().requires_grad_(training)
-            stages.append(PipelineStage(module, stage_index, layout.num_stages, context.device, input_args=inputs,
-                                        output_args=outputs, group=context.pp_group))
+            inputs, outputs = adapter.stage_io(model, layout, stage_index, microbatch, sp)
+            stages.append(PipelineStage(module, stage_index, layout.num_stages, context.device,
+                                        input_args=meta(inputs), output_args=meta(outputs), group=context.pp_group))
         cls = schedule_class(self.schedule_name)
         loss_fn = _LossFn(model)
         if self.schedule_name in MULTI_STAGE_SCHEDULES:
@@ -118,44 +117,51 @@ class PipelineRunner:
         return cls(stages[0], self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
 
     # ------------------------------------------------------------------ steps
-    def _unpack(self, batch, labels, attention_mask):
-        if isinstance(batch, Mapping):
-            unknown = set(batch) - {"input_ids", "labels", "attention_mask"}
-            if unknown:
-                raise ValueError(f"Pipeline batches take input_ids, labels and attention_mask; got {sorted(unknown)}")
-            batch, labels, attention_mask = batch["input_ids"], batch.get("labels", labels), batch.get(
-                "attention_mask", attention_mask)
-        input_ids = batch
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    def _prepare(self, batch, labels, attention_mask) -> dict[str, torch.Tensor]:
+        """The batch as a dict of device tensors, completed by the adapter; ``ValueError`` on bad input."""
+        if not isinstance(batch, Mapping):
+            batch = {"input_ids": batch}
+        batch = {name: tensor for name, tensor in batch.items() if tensor is not None}
+        if labels is not None:
+            batch["labels"] = labels
+        if attention_mask is not None:
+            batch["attention_mask"] = attention_mask
+        accepted = self.adapter.batch_keys if self.pipelined else None
+        if accepted is not None and set(batch) - set(accepted):
+            raise ValueError(f"Pipelined {type(self.model).__name__} batches take {list(accepted)}; got unknown "
+                             f"{sorted(set(batch) - set(accepted))}")
+        if "labels" not in batch:
+            raise ValueError("A pipeline step computes the loss: pass labels (or a batch with 'labels')")
+        input_ids = batch.get("input_ids")
+        if input_ids is None or input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got "
+                             f"{None if input_ids is None else tuple(input_ids.shape)}")
         if input_ids.shape[0] % self.num_microbatches:
             raise ValueError(f"The batch of {input_ids.shape[0]} sequences is not divisible by num_microbatches="
                              f"{self.num_microbatches}; use a batch size that is a multiple of it")
         device = self.context.device
-        kwargs = {}
-        if attention_mask is not None:
-            kwargs["attention_mask"] = attention_mask.to(device)
-        return input_ids.to(device), (None if labels is None else labels.to(device)), kwargs
+        batch = {name: tensor.to(device) for name, tensor in batch.items()}
+        return self.adapter.prepare_batch(self.model, batch) if self.pipelined else batch
 
     def _run(self, batch, labels, attention_mask, training: bool) -> torch.Tensor:
-        input_ids, labels, kwargs = self._unpack(batch, labels, attention_mask)
-        if labels is None:
-            raise ValueError("A pipeline step computes the loss: pass labels (or a batch with 'labels')")
+        batch = self._prepare(batch, labels, attention_mask)
         if not self.pipelined:
-            return self._run_unpipelined(input_ids, labels, kwargs, training)
-        microbatch, seq_len = input_ids.shape[0] // self.num_microbatches, input_ids.shape[1]
-        schedule = self._schedule(microbatch, seq_len, training)
-        layout = self.layout
-        args = (input_ids,) if layout.has_first else ()
+            return self._run_unpipelined(batch, training)
+        schedule = self._schedule(batch, training)
+        layout, adapter = self.layout, self.adapter
+        labels = batch.pop("labels")
+        args = tuple(batch.pop(name) for name in adapter.first_inputs)
+        if not layout.has_first:
+            args = ()
         target = labels if layout.has_last else None
         losses: list[torch.Tensor] = []
-        loss_kwargs = {"num_items_in_batch": max(self.adapter.num_loss_items(labels), 1)}
+        loss_kwargs = {"num_items_in_batch": max(adapter.num_loss_items(labels), 1)}
         if training:
             schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs,
-                          **kwargs)
+                          **batch)
         else:
             with torch.no_grad():
-                schedule.eval(*args, target=target, losses=losses, loss_kwargs=loss_kwargs, **kwargs)
+                schedule.eval(*args, target=target, losses=losses, loss_kwargs=loss_kwargs, **batch)
         loss = (torch.stack(losses).sum().detach().float() if layout.has_last
                 else torch.zeros((), dtype=torch.float32, device=self.context.device))
         dist.broadcast(loss, src=dist.get_global_rank(self.context.pp_group, layout.last_rank),
@@ -165,9 +171,9 @@ class PipelineRunner:
             loss /= self.context.dp_size
         return loss
 
-    def _run_unpipelined(self, input_ids, labels, kwargs, training: bool) -> torch.Tensor:
+    def _run_unpipelined(self, batch, training: bool) -> torch.Tensor:
         with torch.set_grad_enabled(training):
-            loss = self.model(input_ids, labels=labels, **kwargs).loss
+            loss = self.model(**batch).loss
         if training:
             loss.backward()
         loss = loss.detach().float()
@@ -197,10 +203,8 @@ class PipelineRunner:
     # ------------------------------------------------------------------ gradients
     def sync_gradients(self) -> None:
         """Sum the tied embedding's gradient over its two copies; average every gradient over data parallel."""
-        if self.tie_group is not None and self.tied is not None:
-            if self.tied.grad is None:
-                self.tied.grad = torch.zeros_like(self.tied)
-            dist.all_reduce(self.tied.grad, group=self.tie_group)
+        if self.tied is not None:
+            self.tied.sum_gradients()
         if self.context.dp_size > 1:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             if grads:

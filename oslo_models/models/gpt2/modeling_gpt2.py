@@ -36,6 +36,7 @@ from ..heads import sequence_classification_loss
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_gpt2 import GPT2Config
 from .parallel_plan import GPT2_BASE_PLAN, GPT2_HEAD_PLAN, GPT2_LM_PLAN
+from .pipeline_gpt2 import GPT2LMPipelineAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
     ``gather_logits=False`` (then they are this rank's ``[b, s, V_padded/tp]`` slice)."""
 
     parallel_plan = GPT2_LM_PLAN
+    pipeline_adapter = GPT2LMPipelineAdapter  # pipeline_parallel_size > 1: stages, see pipeline_gpt2.py
     hf_twin = transformers.GPT2LMHeadModel
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}

@@ -1,0 +1,103 @@
+"""GPT-2 LM as pipeline stages (see ``oslo_models/pipeline/adapter.py`` for the vocabulary).
+
+First stage: ``wte`` + ``wpe`` + ``drop``; layers ``transformer.h``; last stage: ``ln_f`` + ``lm_head`` (tied to
+``wte``). Between stages flows one tensor, the hidden states ``[mb, s, h]`` (``[mb, s/tp, h]`` under sequence
+parallelism, each TP rank sending its own slice to the same TP rank of the next stage).
+"""
+from __future__ import annotations
+
+import torch
+from transformers.masking_utils import create_causal_mask
+
+from ...parallel_layers.cross_entropy import causal_lm_loss
+from ...parallel_layers.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+from ...pipeline.adapter import PipelineAdapter
+
+FIRST = {"wte": "transformer.wte", "wpe": "transformer.wpe", "drop": "transformer.drop"}
+LAST = {"ln_f": "transformer.ln_f", "lm_head": "lm_head"}
+
+
+class GPT2LMPipelineAdapter(PipelineAdapter):
+    """Stage forward: first stage ``input_ids [mb, s]`` -> embeddings (vocab-parallel all-reduce over TP) -> SP
+    scatter -> dropout; every stage its blocks; last stage ``ln_f`` -> SP all-gather -> ``lm_head`` -> local
+    logits ``[mb, s, V_padded/tp]`` (the loss runs on the split vocabulary; no logits gather)."""
+
+    layer_paths = ("transformer.h",)
+    batch_keys = ("input_ids", "labels", "attention_mask", "position_ids")
+
+    def layer_counts(self, model) -> tuple[int, ...]:
+        return (model.config.num_hidden_layers,)
+
+    def layer_parameter_counts(self, model) -> tuple[list[float], float, float]:
+        config = model.config
+        h, inner = config.hidden_size, config.n_inner or 4 * config.hidden_size
+        layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h)
+        embeddings = config.vocab_size * h + config.max_position_embeddings * h
+        return [float(layer)] * config.num_hidden_layers, float(embeddings), float(config.vocab_size * h + 2 * h)
+
+    def stage_modules(self, model, layout, stage: int) -> dict[str, str]:
+        modules = dict(FIRST) if stage == 0 else {}
+        if stage == layout.num_stages - 1:
+            modules.update(LAST)
+        return modules
+
+    def optional_modules(self, model, layout) -> set[str]:
+        return set(FIRST.values()) | set(LAST.values())
+
+    def tied_groups(self, model) -> list[tuple[str, ...]]:
+        if getattr(model.config, "tie_word_embeddings", False):
+            return [("transformer.wte.weight", "lm_head.weight")]
+        return []
+
+    def use_sequence_parallel(self, model, batch) -> bool:
+        return model.transformer._use_sequence_parallel(batch["input_ids"].shape[-1])
+
+    def stage_io(self, model, layout, stage, microbatch, sequence_parallel):
+        mb, seq_len = microbatch["input_ids"].shape
+        dtype = next(model.parameters()).dtype
+        tp = model.parallel_context.tp_size if sequence_parallel else 1
+        hidden = torch.empty(mb, seq_len // tp, model.config.hidden_size, dtype=dtype, device="meta")
+        inputs = (microbatch["input_ids"],) if stage == 0 else (hidden,)
+        if stage < layout.num_stages - 1:
+            return inputs, (hidden,)
+        return inputs, (torch.empty(mb, seq_len, model.lm_head.weight.shape[0], dtype=dtype, device="meta"),)
+
+    def stage_forward(self, stage, x, attention_mask=None, position_ids=None):
+        config, context, sp = stage.model_config, stage.parallel_context, stage.sequence_parallel
+        if stage.is_first:
+            seq_len = x.shape[-1]
+            if position_ids is None:
+                position_ids = torch.arange(seq_len, device=x.device).unsqueeze(0)
+            hidden = stage.wte(x) + stage.wpe(position_ids)
+            if sp:
+                hidden = scatter_to_sequence_parallel_region(hidden, context.tp_group)
+            hidden = stage.drop(hidden, sequence_parallel=sp)
+        else:
+            hidden = x
+            seq_len = hidden.shape[1] * (context.tp_size if sp else 1)
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
+        # The mask only reads the batch size, sequence length, dtype and device of inputs_embeds: a zero-size
+        # expanded view stands in for the full [mb, s, h] activations that only the first stage ever has.
+        shape_only = hidden.new_zeros(()).expand(hidden.shape[0], seq_len, hidden.shape[-1])
+        if attention_mask is not None and attention_mask.ndim < 4:
+            attention_mask = attention_mask.view(hidden.shape[0], -1)
+        mask = create_causal_mask(config=config, inputs_embeds=shape_only, attention_mask=attention_mask,
+                                  past_key_values=None, position_ids=position_ids)
+        for block in stage.layers:
+            hidden = block(hidden, mask, None, sequence_parallel=sp, position_ids=position_ids)
+        if not stage.is_last:
+            return hidden
+        hidden = stage.ln_f(hidden, sequence_parallel=sp)
+        if sp:
+            hidden = gather_from_sequence_parallel_region(hidden, context.tp_group, grad_is_partial=False)
+        return stage.lm_head(hidden)  # [mb, s, V_padded/tp]
+
+    def loss(self, model, local_logits, labels, num_items_in_batch):
+        head = model.lm_head
+        return causal_lm_loss(local_logits, labels, group=getattr(head, "group", None),
+                              vocab_start=getattr(head, "vocab_start_index", 0), num_items_in_batch=num_items_in_batch)
+
+    def num_loss_items(self, labels: torch.Tensor) -> int:
+        """Tokens the causal loss averages over: labels shifted left, ``-100`` excluded."""
+        return int((labels[..., 1:] != -100).sum())

@@ -1,0 +1,103 @@
+"""What one model family tells the pipeline engine: the pieces of its module tree and how a stage runs them.
+
+A model class opts into pipeline parallelism by naming a ``PipelineAdapter`` subclass in its
+``pipeline_adapter`` class attribute (``models/gpt2/pipeline_gpt2.py``, ``models/bert/pipeline_bert.py``, ...).
+The engine (``stage.py``, ``checkpoint.py``, ``runner.py``) reads nothing model-specific except through it.
+
+Vocabulary:
+
+- *layers*: the repeated blocks, in one or more containers run one after the other (``layer_paths``; T5 has
+  ``encoder.block`` then ``decoder.block``). Stages cut the concatenation of the containers: *flat* layer ``i``
+  is ``layer_ids(model)[i] == (container_path, index_in_container)``.
+- *stage modules*: everything else a stage runs (embeddings, final norms, heads), as ``attribute -> module
+  path``; ``stage_modules`` says which ones stage ``s`` needs. Modules no local stage needs are dropped on meta.
+- *tied groups*: parameter names that are one tensor in ``transformers`` (input and output embedding). Stages on
+  different ranks hold copies; the engine loads every copy from one checkpoint tensor and sums their gradients.
+- *microbatch tensors*: the batch, after ``prepare_batch``, is a dict of ``[b, ...]`` tensors. ``first_inputs``
+  go positionally to the first stage; ``labels`` go to the loss on the last stage; every other tensor is passed as
+  a keyword to every stage (masks, decoder inputs). Between stages flow the tensors ``stage_io`` declares.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+
+class PipelineAdapter:
+    """Base class; families override the attributes and the methods that raise ``NotImplementedError``."""
+
+    layer_paths: tuple[str, ...] = ()
+    #: batch keys a pipelined step accepts (anything else is a ``ValueError``)
+    batch_keys: tuple[str, ...] = ("input_ids", "labels", "attention_mask")
+    #: batch keys fed positionally to the first stage
+    first_inputs: tuple[str, ...] = ("input_ids",)
+
+    # ------------------------------------------------------------------ structure
+    def layer_counts(self, model) -> tuple[int, ...]:
+        """Layers in each container of ``layer_paths``, from the config (the model may already be cut)."""
+        raise NotImplementedError
+
+    def layer_ids(self, model) -> list[tuple[str, int]]:
+        """Flat layer index -> ``(container path, index in that container)``."""
+        return [(path, index) for path, count in zip(self.layer_paths, self.layer_counts(model))
+                for index in range(count)]
+
+    def num_layers(self, model) -> int:
+        return sum(self.layer_counts(model))
+
+    def layer_parameter_counts(self, model) -> tuple[list[float], float, float]:
+        """Per flat layer parameter count, plus the extra parameters of the first and of the last stage."""
+        raise NotImplementedError
+
+    def stage_modules(self, model, layout, stage: int) -> dict[str, str]:
+        """Non-layer modules stage ``stage`` runs: ``{attribute on the StageModule: module path in model}``."""
+        raise NotImplementedError
+
+    def optional_modules(self, model, layout) -> set[str]:
+        """Every non-layer module path some stage runs (a rank drops those none of its stages needs)."""
+        return {path for stage in range(layout.num_stages)
+                for path in self.stage_modules(model, layout, stage).values()}
+
+    def tied_groups(self, model) -> list[tuple[str, ...]]:
+        """Groups of parameter names that are one tensor for this config (first name: the one loaded/saved)."""
+        return []
+
+    # ------------------------------------------------------------------ batches and shapes
+    def prepare_batch(self, model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Complete the batch before it is split (e.g. T5 derives ``decoder_input_ids`` from ``labels``)."""
+        return batch
+
+    def use_sequence_parallel(self, model, batch: Mapping[str, torch.Tensor]) -> bool:
+        raise NotImplementedError
+
+    def stage_io(self, model, layout, stage: int, microbatch: Mapping[str, torch.Tensor], sequence_parallel: bool
+                 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Meta tensors of the stage's positional inputs and of its outputs for one microbatch.
+
+        ``microbatch``: meta tensors of one microbatch of the prepared batch. The runner marks floating-point
+        tensors ``requires_grad`` in training (gradients flow back through them).
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ compute
+    def stage_forward(self, stage, *inputs, **kwargs):
+        """Run stage ``stage`` (a ``StageModule``) on its inputs; return its outputs (a tensor or a tuple)."""
+        raise NotImplementedError
+
+    def loss(self, model, outputs, labels, num_items_in_batch):
+        """The loss of one microbatch from the last stage's outputs: its summed token losses / ``num_items``."""
+        raise NotImplementedError
+
+    def num_loss_items(self, labels: torch.Tensor) -> int:
+        """Tokens the loss averages over in the whole (local) batch."""
+        return int((labels != -100).sum())
+
+
+def adapter_for(model) -> PipelineAdapter:
+    """The pipeline adapter of ``model``'s class; ``NotImplementedError`` naming the class when there is none."""
+    adapter_class = getattr(type(model), "pipeline_adapter", None)
+    if adapter_class is None:
+        raise NotImplementedError(f"pipeline_parallel_size > 1 is not implemented for {type(model).__name__} (it "
+                                  f"has no pipeline_adapter)")
+    return adapter_class()
