@@ -38,10 +38,14 @@ def expected_shard(model, name: str, full: torch.Tensor) -> torch.Tensor:
 
 
 def assert_grads_match(model, reference, atol: float = 1e-5, rtol: float = 1e-4) -> int:
-    """Every local gradient equals the matching slice of the reference gradient; returns how many were checked."""
-    reference_params = dict(reference.named_parameters())
+    """Every local gradient equals the matching slice of the reference gradient; returns how many were checked.
+
+    Tied reference parameters are looked up under every name (``lm_head.weight`` is ``wte.weight``), so a
+    pipeline stage's copy of a tied tensor is compared with the whole tied gradient."""
+    reference_params = dict(reference.named_parameters(remove_duplicate=False))
     checked = 0
     for name, param in model.named_parameters():
+        assert param.grad is not None, f"{name} has no gradient"
         expected = expected_shard(model, name, reference_params[name].grad)
         torch.testing.assert_close(param.grad, expected, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
         checked += 1
@@ -49,7 +53,7 @@ def assert_grads_match(model, reference, atol: float = 1e-5, rtol: float = 1e-4)
 
 
 def assert_params_match(model, reference, atol: float = 1e-5, rtol: float = 1e-4) -> None:
-    reference_params = dict(reference.named_parameters())
+    reference_params = dict(reference.named_parameters(remove_duplicate=False))
     for name, param in model.named_parameters():
         expected = expected_shard(model, name, reference_params[name].detach())
         torch.testing.assert_close(param.detach(), expected, atol=atol, rtol=rtol,

@@ -15,10 +15,10 @@ import transformers
 
 import oslo_models as om
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import expected_shard, padded_batch, save_tiny_gpt2
+from tests.helpers.models import padded_batch, save_tiny_gpt2
+from tests.helpers.pipeline import assert_pipeline_matches
 
 NUM_LAYERS = 8
-TIED = {"lm_head.weight": "transformer.wte.weight"}
 
 
 @pytest.fixture(scope="module")
@@ -40,21 +40,6 @@ def _expected_names(model, layers) -> set[str]:
     return names
 
 
-def _check_against(model, reference, what: str) -> int:
-    """Every local parameter (``what='param'``) or gradient equals the reference's slice; returns the count."""
-    reference_params = dict(reference.named_parameters())
-    checked = 0
-    for name, param in model.named_parameters():
-        ref = reference_params[TIED.get(name, name)]
-        full = ref.grad if what == "grad" else ref.detach()
-        got = param.grad if what == "grad" else param.detach()
-        assert got is not None, f"{name} has no gradient"
-        torch.testing.assert_close(got, expected_shard(model, name, full), atol=1e-5, rtol=1e-4,
-                                   msg=lambda m, n=name: f"{what} {n}: {m}")
-        checked += 1
-    return checked
-
-
 def _run_layout(path: str, cfg: om.ParallelConfig, global_ids, global_mask, global_labels, *, save_to=None):
     reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
     model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
@@ -64,26 +49,10 @@ def _run_layout(path: str, cfg: om.ParallelConfig, global_ids, global_mask, glob
     assert {n for n, _ in model.named_parameters()} == _expected_names(model, layout.local_layers())
     assert sorted(layout.local_layers()) == sorted(i for s in layout.local_stages for i in layout.ranges[s])
 
-    chunk = lambda t: None if t is None else t.chunk(context.dp_size)[context.dp_rank]  # noqa: E731
-    ids, mask, labels = chunk(global_ids), chunk(global_mask), chunk(global_labels)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
-    for _ in range(3):
-        expected = reference(global_ids, attention_mask=global_mask, labels=global_labels)
-        expected.loss.backward()
-        batch = {"input_ids": ids, "labels": labels}
-        if mask is not None:
-            batch["attention_mask"] = mask
-        loss = model.train_step(batch)
-        torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=1e-5)
-        assert _check_against(model, reference, "grad") == len(list(model.parameters()))
-        ref_opt.step(), opt.step()
-        ref_opt.zero_grad(), opt.zero_grad()
-        _check_against(model, reference, "param")
-    eval_loss = model.eval_step(batch)
-    with torch.no_grad():
-        expected = reference(global_ids, attention_mask=global_mask, labels=global_labels).loss
-    torch.testing.assert_close(eval_loss, expected, atol=1e-5, rtol=1e-5)
+    batch = {"input_ids": global_ids, "labels": global_labels}
+    if global_mask is not None:
+        batch["attention_mask"] = global_mask
+    assert_pipeline_matches(model, reference, batch)
     if save_to is not None:
         model.save_pretrained(save_to)
         if context.rank == 0:
