@@ -192,3 +192,22 @@ class TiedCopies:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=group)
+
+
+def tied_duplicates(model) -> set[str]:
+    """This rank's parameter names that are copies of a tied tensor also held by a lower pipeline rank.
+
+    Whatever counts each tensor once over the whole model (the gradient norm) skips these: the copy on the lowest
+    pipeline rank holding the group stands for all of them (their gradients are equal after ``sum_gradients``).
+    """
+    layout = getattr(model, "pipeline_layout", None)
+    if layout is None:
+        return set()
+    pp_rank = model.parallel_context.pp_rank
+    local = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    duplicates = set()
+    for names in adapter_for(model).tied_groups(model):
+        pp_ranks = ranks_holding(model, layout, names)
+        if len(pp_ranks) > 1 and pp_rank != pp_ranks[0]:
+            duplicates |= local & set(names)
+    return duplicates

@@ -11,7 +11,8 @@ place that says which parameter is split):
   counted once: no reduction over tp;
 - under ZeRO-2/3 (FSDP2) every gradient is additionally split over the dp group (a DTensor): partial sums are added
   over dp as well; under DDP/ZeRO-1 gradients are already identical over dp and are not reduced again;
-- pipeline stages (when they exist) hold different parameters: partial sums are added over pp.
+- pipeline stages hold different parameters: partial sums are added over pp; a tied tensor with copies on several
+  stages (input and output embedding) is counted once, on the lowest pipeline rank holding it.
 
 Collectives: one all-reduce over dp (only for FSDP2 gradients), one over tp, one over pp, each of two numbers.
 Padded vocabulary rows have zero gradient, so they do not change the norm.
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..pipeline.stage import tied_duplicates
 from .mixed_precision import mark_overflow
 from .zero import unwrap_model
 
@@ -53,8 +55,9 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     split, replicated = [], []  # per-tensor partial values: sum of |g|^p, or max |g| for inf
     dp_sharded = False
     device = context.device
+    skip = tied_duplicates(inner) if context.pp_size > 1 else set()
     for name, param in inner.named_parameters():
-        if param.grad is None:
+        if param.grad is None or name in skip:
             continue
         dp_sharded |= hasattr(param.grad, "to_local")
         local = _local(param.grad)

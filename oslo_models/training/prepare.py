@@ -33,6 +33,10 @@ What each piece becomes:
   step (skipped with it on fp16 overflow), not one per process (Accelerate's default multiplies by the world size,
   which counts tp ranks as if they were data-parallel).
 
+Pipelined models (``pipeline_parallel_size > 1``) train with ``loss = model.train_step(batch)`` in place of forward
+and ``accelerator.backward``; they are not wrapped (the runner all-reduces gradients over dp), ZeRO-1 shards the
+optimizer; gradient accumulation and Accelerate mixed precision are refused with a clear error.
+
 Collectives: none here beyond what DDP/FSDP2 run at construction (a parameter broadcast/none).
 """
 from __future__ import annotations
@@ -64,6 +68,18 @@ def _check_world(accelerator, context) -> None:
     if "DEEPSPEED" in kind and context.tp_size > 1:
         raise ValueError("DeepSpeed ZeRO through Accelerate shards over the whole world and cannot be combined with "
                          "tensor_parallel_size > 1; use zero_stage=1/2/3 of oslo_models.training.prepare instead")
+
+
+def _check_pipeline(accelerator) -> None:
+    """What the pipelined ``model.train_step`` does not combine with (yet): clear errors, before any collective."""
+    if accelerator.gradient_accumulation_steps > 1:
+        raise ValueError("gradient_accumulation_steps > 1 with pipeline_parallel_size > 1: the pipeline already "
+                         "accumulates over its microbatches; raise ParallelConfig.num_microbatches (and the batch) "
+                         "instead")
+    if str(accelerator.mixed_precision) != "no":
+        raise NotImplementedError(f"mixed_precision={accelerator.mixed_precision!r} with pipeline_parallel_size > "
+                                  f"1 is not implemented (the schedule runs the stages outside Accelerate's "
+                                  f"autocast); load the model with dtype=torch.bfloat16 instead")
 
 
 def _prepare_dataloader(accelerator, loader, context):
@@ -98,6 +114,8 @@ def prepare(accelerator, model, *objects, zero_stage: int | None = None, cpu_off
     context = _context_of(model)
     _check_world(accelerator, context)
     check_mixed_precision(accelerator)
+    if context.pp_size > 1:
+        _check_pipeline(accelerator)
     optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
     if len(optimizers) > 1:
         raise ValueError("pass at most one optimizer (one model, one optimizer)")

@@ -19,6 +19,10 @@ stage  what is sharded over dp                     engine and collectives (per o
                                                    all-gather again before backward (1.5x stage 2 traffic)
 =====  ==========================================  =====================================================
 
+With pipeline parallelism (``pipeline_parallel_size > 1``) ``model.train_step`` runs the schedule and all-reduces
+each stage's gradients over dp itself, so the model is not wrapped; stage 1 shards the optimizer state of each
+stage over its dp group; stages 2/3 raise ``NotImplementedError`` (not built yet).
+
 ``cpu_offload`` (stages 2 and 3) keeps the sharded parameters, gradients and optimizer state in host memory
 (FSDP2 ``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
 
@@ -93,6 +97,32 @@ def _fully_shard(model: nn.Module, mesh, *, reshard_after_forward: bool, cpu_off
     fully_shard(model, **{**options, "reshard_after_forward": False})
 
 
+def _zero_redundancy(optimizer: torch.optim.Optimizer, context):
+    """ZeRO-1: torch's ``ZeroRedundancyOptimizer`` over the dp group, same optimizer class and param groups."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    # Whole tensors are partitioned over the dp ranks by size; process_group=dp_group, never the world.
+    # Groups keep their own hyperparameters (and a scheduler's initial_lr).
+    groups = [dict(group) for group in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=context.dp_group,
+                                   **_constructor_defaults(optimizer))
+
+
+def _pipeline_data_parallel(model, optimizer, context, stage: int, ddp_kwargs: dict):
+    """pp > 1: ``model.train_step`` already all-reduces each stage's gradients over dp (the schedule, not
+    ``forward``, runs the stage, so a DDP wrapper would never fire). Only the optimizer is sharded (ZeRO-1)."""
+    if stage >= 2:
+        raise NotImplementedError(f"zero_stage={stage} with pipeline_parallel_size > 1 is not implemented; use "
+                                  f"zero_stage=1 (optimizer state sharded over the data-parallel group)")
+    if ddp_kwargs:
+        raise ValueError(f"DDP options {sorted(ddp_kwargs)} do not apply with pipeline_parallel_size > 1 (the "
+                         f"pipeline runner synchronizes gradients itself)")
+    if stage == 1 and optimizer is not None:
+        optimizer = _zero_redundancy(optimizer, context)
+    model._oslo_zero_stage = stage
+    return model, optimizer
+
+
 def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                         zero_stage: int | None = None, cpu_offload: bool = False, **ddp_kwargs):
     """Make ``model`` (and ``optimizer``) data parallel over the model's dp group at ``zero_stage``.
@@ -125,18 +155,12 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         model._oslo_zero_stage = stage
         return model, optimizer
 
+    if context.pp_size > 1:
+        return _pipeline_data_parallel(model, optimizer, context, stage, ddp_kwargs)
     if stage <= 1:
         wrapped = data_parallel(model, context, **ddp_kwargs)
         if stage == 1 and optimizer is not None:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            # Whole tensors are partitioned over the dp ranks by size; process_group=dp_group, never the world.
-            # Groups keep their own hyperparameters (and a scheduler's initial_lr).
-            groups = [dict(group) for group in optimizer.param_groups]
-            zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
-                                           process_group=context.dp_group,
-                                           **_constructor_defaults(optimizer))
-            optimizer = zero
+            optimizer = _zero_redundancy(optimizer, context)
         wrapped._oslo_zero_stage = stage
         return wrapped, optimizer
 

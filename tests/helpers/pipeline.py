@@ -5,6 +5,7 @@ from typing import Callable
 
 import torch
 
+from oslo_models.training import clip_grad_norm_
 from tests.helpers.models import assert_grads_match, assert_params_match
 
 
@@ -13,8 +14,12 @@ def local_rows(context, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return {name: t.chunk(context.dp_size)[context.dp_rank] for name, t in tensors.items()}
 
 
+ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-6)
+
+
 def assert_pipeline_matches(model, reference, batch: dict[str, torch.Tensor], *, steps: int = 3,
-                            reference_loss: Callable | None = None) -> None:
+                            reference_loss: Callable | None = None, optimizer=None,
+                            max_grad_norm: float | None = None) -> None:
     """``steps`` AdamW steps through ``model.train_step`` equal the reference's: loss, every local gradient and
     every local parameter after each step (fp32, atol 1e-5); then ``eval_step`` equals the reference's loss.
 
@@ -23,8 +28,8 @@ def assert_pipeline_matches(model, reference, batch: dict[str, torch.Tensor], *,
     """
     reference_loss = reference_loss or (lambda ref, b: ref(**b).loss)
     local = local_rows(model.parallel_context, batch)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    opt = optimizer if optimizer is not None else torch.optim.AdamW(model.parameters(), **ADAMW)
     num_params = len(list(model.parameters()))
     for _ in range(steps):
         expected = reference_loss(reference, batch)
@@ -32,6 +37,10 @@ def assert_pipeline_matches(model, reference, batch: dict[str, torch.Tensor], *,
         loss = model.train_step(local)
         torch.testing.assert_close(loss, expected.detach(), atol=1e-5, rtol=1e-5)
         assert assert_grads_match(model, reference) == num_params
+        if max_grad_norm is not None:
+            expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
+            torch.testing.assert_close(clip_grad_norm_(model, max_grad_norm), expected_norm, atol=1e-5, rtol=1e-5)
+            assert assert_grads_match(model, reference) == num_params
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
         assert_params_match(model, reference)
