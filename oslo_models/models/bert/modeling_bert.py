@@ -38,6 +38,7 @@ from ..heads import sequence_classification_loss
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_bert import BertConfig
 from .parallel_plan import BERT_BASE_PLAN, BERT_HEAD_PLAN, BERT_MLM_PLAN
+from .pipeline_bert import BertMLMPipelineAdapter, BertSequenceClassificationPipelineAdapter
 
 
 def _activation(hidden_act):
@@ -261,8 +262,9 @@ class BertPreTrainedModel(OsloPreTrainedModel):
         head's own ``bias`` (both only when ``tie_word_embeddings``)."""
         super().tie_parallel_weights()
         if self._decoder_bias_owner and getattr(self.config, "tie_word_embeddings", False):
-            head = self.get_submodule(self._decoder_bias_owner)
-            head.decoder.bias = head.bias
+            head = dict(self.named_modules()).get(self._decoder_bias_owner)  # None off a pipeline's last stage
+            if head is not None:
+                head.decoder.bias = head.bias
 
 
 class BertModel(BertPreTrainedModel):
@@ -342,6 +344,7 @@ class BertForMaskedLM(BertPreTrainedModel):
 
     parallel_plan = BERT_MLM_PLAN
     hf_twin = transformers.BertForMaskedLM
+    pipeline_adapter = BertMLMPipelineAdapter  # pipeline_parallel_size > 1: stages, see pipeline_bert.py
     _decoder_bias_owner = "cls.predictions"
     _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
                           "cls.predictions.decoder.bias": "cls.predictions.bias"}
@@ -355,7 +358,7 @@ class BertForMaskedLM(BertPreTrainedModel):
         self.finish_init()
 
     def get_output_embeddings(self):
-        return self.cls.predictions.decoder
+        return self.cls.predictions.decoder if self.cls is not None else None  # None off a pipeline's last stage
 
     def get_input_embeddings(self):
         return self.bert.embeddings.word_embeddings
@@ -413,6 +416,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
 
     parallel_plan = BERT_HEAD_PLAN
     hf_twin = transformers.BertForSequenceClassification
+    pipeline_adapter = BertSequenceClassificationPipelineAdapter  # see pipeline_bert.py
 
     def __init__(self, config, *, parallel_context=None):
         super().__init__(config, parallel_context=parallel_context)

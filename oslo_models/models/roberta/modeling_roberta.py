@@ -26,6 +26,7 @@ from ..common import full_logits, token_loss
 from ..heads import sequence_classification_loss
 from .configuration_roberta import RobertaConfig
 from .parallel_plan import ROBERTA_BASE_PLAN, ROBERTA_HEAD_PLAN, ROBERTA_MLM_PLAN
+from .pipeline_roberta import RobertaMLMPipelineAdapter
 
 
 class RobertaEmbeddings(BertEmbeddings):
@@ -79,6 +80,7 @@ class RobertaForMaskedLM(RobertaPreTrainedModel):
 
     parallel_plan = ROBERTA_MLM_PLAN
     hf_twin = transformers.RobertaForMaskedLM
+    pipeline_adapter = RobertaMLMPipelineAdapter  # pipeline_parallel_size > 1: stages, see pipeline_roberta.py
     _decoder_bias_owner = "lm_head"
     _tied_weights_keys = {"lm_head.decoder.weight": "roberta.embeddings.word_embeddings.weight",
                           "lm_head.decoder.bias": "lm_head.bias"}
@@ -92,7 +94,7 @@ class RobertaForMaskedLM(RobertaPreTrainedModel):
         self.finish_init()
 
     def get_output_embeddings(self):
-        return self.lm_head.decoder
+        return self.lm_head.decoder if self.lm_head is not None else None  # None off a pipeline's last stage
 
     def get_input_embeddings(self):
         return self.roberta.embeddings.word_embeddings
