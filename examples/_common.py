@@ -31,6 +31,10 @@ def build_parser(description: str, *, output: str, model_help: str, lr: float = 
     parser.add_argument("--output", default=output)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (GPT-2, BERT, T5 only)")
+    parser.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches per step")
+    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved_1f1b or zero_bubble")
+    parser.add_argument("--virtual-stages", type=int, default=1, help="stages per rank (interleaved schedules)")
     parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over dp")
     parser.add_argument("--cpu-offload", action="store_true", help="ZeRO 2/3: params/grads/optimizer on CPU")
     parser.add_argument("--bf16", action="store_true")
@@ -48,6 +52,8 @@ def build_parser(description: str, *, output: str, model_help: str, lr: float = 
     parser.add_argument("--vocab-size", type=int, default=512, help=vocab_help)
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint")
+    parser.add_argument("--stop-at", type=int, default=0,
+                        help="end this run (checkpointed) at this step, to --resume later (a time-limited job)")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -103,7 +109,8 @@ def make_accelerator(args):
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed,
                               gradient_accumulation_steps=args.grad_accum)
     cfg = om.ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel=args.sequence_parallel,
-                            zero_stage=args.zero)
+                            zero_stage=args.zero, pipeline_parallel_size=args.pp, num_microbatches=args.microbatches,
+                            pipeline_schedule=args.schedule, virtual_pipeline_size=args.virtual_stages)
     context = om.ParallelContext.from_config(cfg)  # reuses the process group Accelerate started
     return accelerator, context, mixed
 
@@ -146,16 +153,21 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler) -> tuple[
         training.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, dataloader=loader,
                                  scaler=accelerator.scaler, step=step_now, extra={"losses": losses})
 
+    pipelined = training.unwrap_model(model).parallel_context.pp_size > 1
     progress = tqdm(total=args.steps, initial=step, desc="training", disable=not accelerator.is_main_process,
                     mininterval=1.0)
     running = torch.zeros((), device=accelerator.device)
-    for batch in loader:
-        if step >= args.steps:
-            break
+    last = min(args.steps, args.stop_at) if args.stop_at else args.steps
+    # Stop right after the last step, not after fetching one more batch: the checkpoint records the loader's
+    # position, and a batch fetched but not trained on would be skipped on resume.
+    for batch in (loader if step < last else ()):
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         with accelerator.accumulate(model):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
+            if pipelined:  # the schedule runs forward and backward of every microbatch; loss on every rank
+                loss = model.train_step(batch)
+            else:
+                loss = model(**batch).loss
+                accelerator.backward(loss)
             running += loss.detach() / args.grad_accum
             if accelerator.sync_gradients and args.max_grad_norm > 0:
                 training.clip_grad_norm_(model, args.max_grad_norm, accelerator=accelerator)
@@ -175,6 +187,8 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler) -> tuple[
             progress.write(f"step {step:5d}  loss {mean:.4f}")
         if args.save_every and step % args.save_every == 0:
             save(step)
+        if step >= last:
+            break
     progress.close()
     if not math.isfinite(losses[-1] if losses else 0.0):
         raise RuntimeError("the loss is not finite")

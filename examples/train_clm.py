@@ -3,6 +3,7 @@
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 4 examples/train_clm.py --tp 2   # CPU
     accelerate launch --num_processes 4 examples/train_clm.py --model gpt2 --tp 2 --zero 2 --bf16 --data corpus
     torchrun --nproc_per_node 4 examples/train_clm.py --tp 2 ...                                       # same script
+    ... examples/train_clm.py --pp 2 --tp 2 --microbatches 4 --schedule 1f1b --n-layer 4   # pipeline x tensor
     python examples/train_clm.py --config run.yaml          # any option below as a YAML key (dashes or underscores)
 
 Without ``--model`` a small GPT-2 is built from config; without ``--data`` the built-in public-domain corpus

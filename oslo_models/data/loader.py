@@ -18,6 +18,10 @@ class ResumableDataLoader(torch.utils.data.DataLoader):
     """
 
     def __init__(self, dataset, *, sampler: DistributedResumableSampler, batch_size: int, **kwargs):
+        # Every new iterator draws a worker base seed from `generator`; torch's default is the *global* RNG,
+        # which would shift dropout masks depending on when iteration (re)starts: a resumed run would then
+        # differ from an uninterrupted one. A private generator keeps the global stream for the model.
+        kwargs.setdefault("generator", torch.Generator().manual_seed(sampler.seed))
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
         self._progress: list | None = None  # [epoch, start consumed, batches delivered] of an unfinished pass
 
