@@ -48,6 +48,15 @@ def _resolve_dtype(dtype, config) -> torch.dtype:
     return dtype
 
 
+def _refuse_pipelined_forward(model, args):
+    """Forward pre-hook of a pipelined model: one rank holds only some layers, so a plain forward (or
+    ``generate``) cannot run; say what to call instead, before anything half-runs."""
+    raise RuntimeError(f"{type(model).__name__} is split into pipeline stages (pipeline_parallel_size="
+                       f"{model.parallel_context.pp_size}): each rank holds only its stages' layers, so forward() "
+                       f"and generate() cannot run here. Train with model.train_step(batch), evaluate with "
+                       f"model.eval_step(batch); for inference, save_pretrained() and load without pipelining.")
+
+
 class OsloPreTrainedModel(PreTrainedModel):
     """Base class: see the module docstring. ``parallel_context`` says which ranks this model spans."""
 
@@ -80,6 +89,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             from ..pipeline.stage import keep_stage_modules
 
             keep_stage_modules(self, self.parallel_context)
+            self.register_forward_pre_hook(_refuse_pipelined_forward)
         self.tie_parallel_weights()
         if not any(param.is_meta for param in self.parameters()):
             self.initialize_from_twin()

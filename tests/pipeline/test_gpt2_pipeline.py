@@ -79,6 +79,11 @@ def _world2_worker(path: str) -> None:
     assert len(model.pipeline_layout.local_layers()) == (3 if model.parallel_context.pp_rank == 0 else 5)
     with pytest.raises(ValueError, match="not divisible by num_microbatches"):
         model.train_step({"input_ids": ids[:3], "labels": labels[:3]})
+    # A stage cannot run the whole model: forward and generate refuse clearly instead of failing half-way.
+    with pytest.raises(RuntimeError, match="train_step"):
+        model(ids)
+    with pytest.raises(RuntimeError, match="pipeline stages"):
+        model.generate(ids[:1, :4], max_new_tokens=2)
 
 
 def _world4_worker(path: str, save_to: str) -> None:
