@@ -85,6 +85,15 @@ def _world2_worker(path: str) -> None:
     with pytest.raises(RuntimeError, match="pipeline stages"):
         model.generate(ids[:1, :4], max_new_tokens=2)
 
+    # from_config at pp=2 draws the weights transformers draws from the same seed; each stage keeps its own.
+    config = transformers.GPT2Config.from_pretrained(path)
+    torch.manual_seed(7)
+    twin = transformers.GPT2LMHeadModel(config).train()
+    torch.manual_seed(7)
+    cfg = om.ParallelConfig(pipeline_parallel_size=2, num_microbatches=2, pipeline_partition="parameters")
+    model = om.AutoModelForCausalLM.from_config(config, parallel=cfg).train()
+    assert_pipeline_matches(model, twin, {"input_ids": ids, "labels": labels, "attention_mask": mask}, steps=1)
+
 
 def _world4_worker(path: str, save_to: str) -> None:
     ids, mask, labels = padded_batch(101, batch=4, seq=8)
