@@ -80,6 +80,15 @@ class PipelineAdapter:
         """
         raise NotImplementedError
 
+    def whole_backward_stages(self, model, layout) -> set[int]:
+        """Stages whose backward computes input and weight gradients in one pass, also under zero-bubble schedules.
+
+        torch's split backward reaches a stage's weights only through the autograd graph of the stage's inputs: a
+        weight that feeds an output by a path no input joins (T5's decoder position bias, computed from weights
+        alone and sent on) would get no gradient from that output. Such stages give up the split, not correctness.
+        """
+        return set()
+
     # ------------------------------------------------------------------ compute
     def stage_forward(self, stage, *inputs, **kwargs):
         """Run stage ``stage`` (a ``StageModule``) on its inputs; return its outputs (a tensor or a tuple)."""

@@ -68,6 +68,10 @@ class _LossFn:
         return self.adapter.loss(self.model, outputs, labels, num_items_in_batch)
 
 
+def _no_weight_step():
+    return lambda: None
+
+
 class PipelineRunner:
     """Owns the stages and schedules of one pipelined model (one per microbatch shape, built on first use).
 
@@ -104,12 +108,16 @@ class PipelineRunner:
             return tuple(t.detach().requires_grad_(training and t.is_floating_point()) for t in tensors)
 
         stages = []
+        whole_backward = adapter.whole_backward_stages(model, layout)
         for stage_index in layout.local_stages:
             module = StageModule(model, stage_index, layout, sequence_parallel=sp)
             # Static shapes: no shape-inference forward (which would run the TP collectives on empty tensors).
             inputs, outputs = adapter.stage_io(model, layout, stage_index, microbatch, sp)
+            # A dw_builder makes torch run the stage's whole backward at once; the weight step is then a no-op.
+            dw_builder = _no_weight_step if stage_index in whole_backward else None
             stages.append(PipelineStage(module, stage_index, layout.num_stages, context.device,
-                                        input_args=meta(inputs), output_args=meta(outputs), group=context.pp_group))
+                                        input_args=meta(inputs), output_args=meta(outputs), group=context.pp_group,
+                                        dw_builder=dw_builder))
         cls = schedule_class(self.schedule_name)
         loss_fn = _LossFn(model)
         if self.schedule_name in MULTI_STAGE_SCHEDULES:

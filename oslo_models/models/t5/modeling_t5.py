@@ -37,6 +37,7 @@ from transformers.models.t5.modeling_t5 import eager_attention_forward
 
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, Linear
+from ...parallel_layers.plan import ShardSpec
 from ..common import (
     DenseActDense,
     DenseGatedActDense,
@@ -52,6 +53,7 @@ from ..common import (
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_t5 import T5Config
 from .parallel_plan import T5_PLAN
+from .pipeline_t5 import T5PipelineAdapter
 
 _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "return_dict")
 
@@ -229,26 +231,23 @@ class T5PreTrainedModel(OsloPreTrainedModel):
 
     def tie_parallel_weights(self) -> None:
         """The stacks' ``embed_tokens`` always share ``shared``; ``lm_head`` does too unless the checkpoint
-        carried a different one (``_lm_head_tied``), as ``transformers`` decides when loading."""
+        carried a different one (``_lm_head_tied``), as ``transformers`` decides when loading. A pipeline stage
+        may lack any of these modules (``None``, see ``pipeline_t5.py``); a tied head without ``shared`` on its
+        stage is a copy that the pipeline engine keeps equal."""
         shared = getattr(self, "shared", None)
         if shared is None:
             return
         for stack in (getattr(self, "encoder", None), getattr(self, "decoder", None)):
-            if stack is not None:
+            if stack is not None and stack.embed_tokens is not None:
                 stack.embed_tokens.weight = shared.weight
-        if hasattr(self, "lm_head") and getattr(self, "_lm_head_tied", True):
+        if getattr(self, "lm_head", None) is not None and getattr(self, "_lm_head_tied", True):
             self.lm_head.weight = shared.weight
 
     def _tied_keys_to_skip(self) -> set[str]:
-        """Skip on save only the tied keys that really share storage (an untied Flan-T5 head is saved)."""
-        skip = set()
-        for target, source in (getattr(self, "all_tied_weights_keys", None) or {}).items():
-            try:
-                if self.get_parameter(target) is self.get_parameter(source):
-                    skip.add(target)
-            except AttributeError:
-                continue
-        return skip
+        """Skip on save the tied keys (``embed_tokens``, and ``lm_head`` while it is tied); an untied Flan-T5 head
+        is saved. Decided by the flag, not by tensor identity: a pipeline stage's head may be a tied copy."""
+        return {target for target in (getattr(self, "all_tied_weights_keys", None) or {})
+                if target != "lm_head.weight" or getattr(self, "_lm_head_tied", True)}
 
     def _shift_right(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Decoder inputs from labels: prepend ``decoder_start_token_id``, drop the last token, -100 -> pad."""
@@ -382,6 +381,7 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
     ``[b, s_dec, V]`` unless ``gather_logits=False`` (then ``[b, s_dec, V_padded/tp]``)."""
 
     hf_twin = transformers.T5ForConditionalGeneration
+    pipeline_adapter = T5PipelineAdapter  # pipeline_parallel_size > 1: stages, see pipeline_t5.py
     _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight",
                           "decoder.embed_tokens.weight": "shared.weight",
                           "lm_head.weight": "shared.weight"}
@@ -410,22 +410,26 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
         """As ``transformers``: a checkpoint whose ``lm_head.weight`` differs from ``shared.weight`` (Flan-T5,
         T5 v1.1) gets its own head. Each rank compares only its vocabulary slice; the verdict is all-reduced."""
         if self._lm_head_tied and self._checkpoint_head_differs(reader):
-            self.lm_head.weight = nn.Parameter(torch.empty_like(self.shared.weight))
+            if self.lm_head is not None and self.shared is not None:  # else a pipeline stage's head is its own
+                self.lm_head.weight = nn.Parameter(torch.empty_like(self.shared.weight))
             self._lm_head_tied = False
         return super().load_from_reader(reader, progress=progress)
 
     def _checkpoint_head_differs(self, reader) -> bool:
+        """Each rank compares its vocabulary slice; the verdict is all-reduced over tensor parallelism, and over
+        pipeline parallelism too: every stage, with or without the head, must agree on the tied groups."""
         keys = set(reader.keys())
         if "lm_head.weight" not in keys or "shared.weight" not in keys:
             return False
         context = self.parallel_context
-        spec = self.parallel_plan.shard_spec(self, "lm_head.weight")
+        spec = ShardSpec(0, vocab_size=reader.shape("shared.weight")[0])  # lm_head's and shared's vocab split
         head, shared = (spec.read_shard(tuple(reader.shape(key)), lambda index, key=key: reader.read(key, index),
                                         context.tp_rank, context.tp_size)
                         for key in ("lm_head.weight", "shared.weight"))
         differs = torch.tensor([0 if torch.equal(head, shared) else 1], device=context.device)
-        if context.tp_group is not None:
-            dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=context.tp_group)
+        for group in (context.tp_group, context.pp_group if context.pp_size > 1 else None):
+            if group is not None:
+                dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
         return bool(differs.item())
 
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
