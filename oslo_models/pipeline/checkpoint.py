@@ -37,8 +37,9 @@ class StageReader(CheckpointReader):
         def spellings(name: str) -> tuple[str, str]:  # checkpoints may store the base model without its prefix
             return (name, name[len(prefix):] if prefix and name.startswith(prefix) else prefix + name)
 
+        local = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         owned: set[str] = set()
-        for name, _ in model.named_parameters(remove_duplicate=False):
+        for name in local:
             owned.update(spellings(name))
         available = set(reader.keys())
         aliases = {}
@@ -46,10 +47,9 @@ class StageReader(CheckpointReader):
             sources = [key for name in names for key in spellings(name) if key in available]
             if not sources:
                 continue
-            for name in names:
-                for key in spellings(name):
-                    if key in owned:
-                        aliases.setdefault(key, sources[0])
+            for name in names:  # the loader tries a parameter's own name first: alias that spelling only
+                if name in local and not any(key in available for key in spellings(name)):
+                    aliases.setdefault(name, sources[0])
         return cls(reader, owned, aliases)
 
     def keys(self):
