@@ -19,7 +19,7 @@ Vocabulary:
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -79,6 +79,20 @@ class PipelineAdapter:
         tensors ``requires_grad`` in training (gradients flow back through them).
         """
         raise NotImplementedError
+
+    def hidden_state_io(self, model, layout, stage: int, microbatch: Mapping[str, torch.Tensor],
+                        sequence_parallel: bool, head_shape: Callable[[], tuple[int, ...]]):
+        """``stage_io`` of a decoder- or encoder-only family: ``input_ids [mb, s]`` into the first stage, hidden
+        states ``[mb, s(/tp), h]`` between stages (split by sequence under SP), a tensor of ``head_shape()`` out of
+        the last (called there only: the head exists on the last stage only)."""
+        mb, seq_len = microbatch["input_ids"].shape
+        dtype = next(model.parameters()).dtype
+        tp = model.parallel_context.tp_size if sequence_parallel else 1
+        hidden = torch.empty(mb, seq_len // tp, model.config.hidden_size, dtype=dtype, device="meta")
+        inputs = (microbatch["input_ids"],) if stage == 0 else (hidden,)
+        if stage < layout.num_stages - 1:
+            return inputs, (hidden,)
+        return inputs, (torch.empty(head_shape(), dtype=dtype, device="meta"),)
 
     def whole_backward_stages(self, model, layout) -> set[int]:
         """Stages whose backward computes input and weight gradients in one pass, also under zero-bubble schedules.

@@ -67,13 +67,8 @@ class BertPipelineAdapter(PipelineAdapter):
 
     def stage_io(self, model, layout, stage, microbatch, sequence_parallel):
         mb, seq_len = microbatch["input_ids"].shape
-        dtype = next(model.parameters()).dtype
-        tp = model.parallel_context.tp_size if sequence_parallel else 1
-        hidden = torch.empty(mb, seq_len // tp, model.config.hidden_size, dtype=dtype, device="meta")
-        inputs = (microbatch["input_ids"],) if stage == 0 else (hidden,)
-        if stage < layout.num_stages - 1:
-            return inputs, (hidden,)
-        return inputs, (torch.empty(self.head_output_shape(model, mb, seq_len), dtype=dtype, device="meta"),)
+        return self.hidden_state_io(model, layout, stage, microbatch, sequence_parallel,
+                                    lambda: self.head_output_shape(model, mb, seq_len))
 
     # ------------------------------------------------------------------ compute
     def stage_forward(self, stage, x, attention_mask=None, token_type_ids=None, position_ids=None):

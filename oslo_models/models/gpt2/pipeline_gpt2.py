@@ -54,13 +54,8 @@ class GPT2LMPipelineAdapter(PipelineAdapter):
 
     def stage_io(self, model, layout, stage, microbatch, sequence_parallel):
         mb, seq_len = microbatch["input_ids"].shape
-        dtype = next(model.parameters()).dtype
-        tp = model.parallel_context.tp_size if sequence_parallel else 1
-        hidden = torch.empty(mb, seq_len // tp, model.config.hidden_size, dtype=dtype, device="meta")
-        inputs = (microbatch["input_ids"],) if stage == 0 else (hidden,)
-        if stage < layout.num_stages - 1:
-            return inputs, (hidden,)
-        return inputs, (torch.empty(mb, seq_len, model.lm_head.weight.shape[0], dtype=dtype, device="meta"),)
+        return self.hidden_state_io(model, layout, stage, microbatch, sequence_parallel,
+                                    lambda: (mb, seq_len, model.lm_head.weight.shape[0]))
 
     def stage_forward(self, stage, x, attention_mask=None, position_ids=None):
         config, context, sp = stage.model_config, stage.parallel_context, stage.sequence_parallel
