@@ -1,5 +1,5 @@
 """Smoke runs of examples/train_mlm.py (BERT masked LM) and examples/train_seq2seq.py (T5 span corruption) at tp=2
-over 2 CPU processes: they train, write a loss curve, and save a Hub folder that plain ``transformers`` loads and
+and at pp=2 (pipelined train_step) over 2 CPU processes: they train, write a loss curve, and save a Hub folder that plain ``transformers`` loads and
 that gives the logits the ``oslo_models`` model loaded from the same folder gives."""
 from __future__ import annotations
 
@@ -18,15 +18,16 @@ import oslo_models as om
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2", "--microbatches", "2")], ids=["tp2", "pp2"])
 @pytest.mark.parametrize("script, plain_cls, oslo_cls", [
     ("train_mlm.py", transformers.BertForMaskedLM, om.AutoModelForMaskedLM),
     ("train_seq2seq.py", transformers.T5ForConditionalGeneration, om.AutoModelForSeq2SeqLM),
 ])
-def test_example_smoke(tmp_path, script, plain_cls, oslo_cls):
+def test_example_smoke(tmp_path, script, plain_cls, oslo_cls, layout):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     out = tmp_path / "out"
-    cmd = [torchrun, "--nproc_per_node", "2", os.path.join(ROOT, "examples", script), "--tp", "2", "--steps", "4",
+    cmd = [torchrun, "--nproc_per_node", "2", os.path.join(ROOT, "examples", script), *layout, "--steps", "4",
            "--seq-len", "32", "--n-embd", "64", "--batch-size", "4", "--output", str(out)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
