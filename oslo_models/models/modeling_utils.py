@@ -94,6 +94,17 @@ class OsloPreTrainedModel(PreTrainedModel):
         if not any(param.is_meta for param in self.parameters()):
             self.initialize_from_twin()
 
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, **kwargs):
+        """``transformers``' hook behind ``gradient_checkpointing_enable``: the checkpoint function is wrapped so
+        that recomputed blocks replay this rank's tensor-parallel dropout stream (see ``RNGTracker.checkpointed``).
+        """
+        if gradient_checkpointing_func is None:
+            from torch.utils.checkpoint import checkpoint as gradient_checkpointing_func
+        if enable:
+            gradient_checkpointing_func = self.parallel_context.rng.checkpointed(gradient_checkpointing_func)
+        super()._set_gradient_checkpointing(enable=enable, gradient_checkpointing_func=gradient_checkpointing_func,
+                                            **kwargs)
+
     def tie_parallel_weights(self) -> None:
         """Re-tie the output embedding to the input embedding after the plan replaced the modules."""
         if not getattr(self.config, "tie_word_embeddings", False):

@@ -67,6 +67,36 @@ class RNGTracker:
             self._state = _get_state(self.device)
             _set_state(self.device, saved)
 
+    def checkpointed(self, checkpoint_fn):
+        """Wrap an activation-checkpoint function (``torch.utils.checkpoint.checkpoint`` or a partial of it) so
+        that the recomputation draws the same tensor-parallel dropout masks as the forward did.
+
+        torch's checkpoint restores the default generator for the recomputation (``preserve_rng_state``) but
+        knows nothing of this stream, which has moved on by then: without the replay, TP dropout masks in the
+        recomputed forward would differ from the ones the forward used, and the gradients would be wrong.
+        Works for reentrant and non-reentrant checkpointing (it wraps the function that is run twice).
+        """
+        tracker = self
+
+        def checkpoint_with_tp_rng(function, *args, **kwargs):
+            start = tracker._state.clone()
+            runs = [0]
+
+            def replay(*inner_args, **inner_kwargs):
+                runs[0] += 1
+                if runs[0] == 1:  # the forward
+                    return function(*inner_args, **inner_kwargs)
+                after = tracker._state
+                tracker._state = start.clone()
+                try:  # the recomputation: the stream as the forward found it, then back to where it is now
+                    return function(*inner_args, **inner_kwargs)
+                finally:
+                    tracker._state = after
+
+            return checkpoint_fn(replay, *args, **kwargs)
+
+        return checkpoint_with_tp_rng
+
     def state_dict(self) -> dict:
         return {"seed": self.seed, "state": self._state.clone()}
 
