@@ -94,6 +94,15 @@ def _world2_worker(path: str) -> None:
     model = om.AutoModelForCausalLM.from_config(config, parallel=cfg).train()
     assert_pipeline_matches(model, twin, {"input_ids": ids, "labels": labels, "attention_mask": mask}, steps=1)
 
+    # Activation checkpointing inside the stages, also under zero-bubble's split backward.
+    cfg = om.ParallelConfig(pipeline_parallel_size=2, num_microbatches=2, pipeline_schedule="zero_bubble",
+                            virtual_pipeline_size=2)
+    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
+    model.gradient_checkpointing_enable()
+    assert all(block.gradient_checkpointing for block in model.transformer.h)
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    assert_pipeline_matches(model, reference, {"input_ids": ids, "labels": labels, "attention_mask": mask}, steps=2)
+
 
 def _world4_worker(path: str, save_to: str) -> None:
     ids, mask, labels = padded_batch(101, batch=4, seq=8)
