@@ -207,3 +207,12 @@ def export(args, accelerator, model, tokenizer, losses: list[float], title: str)
         with open(os.path.join(args.output, "loss.json"), "w", encoding="utf-8") as handle:
             json.dump({"losses": losses, "args": vars(args)}, handle, indent=1)
     return model_dir
+
+
+def finish(accelerator) -> None:
+    """End the run on every rank together and tear the process groups down before the interpreter exits (gloo
+    groups left to interpreter teardown can abort a rank with "terminate called without an active exception")."""
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

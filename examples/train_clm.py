@@ -22,7 +22,7 @@ import transformers
 
 import oslo_models as om
 from oslo_models import training  # noqa: F401  (kept importable as train_clm.training)
-from _common import (BUILTIN_CORPUS, HERE, build_parser, export, make_accelerator,  # noqa: F401
+from _common import (BUILTIN_CORPUS, HERE, build_parser, export, finish, make_accelerator,  # noqa: F401
                      optimizer_and_scheduler, plot_losses, prepare_data as _prepare_data, train_loop)
 from _common import parse_args as _parse_args
 
@@ -92,8 +92,7 @@ def main(argv=None) -> None:
         if args.push_to_hub:
             plain.push_to_hub(args.push_to_hub)
             tokenizer.push_to_hub(args.push_to_hub)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    finish(accelerator)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ import transformers
 
 import oslo_models as om
 from oslo_models import training
-from _common import (build_parser, export, make_accelerator, optimizer_and_scheduler, parse_args as _parse_args,
-                     prepare_data, train_loop)
+from _common import (build_parser, export, finish, make_accelerator, optimizer_and_scheduler,
+                     parse_args as _parse_args, prepare_data, train_loop)
 
 
 def parse_args(argv=None):
@@ -95,8 +95,7 @@ def main(argv=None) -> None:
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {step} steps; Hub folder: {model_dir}; "
               f"curve: {os.path.join(args.output, 'loss.png')}")
         print("plain transformers spans:", repr(tokenizer.decode(sample[0])))
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    finish(accelerator)
 
 
 if __name__ == "__main__":
