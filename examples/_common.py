@@ -196,6 +196,20 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler) -> tuple[
     return step, losses
 
 
+def fit(args, accelerator, context, mixed: str, model, dataset, collator, tokens: str):
+    """Loader, optimizer and scheduler, ``training.prepare``, then :func:`train_loop`: the part every example
+    shares. ``tokens`` describes one sample for the start-up line. Returns ``(model, step, losses)``."""
+    loader = om.data.build_dataloader(dataset, args.batch_size, collator, parallel_context=context, seed=args.seed)
+    optimizer, scheduler = optimizer_and_scheduler(args, model)
+    model, optimizer, loader, scheduler = training.prepare(accelerator, model, optimizer, loader, scheduler,
+                                                           zero_stage=args.zero, cpu_offload=args.cpu_offload)
+    global_batch = args.batch_size * args.grad_accum * context.dp_size
+    accelerator.print(f"{context}; zero_stage={args.zero}; mixed_precision={mixed}; global batch {global_batch} "
+                      f"x {tokens}; {len(dataset)} samples")
+    step, losses = train_loop(args, accelerator, model, optimizer, loader, scheduler)
+    return model, step, losses
+
+
 def export(args, accelerator, model, tokenizer, losses: list[float], title: str) -> str:
     """Hub folder ``OUTPUT/model`` (every rank takes part), and on rank 0 the tokenizer, ``loss.png`` and
     ``loss.json``. Returns the folder."""

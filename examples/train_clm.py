@@ -21,9 +21,7 @@ import torch
 import transformers
 
 import oslo_models as om
-from oslo_models import training  # noqa: F401  (kept importable as train_clm.training)
-from _common import (BUILTIN_CORPUS, HERE, build_parser, export, finish, make_accelerator,  # noqa: F401
-                     optimizer_and_scheduler, plot_losses, prepare_data as _prepare_data, train_loop)
+from _common import build_parser, export, finish, fit, make_accelerator, prepare_data as _prepare_data
 from _common import parse_args as _parse_args
 
 
@@ -72,14 +70,8 @@ def main(argv=None) -> None:
     global_batch = args.batch_size * args.grad_accum * context.dp_size
     dataset = om.data.PackedCausalLMDataset(prefix, args.seq_len, seed=args.seed,
                                             num_samples=args.steps * global_batch)
-    loader = om.data.build_dataloader(dataset, args.batch_size, om.data.CausalLMCollator(),
-                                      parallel_context=context, seed=args.seed)
-    optimizer, scheduler = optimizer_and_scheduler(args, model)
-    model, optimizer, loader, scheduler = training.prepare(accelerator, model, optimizer, loader, scheduler,
-                                                           zero_stage=args.zero, cpu_offload=args.cpu_offload)
-    accelerator.print(f"{context}; zero_stage={args.zero}; mixed_precision={mixed}; global batch {global_batch} "
-                      f"x {args.seq_len} tokens; {len(dataset)} samples")
-    step, losses = train_loop(args, accelerator, model, optimizer, loader, scheduler)
+    model, step, losses = fit(args, accelerator, context, mixed, model, dataset, om.data.CausalLMCollator(),
+                              f"{args.seq_len} tokens")
 
     model_dir = export(args, accelerator, model, tokenizer, losses, "train_clm.py")
     if accelerator.is_main_process:

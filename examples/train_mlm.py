@@ -19,9 +19,7 @@ import torch
 import transformers
 
 import oslo_models as om
-from oslo_models import training
-from _common import (build_parser, export, finish, make_accelerator, optimizer_and_scheduler,
-                     parse_args as _parse_args, prepare_data, train_loop)
+from _common import build_parser, export, finish, fit, make_accelerator, parse_args as _parse_args, prepare_data
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -75,13 +73,7 @@ def main(argv=None) -> None:
                                             num_samples=args.steps * global_batch)
     collator = om.data.MLMCollator(tokenizer, mlm_probability=args.mlm_probability,
                                    whole_word_mask=args.whole_word_mask, seed=args.seed)
-    loader = om.data.build_dataloader(dataset, args.batch_size, collator, parallel_context=context, seed=args.seed)
-    optimizer, scheduler = optimizer_and_scheduler(args, model)
-    model, optimizer, loader, scheduler = training.prepare(accelerator, model, optimizer, loader, scheduler,
-                                                           zero_stage=args.zero, cpu_offload=args.cpu_offload)
-    accelerator.print(f"{context}; zero_stage={args.zero}; mixed_precision={mixed}; global batch {global_batch} "
-                      f"x {args.seq_len} tokens; {len(dataset)} samples")
-    step, losses = train_loop(args, accelerator, model, optimizer, loader, scheduler)
+    model, step, losses = fit(args, accelerator, context, mixed, model, dataset, collator, f"{args.seq_len} tokens")
 
     model_dir = export(args, accelerator, model, tokenizer, losses, "train_mlm.py")
     if accelerator.is_main_process:

@@ -22,9 +22,7 @@ import torch
 import transformers
 
 import oslo_models as om
-from oslo_models import training
-from _common import (build_parser, export, finish, make_accelerator, optimizer_and_scheduler,
-                     parse_args as _parse_args, prepare_data, train_loop)
+from _common import build_parser, export, finish, fit, make_accelerator, parse_args as _parse_args, prepare_data
 
 
 def parse_args(argv=None):
@@ -79,13 +77,8 @@ def main(argv=None) -> None:
     collator = om.data.T5SpanCorruptionCollator(tokenizer, noise_density=args.noise_density,
                                                 mean_noise_span_length=args.mean_noise_span_length, seed=args.seed,
                                                 pad_to_multiple_of=args.tp if args.sequence_parallel else None)
-    loader = om.data.build_dataloader(dataset, args.batch_size, collator, parallel_context=context, seed=args.seed)
-    optimizer, scheduler = optimizer_and_scheduler(args, model)
-    model, optimizer, loader, scheduler = training.prepare(accelerator, model, optimizer, loader, scheduler,
-                                                           zero_stage=args.zero, cpu_offload=args.cpu_offload)
-    accelerator.print(f"{context}; zero_stage={args.zero}; mixed_precision={mixed}; global batch {global_batch} "
-                      f"x {raw_len} raw -> {args.seq_len} input / {target_len} target tokens; {len(dataset)} samples")
-    step, losses = train_loop(args, accelerator, model, optimizer, loader, scheduler)
+    model, step, losses = fit(args, accelerator, context, mixed, model, dataset, collator,
+                              f"{raw_len} raw -> {args.seq_len} input / {target_len} target tokens")
 
     model_dir = export(args, accelerator, model, tokenizer, losses, "train_seq2seq.py")
     if accelerator.is_main_process:
