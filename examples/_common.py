@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 import oslo_models as om
 from oslo_models import training
+from oslo_models.cli import HelpFormatter
 from _evaluate import Evaluator
 from _report import Reporter, check_trackers, export_files, trackers
 
@@ -31,15 +32,11 @@ class UsageError(ValueError):
     """A wrong option or launch: every rank finds it alike, rank 0 prints one line, all exit with status 2."""
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
-
-
 def build_parser(doc: str, *, output: str, model_help: str, lr: float = 3e-3,
                  vocab_help: str = "BPE size when training a tokenizer") -> argparse.ArgumentParser:
     """The options every example takes; a script adds its own before :func:`parse_args`. ``doc``: the script's
     docstring, shown whole by ``--help`` (it holds the launch examples)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=_Formatter)
+    parser = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
     add = parser.add_argument
     add("--config", help="YAML file with any of the options below as keys (dashes or underscores)")
     add("--model", help=model_help)
@@ -134,9 +131,9 @@ def check_launch(args) -> om.ParallelConfig:
         if args.grad_accum > 1:
             raise UsageError("--grad-accum with --pp: the pipeline already accumulates over its microbatches; "
                              "raise --microbatches and --batch-size instead")
-        if args.batch_size % cfg.num_microbatches:
-            raise UsageError(f"--batch-size {args.batch_size} does not split into --microbatches "
-                             f"{cfg.num_microbatches}")
+        microbatches = cfg.num_microbatches or args.pp  # the runner's default
+        if args.batch_size % microbatches:
+            raise UsageError(f"--batch-size {args.batch_size} does not split into --microbatches {microbatches}")
     if args.cpu_offload and args.zero < 2:
         raise UsageError(f"--cpu-offload needs --zero 2 or 3, got --zero {args.zero}")
     if mixed == "fp16" and not torch.cuda.is_available():
