@@ -8,6 +8,7 @@ Not a public API: each script imports what it needs (``from _common import ...``
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -152,8 +153,16 @@ def print_once(message: str, file=None) -> None:
 
 
 def run(main, argv=None) -> None:
-    """Run ``main(argv)``; a ``UsageError`` (raised alike on every rank) becomes one line from rank 0 and exit
-    status 2 on every rank, instead of one traceback per rank."""
+    """Run ``main(argv)`` and end the process deterministically.
+
+    A ``UsageError`` (raised alike on every rank) becomes one line from rank 0 and exit status 2 on every rank,
+    instead of one traceback per rank. After ``main`` returns, its objects are freed while the interpreter is
+    whole: the pipelined model and its runner refer to each other (a cycle only the garbage collector frees) and
+    hold the pipeline and tied-embedding process groups; left to interpreter finalization, a gloo group's
+    destructor there can hang or abort the rank ("terminate called without an active exception"). Then every rank
+    meets at a barrier and the process groups are destroyed. Any other exception propagates untouched (a rank
+    that fails must not wait for the others), and the launcher stops the job.
+    """
     try:
         main(argv)
     except UsageError as error:
@@ -161,6 +170,10 @@ def run(main, argv=None) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.exit(2)
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def _has_tokenizer_files(folder: str) -> bool:
@@ -343,10 +356,7 @@ def export(args, accelerator, model, tokenizer, losses: list[float], title: str,
 
 
 def finish(accelerator) -> None:
-    """End the run on every rank together and tear the process groups down before the interpreter exits (gloo
-    groups left to interpreter teardown can abort a rank with "terminate called without an active exception")."""
+    """End the run on every rank together (trackers closed). The process groups are torn down by :func:`run`
+    once ``main`` has returned and its objects are freed."""
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()

@@ -7,7 +7,6 @@ one JSON line per ``accelerator.log`` call in ``OUTPUT/metrics.jsonl``, which ne
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -94,9 +93,10 @@ def _scalars(values: dict) -> dict:
 
 def plot_losses(losses: list[float], path: str, title: str) -> bool:
     """``loss.png``; ``False`` (nothing drawn) when matplotlib is not installed: the plot is a nicety."""
-    if importlib.util.find_spec("matplotlib") is None:
+    try:
+        import matplotlib
+    except ImportError:
         return False
-    import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
