@@ -12,6 +12,7 @@ import gc
 import math
 import os
 import sys
+import warnings
 
 import torch
 import transformers
@@ -246,7 +247,7 @@ def make_accelerator(args, cfg: om.ParallelConfig):
 
     # cpu=True on a machine without GPUs: torchrun ranks would otherwise each run alone (DistributedType.NO).
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
-                              gradient_accumulation_steps=args.grad_accum, log_with=trackers(args),
+                              gradient_accumulation_steps=args.grad_accum, log_with=trackers(args) or None,
                               project_dir=args.output)
     context = om.ParallelContext.from_config(cfg)  # reuses the process group Accelerate started
     return accelerator, context
@@ -334,6 +335,18 @@ def fit(args, accelerator, context, model, dataset, collator, tokens: str, evalu
     shares. ``tokens`` describes one sample for the start-up line. Returns ``(model, step, losses, reporter)``."""
     loader = om.data.build_dataloader(dataset, args.batch_size, collator, parallel_context=context, seed=args.seed)
     optimizer, scheduler = optimizer_and_scheduler(args, model)
+    if args.zero and context.dp_size > 1:
+        # ZeRO builds a new (sharded) optimizer after the scheduler was made on the plain one, and prepare points
+        # the scheduler at it; torch then warns once per rank that optimizer.step() "has been overridden after
+        # learning rate scheduler initialization". The schedule is still applied to the optimizer that steps.
+        warnings.filterwarnings("ignore", message=r"Seems like `optimizer.step\(\)` has been overridden")
+        accelerator.print(f"note: --zero {args.zero} rebuilds the optimizer over the data-parallel group; the LR "
+                          f"scheduler follows it (torch's 'optimizer.step() has been overridden' warning is "
+                          f"silenced)")
+    if args.zero >= 2 and context.dp_size > 1:
+        # FSDP2 warns (once per rank) when the model returns a view (e.g. logits from a biased Linear over [b, s, h]):
+        # an in-place op on it would skip a hook. This loop never modifies model outputs in place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     model, optimizer, loader, scheduler = training.prepare(accelerator, model, optimizer, loader, scheduler,
                                                            zero_stage=args.zero, cpu_offload=args.cpu_offload)
     global_batch = args.batch_size * args.grad_accum * context.dp_size

@@ -157,3 +157,16 @@ def test_help_formatter_hides_empty_defaults():
     assert "x (default: 3)" in text and "y (default" not in text
     plot = build_parser().parse_args(["pipeline-plot", "--pp", "2", "--microbatches", "4", "--virtual", "2"])
     assert plot.virtual_stages == 2
+
+
+def test_lm_logits_are_not_views():
+    """FSDP2 (ZeRO-2/3) warns once per rank when a wrapped model returns a view; GPT-2's gathered LM logits are a
+    fresh tensor when the vocabulary is not padded (tp=1 or a vocabulary divisible by tp)."""
+    import torch
+
+    import oslo_models as om
+
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=96)
+    out = om.AutoModelForCausalLM.from_config(config).train()(input_ids=ids, labels=ids)
+    assert out.logits._base is None and out.logits.shape == (2, 8, 96)
