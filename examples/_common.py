@@ -237,7 +237,22 @@ def prepare_data(args, context, train_tokenizer) -> tuple[str, str | None, trans
     context.barrier()
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     check_tokenizer(args, tokenizer)
+    check_corpus(tokenizer, prefix, eval_prefix)
     return prefix, eval_prefix, tokenizer
+
+
+def check_corpus(tokenizer, *prefixes) -> None:
+    """Refuse a token file written with another vocabulary (a ``--data`` prefix, or OUTPUT/corpus left by a run
+    with another tokenizer): its ids would mean other tokens."""
+    for prefix in filter(None, prefixes):
+        corpus = om.data.MMapTokenDataset(prefix)
+        if corpus.header.get("tokenizer") is None:  # written without a tokenizer record: nothing to compare
+            continue
+        try:
+            corpus.check_tokenizer(tokenizer)
+        except ValueError as error:
+            raise UsageError(f"{error}. Pass the corpus' own --tokenizer, or delete {prefix}.bin/.idx (files in "
+                             f"--output are rebuilt)") from None
 
 
 def make_accelerator(args, cfg: om.ParallelConfig):

@@ -102,6 +102,16 @@ def test_tokenizer_checks(examples, tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     with pytest.raises(common.UsageError, match=r"has \d+ tokens but .* embeds 5"):
         common.check_tokenizer(args, tokenizer)
+    other = tmp_path / "other"  # a second tokenizer, trained on another vocabulary size
+    examples["train_clm"].train_tokenizer(os.path.join(EXAMPLES, "data", "public_domain.txt"), str(other), 280)
+    text = tmp_path / "corpus.txt"
+    text.write_text("Shall I compare thee to a summer's day?\nThou art more lovely and more temperate.\n")
+    import oslo_models as om
+
+    om.data.preprocess(str(text), str(tmp_path / "corpus"), str(tokenizer_dir), show_progress=False)
+    common.check_corpus(tokenizer, str(tmp_path / "corpus"), None)
+    with pytest.raises(common.UsageError, match="tokenizer mismatch.*own --tokenizer"):
+        common.check_corpus(transformers.AutoTokenizer.from_pretrained(other), str(tmp_path / "corpus"))
     fits = tmp_path / "fits"
     transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=8, n_layer=1, n_head=2).save_pretrained(fits)
     common.check_tokenizer(parse(["--model", str(fits), "--tokenizer", str(tokenizer_dir)]), tokenizer)
