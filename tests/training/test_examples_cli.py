@@ -37,8 +37,9 @@ def _python(code: str, *args: str, timeout: int = 120) -> subprocess.CompletedPr
 
 
 def test_import_is_lazy_and_pipelining_is_imported_on_use():
-    """``import oslo_models`` imports neither torch nor transformers; the model classes do not pull in
-    ``torch.distributed.pipelining`` (nor does ``python -m oslo_models --help``); ``om.pipeline`` does."""
+    """``import oslo_models`` imports neither torch nor transformers; ``om.training``/``om.data`` import no
+    pipelining, dynamo or distributed checkpoint; the model classes no pipelining (nor does ``python -m
+    oslo_models --help``); ``om.pipeline`` does."""
     code = f"""
 import sys, time
 start = time.perf_counter()
@@ -47,9 +48,11 @@ seconds = time.perf_counter() - start
 heavy = {HEAVY!r}
 assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)
 assert seconds < 2.0, seconds
-om.AutoModelForCausalLM, om.AutoModelForSeq2SeqLM, om.training.save_checkpoint, om.data.build_dataloader
+om.training.save_checkpoint, om.training.clip_grad_norm_, om.data.build_dataloader, om.ParallelContext
+assert 'oslo_models.training.checkpoint' in sys.modules and 'oslo_models.pipeline.stage' in sys.modules
+assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]
+om.AutoModelForCausalLM, om.AutoModelForSeq2SeqLM  # transformers' model code imports dynamo and dcp itself
 assert 'torch.distributed.pipelining' not in sys.modules
-assert 'oslo_models.training.checkpoint' in sys.modules
 assert om.pipeline.PipelineRunner.__name__ == 'PipelineRunner' and 'torch.distributed.pipelining' in sys.modules
 from oslo_models import *
 print('ok', round(seconds, 3))
