@@ -171,6 +171,12 @@ def run(main, argv=None) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.exit(2)
+    teardown()
+
+
+def teardown() -> None:
+    """Free what is only held in reference cycles (the pipelined model and its runner, with their process
+    groups), then barrier and destroy the process groups: all while the interpreter is whole. Every rank."""
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -225,11 +231,12 @@ def prepare_data(args, context, train_tokenizer) -> tuple[str, str | None, trans
     if args.eval_data:
         eval_prefix = args.eval_data if os.path.isfile(args.eval_data + ".idx") else os.path.join(args.output,
                                                                                                   "eval_corpus")
+    train_one = tokenizer_dir == os.path.join(args.output, "tokenizer") and not _has_tokenizer_files(tokenizer_dir)
+    if train_one and is_prefix:  # on every rank alike, before the others would wait for rank 0
+        raise UsageError("--data is a token file: pass --tokenizer (or --model) for its tokenizer")
     if context.is_main_process:
         os.makedirs(args.output, exist_ok=True)
-        if tokenizer_dir == os.path.join(args.output, "tokenizer") and not _has_tokenizer_files(tokenizer_dir):
-            if is_prefix:
-                raise UsageError("--data is a token file: pass --tokenizer (or --model) for its tokenizer")
+        if train_one:
             train_tokenizer(data, tokenizer_dir, args.vocab_size)
         _tokenize(args, data, prefix, tokenizer_dir)
         if args.eval_data:

@@ -67,3 +67,33 @@ def test_pipeline_runs_exit_cleanly_every_time(tmp_path):
         result = examples.launch(examples.torchrun(2), "train_seq2seq.py", "--pp", "2", "--microbatches", "2",
                                  "--steps", "1", *examples.TINY, "--n-layer", "1", "--output", str(out), timeout=120)
         assert "terminate called" not in result.stderr and "plain transformers" in result.stdout
+
+
+def _teardown_worker(path):
+    import gc
+    import sys
+
+    sys.path.insert(0, examples.EXAMPLES)
+    from _common import teardown
+
+    def pipeline_objects():
+        return [o for o in gc.get_objects() if type(o).__name__ in ("PipelineRunner", "PipelineStage")]
+
+    cfg = om.ParallelConfig(pipeline_parallel_size=2, num_microbatches=2)
+    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
+    ids = torch.randint(1, 101, (4, 8), generator=torch.Generator().manual_seed(0))
+    model.train_step({"input_ids": ids, "labels": ids})
+    del model  # as when main() returns: the model <-> runner cycle keeps the stages and their groups alive
+    assert pipeline_objects(), "expected the runner cycle to outlive the last reference"
+    teardown()
+    assert not pipeline_objects() and not torch.distributed.is_initialized()
+
+
+def test_teardown_frees_pipeline_groups_before_destroying(tmp_path):
+    """The mechanism behind a clean exit: after the last reference to a pipelined model goes, its runner and stages
+    (holding the pp and tied-copy process groups) live on in a reference cycle; ``teardown`` frees them and
+    destroys the process groups while the interpreter is whole, not in its finalization."""
+    from tests.helpers.dist import run_distributed
+    from tests.helpers.models import save_tiny_gpt2
+
+    run_distributed(_teardown_worker, 2, save_tiny_gpt2(tmp_path / "gpt2"), timeout=180)
