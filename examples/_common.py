@@ -143,11 +143,16 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler) -> tuple[
     ``(step, losses)`` with one dp-mean loss per optimizer step."""
     checkpoint_dir = os.path.join(args.output, "checkpoint")
     step, losses = 0, []
-    if args.resume and os.path.isdir(checkpoint_dir):
-        info = training.load_checkpoint(checkpoint_dir, model, optimizer, scheduler, dataloader=loader,
-                                        scaler=accelerator.scaler)
-        step, losses = info["step"], list(info["extra"].get("losses", []))
-        accelerator.print(f"resumed at step {step} from {checkpoint_dir} (saved at {info['layout']})")
+    if args.resume:
+        # A folder that exists but holds no complete checkpoint is an error (load_checkpoint raises on every rank):
+        # starting fresh there would overwrite what a crash left. Only a run that never saved starts fresh.
+        if not os.path.exists(checkpoint_dir):
+            accelerator.print(f"WARNING: --resume: no checkpoint at {checkpoint_dir} yet; STARTING FRESH at step 0")
+        else:
+            info = training.load_checkpoint(checkpoint_dir, model, optimizer, scheduler, dataloader=loader,
+                                            scaler=accelerator.scaler)
+            step, losses = info["step"], list(info["extra"].get("losses", []))
+            accelerator.print(f"resumed at step {step} from {info['path']} (saved at {info['layout']})")
 
     def save(step_now: int) -> None:
         training.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, dataloader=loader,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import itertools
 import os
 import time
 
@@ -32,7 +31,7 @@ _PORTABLE_ERRORS = ("ValueError", "FileNotFoundError", "FileExistsError", "Permi
                     "RuntimeError", "KeyError", "TypeError", "NotImplementedError", "TimeoutError")
 ARRIVAL_TIMEOUT_ENV = "OSLO_ARRIVAL_TIMEOUT"
 DEFAULT_ARRIVAL_TIMEOUT = 60.0
-_arrival_calls: dict[str, itertools.count] = {}
+_arrival_calls: dict[str, int] = {}  # per process: how many times this rank passed check_arrival(what)
 
 
 class RankFailure(RuntimeError):
@@ -120,7 +119,8 @@ def check_arrival(context, what: str, rule: str, *, timeout: float | None = None
                                    wait_all_ranks=True)
         return
     timeout = arrival_timeout() if timeout is None else timeout
-    call = next(_arrival_calls.setdefault(what, itertools.count()))
+    call = _arrival_calls.get(what, 0)
+    _arrival_calls[what] = call + 1
     base = f"oslo_models/arrival/{what}/{call}"
     store.set(f"{base}/rank{context.rank}", b"1")
     count = store.add(base, 1)
@@ -130,6 +130,10 @@ def check_arrival(context, what: str, rule: str, *, timeout: float | None = None
         if time.monotonic() > deadline:
             arrived = [r for r in range(context.world_size) if store.check([f"{base}/rank{r}"])]
             missing = [r for r in range(context.world_size) if r not in arrived]
+            # Withdraw, so that the next call on this rank meets the others' next call, not this one.
+            store.add(base, -1)
+            store.delete_key(f"{base}/rank{context.rank}")
+            _arrival_calls[what] = call
             raise RuntimeError(f"{what} is collective: {rule}. Rank {context.rank} waited {timeout:g} s but "
                                f"rank(s) {missing} of {context.world_size} never called it (call #{call + 1} on "
                                f"this rank). Raise ${ARRIVAL_TIMEOUT_ENV} if ranks are just slow to arrive.")

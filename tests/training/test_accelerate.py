@@ -87,7 +87,7 @@ def test_accelerate_launch_train_clm_smoke(tmp_path):
     assert (out / "loss.png").stat().st_size > 1000
     plain = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
     assert plain.config.model_type == "gpt2"
-    assert (out / "checkpoint" / "oslo_checkpoint.txt").is_file()
+    assert om.training.find_checkpoint(out / "checkpoint") == str(out / "checkpoint" / "step-00000012")
 
 
 def test_torchrun_train_clm_pipeline_resumes(tmp_path):
