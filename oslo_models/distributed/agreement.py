@@ -30,7 +30,7 @@ import torch.distributed as dist
 _PORTABLE_ERRORS = ("ValueError", "FileNotFoundError", "FileExistsError", "PermissionError", "OSError",
                     "RuntimeError", "KeyError", "TypeError", "NotImplementedError", "TimeoutError")
 ARRIVAL_TIMEOUT_ENV = "OSLO_ARRIVAL_TIMEOUT"
-DEFAULT_ARRIVAL_TIMEOUT = 60.0
+DEFAULT_ARRIVAL_TIMEOUT = 30.0
 _arrival_calls: dict[str, int] = {}  # per process: how many times this rank passed check_arrival(what)
 
 
@@ -88,7 +88,7 @@ def all_or_none(context, what: str):
 
 
 def arrival_timeout() -> float:
-    """Seconds :func:`check_arrival` waits (``$OSLO_ARRIVAL_TIMEOUT``, default 60)."""
+    """Seconds :func:`check_arrival` waits (``$OSLO_ARRIVAL_TIMEOUT``, default 30)."""
     raw = os.environ.get(ARRIVAL_TIMEOUT_ENV)
     if raw is None:
         return DEFAULT_ARRIVAL_TIMEOUT
