@@ -60,6 +60,15 @@ def make_staging_dir(target: str, tag: str = "saving") -> str:
             continue
 
 
+def remove_stale_staging(target: str) -> None:
+    """Remove staging folders a killed save of ``target`` left behind (``.<name>.saving-*``); call before a save."""
+    parent, name = os.path.split(os.path.abspath(target).rstrip(os.sep))
+    if os.path.isdir(parent):
+        for entry in os.listdir(parent):
+            if entry.startswith(f".{name}.saving-"):
+                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
 def _exchange(a: str, b: str) -> bool:
     """Atomically swap two paths (Linux ``renameat2``); ``False`` where that is not available."""
     try:

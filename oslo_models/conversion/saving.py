@@ -25,7 +25,7 @@ import torch
 
 from ..distributed.agreement import agree_on_failure, check_arrival
 from ..distributed.context import ParallelContext
-from .atomic import make_staging_dir, publish_dir, recover_folder
+from .atomic import make_staging_dir, publish_dir, recover_folder, remove_stale_staging
 
 SAVE_RULE = ("every rank calls model.save_pretrained() / full_state_dict() (the tensor-parallel pieces are "
              "gathered from all ranks, then rank 0 alone writes the files): do not guard it with `if rank == 0:`")
@@ -79,6 +79,7 @@ def write_hub_folder(save_directory: str | os.PathLike, state_dict: dict[str, to
     if os.path.isfile(save_directory):
         raise ValueError(f"save_directory {save_directory!r} is a file, not a folder")
     recover_folder(save_directory)  # a crash between the fallback renames of an earlier save left it aside
+    remove_stale_staging(save_directory)  # what killed saves left (one model's size each)
     staging = make_staging_dir(save_directory)
     try:
         split = split_torch_state_dict_into_shards(state_dict, max_shard_size=max_shard_size)

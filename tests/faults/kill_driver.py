@@ -157,6 +157,9 @@ def hub_sweep(work: str, exchange: bool) -> list[str]:
         if states and states[-1] == "new":
             assert state == "new", f"kill before step {kill_at}: the new model was published, then lost"
         states.append(state)
+    new_model.save_pretrained(target)  # the next save clears what the killed ones left
+    assert not [entry for entry in os.listdir(work) if entry.startswith(".hub.")], os.listdir(work)
+    assert torch.equal(hf_logits(target), expected["new"])
     return states
 
 
