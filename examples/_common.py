@@ -284,11 +284,16 @@ def optimizer_and_scheduler(args, model):
 def resume(args, accelerator, model, optimizer, scheduler, loader) -> tuple[int, list[float]]:
     """``(step, losses)`` to start from: ``OUTPUT/checkpoint`` with ``--resume``, else ``(0, [])``."""
     checkpoint_dir = os.path.join(args.output, "checkpoint")
-    if args.resume and os.path.isdir(checkpoint_dir):
-        info = training.load_checkpoint(checkpoint_dir, model, optimizer, scheduler, dataloader=loader,
-                                        scaler=accelerator.scaler)
-        accelerator.print(f"resumed at step {info['step']} from {checkpoint_dir} (saved at {info['layout']})")
-        return info["step"], list(info["extra"].get("losses", []))
+    if args.resume:
+        # A folder that exists but holds no complete checkpoint is an error (load_checkpoint raises on every rank):
+        # starting fresh there would overwrite what a crash left. Only a run that never saved starts fresh.
+        if not os.path.exists(checkpoint_dir):
+            accelerator.print(f"WARNING: --resume: no checkpoint at {checkpoint_dir} yet; STARTING FRESH at step 0")
+        else:
+            info = training.load_checkpoint(checkpoint_dir, model, optimizer, scheduler, dataloader=loader,
+                                            scaler=accelerator.scaler)
+            accelerator.print(f"resumed at step {info['step']} from {info['path']} (saved at {info['layout']})")
+            return info["step"], list(info["extra"].get("losses", []))
     return 0, []
 
 

@@ -19,6 +19,9 @@ from typing import Any, Mapping
 TENSOR_PARALLEL_MODES = ("1d", "2d", "2.5d", "3d")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
+_ZERO_STAGES = (0, 1, 2, 3)
+_MAX_SEED = 2**63 - 1
+
 # What is implemented today. Kept in one place so a feature landing is a one-line change here.
 _IMPLEMENTED_TENSOR_PARALLEL_MODES = ("1d",)
 
@@ -83,10 +86,12 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.pipeline_schedule={self.pipeline_schedule!r} is unknown; "
                              f"choose one of {PIPELINE_SCHEDULES}")
         self._check_pipeline()
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"ParallelConfig.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"ParallelConfig.seed must be an int, got {self.seed!r}")
+        stage = self.zero_stage
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in _ZERO_STAGES:
+            raise ValueError(f"ParallelConfig.zero_stage must be the int 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= _MAX_SEED:
+            # The RNG tracker derives per-rank seeds by adding small offsets; torch takes seeds below 2**64.
+            raise ValueError(f"ParallelConfig.seed must be an int in [0, 2**63 - 1], got {self.seed!r}")
         if (self.data_parallel_size is not None and self.expert_parallel_size > 1
                 and self.data_parallel_size % self.expert_parallel_size):
             raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must divide "
@@ -180,13 +185,20 @@ class ParallelConfig:
     @classmethod
     def from_json(cls, path_or_text: str | os.PathLike) -> "ParallelConfig":
         """Build from a JSON file path or a JSON string."""
-        text = str(path_or_text)
-        if not text.lstrip().startswith("{"):
+        text, source = str(path_or_text), "the JSON text"
+        if os.path.isfile(text):
+            source = text
             with open(text, encoding="utf-8") as handle:
                 text = handle.read()
-        values = json.loads(text)
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            if source == "the JSON text" and not text.lstrip().startswith(("{", "[", '"')):
+                raise FileNotFoundError(f"ParallelConfig.from_json: {text!r} is neither a file nor JSON text") from None
+            raise ValueError(f"ParallelConfig.from_json: {source} is not valid JSON: {error}") from error
         if not isinstance(values, dict):
-            raise ValueError(f"A ParallelConfig JSON must be an object, got {type(values).__name__}")
+            raise ValueError(f"ParallelConfig.from_json: {source} must hold a JSON object of options "
+                             f"({{\"tensor_parallel_size\": 2, ...}}), got a JSON {type(values).__name__}")
         return cls.from_dict(values)
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:

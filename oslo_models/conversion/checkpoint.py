@@ -8,16 +8,22 @@ tensor's shape from the file headers only. ``read(key, index)`` returns just ``t
 - legacy ``pytorch_model.bin`` (single or sharded): ``torch.load(weights_only=True, mmap=True)``, so no pickled
   code runs and pages are touched only when sliced.
 
-Every problem is found before any collective runs (each rank opens the files itself): a missing shard is a
-``FileNotFoundError``, a truncated or corrupt file a ``ValueError`` naming the file.
+Every problem that the index and the file headers show is found on every rank before any collective runs (each
+rank opens every header itself, whatever it will read): a missing shard is a ``FileNotFoundError``; a truncated or
+corrupt file, a pickle ``weights_only`` refuses, or an index entry whose tensor no shard holds, a ``ValueError``
+naming the file or the entry. The headers are the truth: an index that names the wrong shard for a tensor that
+another shard holds is followed to where the tensor is (as ``transformers`` does), with a warning.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Iterable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -45,12 +51,14 @@ def resolve_file(name_or_path: str, filename: str, *, revision=None, token=None,
 class CheckpointReader:
     """Tensor name -> file; shapes from headers; slices on demand."""
 
-    def __init__(self, key_to_file: dict[str, str]):
-        self.key_to_file = key_to_file
+    def __init__(self, key_to_file: dict[str, str], *, index_path: str | None = None):
         self._handles: dict[str, object] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self.key_to_file: dict[str, str] = {}  # from the headers: where each tensor really is
         for path in sorted(set(key_to_file.values())):
             self._open(path)
+        if index_path is not None:
+            _check_index(key_to_file, self.key_to_file, index_path)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -61,7 +69,7 @@ class CheckpointReader:
             if path is None:
                 continue
             if candidate.endswith(".index.json"):
-                return cls(_files_from_index(name_or_path, path, hub_kwargs))
+                return cls(_files_from_index(name_or_path, path, hub_kwargs), index_path=path)
             return cls({key: path for key in _keys_of_file(path)})
         raise FileNotFoundError(f"No model weights found in {name_or_path!r}: looked for {', '.join(_CANDIDATES)}")
 
@@ -77,6 +85,7 @@ class CheckpointReader:
                 with safe_open(path, framework="pt") as handle:
                     for key in handle.keys():
                         self._shapes[key] = tuple(handle.get_slice(key).get_shape())
+                        self.key_to_file[key] = path
             except Exception as error:  # safetensors raises its own error type for a truncated/corrupt header
                 raise ValueError(f"Checkpoint shard {path} is truncated or corrupt: {error}") from error
             _check_safetensors_size(path)
@@ -86,6 +95,7 @@ class CheckpointReader:
             for key, tensor in handle.items():
                 if torch.is_tensor(tensor):
                     self._shapes[key] = tuple(tensor.shape)
+                    self.key_to_file[key] = path
         self._handles[path] = handle
 
     # ------------------------------------------------------------------ access
@@ -144,6 +154,23 @@ def _files_from_index(name_or_path: str, index_path: str, hub_kwargs: dict) -> d
     return {key: resolved[filename] for key, filename in weight_map.items()}
 
 
+def _check_index(index_map: dict[str, str], found: dict[str, str], index_path: str) -> None:
+    """The index against the headers: an entry no shard holds is an error; a wrong shard name only a warning."""
+    name = os.path.basename(index_path)
+    absent = sorted(key for key in index_map if key not in found)
+    if absent:
+        shown = ", ".join(f"{key!r} -> {os.path.basename(index_map[key])}" for key in absent[:5])
+        more = f" and {len(absent) - 5} more" if len(absent) > 5 else ""
+        raise ValueError(f"Checkpoint index {index_path} lists tensor(s) that no shard holds: {shown}{more}; the "
+                         f"shard files do not match {name} (an interrupted upload or copy?)")
+    moved = sorted(key for key in index_map if found[key] != index_map[key])
+    if moved:
+        key = moved[0]
+        logger.warning("Checkpoint index %s maps %d tensor(s) to the wrong shard (e.g. %r -> %s, but it is in %s); "
+                       "reading them from the shard that holds them", name, len(moved), key,
+                       os.path.basename(index_map[key]), os.path.basename(found[key]))
+
+
 def _keys_of_file(path: str) -> list[str]:
     if path.endswith(".safetensors"):
         from safetensors import safe_open
@@ -172,10 +199,15 @@ def _check_safetensors_size(path: str) -> None:
 
 def _load_bin(path: str) -> dict:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as error:
-        if "mmap" not in str(error):
-            raise ValueError(f"Checkpoint shard {path} could not be read safely: {error}") from error
-        return torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format cannot be mapped
-    except Exception as error:
-        raise ValueError(f"Checkpoint shard {path} could not be read safely (weights_only=True): {error}") from error
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as error:
+            if "mmap" not in str(error):
+                raise
+            loaded = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format: no mmap
+    except Exception as error:  # UnpicklingError (refused by weights_only), truncated zip, ...
+        raise ValueError(f"Checkpoint shard {path} could not be read safely with torch.load(weights_only=True) "
+                         f"(no pickled code is run): {type(error).__name__}: {error}") from error
+    if not isinstance(loaded, dict):
+        raise ValueError(f"Checkpoint shard {path} holds a {type(loaded).__name__}, not a state dict")
+    return loaded

@@ -70,19 +70,14 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
     with torch.no_grad():
         for name, param in items:
             spec = plan.shard_spec(model, name)
+            full_shape = _full_shape(param.shape, spec, context.tp_size)  # what the config says, at any tp
             if name in mapping:
                 key = mapping[name]
-                full_shape = reader.shape(key)
+                _check_stored_shape(name, key, tuple(reader.shape(key)), full_shape, spec)
                 read = lambda index, key=key: reader.read(key, index)  # noqa: E731
             else:
-                full_shape = _full_shape(param.shape, spec, context.tp_size)
                 full = init_full_tensor(name, full_shape, init_std, generator)
                 read = lambda index, full=full: full[index]  # noqa: E731
-            expected = tuple(param.shape)
-            if tuple(spec.local_shape(full_shape, context.tp_size)) != expected:
-                raise ValueError(f"Checkpoint tensor for {name!r} has shape {tuple(full_shape)}, which does not "
-                                 f"give the local shape {expected} at tensor_parallel_size={context.tp_size}; the "
-                                 "checkpoint does not match the model config")
             local = spec.read_shard(full_shape, read, context.tp_rank, context.tp_size)
             param.copy_(local.to(device=param.device, dtype=param.dtype))
     if missing:
@@ -91,6 +86,20 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
     if unexpected:
         logger.warning("Some checkpoint weights were not used by %s: %s", type(model).__name__, unexpected)
     return {"missing_keys": missing, "unexpected_keys": unexpected}
+
+
+def _check_stored_shape(name: str, key: str, stored: tuple[int, ...], expected: tuple[int, ...], spec) -> None:
+    """The stored (full) shape must be the config's full shape exactly, before anything is sliced: padded local
+    shapes cannot tell a 99-row vocabulary from a 100-row one, nor a transposed packed q|k|v from the real one."""
+    if stored == expected:
+        return
+    hint = ""
+    if len(stored) == 2 and stored[::-1] == expected:
+        hint = " (transposed: was it saved with another layout, nn.Linear vs Conv1D?)"
+    elif spec.num_packed > 1:
+        hint = f" (it packs {spec.num_packed} blocks, q|k|v, along dim {spec.dim})"
+    raise ValueError(f"Checkpoint tensor {key!r} has shape {stored}, but the model config needs {expected} for "
+                     f"{name!r}{hint}: the checkpoint does not match the config (vocab_size, hidden size, heads...)")
 
 
 def _full_shape(local_shape, spec, tp_size: int) -> tuple[int, ...]:

@@ -5,28 +5,37 @@
 0 gathers (the other replicas hold the same values), and only global rank 0 keeps the result, on CPU.
 
 ``write_hub_folder``: rank 0 writes safetensors shards (``huggingface_hub.split_torch_state_dict_into_shards``),
-the index, ``config.json`` and ``generation_config.json`` into a temporary sibling folder, then swaps it in with
-renames. A crash mid-save leaves the previous folder untouched; other files already in the folder (a tokenizer,
-a README) are carried over; stale weight shards are not.
+the index, ``config.json`` and ``generation_config.json`` into a staging sibling folder, fsyncs them and swaps it
+in atomically (``conversion.atomic.publish_dir``): at every instant the target names a complete folder, the old
+one or the new one. Other files already in the folder (a tokenizer, a README) are carried over; stale weight
+shards and indexes of another shard layout are not. The folder gets the usual mode (0755 under umask 022).
+
+Every rank must call ``save_pretrained``: ``gather_full_state_dict`` first checks that all ranks arrived (a
+store-based barrier with a timeout, ``distributed.agreement.check_arrival``), so ``if rank == 0:
+model.save_pretrained(...)`` is a clear error within seconds instead of a gather waiting forever; a write that
+fails on rank 0 is raised on every rank (``run_on_main_process``).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import tempfile
 
 import torch
-import torch.distributed as dist
 
+from ..distributed.agreement import agree_on_failure, check_arrival
 from ..distributed.context import ParallelContext
+from .atomic import make_staging_dir, publish_dir, recover_folder, remove_stale_staging
 
+SAVE_RULE = ("every rank calls model.save_pretrained() / full_state_dict() (the tensor-parallel pieces are "
+             "gathered from all ranks, then rank 0 alone writes the files): do not guard it with `if rank == 0:`")
 _WEIGHT_FILE_PREFIXES = ("model.safetensors", "model-", "pytorch_model", "config.json", "generation_config.json")
 
 
 def gather_full_state_dict(model: torch.nn.Module, *, plan, context: ParallelContext,
                            skip_keys: set[str] = frozenset()) -> dict[str, torch.Tensor] | None:
     """Full-size CPU state dict on global rank 0 (``None`` elsewhere). Collective over each TP group."""
+    check_arrival(context, "save_pretrained", SAVE_RULE)
     if context.dp_rank != 0:
         return None
     # Each stage's tp rank 0 keeps its stage's tensors; at pipeline_parallel_size == 1 that is global rank 0.
@@ -69,9 +78,9 @@ def write_hub_folder(save_directory: str | os.PathLike, state_dict: dict[str, to
     save_directory = os.path.abspath(os.fspath(save_directory))
     if os.path.isfile(save_directory):
         raise ValueError(f"save_directory {save_directory!r} is a file, not a folder")
-    parent, name = os.path.split(save_directory.rstrip(os.sep))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{name}.saving-", dir=parent)
+    recover_folder(save_directory)  # a crash between the fallback renames of an earlier save left it aside
+    remove_stale_staging(save_directory)  # what killed saves left (one model's size each)
+    staging = make_staging_dir(save_directory)
     try:
         split = split_torch_state_dict_into_shards(state_dict, max_shard_size=max_shard_size)
         for filename, keys in split.filename_to_tensors.items():
@@ -88,31 +97,21 @@ def write_hub_folder(save_directory: str | os.PathLike, state_dict: dict[str, to
             generation_config.save_pretrained(staging)
         if os.path.isdir(save_directory):
             _carry_over_files(save_directory, staging)
-            previous = tempfile.mkdtemp(prefix=f".{name}.previous-", dir=parent)
-            os.rmdir(previous)
-            os.rename(save_directory, previous)
-            os.rename(staging, save_directory)
-            shutil.rmtree(previous, ignore_errors=True)
-        else:
-            os.rename(staging, save_directory)
+        publish_dir(staging, save_directory)  # fsyncs, then one atomic swap
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
-def run_on_main_process(context: ParallelContext, fn, *args, **kwargs):
-    """Run ``fn`` on global rank 0 while the others wait; an error there is raised on every rank (no hang)."""
+def run_on_main_process(context: ParallelContext, fn, *args, what: str | None = None, **kwargs):
+    """Run ``fn`` on global rank 0 while the others wait; an error there is raised on every rank (no hang).
+
+    Collective: one ``all_gather_object`` (``distributed.agreement``) after ``fn``."""
     result, error = None, None
     if context.rank == 0:
         try:
             result = fn(*args, **kwargs)
         except Exception as caught:  # re-raised below on every rank
             error = caught
-    if context.world_size > 1:
-        status = [None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(status, src=0)
-        if status[0] is not None and error is None:
-            raise RuntimeError(f"rank 0 failed: {status[0]}")
-    if error is not None:
-        raise error
+    agree_on_failure(context, error, what=what or getattr(fn, "__name__", "a step on rank 0"))
     return result

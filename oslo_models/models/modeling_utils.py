@@ -25,7 +25,8 @@ from ..config import ParallelConfig
 from ..conversion.checkpoint import CheckpointReader, InMemoryReader
 from ..conversion.loading import load_checkpoint_into
 from ..conversion.saving import gather_full_state_dict, run_on_main_process, write_hub_folder
-from ..distributed.context import ParallelContext
+from ..distributed.agreement import all_or_none
+from ..distributed.context import ParallelContext, _world_from_environment
 from ..parallel_layers.plan import ParallelPlan
 
 
@@ -33,6 +34,15 @@ def _resolve_context(parallel: ParallelConfig | ParallelContext | None) -> Paral
     if isinstance(parallel, ParallelContext):
         return parallel
     return ParallelContext.from_config(parallel or ParallelConfig())
+
+
+def _parallel_config(parallel: ParallelConfig | ParallelContext | None) -> ParallelConfig:
+    """The layout to validate a model config against, whichever form ``parallel=`` took."""
+    if isinstance(parallel, ParallelContext):
+        return parallel.config
+    if parallel is not None and not isinstance(parallel, ParallelConfig):
+        raise ValueError(f"parallel= must be a ParallelConfig or a ParallelContext, got {type(parallel).__name__}")
+    return parallel or ParallelConfig()
 
 
 def _resolve_dtype(dtype, config) -> torch.dtype:
@@ -82,6 +92,7 @@ class OsloPreTrainedModel(PreTrainedModel):
 
         Called at the end of the outermost ``__init__`` (submodules are built with ``submodule=True``).
         """
+        type(self).validate_parallel_config(self.config, self.parallel_context.config)  # direct construction too
         self.parallel_plan.apply(self, self.parallel_context)
         if self.parallel_context.pp_size > 1:
             # Pipeline parallelism: keep only this rank's stages (layers, and embeddings/head on the first/last
@@ -150,8 +161,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         sliced for this rank. Seed every rank alike (``torch.manual_seed``) before calling."""
         if kwargs:
             raise ValueError(f"Unknown from_config option(s): {sorted(kwargs)}")
-        if isinstance(parallel, ParallelConfig) or parallel is None:
-            cls.validate_parallel_config(config, parallel or ParallelConfig())
+        cls.validate_parallel_config(config, _parallel_config(parallel))
         context = _resolve_context(parallel)
         model = cls._build_empty(config, context, _resolve_dtype(dtype, config))
         with torch.device("cpu"):
@@ -185,12 +195,19 @@ class OsloPreTrainedModel(PreTrainedModel):
         if expected_type and config.model_type != expected_type:
             raise ValueError(f"{cls.__name__} expects a {expected_type!r} checkpoint, got model_type="
                              f"{config.model_type!r} from {pretrained_model_name_or_path}")
-        if isinstance(parallel, ParallelConfig) or parallel is None:
-            cls.validate_parallel_config(config, parallel or ParallelConfig())
-        reader = CheckpointReader.open(pretrained_model_name_or_path, **hub)  # file errors before any collective
+        cls.validate_parallel_config(config, _parallel_config(parallel))
+        try:  # file errors show on every rank (each reads every header) before any collective...
+            reader = CheckpointReader.open(pretrained_model_name_or_path, **hub)
+        except (OSError, ValueError) as error:
+            if _world_from_environment()[0] == 1:
+                raise
+            reader = error  # ...unless only this rank sees them: agree below, so no rank waits for it
         context = _resolve_context(parallel)
-        model = cls._build_empty(config, context, _resolve_dtype(dtype, config))
-        model.load_from_reader(reader, progress=progress)
+        with all_or_none(context, f"from_pretrained({str(pretrained_model_name_or_path)!r})"):
+            if isinstance(reader, Exception):
+                raise reader
+            model = cls._build_empty(config, context, _resolve_dtype(dtype, config))
+            model.load_from_reader(reader, progress=progress)  # rank-local reads only: no collective inside
         if model.can_generate():
             with contextlib.suppress(OSError, ValueError):
                 model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub)
@@ -253,7 +270,8 @@ class OsloPreTrainedModel(PreTrainedModel):
             config.dtype = dtypes.pop()
         generation_config = self.generation_config if self.can_generate() else None
         run_on_main_process(self.parallel_context, write_hub_folder, save_directory, full_state, config=config,
-                            generation_config=generation_config, max_shard_size=max_shard_size)
+                            generation_config=generation_config, max_shard_size=max_shard_size,
+                            what="save_pretrained (writing on rank 0)")
         self.parallel_context.barrier()
         if push_to_hub:
             raise ValueError("Use model.push_to_hub(repo_id) to upload")

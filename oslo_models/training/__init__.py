@@ -4,9 +4,11 @@ tensor-parallel-correct gradient clipping, mixed precision kept in step, resumab
     model, optimizer, loader, scheduler = om.training.prepare(accelerator, model, optimizer, loader, scheduler,
                                                               zero_stage=2)
     om.training.clip_grad_norm_(model, 1.0, accelerator=accelerator)
-    om.training.save_checkpoint("ckpt/step_100", model, optimizer, scheduler, dataloader=loader, step=100)
+    om.training.save_checkpoint("ckpt", model, optimizer, scheduler, dataloader=loader, step=100)  # ckpt/step-00000100
+    om.training.load_checkpoint("ckpt", model, optimizer, scheduler, dataloader=loader)  # the newest complete one
 """
 from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint_folders import find_checkpoint
 from .export import plain_copy, save_pretrained, unsharded
 from .clip import clip_grad_norm_, grad_norm
 from .mixed_precision import check_mixed_precision, mark_overflow, sync_overflow
@@ -17,4 +19,5 @@ __all__ = [
     "ZERO_STAGES", "check_mixed_precision", "clip_grad_norm_", "grad_norm", "load_checkpoint", "mark_overflow", "plain_copy",
     "prepare", "save_checkpoint", "save_pretrained", "unsharded", "shard_data_parallel", "sync_overflow", "unwrap_model", "unwrap_optimizer",
     "zero_stage_of",
+    "find_checkpoint",
 ]

@@ -15,25 +15,37 @@ Format: a folder written with ``torch.distributed.checkpoint`` (DCP) plus two sm
 
 ZeRO: under FSDP2 (stages 2/3) each tensor is first all-gathered over dp (``full_tensor``), one tensor at a time;
 under ZeRO-1 only the rank that owns a parameter's optimizer state writes it and only the new owner reads it.
-Saving is atomic: everything goes to ``<path>.partial`` and is renamed into place when every rank has finished;
-the previous checkpoint at ``path`` is removed only after that.
+Folders (``checkpoint_folders``): ``path`` holds ``step-N`` folders and a ``latest`` pointer. A save goes to
+``.step-N.partial``, is fsynced, renamed into place and pointed at; older steps are removed only after that, so a
+crash at any instant leaves the last complete checkpoint loadable (``find_checkpoint`` finds it). A rank that
+fails to write makes every rank raise the same error (``distributed.agreement``), and a rank that calls
+``save_checkpoint``/``load_checkpoint`` alone gets a clear error within seconds instead of a hang.
 
-Collectives: DCP's plan exchange (gather/scatter of metadata), FSDP2 all-gathers, and barriers.
+Collectives: a store-based arrival check, DCP's plan exchange (gather/scatter of metadata), FSDP2 all-gathers,
+and small ``all_gather_object`` agreements after the rank-local steps.
 """
 from __future__ import annotations
 
 import os
 import random
-import shutil
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from ..conversion.atomic import fsync_path
+from ..conversion.saving import run_on_main_process
+from ..distributed.agreement import agree_on_failure, all_or_none, check_arrival
+from .checkpoint_folders import (describe_missing, find_checkpoint, partial_dir, prepare_partial, publish_step,
+                                 step_dir_name)
 from .zero import unwrap_model, unwrap_optimizer
 
-_MARKER = "oslo_checkpoint.txt"
 _TRAINER_STATE = "trainer_state.pt"
+_RULE = "every rank calls it (each writes or reads its own part)"
+
+
+def _save_synced(obj, path: str) -> None:
+    torch.save(obj, path)
+    fsync_path(path)
 
 
 # ---------------------------------------------------------------------------------------------- canonical form
@@ -114,21 +126,23 @@ def _unwrap_scheduler(scheduler):
 
 
 def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=None, scaler=None, step: int = 0,
-                    extra: dict | None = None) -> None:
-    """Save a resumable training checkpoint to the folder ``path`` (call on every rank).
+                    extra: dict | None = None, keep: int = 1) -> str:
+    """Save a resumable training checkpoint as ``path/step-<step>`` and point ``path/latest`` at it (call on every
+    rank). Returns the step folder. ``keep``: how many step folders to keep (the newest ones).
 
     ``model``/``optimizer``/``scheduler`` may be the objects returned by :func:`prepare` or
     :func:`shard_data_parallel`. ``dataloader``: anything with ``state_dict()`` (``oslo_models.data`` loaders).
     ``scaler``: a ``GradScaler`` (``accelerator.scaler``). ``extra``: small picklable-free values (numbers,
     strings, lists, dicts, tensors) returned by :func:`load_checkpoint`.
     """
-    path = os.fspath(path)
+    path = os.path.abspath(os.fspath(path))
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"save_checkpoint keep= must be a positive int, got {keep!r}")
     inner = unwrap_model(model)
     context, plan = inner.parallel_context, inner.parallel_plan
-    partial = path + ".partial"
-    if context.is_main_process and os.path.exists(partial):
-        shutil.rmtree(partial)
-    context.barrier()
+    check_arrival(context, "save_checkpoint", _RULE)
+    partial = partial_dir(path, step)
+    run_on_main_process(context, prepare_partial, path, step, what=f"save_checkpoint({path!r}) preparing")
 
     state = {}
     params = dict(inner.named_parameters())
@@ -155,31 +169,23 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
                     state[f"optim/{name}/{key}"] = _to_dcp(view.contiguous(), full, shard_dim, context)
     import torch.distributed.checkpoint as dcp  # here, not at import: it costs ~1 s of `import oslo_models`
 
-    dcp.save(state, checkpoint_id=partial)
+    dcp.save(state, checkpoint_id=partial)  # DCP reports a failed write on every rank itself
 
-    os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
-    torch.save(_rng_state(context), os.path.join(partial, "rng", f"rank{context.rank}.pt"))
-    if context.is_main_process:
-        trainer_state = {
-            "step": int(step), "layout": _layout(context), "extra": extra or {},
-            "param_groups": ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-                             if opt is not None else None),
-            "scheduler": _unwrap_scheduler(scheduler).state_dict() if scheduler is not None else None,
-            "dataloader": dataloader.state_dict() if dataloader is not None else None,
-            "scaler": scaler.state_dict() if scaler is not None else None,
-        }
-        torch.save(trainer_state, os.path.join(partial, _TRAINER_STATE))
-    context.barrier()
-    if context.is_main_process:
-        with open(os.path.join(partial, _MARKER), "w", encoding="utf-8") as handle:
-            handle.write(f"complete oslo_models training checkpoint, step {int(step)}\n")
-        old = path + ".old"
-        if os.path.exists(path):
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(partial, path)
-        shutil.rmtree(old, ignore_errors=True)
-    context.barrier()
+    with all_or_none(context, f"save_checkpoint({path!r}) writing the RNG / trainer state"):
+        os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
+        _save_synced(_rng_state(context), os.path.join(partial, "rng", f"rank{context.rank}.pt"))
+        if context.is_main_process:
+            trainer_state = {
+                "step": int(step), "layout": _layout(context), "extra": extra or {},
+                "param_groups": ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                                 if opt is not None else None),
+                "scheduler": _unwrap_scheduler(scheduler).state_dict() if scheduler is not None else None,
+                "dataloader": dataloader.state_dict() if dataloader is not None else None,
+                "scaler": scaler.state_dict() if scaler is not None else None,
+            }
+            _save_synced(trainer_state, os.path.join(partial, _TRAINER_STATE))
+    run_on_main_process(context, publish_step, path, step, keep=keep, what=f"save_checkpoint({path!r}) publishing")
+    return os.path.join(path, step_dir_name(step))
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -204,16 +210,37 @@ def _read_back(view: torch.Tensor, loaded) -> None:
 def load_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=None, scaler=None) -> dict:
     """Restore what :func:`save_checkpoint` wrote into objects built at this (possibly different) layout.
 
-    Build the model, shard it (same ZeRO stage or another), build the optimizer/scheduler/loader as for a fresh
-    run, then call this on every rank. Returns ``{"step", "extra", "layout", "same_layout"}``. Raises
-    ``FileNotFoundError`` for a missing or incomplete folder and ``ValueError`` for a checkpoint of another model.
+    ``path`` is the folder given to :func:`save_checkpoint` (its newest complete step is loaded, see
+    ``find_checkpoint``) or one ``step-N`` folder. Build the model, shard it (same ZeRO stage or another), build
+    the optimizer/scheduler/loader as for a fresh run, then call this on every rank. Returns ``{"step", "extra",
+    "layout", "same_layout", "path"}``. Raises on every rank ``FileNotFoundError`` when there is no complete
+    checkpoint and ``ValueError`` for a checkpoint of another model.
     """
     path = os.fspath(path)
-    if not os.path.isfile(os.path.join(path, _MARKER)):
-        raise FileNotFoundError(f"{path} is not a complete oslo_models training checkpoint (no {_MARKER}); an "
-                                "interrupted save leaves only a '.partial' folder")
     inner = unwrap_model(model)
     context, plan = inner.parallel_context, inner.parallel_plan
+    check_arrival(context, "load_checkpoint", _RULE)
+    folder, error = find_checkpoint(path), None
+    if folder is None:
+        error = FileNotFoundError(describe_missing(path))
+    folders = agree_on_failure(context, error, what=f"load_checkpoint({path!r})", value=folder)
+    if len(set(folders)) > 1:
+        raise RuntimeError(f"load_checkpoint({path!r}): ranks found different checkpoints {sorted(set(folders))}; "
+                           "is the folder on a file system every rank sees the same way?")
+    with all_or_none(context, f"load_checkpoint({folder!r})"):
+        state, pending, restored_optimizer_state, trainer_state = _load_targets(folder, inner, optimizer, context,
+                                                                                plan)
+    import torch.distributed.checkpoint as dcp  # here, not at import (see save_checkpoint)
+
+    dcp.load(state, checkpoint_id=folder)
+    with all_or_none(context, f"load_checkpoint({folder!r}) restoring"):
+        info = _apply_loaded(folder, state, pending, restored_optimizer_state, trainer_state, optimizer, scheduler,
+                             dataloader, scaler, context)
+    return info
+
+
+def _load_targets(path, inner, optimizer, context, plan):
+    """The DCP load plan of this rank (buffers at its local shapes) and the checks against the saved shapes."""
     trainer_state = torch.load(os.path.join(path, _TRAINER_STATE), weights_only=True)
     import torch.distributed.checkpoint as dcp  # here, not at import (see save_checkpoint)
 
@@ -252,8 +279,12 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
                                                        key, metadata)
                     pending.append((key, buffer, view, None))
                 restored_optimizer_state.setdefault(param, {})[key[len(prefix):]] = buffer
-    dcp.load(state, checkpoint_id=path)
+    return state, pending, restored_optimizer_state, trainer_state
 
+
+def _apply_loaded(path, state, pending, restored_optimizer_state, trainer_state, optimizer, scheduler, dataloader,
+                  scaler, context) -> dict:
+    opt = unwrap_optimizer(optimizer)
     with torch.no_grad():
         for key, buffer, view, apply in pending:
             _read_back(view, state[key])
@@ -285,6 +316,5 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
     rng_file = os.path.join(path, "rng", f"rank{context.rank}.pt")
     if same_layout and os.path.isfile(rng_file):
         _restore_rng(torch.load(rng_file, weights_only=True), context)
-    context.barrier()
     return {"step": trainer_state["step"], "extra": trainer_state["extra"], "layout": trainer_state["layout"],
-            "same_layout": same_layout}
+            "same_layout": same_layout, "path": path}

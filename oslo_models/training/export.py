@@ -56,4 +56,8 @@ def plain_copy(model: nn.Module) -> nn.Module:
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -> None:
     """``save_pretrained`` of the ``oslo_models`` model inside ``model`` (DDP, ZeRO-1, FSDP2). Call on every rank;
     global rank 0 writes a folder plain ``transformers`` loads. ``push_to_hub`` works the same way on the result."""
+    from ..conversion.saving import SAVE_RULE
+    from ..distributed.agreement import check_arrival
+
+    check_arrival(unwrap_model(model).parallel_context, "training.save_pretrained", SAVE_RULE)  # before FSDP gathers
     plain_copy(model).save_pretrained(save_directory, **kwargs)

@@ -100,7 +100,7 @@ def test_accelerate_launch_bf16_without_matplotlib_eval_and_trackers(tmp_path):
     assert [e["perplexity"] for e in report["eval"]] == [p for _, p in evals]
     plain = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
     assert plain.config.model_type == "gpt2"
-    assert (out / "checkpoint" / "oslo_checkpoint.txt").is_file()
+    assert om.training.find_checkpoint(out / "checkpoint") == str(out / "checkpoint" / "step-00000012")
 
 
 def test_torchrun_train_clm_pipeline_resumes_and_evaluates(tmp_path):

@@ -153,15 +153,15 @@ def checkpoint(tmp_path_factory):
 
 def test_zero_stages_clip_and_resume(checkpoint, tmp_path):
     run_distributed(_zero_worker, 4, checkpoint, str(tmp_path))
-    assert os.path.isfile(tmp_path / "zero3" / "oslo_checkpoint.txt")
-    assert not os.path.exists(tmp_path / "zero3.partial")
+    assert training.find_checkpoint(tmp_path / "zero3") == str(tmp_path / "zero3" / "step-00000003")
+    assert sorted(os.listdir(tmp_path / "zero3")) == ["latest", "step-00000003"]  # no partial folder left
     run_distributed(_other_layout_worker, 4, checkpoint, str(tmp_path))
 
 
 def test_load_rejects_incomplete_folder(tmp_path, checkpoint):
     model = om.AutoModelForCausalLM.from_pretrained(checkpoint, progress=False)
-    (tmp_path / "bad.partial").mkdir()
-    with pytest.raises(FileNotFoundError, match="not a complete"):
-        training.load_checkpoint(tmp_path / "bad.partial", model)
+    (tmp_path / "bad" / ".step-00000001.partial").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="no complete .* only interrupted saves"):
+        training.load_checkpoint(tmp_path / "bad", model)
     with pytest.raises(ValueError, match="cpu_offload needs zero_stage 2 or 3"):
         training.shard_data_parallel(model, zero_stage=1, cpu_offload=True)
