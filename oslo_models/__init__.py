@@ -36,6 +36,38 @@ from .models.roberta import (
     RobertaModel,
 )
 from .models.t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
+from .models.llama import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForQuestionAnswering,
+    LlamaForSequenceClassification,
+    LlamaForTokenClassification,
+    LlamaModel,
+)
+from .models.mistral import (
+    MistralConfig,
+    MistralForCausalLM,
+    MistralForQuestionAnswering,
+    MistralForSequenceClassification,
+    MistralForTokenClassification,
+    MistralModel,
+)
+from .models.qwen2 import (
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2ForQuestionAnswering,
+    Qwen2ForSequenceClassification,
+    Qwen2ForTokenClassification,
+    Qwen2Model,
+)
+from .models.qwen3 import (
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3ForQuestionAnswering,
+    Qwen3ForSequenceClassification,
+    Qwen3ForTokenClassification,
+    Qwen3Model,
+)
 from . import pipeline  # noqa: E402  pipeline parallelism: partitioning, runner, schedule plot
 
 __version__ = "0.1.0"
@@ -54,3 +86,6 @@ __all__ = [
     "T5Config", "T5Model", "T5ForConditionalGeneration", "T5EncoderModel",
 ]
 __all__ += ["pipeline"]
+__all__ += [f"{family}{suffix}" for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
+            for suffix in ("Config", "Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification",
+                           "ForQuestionAnswering")]
