@@ -300,8 +300,8 @@ class LlamaForTokenClassification(_WithBaseModel):
 
 
 class LlamaForQuestionAnswering(_WithBaseModel):
-    """Replicated ``qa_outputs``: ``start_logits, end_logits [b, s]``. Llama keeps this head's base model under
-    ``transformer`` (``transformers``' backward-compatible name); Mistral/Qwen2/Qwen3 under ``model``."""
+    """Replicated ``qa_outputs``: ``start_logits, end_logits [b, s]``. Llama, Qwen2 and Qwen3 keep this head's
+    base model under ``transformer`` (``transformers``' backward-compatible name); Mistral under ``model``."""
 
     parallel_plan = LLAMA_QA_PLAN
     hf_twin = transformers.LlamaForQuestionAnswering
