@@ -10,8 +10,9 @@ and Accelerate.
 
 ``--model`` takes any causal LM the Auto classes know (a Hub id or a local folder with its tokenizer: GPT-2,
 Llama, Mistral, Qwen2, Qwen3). Without ``--model`` a small GPT-2 is built from config; without ``--data`` the
-built-in public-domain corpus (examples/data) is tokenized with a byte-level BPE trained on it offline (``tokenizers``). ``--data`` takes a
-``.bin/.idx`` prefix written by ``python -m oslo_models.data preprocess`` or a text/jsonl file (tokenized here).
+built-in public-domain corpus (examples/data) is tokenized with a byte-level BPE trained on it offline
+(``tokenizers``). ``--data`` takes a ``.bin/.idx`` prefix written by ``python -m oslo_models.data preprocess`` or a
+text/jsonl file (tokenized here).
 
 Writes to ``--output``: ``checkpoint/`` (resumable: ``--resume``), ``loss.png``, ``loss.json`` and ``model/``, a Hub
 folder that plain ``transformers`` loads (``--push-to-hub ID`` uploads it).
