@@ -171,17 +171,3 @@ def test_published_tensor_parallel_plans():
         assert ("layers.*.self_attn.q_norm" in plan) == (name == "Qwen3")
         assert "base_model_tp_plan" not in getattr(om, f"{name}Config")().to_dict()
 
-
-def test_training_checkpoint_of_replicated_kv_heads_is_a_clear_error():
-    """Resumable training checkpoints store each tensor in a layout-independent form; replicated key/value heads
-    have none yet, so saving one says so instead of writing a checkpoint that reshards wrongly."""
-    from types import SimpleNamespace
-
-    from oslo_models.parallel_layers.plan import ShardSpec
-    from oslo_models.training.checkpoint import _canonical
-
-    spec = ShardSpec(0, num_heads=2)
-    with pytest.raises(NotImplementedError, match="replicated over tensor-parallel ranks"):
-        _canonical(torch.zeros(4, 8), spec, SimpleNamespace(tp_size=4, tp_rank=1))
-    _, full, shard_dim = _canonical(torch.zeros(4, 8), spec, SimpleNamespace(tp_size=2, tp_rank=1))
-    assert (full, shard_dim) == ((8, 8), 0)  # one whole head per rank: an ordinary split

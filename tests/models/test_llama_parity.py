@@ -1,7 +1,8 @@
 """Llama, Mistral, Qwen2 and Qwen3 at every tensor-parallel layout equal plain ``transformers``: logits, loss, every
 gradient and the parameters after 3 AdamW steps (fp32, atol 1e-5), with and without sequence parallelism; a tp2
 save opens in plain ``transformers`` with the same keys and logits; tp4 replicates the 2 key/value heads over
-pairs of ranks (gradients of the copies summed, saved once, counted once by the gradient norm).
+pairs of ranks (gradients of the copies summed, saved once, counted once by the gradient norm, resumed from a
+training checkpoint at tp2 x dp2).
 
 Which switch each tiny model turns on is listed in ``tests/helpers/decoders.py``. One spawned group per world
 size runs every type, so the references are built once per process.
@@ -15,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import oslo_models as om
+from oslo_models import training
 from oslo_models.parallel_layers.kv_heads import KVHeadColumnParallelLinear
 from oslo_models.training import clip_grad_norm_
 from tests.helpers.decoders import VOCAB, hf_class, save_all, tiny_config
@@ -113,6 +115,7 @@ def _tp4_worker(checkpoints: dict, out_root: str) -> None:
             assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in original.items()}
     model = _load(checkpoints["llama"], 4, False)
     _train_matches(model, _reference(checkpoints["llama"], "llama"), steps=1)
+    _resume_across_layouts(checkpoints["qwen2"], os.path.join(out_root, "resume"))
     # from_config at tp4 slices (and replicates) exactly the weights transformers draws from the seed
     config = tiny_config("qwen3")
     torch.manual_seed(3)
@@ -120,6 +123,28 @@ def _tp4_worker(checkpoints: dict, out_root: str) -> None:
     torch.manual_seed(3)
     model = om.AutoModelForCausalLM.from_config(config, parallel=om.ParallelConfig(tensor_parallel_size=4))
     assert_params_match(model, reference, atol=0, rtol=0)
+
+
+def _resume_across_layouts(path: str, folder: str) -> None:
+    """A training checkpoint saved at tp4 (key/value heads replicated) resumes at tp2 x dp2 (heads split): the
+    weights and the AdamW state continue exactly as the uninterrupted single-process run."""
+    ids, mask, labels = padded_batch(VOCAB, batch=3, seq=8)
+    reference = _reference(path, "qwen2")
+    ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    model = _load(path, 4, True)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    for net, optimizer in ((reference, ref_opt), (model, opt)):
+        net(ids, attention_mask=mask, labels=labels).loss.backward()
+        optimizer.step(), optimizer.zero_grad()
+    training.save_checkpoint(folder, model, opt, step=1)
+    resumed = _load(path, 2, True)  # tp2 x dp2: each rank owns one whole kv head now
+    opt = torch.optim.AdamW(resumed.parameters(), **ADAMW)
+    training.load_checkpoint(folder, resumed, opt)
+    assert_params_match(resumed, reference)
+    for net, optimizer in ((reference, ref_opt), (resumed, opt)):  # the same batch on every replica
+        net(ids, attention_mask=mask, labels=labels).loss.backward()
+        optimizer.step(), optimizer.zero_grad()
+    assert_params_match(resumed, reference)
 
 
 def test_tp4_replicates_kv_heads_and_matches_transformers(checkpoints, tmp_path):
