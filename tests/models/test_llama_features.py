@@ -171,3 +171,17 @@ def test_published_tensor_parallel_plans():
         assert ("layers.*.self_attn.q_norm" in plan) == (name == "Qwen3")
         assert "base_model_tp_plan" not in getattr(om, f"{name}Config")().to_dict()
 
+
+
+def test_bf16_load_keeps_rotary_frequencies_fp32_like_transformers(tmp_path):
+    """Models are built on the meta device and then allocated: the rotary frequencies (in no checkpoint) are
+    recomputed in fp32, so bf16 logits equal transformers' bf16 logits exactly."""
+    path = save_tiny(tmp_path / "yarn", "qwen3", rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                 "rope_theta": 10000.0,
+                                                                 "original_max_position_embeddings": 16})
+    model = om.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, progress=False)
+    reference = hf_class("qwen3").from_pretrained(path, dtype=torch.bfloat16)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq, atol=0, rtol=0)
+    ids = torch.randint(1, VOCAB, (2, 20))
+    torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=0, rtol=0)
