@@ -22,15 +22,17 @@ def layer_types(config) -> list[str]:
     return [SLIDING if getattr(config, "sliding_window", None) else FULL] * config.num_hidden_layers
 
 
-def causal_masks(config, inputs_embeds: torch.Tensor, attention_mask, past_key_values, position_ids) -> dict:
-    """``{layer type: mask}`` for the kinds the config uses (``mask`` as the attention kernel takes it, or ``None``
-    where the kernel can run causally without one). ``inputs_embeds`` is read only for its batch size, length,
-    dtype and device. An ``attention_mask`` that already is such a dict (prepared by ``generate``) is returned."""
+def causal_masks(config, inputs_embeds: torch.Tensor, attention_mask, past_key_values, position_ids, *,
+                 kinds=None) -> dict:
+    """``{layer type: mask}`` for ``kinds`` (default: every kind the config uses; a pipeline stage passes its own
+    layers' kinds), each as the attention kernel takes it (or ``None`` where the kernel can run causally without
+    one). ``inputs_embeds`` is read only for its batch size, length, dtype and device. An ``attention_mask`` that
+    already is such a dict (prepared by ``generate``) is returned as is."""
     if isinstance(attention_mask, dict):
         return attention_mask
     kwargs = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                   past_key_values=past_key_values, position_ids=position_ids)
-    kinds = set(layer_types(config))
+    kinds = set(layer_types(config) if kinds is None else kinds)
     masks = {}
     if FULL in kinds:
         masks[FULL] = create_causal_mask(**kwargs)

@@ -7,7 +7,8 @@ What differs between the four, and where it is decided:
 - attention biases (Llama ``attention_bias``/``mlp_bias``, Qwen2 q/k/v biases, Qwen3 ``attention_bias``) and
   Qwen3's q/k RMS norms: ``decoder_options(config)``, a class method each family overrides;
 - sliding-window attention (Mistral ``sliding_window``, Qwen2/Qwen3 ``use_sliding_window``/``max_window_layers``,
-  or ``layer_types``): read from the config by ``common.causal_masks.layer_types``;
+  or ``layer_types``): ``attention_types(config)`` (``common.causal_masks.layer_types``; Mistral overrides it);
+- the feed-forward: ``build_mlp(config, layer_idx)`` (SwiGLU here; the hook mixture-of-experts decoders override);
 - tied or untied embeddings: ``config.tie_word_embeddings``.
 
 Parallelism enters only through the layers the plan (``parallel_plan.py``) swaps in and the two explicit
@@ -55,17 +56,19 @@ from .pipeline_llama import LlamaPipelineAdapter
 
 class LlamaDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``. ``attention_type`` (full or sliding)
-    picks this layer's mask from the stack's ``{type: mask}``."""
+    picks this layer's mask from the stack's ``{type: mask}``; ``mlp`` is the family's feed-forward (``build_mlp``:
+    the SwiGLU ``GatedMLP`` here, a mixture-of-experts block in the MoE decoders), called as
+    ``mlp(x, sequence_parallel=...)``."""
 
-    def __init__(self, config, layer_idx: int, *, options: dict, fused: bool = False):
+    def __init__(self, config, layer_idx: int, *, options: dict, attention_type: str, mlp: nn.Module,
+                 fused: bool = False):
         super().__init__()
-        self.attention_type = layer_types(config)[layer_idx]
-        window = config.sliding_window if self.attention_type == SLIDING else None
+        self.attention_type = attention_type
+        window = config.sliding_window if attention_type == SLIDING else None
         self.self_attn = GroupedQueryAttention(config, layer_idx, qkv_bias=options["qkv_bias"],
                                                o_bias=options["o_bias"], qk_norm=options["qk_norm"],
                                                sliding_window=window, fused=fused)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act=config.hidden_act,
-                            bias=options["mlp_bias"])
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula="llama", fused=fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula="llama",
                                                 fused=fused)
@@ -118,8 +121,22 @@ class LlamaPreTrainedModel(OsloPreTrainedModel):
             raise ValueError(f"{name}: intermediate_size={config.intermediate_size} is not divisible by "
                              f"tensor_parallel_size={tp}")
 
-    def _decoder_kwargs(self) -> dict:
-        return dict(options=self.decoder_options(self.config), fused=self.parallel_context.config.fused_ops)
+    @classmethod
+    def attention_types(cls, config) -> list[str]:
+        """Each layer's ``"full_attention"`` / ``"sliding_attention"`` (``common.causal_masks.layer_types``)."""
+        return layer_types(config)
+
+    @classmethod
+    def build_mlp(cls, config, layer_idx: int) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward, registered as ``mlp`` (the hook the MoE decoders override)."""
+        return GatedMLP(config.hidden_size, config.intermediate_size, act=config.hidden_act,
+                        bias=cls.decoder_options(config)["mlp_bias"])
+
+    def _build_layer(self, layer_idx: int) -> LlamaDecoderLayer:
+        config = self.config
+        return LlamaDecoderLayer(config, layer_idx, options=self.decoder_options(config),
+                                 attention_type=self.attention_types(config)[layer_idx],
+                                 mlp=self.build_mlp(config, layer_idx), fused=self.parallel_context.config.fused_ops)
 
 
 class LlamaModel(LlamaPreTrainedModel):
@@ -134,8 +151,7 @@ class LlamaModel(LlamaPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, i, **self._decoder_kwargs())
-                                     for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([self._build_layer(i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula="llama",
                             fused=self.parallel_context.config.fused_ops)
         self.rotary_emb = RotaryEmbedding(config)
@@ -163,7 +179,8 @@ class LlamaModel(LlamaPreTrainedModel):
         if position_ids is None:
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
-        masks = causal_masks(self.config, inputs_embeds, attention_mask, past_key_values, position_ids)
+        masks = causal_masks(self.config, inputs_embeds, attention_mask, past_key_values, position_ids,
+                             kinds={layer.attention_type for layer in self.layers})
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)  # full sequence on every rank
 

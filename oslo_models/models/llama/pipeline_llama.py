@@ -71,7 +71,8 @@ class LlamaPipelineAdapter(CausalLMPipelineAdapter):
         # Masks and rotary read only the batch size, length, dtype and device of the embeddings: a zero-size
         # expanded view stands in for the full [mb, s, h] activations that only the first stage ever has.
         shape_only = hidden.new_zeros(()).expand(hidden.shape[0], seq_len, hidden.shape[-1])
-        masks = causal_masks(config, shape_only, attention_mask, None, position_ids)
+        masks = causal_masks(config, shape_only, attention_mask, None, position_ids,
+                             kinds={layer.attention_type for layer in stage.layers})
         position_embeddings = stage.rotary_emb(shape_only, position_ids)
         for layer in stage.layers:
             hidden = layer(hidden, masks[layer.attention_type], position_embeddings, None, sequence_parallel=sp,

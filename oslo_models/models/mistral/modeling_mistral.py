@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import transformers
 
+from ..common.causal_masks import FULL, SLIDING
 from ..llama import modeling_llama as llama
 from ..llama.configuration_llama import MistralConfig
 
@@ -15,6 +16,12 @@ class MistralPreTrainedModel(llama.LlamaPreTrainedModel):
     @classmethod
     def decoder_options(cls, config) -> dict:
         return dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+
+    @classmethod
+    def attention_types(cls, config) -> list[str]:
+        """Every layer slides when ``sliding_window`` is set; ``layer_types`` is ignored, as by ``MistralModel``."""
+        kind = SLIDING if config.sliding_window is not None else FULL
+        return [kind] * config.num_hidden_layers
 
 
 class MistralModel(MistralPreTrainedModel, llama.LlamaModel):
