@@ -118,8 +118,30 @@ class PipelineAdapter:
 
 
 class CausalLMPipelineAdapter(PipelineAdapter):
-    """The last stage of a decoder-only causal LM: its output is the vocab-split logits ``[mb, s, V_padded/tp]`` of
-    ``model.lm_head`` and the loss is ``transformers``' causal-LM loss (labels shifted left) on them."""
+    """A decoder-only causal LM: the embeddings on the first stage (``first_modules``), parameter-free helpers such
+    as a rotary embedding on every stage (``every_stage_modules``), the final norm and ``lm_head`` on the last
+    (``last_modules``), the head tied to ``tied_embedding`` when ``config.tie_word_embeddings``. The last stage's
+    output is the vocab-split logits ``[mb, s, V_padded/tp]`` and the loss is ``transformers``' causal-LM loss
+    (labels shifted left) on them."""
+
+    first_modules: dict[str, str] = {}
+    every_stage_modules: dict[str, str] = {}
+    last_modules: dict[str, str] = {}
+    tied_embedding: str = ""  # the input embedding's weight, e.g. "transformer.wte.weight"
+
+    def stage_modules(self, model, layout, stage: int) -> dict[str, str]:
+        modules = {**(self.first_modules if stage == 0 else {}), **self.every_stage_modules}
+        if stage == layout.num_stages - 1:
+            modules.update(self.last_modules)
+        return modules
+
+    def optional_modules(self, model, layout) -> set[str]:
+        return set(self.first_modules.values()) | set(self.last_modules.values())
+
+    def tied_groups(self, model) -> list[tuple[str, ...]]:
+        if getattr(model.config, "tie_word_embeddings", False):
+            return [(self.tied_embedding, "lm_head.weight")]
+        return []
 
     def stage_io(self, model, layout, stage, microbatch, sequence_parallel):
         mb, seq_len = microbatch["input_ids"].shape

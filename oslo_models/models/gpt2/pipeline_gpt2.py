@@ -23,6 +23,7 @@ class GPT2LMPipelineAdapter(CausalLMPipelineAdapter):
 
     layer_paths = ("transformer.h",)
     batch_keys = ("input_ids", "labels", "attention_mask", "position_ids")
+    first_modules, last_modules, tied_embedding = FIRST, LAST, "transformer.wte.weight"
 
     def layer_counts(self, model) -> tuple[int, ...]:
         return (model.config.num_hidden_layers,)
@@ -33,20 +34,6 @@ class GPT2LMPipelineAdapter(CausalLMPipelineAdapter):
         layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h)
         embeddings = config.vocab_size * h + config.max_position_embeddings * h
         return [float(layer)] * config.num_hidden_layers, float(embeddings), float(config.vocab_size * h + 2 * h)
-
-    def stage_modules(self, model, layout, stage: int) -> dict[str, str]:
-        modules = dict(FIRST) if stage == 0 else {}
-        if stage == layout.num_stages - 1:
-            modules.update(LAST)
-        return modules
-
-    def optional_modules(self, model, layout) -> set[str]:
-        return set(FIRST.values()) | set(LAST.values())
-
-    def tied_groups(self, model) -> list[tuple[str, ...]]:
-        if getattr(model.config, "tie_word_embeddings", False):
-            return [("transformer.wte.weight", "lm_head.weight")]
-        return []
 
     def use_sequence_parallel(self, model, batch) -> bool:
         return model.transformer._use_sequence_parallel(batch["input_ids"].shape[-1])

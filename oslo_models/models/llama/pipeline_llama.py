@@ -26,6 +26,8 @@ class LlamaPipelineAdapter(CausalLMPipelineAdapter):
 
     layer_paths = ("model.layers",)
     batch_keys = ("input_ids", "labels", "attention_mask", "position_ids")
+    first_modules, last_modules, tied_embedding = FIRST, LAST, "model.embed_tokens.weight"
+    every_stage_modules = EVERY
 
     def layer_counts(self, model) -> tuple[int, ...]:
         return (model.config.num_hidden_layers,)
@@ -38,20 +40,6 @@ class LlamaPipelineAdapter(CausalLMPipelineAdapter):
         layer = 2 * h + h * (q + 2 * kv) + q * h + 3 * h * inter
         embeddings = config.vocab_size * h
         return [float(layer)] * config.num_hidden_layers, float(embeddings), float(embeddings + h)
-
-    def stage_modules(self, model, layout, stage: int) -> dict[str, str]:
-        modules = {**(FIRST if stage == 0 else {}), **EVERY}
-        if stage == layout.num_stages - 1:
-            modules.update(LAST)
-        return modules
-
-    def optional_modules(self, model, layout) -> set[str]:
-        return set(FIRST.values()) | set(LAST.values())
-
-    def tied_groups(self, model) -> list[tuple[str, ...]]:
-        if getattr(model.config, "tie_word_embeddings", False):
-            return [("model.embed_tokens.weight", "lm_head.weight")]
-        return []
 
     def use_sequence_parallel(self, model, batch) -> bool:
         return use_sequence_parallel(model.model, batch["input_ids"].shape[-1])
