@@ -5,29 +5,21 @@
 
 Names are imported on first use (PEP 562), as ``transformers`` does: ``import oslo_models`` costs about what
 ``import transformers`` costs, and a script (or ``python -m oslo_models --help``) pays for torch, the model code and
-``torch.distributed.pipelining`` only when it touches them.
+``torch.distributed.pipelining`` only when it touches them. ``_LAZY`` is the one list of public names.
 """
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "data", "training",
-    "ParallelConfig", "ParallelContext", "data_parallel",
-    "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
-    "GPT2Config", "GPT2Model", "GPT2LMHeadModel", "GPT2ForSequenceClassification",
-    "AutoModelForMaskedLM", "AutoModelForPreTraining", "AutoModelForSeq2SeqLM", "AutoModelForTokenClassification",
-    "AutoModelForQuestionAnswering", "AutoModelForTextEncoding",
-    "BertConfig", "BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification",
-    "BertForTokenClassification", "BertForQuestionAnswering",
-    "RobertaConfig", "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
-    "RobertaForTokenClassification", "RobertaForQuestionAnswering",
-    "T5Config", "T5Model", "T5ForConditionalGeneration", "T5EncoderModel",
-]
-__all__ += ["pipeline"]
+
+def _family(prefix: str, *suffixes: str) -> list[str]:
+    return [prefix + suffix for suffix in suffixes]
+
+
+_DECODER_HEADS = ("Config", "Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification",
+                  "ForQuestionAnswering")
 
 # submodule -> the public names it defines (a name listed under its own subpackage is that subpackage)
 _LAZY = {
@@ -38,15 +30,31 @@ _LAZY = {
     ".distributed": ["ParallelContext", "data_parallel"],
     ".models.auto": ["AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForPreTraining",
                      "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
-                     "AutoModelForTextEncoding", "AutoModelForTokenClassification"],
-    ".models.bert": ["BertConfig", "BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering",
-                     "BertForSequenceClassification", "BertForTokenClassification", "BertModel"],
-    ".models.gpt2": ["GPT2Config", "GPT2ForSequenceClassification", "GPT2LMHeadModel", "GPT2Model"],
-    ".models.roberta": ["RobertaConfig", "RobertaForMaskedLM", "RobertaForQuestionAnswering",
-                        "RobertaForSequenceClassification", "RobertaForTokenClassification", "RobertaModel"],
-    ".models.t5": ["T5Config", "T5EncoderModel", "T5ForConditionalGeneration", "T5Model"],
+                     "AutoModelForTextEncoding", "AutoModelForTokenClassification", "AutoModelForMultipleChoice",
+                     "AutoModelForNextSentencePrediction"],
+    ".models.bert": _family("Bert", "Config", "Model", "ForMaskedLM", "ForPreTraining", "ForQuestionAnswering",
+                            "ForSequenceClassification", "ForTokenClassification", "ForMultipleChoice",
+                            "ForNextSentencePrediction", "LMHeadModel"),
+    ".models.gpt2": _family("GPT2", "Config", "Model", "LMHeadModel", "ForSequenceClassification",
+                            "ForTokenClassification", "ForQuestionAnswering"),
+    ".models.roberta": [*_family("Roberta", "Config", "Model", "ForMaskedLM", "ForQuestionAnswering",
+                                 "ForSequenceClassification", "ForTokenClassification", "ForCausalLM",
+                                 "ForMultipleChoice"),
+                        # same architecture, own model_type: see models/roberta/variants.py
+                        *_family("XLMRoberta", "Config", "Model", "ForMaskedLM", "ForSequenceClassification"),
+                        *_family("Camembert", "Config", "Model", "ForMaskedLM")],
+    ".models.t5": [*_family("T5", "Config", "Model", "EncoderModel", "ForConditionalGeneration",
+                            "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"),
+                   *_family("MT5", "Config", "Model", "EncoderModel", "ForConditionalGeneration")],
+    ".models.llama": _family("Llama", *_DECODER_HEADS),
+    ".models.mistral": _family("Mistral", *_DECODER_HEADS),
+    ".models.qwen2": _family("Qwen2", *_DECODER_HEADS),
+    ".models.qwen3": _family("Qwen3", *_DECODER_HEADS),
+    ".models.mixtral": _family("Mixtral", "Config", "Model", "ForCausalLM"),
+    ".models.qwen2_moe": _family("Qwen2Moe", "Config", "Model", "ForCausalLM"),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str):
@@ -61,39 +69,3 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_WHERE))
-
-
-if TYPE_CHECKING:  # what static analysis and IDEs see; at run time __getattr__ imports these on first use
-    from . import data, pipeline, training
-    from .config import ParallelConfig
-    from .distributed import ParallelContext, data_parallel
-    from .models.auto import (
-        AutoModel,
-        AutoModelForCausalLM,
-        AutoModelForMaskedLM,
-        AutoModelForPreTraining,
-        AutoModelForQuestionAnswering,
-        AutoModelForSeq2SeqLM,
-        AutoModelForSequenceClassification,
-        AutoModelForTextEncoding,
-        AutoModelForTokenClassification,
-    )
-    from .models.bert import (
-        BertConfig,
-        BertForMaskedLM,
-        BertForPreTraining,
-        BertForQuestionAnswering,
-        BertForSequenceClassification,
-        BertForTokenClassification,
-        BertModel,
-    )
-    from .models.gpt2 import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
-    from .models.roberta import (
-        RobertaConfig,
-        RobertaForMaskedLM,
-        RobertaForQuestionAnswering,
-        RobertaForSequenceClassification,
-        RobertaForTokenClassification,
-        RobertaModel,
-    )
-    from .models.t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model

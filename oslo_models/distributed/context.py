@@ -166,6 +166,34 @@ class ParallelContext:
     def is_main_process(self) -> bool:
         return self.rank == 0
 
+    def tp_subgroup(self, size: int):
+        """The group of ``size`` consecutive tensor-parallel ranks that holds this rank (``None`` for one rank).
+
+        Used where a tensor is replicated on a few TP ranks only (GQA key/value heads at ``tp > num_key_value_heads``,
+        ``parallel_layers/kv_heads.py``). Collective the first time a size is asked for: every rank of the world
+        creates every such group, in the same order (models do so while applying their plan on every rank); the
+        groups are kept on this context.
+        """
+        if size == 1 or self.tp_size == 1:
+            return None
+        if self.tp_size % size:
+            raise ValueError(f"tensor_parallel_size={self.tp_size} cannot be cut into groups of {size} ranks")
+        if size == self.tp_size:
+            return self.tp_group
+        groups = self.__dict__.setdefault("_tp_subgroups", {})
+        if size not in groups:
+            mesh = self.mesh.mesh  # [pp, dp, tp] global ranks
+            mine = None
+            for pp in range(mesh.shape[0]):
+                for dp in range(mesh.shape[1]):
+                    for start in range(0, self.tp_size, size):
+                        ranks = [int(r) for r in mesh[pp, dp, start:start + size].tolist()]
+                        group = dist.new_group(ranks)
+                        if self.rank in ranks:
+                            mine = group
+            groups[size] = mine
+        return groups[size]
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()

@@ -17,6 +17,34 @@ from .bert import (
     BertModel,
 )
 from .gpt2 import GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
+from .llama import (
+    LlamaForCausalLM,
+    LlamaForQuestionAnswering,
+    LlamaForSequenceClassification,
+    LlamaForTokenClassification,
+    LlamaModel,
+)
+from .mistral import (
+    MistralForCausalLM,
+    MistralForQuestionAnswering,
+    MistralForSequenceClassification,
+    MistralForTokenClassification,
+    MistralModel,
+)
+from .qwen2 import (
+    Qwen2ForCausalLM,
+    Qwen2ForQuestionAnswering,
+    Qwen2ForSequenceClassification,
+    Qwen2ForTokenClassification,
+    Qwen2Model,
+)
+from .qwen3 import (
+    Qwen3ForCausalLM,
+    Qwen3ForQuestionAnswering,
+    Qwen3ForSequenceClassification,
+    Qwen3ForTokenClassification,
+    Qwen3Model,
+)
 from .roberta import (
     RobertaForMaskedLM,
     RobertaForQuestionAnswering,
@@ -38,6 +66,20 @@ MODEL_REGISTRY: dict[str, dict[str, type]] = {
     "question_answering": {"bert": BertForQuestionAnswering, "roberta": RobertaForQuestionAnswering},
     "text_encoding": {"t5": T5EncoderModel},
 }
+# The Llama-shaped decoders (models/llama; Mistral, Qwen2, Qwen3 are thin classes over it).
+for _type, _classes in {
+    "llama": (LlamaModel, LlamaForCausalLM, LlamaForSequenceClassification, LlamaForTokenClassification,
+              LlamaForQuestionAnswering),
+    "mistral": (MistralModel, MistralForCausalLM, MistralForSequenceClassification, MistralForTokenClassification,
+                MistralForQuestionAnswering),
+    "qwen2": (Qwen2Model, Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen2ForTokenClassification,
+              Qwen2ForQuestionAnswering),
+    "qwen3": (Qwen3Model, Qwen3ForCausalLM, Qwen3ForSequenceClassification, Qwen3ForTokenClassification,
+              Qwen3ForQuestionAnswering),
+}.items():
+    for _task, _class in zip(("base", "causal_lm", "sequence_classification", "token_classification",
+                              "question_answering"), _classes):
+        MODEL_REGISTRY[_task][_type] = _class
 
 
 class _AutoModel:

@@ -24,3 +24,18 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, con
     if config.problem_type == "single_label_classification":
         return F.cross_entropy(logits.view(-1, num_labels), labels.view(-1))
     return F.binary_cross_entropy_with_logits(logits, labels)
+
+
+def last_token_logits(logits: torch.Tensor, input_ids: torch.Tensor | None, pad_token_id: int | None) -> torch.Tensor:
+    """``logits [b, s, num_labels]`` -> ``[b, num_labels]`` at each row's rightmost non-padding token (left or right
+    padding), as ``transformers``' decoder sequence classifiers pool; the last position without ``input_ids``."""
+    batch_size = logits.shape[0]
+    if pad_token_id is None and batch_size != 1:
+        raise ValueError("Cannot handle batch sizes > 1 if no padding token is defined.")
+    if pad_token_id is None or input_ids is None:
+        last_token = torch.full((batch_size,), -1, device=logits.device, dtype=torch.long)
+    else:
+        non_pad = (input_ids != pad_token_id).to(logits.device, torch.int32)
+        positions = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
+        last_token = (positions * non_pad).argmax(-1)
+    return logits[torch.arange(batch_size, device=logits.device), last_token]

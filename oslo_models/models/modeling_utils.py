@@ -151,6 +151,9 @@ class OsloPreTrainedModel(PreTrainedModel):
             model = cls(config, parallel_context=context)
         model.to(dtype)
         model.to_empty(device=context.device)
+        for module in model.modules():  # non-persistent buffers (rotary frequencies) are in no checkpoint
+            if hasattr(module, "reset_buffers"):
+                module.reset_buffers()
         model.tie_parallel_weights()
         return model
 

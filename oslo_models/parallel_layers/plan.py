@@ -43,21 +43,37 @@ class ShardSpec:
     ``dim=None``: replicated. ``num_packed``: the split dim holds that many equal blocks, each split on its own.
     ``vocab_size``: the split dim is a vocabulary of that many rows, padded with zero rows up to a multiple of
     the group size; the padding exists only on the ranks, never in a checkpoint.
+    ``num_heads``: the split dim holds that many attention heads (grouped-query key/value projections), which are
+    never cut: at ``tp <= num_heads`` each rank holds ``num_heads/tp`` whole heads; at ``tp > num_heads`` each head
+    is replicated on ``tp/num_heads`` consecutive ranks (rank ``r`` holds head ``r // (tp/num_heads)``, the
+    Megatron rule) and gathering keeps one copy of each.
     """
 
     dim: int | None = None
     num_packed: int = 1
     vocab_size: int | None = None
+    num_heads: int | None = None
 
     @property
     def padded_vocab(self) -> bool:
         return self.vocab_size is not None
 
+    def replicas(self, tp_size: int) -> int:
+        """How many tensor-parallel ranks hold each piece (1 unless heads are replicated, see ``num_heads``)."""
+        if self.dim is None or self.num_heads is None or tp_size <= self.num_heads:
+            return 1
+        if tp_size % self.num_heads:
+            raise ValueError(f"tensor_parallel_size = {tp_size} is not a multiple of the {self.num_heads} key/value "
+                             "heads it must replicate")
+        return tp_size // self.num_heads
+
     def local_shape(self, full_shape: tuple[int, ...], tp_size: int) -> tuple[int, ...]:
         if self.dim is None:
             return tuple(full_shape)
         shape = list(full_shape)
-        if self.padded_vocab:
+        if self.num_heads is not None:
+            shape[self.dim] = self._head_block(shape[self.dim], tp_size)[1]
+        elif self.padded_vocab:
             shape[self.dim] = padded_size(shape[self.dim], tp_size) // tp_size
         else:
             block = divide(shape[self.dim], self.num_packed, "packed size")
@@ -76,6 +92,10 @@ class ShardSpec:
             idx[dim] = slice(start, stop)
             return tuple(idx)
 
+        if self.num_heads is not None:
+            _, per_rank = self._head_block(size, tp_size)
+            start = tp_rank // self.replicas(tp_size) * per_rank
+            return read(index(start, start + per_rank))
         if self.padded_vocab:
             per_rank = padded_size(size, tp_size) // tp_size
             start = tp_rank * per_rank
@@ -100,6 +120,9 @@ class ShardSpec:
         if self.dim is None or group_size(group) == 1 and not self.padded_vocab:
             return local
         full = _all_gather(local, group, self.dim)
+        replicas = self.replicas(group_size(group))
+        if replicas > 1:  # one copy of each replicated head
+            return torch.cat(full.chunk(group_size(group), dim=self.dim)[::replicas], dim=self.dim)
         if self.padded_vocab:
             return full.narrow(self.dim, 0, self.vocab_size)
         if self.num_packed > 1:
@@ -107,6 +130,17 @@ class ShardSpec:
             ranks = [part.chunk(self.num_packed, dim=self.dim) for part in full.chunk(tp, dim=self.dim)]
             full = torch.cat([ranks[r][p] for p in range(self.num_packed) for r in range(tp)], dim=self.dim)
         return full
+
+
+    def _head_block(self, size: int, tp_size: int) -> tuple[int, int]:
+        """(heads per rank, rows per rank) along the split dim for ``num_heads`` whole heads."""
+        if size % self.num_heads:
+            raise ValueError(f"split size {size} does not hold {self.num_heads} equal heads")
+        if tp_size > self.num_heads:
+            self.replicas(tp_size)  # raises when the heads cannot be replicated evenly
+            return 1, size // self.num_heads
+        heads = divide(self.num_heads, tp_size, "number of key/value heads")
+        return heads, heads * (size // self.num_heads)
 
 
 # ---------------------------------------------------------------------------------------------- styles

@@ -117,6 +117,49 @@ class PipelineAdapter:
         return int((labels != -100).sum())
 
 
+class CausalLMPipelineAdapter(PipelineAdapter):
+    """A decoder-only causal LM: the embeddings on the first stage (``first_modules``), parameter-free helpers such
+    as a rotary embedding on every stage (``every_stage_modules``), the final norm and ``lm_head`` on the last
+    (``last_modules``), the head tied to ``tied_embedding`` when ``config.tie_word_embeddings``. The last stage's
+    output is the vocab-split logits ``[mb, s, V_padded/tp]`` and the loss is ``transformers``' causal-LM loss
+    (labels shifted left) on them."""
+
+    first_modules: dict[str, str] = {}
+    every_stage_modules: dict[str, str] = {}
+    last_modules: dict[str, str] = {}
+    tied_embedding: str = ""  # the input embedding's weight, e.g. "transformer.wte.weight"
+
+    def stage_modules(self, model, layout, stage: int) -> dict[str, str]:
+        modules = {**(self.first_modules if stage == 0 else {}), **self.every_stage_modules}
+        if stage == layout.num_stages - 1:
+            modules.update(self.last_modules)
+        return modules
+
+    def optional_modules(self, model, layout) -> set[str]:
+        return set(self.first_modules.values()) | set(self.last_modules.values())
+
+    def tied_groups(self, model) -> list[tuple[str, ...]]:
+        if getattr(model.config, "tie_word_embeddings", False):
+            return [(self.tied_embedding, "lm_head.weight")]
+        return []
+
+    def stage_io(self, model, layout, stage, microbatch, sequence_parallel):
+        mb, seq_len = microbatch["input_ids"].shape
+        return self.hidden_state_io(model, layout, stage, microbatch, sequence_parallel,
+                                    lambda: (mb, seq_len, model.lm_head.weight.shape[0]))
+
+    def loss(self, model, local_logits, labels, num_items_in_batch):
+        from ..parallel_layers.cross_entropy import causal_lm_loss
+
+        head = model.lm_head
+        return causal_lm_loss(local_logits, labels, group=getattr(head, "group", None),
+                              vocab_start=getattr(head, "vocab_start_index", 0), num_items_in_batch=num_items_in_batch)
+
+    def num_loss_items(self, labels: torch.Tensor) -> int:
+        """Tokens the causal loss averages over: labels shifted left, ``-100`` excluded."""
+        return int((labels[..., 1:] != -100).sum())
+
+
 def adapter_for(model) -> PipelineAdapter:
     """The pipeline adapter of ``model``'s class; ``NotImplementedError`` naming the class when there is none."""
     adapter_class = getattr(type(model), "pipeline_adapter", None)

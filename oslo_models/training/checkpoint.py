@@ -6,9 +6,10 @@ Format: a folder written with ``torch.distributed.checkpoint`` (DCP) plus two sm
   layout-independent shape, as a DTensor sharded over the tensor-parallel mesh axis (plain tensor at tp=1). The
   model's plan (``ShardSpec``) says how: a column/row split is ``Shard(dim)``; packed q|k|v blocks are viewed as
   ``[..., num_packed, block, ...]`` and sharded on the block dim; a padded vocabulary drops its padding rows, which
-  is exactly ``Shard(0)``'s uneven chunking. DCP stores each chunk once (replicas over dp are de-duplicated) and on
-  load reads, for every rank of the *new* layout, just the slice it owns - so tp=2 x dp=2 resumes at tp=4 or
-  tp=1 x dp=2 with no conversion step.
+  is exactly ``Shard(0)``'s uneven chunking; grouped-query key/value heads replicated over tp ranks (``tp >
+  num_key_value_heads``) are gathered and stored whole, each head once (they are small). DCP stores each chunk
+  once (replicas over dp are de-duplicated) and on load reads, for every rank of the *new* layout, just the slice
+  it owns - so tp=2 x dp=2 resumes at tp=4 or tp=1 x dp=2 with no conversion step.
 - ``trainer_state.pt`` (rank 0): step, scheduler, loader/sampler position, optimizer hyperparameters, loss scaler,
   the layout, user extras. ``rng/rank<k>.pt`` (every rank): torch/CUDA/numpy/python RNG and the tensor-parallel RNG
   tracker. RNG is restored only at the same layout (a rank of another layout has another role).
@@ -55,6 +56,9 @@ def _canonical(local: torch.Tensor, spec, context):
     if spec.dim is None:
         return local, tuple(shape), None
     dim, tp = spec.dim, context.tp_size
+    if spec.replicas(tp) > 1:  # key/value heads replicated over tp ranks: stored whole, each head once
+        full = spec.gather(local, context.tp_group)
+        return full, tuple(full.shape), None
     if spec.padded_vocab:
         real = max(0, min(shape[dim], spec.vocab_size - context.tp_rank * shape[dim]))
         view, full = local.narrow(dim, 0, real), shape[:dim] + [spec.vocab_size] + shape[dim + 1:]
@@ -191,8 +195,17 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
 # ---------------------------------------------------------------------------------------------- load
 def _target(shape, dtype, spec, context, key, metadata):
     """A zero tp-local buffer, its canonical DCP value and a check of the saved global shape."""
-    buffer = torch.zeros(shape, dtype=dtype)
-    view, full, shard_dim = _canonical(buffer, spec, context)
+    if spec.replicas(context.tp_size) > 1:
+        # Replicated key/value heads are stored whole (see ``_canonical``): read the full tensor; the tp-local buffer
+        # is this rank's head inside it (a view), so reading back fills it.
+        full_shape = list(shape)
+        full_shape[spec.dim] *= spec.num_heads
+        view = torch.zeros(full_shape, dtype=dtype)
+        buffer = spec.read_shard(tuple(full_shape), view.__getitem__, context.tp_rank, context.tp_size)
+        full, shard_dim = tuple(full_shape), None
+    else:
+        buffer = torch.zeros(shape, dtype=dtype)
+        view, full, shard_dim = _canonical(buffer, spec, context)
     if key not in metadata:
         raise ValueError(f"the checkpoint has no entry {key!r}: it was saved from another model")
     saved = tuple(metadata[key].size)

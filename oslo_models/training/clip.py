@@ -66,7 +66,10 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
             continue
         value = torch.linalg.vector_norm(local.detach().float(), norm_type)
         value = value if is_inf else value.pow(norm_type)
-        sharded = context.tp_size > 1 and plan.shard_spec(inner, name).dim is not None
+        spec = plan.shard_spec(inner, name)
+        sharded = context.tp_size > 1 and spec.dim is not None
+        if sharded and not is_inf and spec.replicas(context.tp_size) > 1:
+            value = value / spec.replicas(context.tp_size)  # a key/value head held by several TP ranks counts once
         (split if sharded else replicated).append(value)
 
     def combine(values):

@@ -1,9 +1,10 @@
 """Multi-head attention over this rank's heads, through ``transformers``' attention interface.
 
 Families keep their own projection modules (BERT's ``query/key/value``, T5's ``q/k/v/o``: the names are the
-state-dict contract) and call these helpers between the projections. Under tensor parallelism the q/k/v
-projections are column-parallel, so their outputs hold ``n/tp`` whole heads and attention runs on those heads
-with no communication; the output projection is row-parallel and does the reduction.
+state-dict contract) and call these helpers between the projections; the Llama-shaped decoders (Llama, Mistral,
+Qwen2, Qwen3, and the MoE decoders built on them) share ``GroupedQueryAttention`` whole. Under tensor
+parallelism the q/k/v projections are column-parallel, so their outputs hold ``n/tp`` whole heads and attention
+runs on those heads with no communication; the output projection is row-parallel and does the reduction.
 
 Shapes: b batch, s sequence (always the full sequence here: column-parallel layers gather it under sequence
 parallelism), n heads (n/tp on this rank), d head dim.
@@ -11,7 +12,14 @@ parallelism), n heads (n/tp on this rank), d head dim.
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
+
+from ...parallel_layers.kv_heads import HeadsLinear
+from ...parallel_layers.layers import Dropout, Linear
+from .rms_norm import RMSNorm
+from .rotary import apply_rotary
 
 
 def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -34,3 +42,64 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         out, weights = interface(module, query, key, value, attention_mask,
                                  dropout=dropout.p if module.training else 0.0, scaling=scaling, **kwargs)
     return out.reshape(*out.shape[:-2], -1).contiguous(), weights
+
+
+class GroupedQueryAttention(nn.Module):
+    """Causal self-attention with rotary positions and grouped-query heads: the Llama / Mistral / Qwen2 / Qwen3
+    attention (module names and keys ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and Qwen3's ``q_norm``,
+    ``k_norm``), written single-device.
+
+    Switches: ``qkv_bias`` / ``o_bias`` (Llama's ``attention_bias``, Qwen2's q/k/v biases), ``qk_norm`` (Qwen3's RMS
+    norms over ``head_dim``, before rotary), ``sliding_window`` (this layer's window, or ``None``; the mask does the
+    windowing, the value is passed on for kernels that take it), ``fused`` (the Triton rotary kernel).
+
+    Under tensor parallelism the plan makes ``q_proj`` column-parallel (``n/tp`` query heads per rank), ``k_proj``/
+    ``v_proj`` key/value-head-parallel (``parallel_layers/kv_heads.py``: ``n_kv/tp`` heads, or one replicated head
+    when ``tp > n_kv``) and ``o_proj`` row-parallel (its all-reduce / reduce-scatter is the only forward
+    collective). ``num_key_value_groups`` is read from the local projections, so the attention kernels repeat
+    this rank's key/value heads for this rank's query heads.
+
+    Shapes: input ``[b, s, h]`` (``[b, s/tp, h]`` under sequence parallelism), ``cos``/``sin`` ``[b, s, d]``;
+    output like the input.
+    """
+
+    def __init__(self, config, layer_idx: int, *, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm: bool = False, sliding_window: int | None = None, fused: bool = False, eager_fallback=None):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        num_heads, num_kv = config.num_attention_heads, config.num_key_value_heads
+        self.scaling = self.head_dim ** -0.5
+        self.is_causal = True
+        self.sliding_window, self.fused = sliding_window, fused
+        self.q_proj = Linear(config.hidden_size, num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = HeadsLinear(config.hidden_size, num_kv * self.head_dim, num_heads=num_kv, bias=qkv_bias)
+        self.v_proj = HeadsLinear(config.hidden_size, num_kv * self.head_dim, num_heads=num_kv, bias=qkv_bias)
+        self.o_proj = Linear(num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, formula="llama", fused=fused)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, formula="llama", fused=fused)
+        self.attn_dropout = Dropout(getattr(config, "attention_dropout", 0.0) or 0.0)
+        self._eager_fallback = eager_fallback or llama_eager_attention
+
+    @property
+    def num_key_value_groups(self) -> int:
+        """Query heads per key/value head on this rank (what the attention kernels repeat key/value by)."""
+        return self.q_proj.out_features // self.k_proj.out_features
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask=None, past_key_values=None, *, sequence_parallel: bool = False, **kwargs):
+        sp = sequence_parallel
+        query = split_heads(self.q_proj(hidden_states, sequence_parallel=sp), self.head_dim)  # [b, n/tp, s, d]
+        key = split_heads(self.k_proj(hidden_states, sequence_parallel=sp), self.head_dim)  # [b, n_kv/tp, s, d]
+        value = split_heads(self.v_proj(hidden_states, sequence_parallel=sp), self.head_dim)
+        if hasattr(self, "q_norm"):
+            query, key = self.q_norm(query), self.k_norm(key)
+        cos, sin = position_embeddings
+        query, key = apply_rotary(query, key, cos, sin, fused=self.fused)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        out, weights = attend(self, query, key, value, attention_mask, dropout=self.attn_dropout,
+                              scaling=self.scaling, eager_fallback=self._eager_fallback,
+                              sliding_window=self.sliding_window, **kwargs)
+        return self.o_proj(out, sequence_parallel=sp), weights

@@ -1,5 +1,6 @@
-"""T5-style feed-forward blocks (``transformers``' ``T5DenseActDense`` / ``T5DenseGatedActDense``, the same
-modules mT5, UMT5 and LongT5 use), written with plain layers for a Megatron split.
+"""Feed-forward blocks: T5-style (``transformers``' ``T5DenseActDense`` / ``T5DenseGatedActDense``, the same
+modules mT5, UMT5 and LongT5 use) and the Llama family's SwiGLU ``GatedMLP``, written with plain layers for a
+Megatron split.
 
 ``wi`` (and ``wi_0``/``wi_1``) are column-parallel: input ``[b, s, d_model]`` (``[b, s/tp, d_model]`` under
 sequence parallelism: each gathers the sequence), output ``[b, s, d_ff/tp]``. ``wo`` is row-parallel: it
@@ -47,3 +48,25 @@ class DenseGatedActDense(nn.Module):
         hidden_states = self.dropout(gate * self.wi_1(hidden_states, sequence_parallel=sequence_parallel))
         # the cast keeps a fp32 ``wo`` (Flan-T5 in 8-bit setups) working, as transformers does
         return self.wo(hidden_states.to(self.wo.weight.dtype), sequence_parallel=sequence_parallel)
+
+
+class GatedMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``: the SwiGLU feed-forward of Llama, Mistral, Qwen2 and Qwen3
+    (``LlamaMLP``; module names and keys as there), and the expert of the MoE decoders built on them.
+
+    ``gate_proj``/``up_proj`` column-parallel (each rank gates its own ``intermediate/tp`` columns of both, no
+    communication), ``down_proj`` row-parallel (all-reduce, or reduce-scatter under sequence parallelism).
+    Input/output ``[b, s, h]`` (``[b, s/tp, h]`` under sequence parallelism).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = ACT2FN[act]
+
+    def forward(self, hidden_states: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        sp = sequence_parallel
+        gate = self.act_fn(self.gate_proj(hidden_states, sequence_parallel=sp))  # [b, s, i/tp]
+        return self.down_proj(gate * self.up_proj(hidden_states, sequence_parallel=sp), sequence_parallel=sp)

@@ -1,5 +1,13 @@
-"""T5's layer norm: RMS normalization with a scale and no bias (``transformers``' ``T5LayerNorm``), plain and
-sequence-parallel, with the plan style that swaps one for the other."""
+"""RMS normalization with a scale and no bias, plain and tensor-/sequence-parallel, with the plan style that swaps
+one for the other.
+
+Two ``formula``s, each exactly its ``transformers`` twin (they differ only in where half precision rounds):
+
+- ``"t5"`` (``T5LayerNorm``): the statistic in fp32, the product in the weight's dtype when that is half precision;
+- ``"llama"`` (``LlamaRMSNorm``, and Mistral/Qwen2/Qwen3's copies): normalize in fp32, round to the input's dtype,
+  then scale. This one can run the fused Triton kernel (``fused_ops.rms_norm``) when ``fused=True``; the
+  dispatcher takes the kernel on CUDA (or under ``OSLO_FUSED_OPS=force``) and the same formula in torch elsewhere.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,20 +15,28 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ... import fused_ops
 from ...parallel_layers.mappings import copy_to_tensor_parallel_region
 from ...parallel_layers.plan import Style
 
+FORMULAS = ("t5", "llama")
+
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x**2) + eps)`` over the last dim; the statistic in fp32, the product in the
-    weight's dtype when that is half precision (exactly ``T5LayerNorm``)."""
+    """``weight * x / sqrt(mean(x**2) + eps)`` over the last dim (see the module docstring for ``formula``)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, device=None, dtype=None):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, formula: str = "t5", fused: bool = False,
+                 device=None, dtype=None):
         super().__init__()
+        if formula not in FORMULAS:
+            raise ValueError(f"RMSNorm formula must be one of {FORMULAS}, got {formula!r}")
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
+        self.formula, self.fused = formula, fused
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.formula == "llama":
+            return fused_ops.rms_norm(x, weight, self.variance_epsilon, enabled=self.fused)
         variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.variance_epsilon)
         if weight.dtype in (torch.float16, torch.bfloat16):
@@ -30,30 +46,50 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
         return self._norm(x, self.weight)
 
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, formula={self.formula}"
+
 
 class SequenceParallelRMSNorm(RMSNorm):
-    """``RMSNorm`` whose replicated weight sees only this rank's tokens under sequence parallelism.
+    """``RMSNorm`` whose replicated weight sees only part of what it normalizes on each tensor-parallel rank.
 
-    Forward: none. Backward: all-reduce of the weight gradient over the TP group for sequence-parallel calls.
+    - Residual-stream norms (default): under sequence parallelism each rank normalizes its slice of the tokens.
+    - ``always_reduce=True``: norms inside the tensor-parallel region (Qwen3's ``q_norm``/``k_norm`` over
+      ``head_dim``) see only this rank's heads, with or without sequence parallelism.
+
+    Forward: none. Backward: all-reduce (sum) of the weight gradient over the TP group when the call is partial.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, group, device=None, dtype=None):
-        super().__init__(hidden_size, eps, device=device, dtype=dtype)
-        self.group = group
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, group, always_reduce: bool = False,
+                 formula: str = "t5", fused: bool = False, device=None, dtype=None):
+        super().__init__(hidden_size, eps, formula=formula, fused=fused, device=device, dtype=dtype)
+        self.group, self.always_reduce = group, always_reduce
 
     @classmethod
-    def from_plain(cls, module: RMSNorm, group) -> "SequenceParallelRMSNorm":
+    def from_plain(cls, module: RMSNorm, group, *, always_reduce: bool = False,
+                   fused: bool | None = None) -> "SequenceParallelRMSNorm":
         weight = module.weight
-        return cls(weight.shape[0], module.variance_epsilon, group=group, device=weight.device, dtype=weight.dtype)
+        return cls(weight.shape[0], module.variance_epsilon, group=group, always_reduce=always_reduce,
+                   formula=getattr(module, "formula", "t5"), fused=module.fused if fused is None else fused,
+                   device=weight.device, dtype=weight.dtype)
 
     def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
-        weight = copy_to_tensor_parallel_region(self.weight, self.group) if sequence_parallel else self.weight
+        partial = sequence_parallel or self.always_reduce
+        weight = copy_to_tensor_parallel_region(self.weight, self.group) if partial else self.weight
         return self._norm(x, weight)
 
 
 @dataclass(frozen=True)
 class SequenceParallelRMSNormStyle(Style):
-    hf_style = "sequence_parallel"
+    """Plan style of an RMS norm: replicated weight, gradient summed over TP where each rank saw part of the data
+    (see ``SequenceParallelRMSNorm``). The fused kernel follows ``ParallelConfig.fused_ops``."""
+
+    always_reduce: bool = False
+
+    @property
+    def hf_style(self) -> str:
+        return "replicated_with_grad_allreduce" if self.always_reduce else "sequence_parallel"
 
     def build(self, module, context):
-        return SequenceParallelRMSNorm.from_plain(module, context.tp_group)
+        return SequenceParallelRMSNorm.from_plain(module, context.tp_group, always_reduce=self.always_reduce,
+                                                  fused=context.config.fused_ops)

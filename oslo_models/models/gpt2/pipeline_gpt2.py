@@ -9,21 +9,21 @@ from __future__ import annotations
 import torch
 from transformers.masking_utils import create_causal_mask
 
-from ...parallel_layers.cross_entropy import causal_lm_loss
 from ...parallel_layers.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
-from ...pipeline.adapter import PipelineAdapter
+from ...pipeline.adapter import CausalLMPipelineAdapter
 
 FIRST = {"wte": "transformer.wte", "wpe": "transformer.wpe", "drop": "transformer.drop"}
 LAST = {"ln_f": "transformer.ln_f", "lm_head": "lm_head"}
 
 
-class GPT2LMPipelineAdapter(PipelineAdapter):
+class GPT2LMPipelineAdapter(CausalLMPipelineAdapter):
     """Stage forward: first stage ``input_ids [mb, s]`` -> embeddings (vocab-parallel all-reduce over TP) -> SP
     scatter -> dropout; every stage its blocks; last stage ``ln_f`` -> SP all-gather -> ``lm_head`` -> local
     logits ``[mb, s, V_padded/tp]`` (the loss runs on the split vocabulary; no logits gather)."""
 
     layer_paths = ("transformer.h",)
     batch_keys = ("input_ids", "labels", "attention_mask", "position_ids")
+    first_modules, last_modules, tied_embedding = FIRST, LAST, "transformer.wte.weight"
 
     def layer_counts(self, model) -> tuple[int, ...]:
         return (model.config.num_hidden_layers,)
@@ -35,27 +35,8 @@ class GPT2LMPipelineAdapter(PipelineAdapter):
         embeddings = config.vocab_size * h + config.max_position_embeddings * h
         return [float(layer)] * config.num_hidden_layers, float(embeddings), float(config.vocab_size * h + 2 * h)
 
-    def stage_modules(self, model, layout, stage: int) -> dict[str, str]:
-        modules = dict(FIRST) if stage == 0 else {}
-        if stage == layout.num_stages - 1:
-            modules.update(LAST)
-        return modules
-
-    def optional_modules(self, model, layout) -> set[str]:
-        return set(FIRST.values()) | set(LAST.values())
-
-    def tied_groups(self, model) -> list[tuple[str, ...]]:
-        if getattr(model.config, "tie_word_embeddings", False):
-            return [("transformer.wte.weight", "lm_head.weight")]
-        return []
-
     def use_sequence_parallel(self, model, batch) -> bool:
         return model.transformer._use_sequence_parallel(batch["input_ids"].shape[-1])
-
-    def stage_io(self, model, layout, stage, microbatch, sequence_parallel):
-        mb, seq_len = microbatch["input_ids"].shape
-        return self.hidden_state_io(model, layout, stage, microbatch, sequence_parallel,
-                                    lambda: (mb, seq_len, model.lm_head.weight.shape[0]))
 
     def stage_forward(self, stage, x, attention_mask=None, position_ids=None):
         config, context, sp = stage.model_config, stage.parallel_context, stage.sequence_parallel
@@ -87,12 +68,3 @@ class GPT2LMPipelineAdapter(PipelineAdapter):
         if sp:
             hidden = gather_from_sequence_parallel_region(hidden, context.tp_group, grad_is_partial=False)
         return stage.lm_head(hidden)  # [mb, s, V_padded/tp]
-
-    def loss(self, model, local_logits, labels, num_items_in_batch):
-        head = model.lm_head
-        return causal_lm_loss(local_logits, labels, group=getattr(head, "group", None),
-                              vocab_start=getattr(head, "vocab_start_index", 0), num_items_in_batch=num_items_in_batch)
-
-    def num_loss_items(self, labels: torch.Tensor) -> int:
-        """Tokens the causal loss averages over: labels shifted left, ``-100`` excluded."""
-        return int((labels[..., 1:] != -100).sum())

@@ -1,0 +1,44 @@
+"""Rotary position embeddings of the Llama family: ``transformers``' own module, plus the fused application.
+
+``RotaryEmbedding`` *is* ``transformers``' rotary module (``LlamaRotaryEmbedding``; Mistral, Qwen2 and Qwen3 carry
+identical copies), so every ``rope_parameters`` type ``transformers`` knows (default, linear, dynamic, yarn,
+longrope, llama3, ...) and the legacy ``rope_scaling``/``rope_theta`` spelling of older ``config.json`` files
+(which ``transformers``' config classes standardize on load) give exactly its ``cos``/``sin``: the frequencies
+come from ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` and the dynamic types update through its
+``dynamic_rope_update``, whatever version is installed. Nothing is re-derived here.
+
+What is added is one method, ``reset_buffers``: the frequencies are non-persistent buffers (in no checkpoint), so
+a model built on the meta device and then ``to_empty``'d (how every parallel model is built) recomputes them on
+its device, in fp32 whatever the model dtype, as ``transformers`` keeps them.
+
+Under tensor parallelism ``cos``/``sin`` (``[b, s, head_dim]``) are computed for the full sequence on every rank:
+the attention runs on full sequences of this rank's heads, so they need no communication and no split.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from ... import fused_ops
+
+
+class RotaryEmbedding(LlamaRotaryEmbedding):
+    """``forward(x, position_ids) -> (cos, sin)``, each ``[b, s, head_dim]`` in ``x``'s dtype (``transformers``')."""
+
+    def reset_buffers(self) -> None:
+        """Recompute ``inv_freq``/``original_inv_freq`` (fp32) on the device the module lives on."""
+        device = self.inv_freq.device
+        with torch.device("cpu"):
+            fresh = LlamaRotaryEmbedding(self.config)
+        self.inv_freq = fresh.inv_freq.to(device)
+        self.original_inv_freq = fresh.original_inv_freq.to(device)
+        self.attention_scaling = fresh.attention_scaling
+        self.max_seq_len_cached = fresh.max_seq_len_cached
+
+
+def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``transformers``' ``apply_rotary_pos_emb`` on ``query [b, n_q, s, d]`` and ``key [b, n_kv, s, d]`` (this
+    rank's heads). ``fused=True`` lets the dispatcher run the Triton kernel (``fused_ops.rotary_embedding``: CUDA,
+    or ``OSLO_FUSED_OPS=force`` under the interpreter); otherwise, and off CUDA, the same formula in torch."""
+    return fused_ops.rotary_embedding(query, key, cos, sin, enabled=fused)

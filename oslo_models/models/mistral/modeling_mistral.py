@@ -1,0 +1,45 @@
+"""Mistral: the Llama decoder (``models/llama``) with no biases and, when ``config.sliding_window`` is set,
+sliding-window attention in every layer (read from the config by ``common.causal_masks``). Only the class names,
+the config class and the ``transformers`` twins differ, because ``config.json``'s ``architectures`` names them."""
+from __future__ import annotations
+
+import transformers
+
+from ..common.causal_masks import FULL, SLIDING
+from ..llama import modeling_llama as llama
+from ..llama.configuration_llama import MistralConfig
+
+
+class MistralPreTrainedModel(llama.LlamaPreTrainedModel):
+    config_class = MistralConfig
+
+    @classmethod
+    def decoder_options(cls, config) -> dict:
+        return dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+
+    @classmethod
+    def attention_types(cls, config) -> list[str]:
+        """Every layer slides when ``sliding_window`` is set; ``layer_types`` is ignored, as by ``MistralModel``."""
+        kind = SLIDING if config.sliding_window is not None else FULL
+        return [kind] * config.num_hidden_layers
+
+
+class MistralModel(MistralPreTrainedModel, llama.LlamaModel):
+    hf_twin = transformers.MistralModel
+
+
+class MistralForCausalLM(MistralPreTrainedModel, llama.LlamaForCausalLM):
+    hf_twin, base_model_class = transformers.MistralForCausalLM, MistralModel
+
+
+class MistralForSequenceClassification(MistralPreTrainedModel, llama.LlamaForSequenceClassification):
+    hf_twin, base_model_class = transformers.MistralForSequenceClassification, MistralModel
+
+
+class MistralForTokenClassification(MistralPreTrainedModel, llama.LlamaForTokenClassification):
+    hf_twin, base_model_class = transformers.MistralForTokenClassification, MistralModel
+
+
+class MistralForQuestionAnswering(MistralPreTrainedModel, llama.LlamaForQuestionAnswering):
+    hf_twin, base_model_class = transformers.MistralForQuestionAnswering, MistralModel
+    base_model_prefix, parallel_plan = "model", llama.LLAMA_HEAD_PLAN
