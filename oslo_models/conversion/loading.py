@@ -70,20 +70,21 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
     with torch.no_grad():
         for name, param in items:
             spec = plan.shard_spec(model, name)
+            split = context.axis(spec.axis)  # tensor-parallel group, or expert-parallel for stacked experts
             if name in mapping:
                 key = mapping[name]
                 full_shape = reader.shape(key)
                 read = lambda index, key=key: reader.read(key, index)  # noqa: E731
             else:
-                full_shape = _full_shape(param.shape, spec, context.tp_size)
+                full_shape = _full_shape(param.shape, spec, split.size)
                 full = init_full_tensor(name, full_shape, init_std, generator)
                 read = lambda index, full=full: full[index]  # noqa: E731
             expected = tuple(param.shape)
-            if tuple(spec.local_shape(full_shape, context.tp_size)) != expected:
+            if tuple(spec.local_shape(full_shape, split.size)) != expected:
                 raise ValueError(f"Checkpoint tensor for {name!r} has shape {tuple(full_shape)}, which does not "
-                                 f"give the local shape {expected} at tensor_parallel_size={context.tp_size}; the "
+                                 f"give the local shape {expected} at {spec.axis} size {split.size}; the "
                                  "checkpoint does not match the model config")
-            local = spec.read_shard(full_shape, read, context.tp_rank, context.tp_size)
+            local = spec.read_shard(full_shape, read, split.rank, split.size)
             param.copy_(local.to(device=param.device, dtype=param.dtype))
     if missing:
         logger.warning("Some weights of %s were not in the checkpoint and are newly initialized: %s",

@@ -47,12 +47,15 @@ class ShardSpec:
     never cut: at ``tp <= num_heads`` each rank holds ``num_heads/tp`` whole heads; at ``tp > num_heads`` each head
     is replicated on ``tp/num_heads`` consecutive ranks (rank ``r`` holds head ``r // (tp/num_heads)``, the
     Megatron rule) and gathering keeps one copy of each.
+    ``axis``: the ``ParallelContext`` axis the split dim is cut over: ``"tp"`` (everything above), or ``"ep"``
+    for the stacked expert weights of a mixture-of-experts layer (dim 0 = experts, contiguous blocks per rank).
     """
 
     dim: int | None = None
     num_packed: int = 1
     vocab_size: int | None = None
     num_heads: int | None = None
+    axis: str = "tp"
 
     @property
     def padded_vocab(self) -> bool:
