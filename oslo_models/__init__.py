@@ -68,6 +68,8 @@ from .models.qwen3 import (
     Qwen3ForTokenClassification,
     Qwen3Model,
 )
+from .models.mixtral import MixtralConfig, MixtralForCausalLM, MixtralModel
+from .models.qwen2_moe import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen2MoeModel
 from . import pipeline  # noqa: E402  pipeline parallelism: partitioning, runner, schedule plot
 
 __version__ = "0.1.0"
@@ -89,3 +91,5 @@ __all__ += ["pipeline"]
 __all__ += [f"{family}{suffix}" for family in ("Llama", "Mistral", "Qwen2", "Qwen3")
             for suffix in ("Config", "Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification",
                            "ForQuestionAnswering")]
+__all__ += ["MixtralConfig", "MixtralModel", "MixtralForCausalLM", "Qwen2MoeConfig", "Qwen2MoeModel",
+            "Qwen2MoeForCausalLM"]

@@ -128,13 +128,14 @@ class LlamaModel(LlamaPreTrainedModel):
 
     parallel_plan = LLAMA_BASE_PLAN
     hf_twin = transformers.LlamaModel
+    decoder_layer_class = LlamaDecoderLayer  # the MoE decoders (models/mixtral, qwen2_moe) swap in theirs
 
     def __init__(self, config, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, i, **self._decoder_kwargs())
+        self.layers = nn.ModuleList([self.decoder_layer_class(config, i, **self._decoder_kwargs())
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula="llama",
                             fused=self.parallel_context.config.fused_ops)
