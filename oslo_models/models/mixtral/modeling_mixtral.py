@@ -19,6 +19,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from ...config import ParallelConfig
 from ...parallel_layers.moe import load_balancing_loss
+from ..common.expert_keys import ExpertKeyLayout, ExpertKeyReader, to_per_expert
 from ..common.mlp import GatedMLP
 from ..common.moe import SparseMoeBlock
 from ..llama import modeling_llama as llama
@@ -49,8 +50,19 @@ class MoeDecoderLayer(llama.LlamaDecoderLayer):
 
 
 class MixtralPreTrainedModel(llama.LlamaPreTrainedModel):
+    """Checkpoints: read and written in the per-expert Hub layout (``expert_key_layout``, see
+    ``common/expert_keys.py``), as ``transformers`` saves them; stacked-layout checkpoints load too."""
+
     config_class = MixtralConfig
     _no_split_modules = ["MoeDecoderLayer"]
+    expert_key_layout = ExpertKeyLayout(gate="w1", up="w3", down="w2", hub_block="block_sparse_moe")
+
+    def load_from_reader(self, reader, *, progress: bool = False):
+        return super().load_from_reader(ExpertKeyReader.wrap(reader, self.expert_key_layout), progress=progress)
+
+    def full_state_dict(self):
+        full = super().full_state_dict()
+        return None if full is None else to_per_expert(full, self.expert_key_layout)
 
     @classmethod
     def decoder_options(cls, config) -> dict:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import transformers
 
+from ..common.expert_keys import ExpertKeyLayout
 from ..mixtral import modeling_mixtral as mixtral
 from ..mixtral.configuration_mixtral import Qwen2MoeConfig
 
 
 class Qwen2MoePreTrainedModel(mixtral.MixtralPreTrainedModel):
     config_class = Qwen2MoeConfig
+    expert_key_layout = ExpertKeyLayout()  # mlp.experts.N.gate_proj/up_proj/down_proj
 
     @classmethod
     def decoder_options(cls, config) -> dict:
