@@ -1,8 +1,9 @@
 """Per-rank peak RSS growth and wall time of ``from_pretrained`` at tp = 1, 2, 4 vs plain ``transformers``.
 
     python benchmarks/load_memory.py [--layers 10 --hidden 768 --vocab 32000] [--json load_memory.json]
+    python benchmarks/load_memory.py --arch llama [--kv-heads 4 --intermediate 2048] [--json load_memory_llama.json]
 
-Builds a random GPT-2 once (safetensors, saved locally), then launches each measurement in fresh processes with
+Builds a random GPT-2 (or, with ``--arch llama``, a Llama-shaped model: GQA, SwiGLU, untied embeddings) once (safetensors, saved locally), then launches each measurement in fresh processes with
 ``torchrun`` (gloo on CPU) so imports and earlier loads do not pollute the numbers. Growth is measured with
 ``oslo_models.utils.PeakRSS`` around the load call only.
 """
@@ -27,7 +28,7 @@ def worker(args) -> None:
 
         with PeakRSS() as peak:
             start = time.perf_counter()
-            transformers.GPT2LMHeadModel.from_pretrained(args.path, dtype=torch.float32)
+            transformers.AutoModelForCausalLM.from_pretrained(args.path, dtype=torch.float32)
             seconds = time.perf_counter() - start
         rank = 0
     else:
@@ -58,6 +59,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2")
+    parser.add_argument("--kv-heads", type=int, default=4, help="llama: key/value heads (GQA)")
+    parser.add_argument("--intermediate", type=int, default=2048, help="llama: SwiGLU width")
     parser.add_argument("--json", default="load_memory.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hf", action="store_true", help=argparse.SUPPRESS)
@@ -73,10 +77,16 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="oslo-load-memory-")
     path = os.path.join(tmp, "model")
-    config = transformers.GPT2Config(n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
-                                     vocab_size=args.vocab, n_positions=512)
+    if args.arch == "llama":
+        config = transformers.LlamaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers,
+                                          num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                                          intermediate_size=args.intermediate, vocab_size=args.vocab,
+                                          max_position_embeddings=512, tie_word_embeddings=False)
+    else:
+        config = transformers.GPT2Config(n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
+                                         vocab_size=args.vocab, n_positions=512)
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     num_params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(path)
     del model
@@ -88,7 +98,7 @@ def main() -> None:
         rows += run(f"oslo tp={tp}", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp),
                                       me, "--worker", "--tp", str(tp), "--path", path, "--out", out], out)
     summary = []
-    print(f"GPT-2 {num_params / 1e6:.1f}M parameters, checkpoint {model_bytes / 2**20:.0f} MiB (fp32 safetensors)")
+    print(f"{args.arch} {num_params / 1e6:.1f}M parameters, checkpoint {model_bytes / 2**20:.0f} MiB (fp32 safetensors)")
     print(f"{'load':<16}{'ranks':>6}{'max peak RSS growth / rank':>29}{'x model':>9}{'max seconds':>13}")
     for label in dict.fromkeys(row["label"] for row in rows):
         group = [row for row in rows if row["label"] == label]
@@ -98,7 +108,7 @@ def main() -> None:
                         "ratio_to_model_bytes": growth / model_bytes, "max_seconds": seconds, "per_rank": group})
         print(f"{label:<16}{len(group):>6}{growth / 2**20:>25.0f} MiB{growth / model_bytes:>9.2f}{seconds:>13.2f}")
     with open(args.json, "w", encoding="utf-8") as handle:
-        json.dump({"num_params": num_params, "model_bytes": model_bytes, "results": summary}, handle, indent=2)
+        json.dump({"arch": args.arch, "num_params": num_params, "model_bytes": model_bytes, "results": summary}, handle, indent=2)
     print(f"wrote {args.json}")
 
 

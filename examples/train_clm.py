@@ -1,14 +1,18 @@
-"""Train a causal LM (GPT-2) with tensor parallelism, ZeRO over the data-parallel group and Accelerate.
+"""Train a causal LM (GPT-2, Llama, Mistral, Qwen2, Qwen3) with tensor parallelism, ZeRO over data parallelism
+and Accelerate.
 
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 4 examples/train_clm.py --tp 2   # CPU
     accelerate launch --num_processes 4 examples/train_clm.py --model gpt2 --tp 2 --zero 2 --bf16 --data corpus
     torchrun --nproc_per_node 4 examples/train_clm.py --tp 2 ...                                       # same script
     ... examples/train_clm.py --pp 2 --tp 2 --microbatches 4 --schedule 1f1b --n-layer 4   # pipeline x tensor
+    ... examples/train_clm.py --model path/to/llama-or-qwen --tp 2 --sequence-parallel   # fine-tune a checkpoint
     python examples/train_clm.py --config run.yaml          # any option below as a YAML key (dashes or underscores)
 
-Without ``--model`` a small GPT-2 is built from config; without ``--data`` the built-in public-domain corpus
-(examples/data) is tokenized with a byte-level BPE trained on it offline (``tokenizers``). ``--data`` takes a
-``.bin/.idx`` prefix written by ``python -m oslo_models.data preprocess`` or a text/jsonl file (tokenized here).
+``--model`` takes any causal LM the Auto classes know (a Hub id or a local folder with its tokenizer: GPT-2,
+Llama, Mistral, Qwen2, Qwen3). Without ``--model`` a small GPT-2 is built from config; without ``--data`` the
+built-in public-domain corpus (examples/data) is tokenized with a byte-level BPE trained on it offline
+(``tokenizers``). ``--data`` takes a ``.bin/.idx`` prefix written by ``python -m oslo_models.data preprocess`` or a
+text/jsonl file (tokenized here).
 
 Writes to ``--output``: ``checkpoint/`` (resumable: ``--resume``), ``loss.png``, ``loss.json`` and ``model/``, a Hub
 folder that plain ``transformers`` loads (``--push-to-hub ID`` uploads it).
@@ -27,7 +31,8 @@ from _common import parse_args as _parse_args
 
 def parse_args(argv=None):
     parser = build_parser(__doc__.splitlines()[0], output="train_clm_out",
-                          model_help="Hub id or folder to fine-tune; default: a small GPT-2 from config")
+                          model_help="Hub id or folder to fine-tune (GPT-2, Llama, Mistral, Qwen2, Qwen3); "
+                                     "default: a small GPT-2 from config")
     parser.add_argument("--prompt", default="Shall I compare thee")
     parser.add_argument("--push-to-hub", help="repo id to upload the final model to")
     return _parse_args(parser, argv)

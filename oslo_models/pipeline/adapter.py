@@ -117,6 +117,27 @@ class PipelineAdapter:
         return int((labels != -100).sum())
 
 
+class CausalLMPipelineAdapter(PipelineAdapter):
+    """The last stage of a decoder-only causal LM: its output is the vocab-split logits ``[mb, s, V_padded/tp]`` of
+    ``model.lm_head`` and the loss is ``transformers``' causal-LM loss (labels shifted left) on them."""
+
+    def stage_io(self, model, layout, stage, microbatch, sequence_parallel):
+        mb, seq_len = microbatch["input_ids"].shape
+        return self.hidden_state_io(model, layout, stage, microbatch, sequence_parallel,
+                                    lambda: (mb, seq_len, model.lm_head.weight.shape[0]))
+
+    def loss(self, model, local_logits, labels, num_items_in_batch):
+        from ..parallel_layers.cross_entropy import causal_lm_loss
+
+        head = model.lm_head
+        return causal_lm_loss(local_logits, labels, group=getattr(head, "group", None),
+                              vocab_start=getattr(head, "vocab_start_index", 0), num_items_in_batch=num_items_in_batch)
+
+    def num_loss_items(self, labels: torch.Tensor) -> int:
+        """Tokens the causal loss averages over: labels shifted left, ``-100`` excluded."""
+        return int((labels[..., 1:] != -100).sum())
+
+
 def adapter_for(model) -> PipelineAdapter:
     """The pipeline adapter of ``model``'s class; ``NotImplementedError`` naming the class when there is none."""
     adapter_class = getattr(type(model), "pipeline_adapter", None)

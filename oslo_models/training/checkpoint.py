@@ -44,6 +44,11 @@ def _canonical(local: torch.Tensor, spec, context):
     if spec.dim is None:
         return local, tuple(shape), None
     dim, tp = spec.dim, context.tp_size
+    if spec.replicas(tp) > 1:
+        raise NotImplementedError(
+            f"training checkpoints of key/value heads replicated over tensor-parallel ranks (tensor_parallel_size={tp} "
+            f"> num_key_value_heads={spec.num_heads}) are not implemented yet; use tensor_parallel_size <= "
+            f"{spec.num_heads}, or save_pretrained (which gathers each head once) to keep the weights")
     if spec.padded_vocab:
         real = max(0, min(shape[dim], spec.vocab_size - context.tp_rank * shape[dim]))
         view, full = local.narrow(dim, 0, real), shape[:dim] + [spec.vocab_size] + shape[dim + 1:]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import oslo_models as om
 from oslo_models.parallel_layers.kv_heads import KVHeadColumnParallelLinear
 from oslo_models.training import clip_grad_norm_
-from tests.helpers.decoders import TYPES, VOCAB, hf_class, save_all, tiny_config
+from tests.helpers.decoders import VOCAB, hf_class, save_all, tiny_config
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import assert_grads_match, assert_params_match, padded_batch
 

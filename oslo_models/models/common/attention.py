@@ -2,9 +2,9 @@
 
 Families keep their own projection modules (BERT's ``query/key/value``, T5's ``q/k/v/o``: the names are the
 state-dict contract) and call these helpers between the projections; the Llama-shaped decoders (Llama, Mistral,
-Qwen2, Qwen3, and the MoE decoders built on them) share ``GroupedQueryAttention`` whole. Under tensor parallelism the q/k/v
-projections are column-parallel, so their outputs hold ``n/tp`` whole heads and attention runs on those heads
-with no communication; the output projection is row-parallel and does the reduction.
+Qwen2, Qwen3, and the MoE decoders built on them) share ``GroupedQueryAttention`` whole. Under tensor
+parallelism the q/k/v projections are column-parallel, so their outputs hold ``n/tp`` whole heads and attention
+runs on those heads with no communication; the output projection is row-parallel and does the reduction.
 
 Shapes: b batch, s sequence (always the full sequence here: column-parallel layers gather it under sequence
 parallelism), n heads (n/tp on this rank), d head dim.

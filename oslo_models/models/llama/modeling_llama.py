@@ -31,7 +31,6 @@ from transformers.modeling_outputs import (
 )
 
 from ...config import ParallelConfig
-from ...parallel_layers.cross_entropy import causal_lm_loss
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ..bert.modeling_bert import question_answering_output, token_classification_output
 from ..common import (
@@ -46,6 +45,7 @@ from ..common import (
     use_sequence_parallel,
 )
 from ..common.causal_masks import SLIDING
+from ..common.lm_loss import lm_head_loss_and_logits
 from ..heads import last_token_logits, sequence_classification_loss
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_llama import LlamaConfig
@@ -234,21 +234,9 @@ class LlamaForCausalLM(_WithBaseModel, GenerationMixin):
                 num_items_in_batch=None, **kwargs) -> CausalLMOutputWithPast:
         outputs = self._base_outputs(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
                                      use_cache, kwargs)
-        hidden_states = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            hidden_states = hidden_states[:, -logits_to_keep:, :]
-        elif torch.is_tensor(logits_to_keep):
-            hidden_states = hidden_states[:, logits_to_keep, :]
-        local_logits = self.lm_head(hidden_states)  # [b, s, V_padded/tp], padded columns = -inf
-        loss = None
-        if labels is not None:
-            head = self.lm_head
-            loss = causal_lm_loss(local_logits, labels, group=getattr(head, "group", None),
-                                  vocab_start=getattr(head, "vocab_start_index", 0),
-                                  num_items_in_batch=num_items_in_batch)
-        logits = local_logits
-        if gather_logits and hasattr(self.lm_head, "gather"):
-            logits = self.lm_head.gather(local_logits)
+        loss, logits = lm_head_loss_and_logits(self.lm_head, outputs.last_hidden_state, labels,
+                                               logits_to_keep=logits_to_keep, gather_logits=gather_logits,
+                                               num_items_in_batch=num_items_in_batch)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
 
 
@@ -301,8 +289,8 @@ class LlamaForTokenClassification(_WithBaseModel):
 
 
 class LlamaForQuestionAnswering(_WithBaseModel):
-    """Replicated ``qa_outputs``: ``start_logits, end_logits [b, s]``. Llama keeps this head's base model under
-    ``transformer`` (``transformers``' backward-compatible name); Mistral/Qwen2/Qwen3 under ``model``."""
+    """Replicated ``qa_outputs``: ``start_logits, end_logits [b, s]``. Llama, Qwen2 and Qwen3 keep this head's
+    base model under ``transformer`` (``transformers``' backward-compatible name); Mistral under ``model``."""
 
     parallel_plan = LLAMA_QA_PLAN
     hf_twin = transformers.LlamaForQuestionAnswering

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...parallel_layers.cross_entropy import causal_lm_loss
-from ...pipeline.adapter import PipelineAdapter
+from ...pipeline.adapter import CausalLMPipelineAdapter
 from ..common import causal_masks, enter_sequence_parallel, leave_sequence_parallel, use_sequence_parallel
 
 FIRST = {"embed_tokens": "model.embed_tokens"}
@@ -20,7 +19,7 @@ EVERY = {"rotary_emb": "model.rotary_emb"}
 LAST = {"norm": "model.norm", "lm_head": "lm_head"}
 
 
-class LlamaPipelineAdapter(PipelineAdapter):
+class LlamaPipelineAdapter(CausalLMPipelineAdapter):
     """Stage forward: first stage ``input_ids [mb, s]`` -> embeddings (vocab-parallel all-reduce over TP) -> SP
     scatter; every stage its layers; last stage ``norm`` -> SP all-gather -> ``lm_head`` -> local logits
     ``[mb, s, V_padded/tp]`` (the loss runs on the split vocabulary; no logits gather)."""
@@ -57,11 +56,6 @@ class LlamaPipelineAdapter(PipelineAdapter):
     def use_sequence_parallel(self, model, batch) -> bool:
         return use_sequence_parallel(model.model, batch["input_ids"].shape[-1])
 
-    def stage_io(self, model, layout, stage, microbatch, sequence_parallel):
-        mb, seq_len = microbatch["input_ids"].shape
-        return self.hidden_state_io(model, layout, stage, microbatch, sequence_parallel,
-                                    lambda: (mb, seq_len, model.lm_head.weight.shape[0]))
-
     def stage_forward(self, stage, x, attention_mask=None, position_ids=None):
         config, context, sp = stage.model_config, stage.parallel_context, stage.sequence_parallel
         if stage.is_first:
@@ -88,12 +82,3 @@ class LlamaPipelineAdapter(PipelineAdapter):
         if sp:
             hidden = leave_sequence_parallel(hidden, context)
         return stage.lm_head(hidden)  # [mb, s, V_padded/tp]
-
-    def loss(self, model, local_logits, labels, num_items_in_batch):
-        head = model.lm_head
-        return causal_lm_loss(local_logits, labels, group=getattr(head, "group", None),
-                              vocab_start=getattr(head, "vocab_start_index", 0), num_items_in_batch=num_items_in_batch)
-
-    def num_loss_items(self, labels: torch.Tensor) -> int:
-        """Tokens the causal loss averages over: labels shifted left, ``-100`` excluded."""
-        return int((labels[..., 1:] != -100).sum())

@@ -36,4 +36,3 @@ class Qwen2ForTokenClassification(Qwen2PreTrainedModel, llama.LlamaForTokenClass
 
 class Qwen2ForQuestionAnswering(Qwen2PreTrainedModel, llama.LlamaForQuestionAnswering):
     hf_twin, base_model_class = transformers.Qwen2ForQuestionAnswering, Qwen2Model
-    base_model_prefix, parallel_plan = "model", llama.LLAMA_HEAD_PLAN

@@ -37,4 +37,3 @@ class Qwen3ForTokenClassification(Qwen3PreTrainedModel, llama.LlamaForTokenClass
 
 class Qwen3ForQuestionAnswering(Qwen3PreTrainedModel, llama.LlamaForQuestionAnswering):
     hf_twin, base_model_class = transformers.Qwen3ForQuestionAnswering, Qwen3Model
-    base_model_prefix, parallel_plan = "model", llama.LLAMA_HEAD_PLAN
