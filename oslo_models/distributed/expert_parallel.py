@@ -84,7 +84,8 @@ def split_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, build) -
     ``process_group``; dense parameters go over ``dp``, experts over ``edp`` (a plain optimizer when ``edp`` has
     one rank). Param groups keep their hyperparameters and order."""
     context = model.parallel_context
-    experts = {id(p) for name, p in model.named_parameters() if name in set(expert_parameter_names(model))}
+    names = set(expert_parameter_names(model))
+    experts = {id(p) for name, p in model.named_parameters() if name in names}
     dense_groups, expert_groups, dense_idx, expert_idx = [], [], [], []
     for i, group in enumerate(optimizer.param_groups):
         for kind, out, idx in ((False, dense_groups, dense_idx), (True, expert_groups, expert_idx)):
