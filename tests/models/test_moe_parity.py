@@ -16,7 +16,7 @@ import transformers
 from safetensors.torch import load_file
 
 import oslo_models as om
-from oslo_models.training import clip_grad_norm_, shard_data_parallel
+from oslo_models.training import clip_grad_norm_, load_checkpoint, save_checkpoint, shard_data_parallel
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import assert_grads_match, assert_params_match, padded_batch
 
@@ -76,7 +76,7 @@ def _load(path: str, **parallel):
     return om.AutoModelForCausalLM.from_pretrained(path, parallel=om.ParallelConfig(**parallel), progress=False)
 
 
-def test_ep1_matches_transformers(checkpoints):
+def test_ep1_matches_transformers(checkpoints, tmp_path):
     for model_type, path in checkpoints.items():
         model = _load(path).train()
         assert type(model).__name__ == HF[model_type].__name__
@@ -86,6 +86,13 @@ def test_ep1_matches_transformers(checkpoints):
         model.eval(), reference.eval()
         assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False),
                            reference.generate(ids, max_new_tokens=4, do_sample=False))
+        # a resumable training checkpoint at ep 1 restores every expert
+        save_checkpoint(tmp_path / model_type, model)
+        restored = _load(path)
+        load_checkpoint(tmp_path / model_type, restored)
+        saved = dict(model.named_parameters())
+        for name, param in restored.named_parameters():
+            assert torch.equal(param, saved[name]), name
 
 
 def _resident_experts_are_own(model) -> None:
@@ -109,6 +116,8 @@ def _layouts_worker(checkpoints: dict, out_root: str) -> None:
     assert_params_match(model, reference, atol=0, rtol=0)
     with pytest.raises(NotImplementedError, match="expert_parallel_size > 1 with zero_stage=2"):
         shard_data_parallel(model, torch.optim.AdamW(model.parameters()), zero_stage=2)
+    with pytest.raises(NotImplementedError, match="experts split over expert_parallel_size=4"):
+        save_checkpoint(os.path.join(out_root, "resumable"), model)
     for ep, tp, zero_stage in ((4, 1, 0), (2, 2, 0), (2, 1, 1)):
         for model_type, path in checkpoints.items():
             model = _load(path, expert_parallel_size=ep, tensor_parallel_size=tp).train()
