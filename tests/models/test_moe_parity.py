@@ -1,7 +1,7 @@
 """Mixtral and Qwen2-MoE with expert parallelism equal plain ``transformers``: logits, router logits, loss with the
 load-balancing loss added, every gradient (router, experts, shared expert) and the parameters after 3 AdamW steps
 (fp32, atol 1e-5) at ep 1, ep 4, ep 2 x tp 2 and ep 2 x dp 4 with ZeRO-1 (experts reduced over the 2 expert-data-
-parallel ranks). Each data-parallel rank trains on its own batch; the reference is transformers on every batch,
+parallel ranks, through ``om.training.prepare``). Each data-parallel rank trains on its own batch; the reference is transformers on every batch,
 losses averaged (what plain data parallelism computes). Each rank holds only its E/ep experts; an ep save opens in
 plain ``transformers`` with the original keys and the same logits. One spawned group of 4 runs every layout.
 """
@@ -13,10 +13,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
+from accelerate import Accelerator
 from safetensors.torch import load_file
 
 import oslo_models as om
-from oslo_models.training import clip_grad_norm_, load_checkpoint, save_checkpoint, shard_data_parallel
+from oslo_models.training import (
+    clip_grad_norm_,
+    load_checkpoint,
+    prepare,
+    save_checkpoint,
+    shard_data_parallel,
+)
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import assert_grads_match, assert_params_match, padded_batch
 
@@ -47,12 +54,17 @@ def checkpoints(tmp_path_factory):
     return paths
 
 
-def _train_matches(model, reference, *, dp_rank: int, dp_size: int, zero_stage: int = 0, steps: int = 3):
+def _train_matches(model, reference, *, dp_rank: int, dp_size: int, zero_stage: int = 0, steps: int = 3,
+                   accelerator=None):
     """``steps`` AdamW steps, rank ``dp_rank`` on batch ``dp_rank`` of ``dp_size``; the reference runs them all."""
     batches = [padded_batch(VOCAB, batch=2, seq=8, seed=1 + d) for d in range(dp_size)]
     ids, mask, labels = batches[dp_rank]
     ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    wrapped, opt = shard_data_parallel(model, torch.optim.AdamW(model.parameters(), **ADAMW), zero_stage=zero_stage)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    if accelerator is None:
+        wrapped, opt = shard_data_parallel(model, opt, zero_stage=zero_stage)
+    else:  # Accelerate's path: om.training.prepare (ZeRO-1: dense state over dp, experts' over edp)
+        wrapped, opt = prepare(accelerator, model, opt, zero_stage=zero_stage)
     for _ in range(steps):
         expected = [reference(*batch[:1], attention_mask=batch[1], labels=batch[2]) for batch in batches]
         got = wrapped(ids, attention_mask=mask, labels=labels)
@@ -63,7 +75,7 @@ def _train_matches(model, reference, *, dp_rank: int, dp_size: int, zero_stage: 
         torch.testing.assert_close(got.aux_loss, mine.aux_loss, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.loss, mine.loss, atol=1e-5, rtol=1e-5)  # includes coef * aux_loss
         (sum(out.loss for out in expected) / dp_size).backward()
-        got.loss.backward()
+        got.loss.backward() if accelerator is None else accelerator.backward(got.loss)
         assert assert_grads_match(model, reference) == len(list(model.parameters()))
         expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
         torch.testing.assert_close(clip_grad_norm_(model, 0.5), expected_norm, atol=1e-5, rtol=1e-5)
@@ -125,7 +137,9 @@ def _layouts_worker(checkpoints: dict, out_root: str) -> None:
             assert (ctx.ep_size, ctx.tp_size, ctx.edp_size) == (ep, tp, ctx.dp_size // ep)
             _resident_experts_are_own(model)
             reference = HF[model_type].from_pretrained(path).train()
-            _train_matches(model, reference, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, zero_stage=zero_stage)
+            accelerator = Accelerator(cpu=True) if zero_stage else None
+            _train_matches(model, reference, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, zero_stage=zero_stage,
+                           accelerator=accelerator)
             if zero_stage:
                 continue
             # the trained model saves a plain checkpoint: transformers' keys and shapes, same logits
