@@ -127,7 +127,8 @@ def main() -> None:
               f"{r['all_params_MiB_per_rank']:>13.3f} {r['dispatch_KiB_mean']:>13.1f} {r['combine_KiB_mean']:>12.1f} "
               f"{r['formula_KiB']:>12.1f}")
     skew = skewed_router()
-    print(f"\n{'push':>5} {'cf':>5} {'capacity':>9} {'dropped':>8} {'max/mean load':>14} {'lb loss':>8}  wanted per expert")
+    print(f"\n{'push':>5} {'cf':>5} {'capacity':>9} {'dropped':>8} {'max/mean load':>14} {'lb loss':>8}  "
+          "wanted per expert")
     for r in skew:
         print(f"{r['push_to_expert0']:>5} {r['capacity_factor']:>5} {r['capacity']:>9} {r['dropped_fraction']:>8.3f} "
               f"{r['max_over_mean_load']:>14.2f} {r['load_balancing_loss']:>8.3f}  {r['wanted_per_expert']}")

@@ -149,8 +149,8 @@ class ParallelConfig:
         if dp % self.expert_parallel_size:
             raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must divide data_parallel_size={dp} "
                              f"(expert parallelism is carved out of the data-parallel ranks: world {world_size} / "
-                             f"(tensor x pipeline = {self.model_parallel_size})); launch "
-                             f"a multiple of {self.model_parallel_size * self.expert_parallel_size} processes or lower it")
+                             f"(tensor x pipeline = {self.model_parallel_size})); launch a multiple of "
+                             f"{self.model_parallel_size * self.expert_parallel_size} processes or lower it")
         return dp
 
     def _resolve_data_parallel_size(self, world_size: int) -> int:

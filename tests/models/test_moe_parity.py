@@ -2,8 +2,8 @@
 load-balancing loss added, every gradient (router, experts, shared expert) and the parameters after 3 AdamW steps
 (fp32, atol 1e-5) at ep 1, ep 4, ep 2 x tp 2 and ep 2 x dp 4 with ZeRO-1 through ``om.training.prepare``
 (experts reduced over the 2 expert-data-parallel ranks). Each data-parallel rank trains on its own batch; the
-reference is transformers on every batch, losses averaged (what plain data parallelism computes). Each rank holds only its E/ep experts; an ep save opens in
-plain ``transformers`` with the original keys and the same logits. One spawned group of 4 runs every layout.
+reference is transformers on every batch, losses averaged (what plain data parallelism computes). Each rank holds
+only its E/ep experts; an ep save opens in plain ``transformers`` with the original keys and the same logits. One spawned group of 4 runs every layout.
 """
 from __future__ import annotations
 
