@@ -47,7 +47,10 @@ class ParallelConfig:
         pipeline_partition: how layers are cut into stages: ``"uniform"`` (equal counts; ``ValueError`` when they
             do not divide), ``"parameters"`` (balanced parameter counts, embeddings and head included) or a tuple
             of layers per stage (``pipeline_parallel_size * virtual_pipeline_size`` entries).
-        expert_parallel_size: ranks that split the experts of a mixture-of-experts layer.
+        expert_parallel_size: ranks that split the experts of a mixture-of-experts layer, carved out of the
+            data-parallel ranks (it must divide ``data_parallel_size``; the model checks that it divides the number
+            of experts). Expert weights are averaged over the ``data_parallel_size / expert_parallel_size``
+            expert-data-parallel ranks, everything else over all data-parallel ranks.
         data_parallel_size: model replicas; ``None`` infers it from the world size.
         zero_stage: ZeRO stage (0 = plain data parallel) for the training helpers.
         fused_ops: use the fused Triton kernels where they run (CUDA); the torch reference runs elsewhere.
@@ -102,8 +105,6 @@ class ParallelConfig:
         if self.tensor_parallel_mode not in _IMPLEMENTED_TENSOR_PARALLEL_MODES:
             raise NotImplementedError(f"tensor_parallel_mode={self.tensor_parallel_mode!r} is not implemented yet; "
                                       f"available: {_IMPLEMENTED_TENSOR_PARALLEL_MODES}")
-        if self.expert_parallel_size > 1:
-            raise NotImplementedError("expert_parallel_size > 1 is not implemented yet")
 
     def _check_pipeline(self) -> None:
         """Pipeline options that do not fit each other (the model-dependent checks run when it is split)."""
@@ -147,7 +148,17 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def resolve_data_parallel_size(self, world_size: int) -> int:
-        """The data-parallel size for ``world_size`` processes; ``ValueError`` when they do not fit."""
+        """The data-parallel size for ``world_size`` processes; ``ValueError`` when they do not fit (or when
+        ``expert_parallel_size`` does not divide it)."""
+        dp = self._resolve_data_parallel_size(world_size)
+        if dp % self.expert_parallel_size:
+            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must divide data_parallel_size={dp} "
+                             f"(expert parallelism is carved out of the data-parallel ranks: world {world_size} / "
+                             f"(tensor x pipeline = {self.model_parallel_size})); launch a multiple of "
+                             f"{self.model_parallel_size * self.expert_parallel_size} processes or lower it")
+        return dp
+
+    def _resolve_data_parallel_size(self, world_size: int) -> int:
         if self.data_parallel_size is not None:
             expected = self.model_parallel_size * self.data_parallel_size
             if expected != world_size:

@@ -40,7 +40,6 @@ def test_bad_values_raise_value_error(bad):
 @pytest.mark.parametrize("unimplemented,name", [
     ({"tensor_parallel_mode": "2d"}, "tensor_parallel_mode"),
     ({"tensor_parallel_mode": "3d"}, "tensor_parallel_mode"),
-    ({"expert_parallel_size": 2}, "expert_parallel_size"),
 ])
 def test_unimplemented_dimensions_say_so(unimplemented, name):
     with pytest.raises(NotImplementedError, match=name):
@@ -54,6 +53,15 @@ def test_data_parallel_size_is_inferred_and_checked():
         cfg.resolve_data_parallel_size(3)
     with pytest.raises(ValueError, match="= 4"):
         om.ParallelConfig(tensor_parallel_size=2, data_parallel_size=2).resolve_data_parallel_size(2)
+
+
+def test_expert_parallel_size_is_carved_out_of_data_parallel():
+    cfg = om.ParallelConfig(expert_parallel_size=4, tensor_parallel_size=2)
+    assert cfg.resolve_data_parallel_size(8) == 4
+    with pytest.raises(ValueError, match="expert_parallel_size=4 must divide data_parallel_size=2"):
+        cfg.resolve_data_parallel_size(4)
+    with pytest.raises(ValueError, match="must divide"):
+        om.ParallelConfig(expert_parallel_size=2, data_parallel_size=3)
 
 
 def test_hf_style_plan_is_published():

@@ -70,7 +70,8 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
     with torch.no_grad():
         for name, param in items:
             spec = plan.shard_spec(model, name)
-            full_shape = _full_shape(param.shape, spec, context.tp_size)  # what the config says, at any tp
+            split = context.axis(spec.axis)  # tensor-parallel group, or expert-parallel for stacked experts
+            full_shape = spec.full_shape(param.shape, split.size)  # what the config says, at any split
             if name in mapping:
                 key = mapping[name]
                 _check_stored_shape(name, key, tuple(reader.shape(key)), full_shape, spec)
@@ -78,7 +79,7 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
             else:
                 full = init_full_tensor(name, full_shape, init_std, generator)
                 read = lambda index, full=full: full[index]  # noqa: E731
-            local = spec.read_shard(full_shape, read, context.tp_rank, context.tp_size)
+            local = spec.read_shard(full_shape, read, split.rank, split.size)
             param.copy_(local.to(device=param.device, dtype=param.dtype))
     if missing:
         logger.warning("Some weights of %s were not in the checkpoint and are newly initialized: %s",
@@ -100,13 +101,6 @@ def _check_stored_shape(name: str, key: str, stored: tuple[int, ...], expected: 
         hint = f" (it packs {spec.num_packed} blocks, q|k|v, along dim {spec.dim})"
     raise ValueError(f"Checkpoint tensor {key!r} has shape {stored}, but the model config needs {expected} for "
                      f"{name!r}{hint}: the checkpoint does not match the config (vocab_size, hidden size, heads...)")
-
-
-def _full_shape(local_shape, spec, tp_size: int) -> tuple[int, ...]:
-    shape = list(local_shape)
-    if spec.dim is not None:
-        shape[spec.dim] = spec.vocab_size if spec.padded_vocab else shape[spec.dim] * tp_size
-    return tuple(shape)
 
 
 def _is_tied_duplicate(model: nn.Module, key: str, prefix: str) -> bool:

@@ -34,19 +34,21 @@ _WEIGHT_FILE_PREFIXES = ("model.safetensors", "model-", "pytorch_model", "config
 
 def gather_full_state_dict(model: torch.nn.Module, *, plan, context: ParallelContext,
                            skip_keys: set[str] = frozenset()) -> dict[str, torch.Tensor] | None:
-    """Full-size CPU state dict on global rank 0 (``None`` elsewhere). Collective over each TP group."""
+    """Full-size CPU state dict on global rank 0 (``None`` elsewhere). Collective over each TP group (and, for
+    stacked expert weights, each expert-parallel group: all ranks of expert-data-parallel replica 0 take part)."""
     check_arrival(context, "save_pretrained", SAVE_RULE)
-    if context.dp_rank != 0:
+    if context.edp_rank != 0:  # edp is dp at expert_parallel_size 1
         return None
     # Each stage's tp rank 0 keeps its stage's tensors; at pipeline_parallel_size == 1 that is global rank 0.
-    keep = context.tp_rank == 0
+    keep = context.tp_rank == 0 and context.dp_rank == 0
     full_state = {} if keep else None
     seen: set[int] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name in skip_keys or id(tensor) in seen:
             continue  # tied weights are saved once, under the name transformers keeps
         seen.add(id(tensor))
-        full = plan.shard_spec(model, name).gather(tensor.detach(), context.tp_group)
+        spec = plan.shard_spec(model, name)
+        full = spec.gather(tensor.detach(), context.axis(spec.axis).group)
         if keep:
             full_state[name] = full.to("cpu", copy=True).contiguous()
     if context.pp_size > 1:  # pipeline stages hold disjoint tensors: merge them on global rank 0

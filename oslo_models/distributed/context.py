@@ -5,6 +5,12 @@ layouts can live in one process and tests can build contexts freely.
 
 Mesh axes, outermost first: ``("pp", "dp", "tp")``. Tensor-parallel ranks are adjacent (global ranks
 ``r*tp .. r*tp+tp-1``), which keeps the chattiest group inside one node.
+
+Expert parallelism is carved out of ``dp``: data-parallel index ``d = e_dp * ep + e`` (``e`` the expert-parallel
+rank, adjacent data-parallel ranks first), so each ``dp`` group is cut into ``dp/ep`` expert-parallel groups
+(``ep``: the ranks that hold different experts and exchange tokens all-to-all) and ``ep`` expert-data-parallel
+groups (``edp``: the ranks that hold the *same* experts, over which expert gradients are reduced). Both are extra
+axes of ``ParallelContext`` (``axis("ep")``, ``axis("edp")``), built with every rank of the world taking part.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from ..config import ParallelConfig
 from ..parallel_layers.random import RNGTracker
 
 MESH_AXES = ("pp", "dp", "tp")
+EXPERT_AXES = ("ep", "edp")  # carved out of "dp" (see the module docstring)
 
 
 def _world_from_environment() -> tuple[int, int]:
@@ -93,7 +100,7 @@ class ParallelContext:
         if world_size == 1 and not dist.is_initialized():
             # Single process, not launched by torchrun: no process group is needed for anything.
             device = torch.device(device_type)
-            axes = {name: AxisInfo(None, 1, 0, (0,)) for name in MESH_AXES}
+            axes = {name: AxisInfo(None, 1, 0, (0,)) for name in MESH_AXES + EXPERT_AXES}
             return cls(config, world_size=1, rank=0, device=device, axes=axes)
 
         if not dist.is_initialized():
@@ -114,12 +121,13 @@ class ParallelContext:
             ranks = tuple(int(r) for r in sub.mesh.flatten().tolist())
             group = sub.get_group() if sizes[name] > 1 else None
             axes[name] = AxisInfo(group, sizes[name], sub.get_local_rank(), ranks)
+        axes.update(_expert_axes(mesh.mesh, rank, config.expert_parallel_size, axes["dp"]))
         return cls(config, world_size=world_size, rank=rank, device=device, mesh=mesh, axes=axes)
 
     # ------------------------------------------------------------------ accessors
     def axis(self, name: str) -> AxisInfo:
         if name not in self._axes:
-            raise ValueError(f"Unknown mesh axis {name!r}; axes are {MESH_AXES}")
+            raise ValueError(f"Unknown mesh axis {name!r}; axes are {MESH_AXES + EXPERT_AXES}")
         return self._axes[name]
 
     @property
@@ -157,6 +165,31 @@ class ParallelContext:
     @property
     def pp_rank(self) -> int:
         return self._axes["pp"].rank
+
+    @property
+    def ep_group(self):
+        return self._axes["ep"].group
+
+    @property
+    def ep_size(self) -> int:
+        return self._axes["ep"].size
+
+    @property
+    def ep_rank(self) -> int:
+        return self._axes["ep"].rank
+
+    @property
+    def edp_group(self):
+        """Expert-data-parallel group: the dp ranks holding the same experts (the dp group itself at ep=1)."""
+        return self._axes["edp"].group
+
+    @property
+    def edp_size(self) -> int:
+        return self._axes["edp"].size
+
+    @property
+    def edp_rank(self) -> int:
+        return self._axes["edp"].rank
 
     @property
     def sequence_parallel(self) -> bool:
@@ -200,5 +233,28 @@ class ParallelContext:
 
     def __repr__(self) -> str:
         return (f"ParallelContext(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
-                f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size}, "
+                f"dp={self.dp_rank}/{self.dp_size}, ep={self.ep_rank}/{self.ep_size}, "
+                f"pp={self.pp_rank}/{self.pp_size}, "
                 f"sequence_parallel={self.sequence_parallel}, device={self.device})")
+
+
+def _expert_axes(mesh: torch.Tensor, rank: int, ep: int, dp_axis: AxisInfo) -> dict[str, AxisInfo]:
+    """The ``ep`` and ``edp`` axes of ``rank`` in the ``[pp, dp, tp]`` rank grid ``mesh``.
+
+    At ``ep == 1`` no group is created: ``ep`` is trivial and ``edp`` is the ``dp`` axis. Otherwise every rank
+    creates every group in the same order (``dist.new_group`` is collective over the world).
+    """
+    if ep == 1:
+        return {"ep": AxisInfo(None, 1, 0, (rank,)), "edp": dp_axis}
+    pp_size, dp_size, tp_size = mesh.shape
+    found = {}
+    for axis, members in (("ep", lambda b: [b * ep + e for e in range(ep)]),
+                          ("edp", lambda e: list(range(e, dp_size, ep)))):
+        for pp in range(pp_size):
+            for tp in range(tp_size):
+                for block in range(dp_size // ep if axis == "ep" else ep):
+                    ranks = tuple(int(mesh[pp, d, tp]) for d in members(block))
+                    group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+                    if rank in ranks:
+                        found[axis] = AxisInfo(group, len(ranks), ranks.index(rank), ranks)
+    return found

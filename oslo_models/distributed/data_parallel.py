@@ -5,6 +5,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .context import ParallelContext
+from .expert_parallel import expert_parameter_names, register_expert_gradient_reduction
 
 
 def data_parallel(model: nn.Module, context: ParallelContext | None = None, **ddp_kwargs) -> nn.Module:
@@ -13,9 +14,18 @@ def data_parallel(model: nn.Module, context: ParallelContext | None = None, **dd
     Gradients are averaged over the ranks that hold the *same* shard (same tp rank, different dp rank), so each
     tensor-parallel shard is averaged with its own replicas only. Feed every rank of one TP group the same batch
     and different data-parallel ranks different batches (``oslo_models.data`` samplers do this).
+
+    With ``expert_parallel_size > 1`` the stacked expert weights are left out of DDP and reduced over the
+    expert-data-parallel group instead (``distributed/expert_parallel.py``).
     """
     context = context or model.parallel_context
     if context.dp_size == 1:
         return model
     device_ids = [context.device.index] if context.device.type == "cuda" else None
-    return DistributedDataParallel(model, process_group=context.dp_group, device_ids=device_ids, **ddp_kwargs)
+    experts = expert_parameter_names(model) if context.ep_size > 1 else []
+    if experts:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
+    wrapped = DistributedDataParallel(model, process_group=context.dp_group, device_ids=device_ids, **ddp_kwargs)
+    if experts:
+        register_expert_gradient_reduction(model, wrapped)
+    return wrapped

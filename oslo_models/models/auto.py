@@ -31,6 +31,8 @@ from .mistral import (
     MistralForTokenClassification,
     MistralModel,
 )
+from .mixtral import MixtralForCausalLM, MixtralModel
+from .qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeModel
 from .qwen2 import (
     Qwen2ForCausalLM,
     Qwen2ForQuestionAnswering,
@@ -80,6 +82,11 @@ for _type, _classes in {
     for _task, _class in zip(("base", "causal_lm", "sequence_classification", "token_classification",
                               "question_answering"), _classes):
         MODEL_REGISTRY[_task][_type] = _class
+
+# Mixture-of-experts decoders on the Llama pieces (models/mixtral; Qwen2-MoE is a thin class over it).
+for _type, (_base, _lm) in {"mixtral": (MixtralModel, MixtralForCausalLM),
+                            "qwen2_moe": (Qwen2MoeModel, Qwen2MoeForCausalLM)}.items():
+    MODEL_REGISTRY["base"][_type], MODEL_REGISTRY["causal_lm"][_type] = _base, _lm
 
 
 class _AutoModel:

@@ -47,12 +47,15 @@ class ShardSpec:
     never cut: at ``tp <= num_heads`` each rank holds ``num_heads/tp`` whole heads; at ``tp > num_heads`` each head
     is replicated on ``tp/num_heads`` consecutive ranks (rank ``r`` holds head ``r // (tp/num_heads)``, the
     Megatron rule) and gathering keeps one copy of each.
+    ``axis``: the ``ParallelContext`` axis the split dim is cut over: ``"tp"`` (everything above), or ``"ep"``
+    for the stacked expert weights of a mixture-of-experts layer (dim 0 = experts, contiguous blocks per rank).
     """
 
     dim: int | None = None
     num_packed: int = 1
     vocab_size: int | None = None
     num_heads: int | None = None
+    axis: str = "tp"
 
     @property
     def padded_vocab(self) -> bool:
@@ -78,6 +81,15 @@ class ShardSpec:
         else:
             block = divide(shape[self.dim], self.num_packed, "packed size")
             shape[self.dim] = divide(block, tp_size, "split size") * self.num_packed
+        return tuple(shape)
+
+    def full_shape(self, local_shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+        """The stored (checkpoint) shape that a parameter of ``local_shape`` on a group of ``size`` ranks stands
+        for: the inverse of ``local_shape`` (vocabulary padding dropped, replicated heads counted once)."""
+        shape = list(local_shape)
+        if self.dim is not None:
+            shape[self.dim] = (self.vocab_size if self.padded_vocab
+                               else shape[self.dim] * size // self.replicas(size))
         return tuple(shape)
 
     def read_shard(self, full_shape: tuple[int, ...], read: Reader, tp_rank: int, tp_size: int) -> torch.Tensor:

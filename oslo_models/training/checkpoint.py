@@ -56,6 +56,12 @@ def _canonical(local: torch.Tensor, spec, context):
     if spec.dim is None:
         return local, tuple(shape), None
     dim, tp = spec.dim, context.tp_size
+    if spec.axis == "ep" and context.ep_size == 1:
+        return local, tuple(shape), None  # every expert on this rank, the same on every tp rank
+    if spec.axis == "ep":
+        raise NotImplementedError(
+            f"training checkpoints of experts split over expert_parallel_size={context.ep_size} are not implemented "
+            "yet; use save_pretrained (which gathers every expert) to keep the weights")
     if spec.replicas(tp) > 1:  # key/value heads replicated over tp ranks: stored whole, each head once
         full = spec.gather(local, context.tp_group)
         return full, tuple(full.shape), None

@@ -11,6 +11,8 @@ place that says which parameter is split):
   counted once: no reduction over tp;
 - under ZeRO-2/3 (FSDP2) every gradient is additionally split over the dp group (a DTensor): partial sums are added
   over dp as well; under DDP/ZeRO-1 gradients are already identical over dp and are not reduced again;
+- stacked expert weights split over the expert-parallel group (``ShardSpec.axis == "ep"``) hold different experts
+  on each ep rank and the same on every tp rank: their partial sums are added over ep only;
 - pipeline stages hold different parameters: partial sums are added over pp; a tied tensor with copies on several
   stages (input and output embedding) is counted once, on the lowest pipeline rank holding it.
 
@@ -52,7 +54,7 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     inner = unwrap_model(model)
     context, plan = inner.parallel_context, inner.parallel_plan
     is_inf = math.isinf(norm_type)
-    split, replicated = [], []  # per-tensor partial values: sum of |g|^p, or max |g| for inf
+    split, replicated, experts = [], [], []  # per-tensor partial values: sum of |g|^p, or max |g| for inf
     dp_sharded = False
     device = context.device
     skip = tied_duplicates(inner) if context.pp_size > 1 else set()
@@ -67,6 +69,9 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
         value = torch.linalg.vector_norm(local.detach().float(), norm_type)
         value = value if is_inf else value.pow(norm_type)
         spec = plan.shard_spec(inner, name)
+        if spec.axis == "ep" and spec.dim is not None:
+            experts.append(value)
+            continue
         sharded = context.tp_size > 1 and spec.dim is not None
         if sharded and not is_inf and spec.replicas(context.tp_size) > 1:
             value = value / spec.replicas(context.tp_size)  # a key/value head held by several TP ranks counts once
@@ -78,13 +83,15 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
         stacked = torch.stack([v.to(device) for v in values])
         return stacked.max() if is_inf else stacked.sum()
 
-    parts = torch.stack([combine(split), combine(replicated)])
+    parts = torch.stack([combine(split), combine(replicated), combine(experts)])
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
     if dp_sharded:
         _all_reduce(parts, context.dp_group, op)
     # Only the tp-split part is reduced over tp; the replicated part is already the full value on every tp rank.
     split_total = _all_reduce(parts[0].clone(), context.tp_group, op)
-    total = torch.maximum(split_total, parts[1]) if is_inf else split_total + parts[1]
+    expert_total = _all_reduce(parts[2].clone(), context.ep_group, op)  # each ep rank holds other experts
+    total = torch.maximum(torch.maximum(split_total, parts[1]), expert_total) if is_inf else \
+        split_total + parts[1] + expert_total
     total = _all_reduce(total, context.pp_group, op)
     return total if is_inf else total.pow(1.0 / norm_type)
 

@@ -97,9 +97,21 @@ def _fully_shard(model: nn.Module, mesh, *, reshard_after_forward: bool, cpu_off
     fully_shard(model, **{**options, "reshard_after_forward": False})
 
 
-def _zero_redundancy(optimizer: torch.optim.Optimizer, context):
-    """ZeRO-1: torch's ``ZeroRedundancyOptimizer`` over the dp group, same optimizer class and param groups."""
+def _zero_redundancy(optimizer: torch.optim.Optimizer, context, model=None):
+    """ZeRO-1: torch's ``ZeroRedundancyOptimizer`` over the dp group, same optimizer class and param groups
+    (with experts: dense parameters over dp, experts over the expert-data-parallel group)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if context.ep_size > 1:
+        from ..distributed.expert_parallel import split_optimizer
+
+        def build(groups, group):
+            if group is None:
+                return type(optimizer)([dict(g) for g in groups], **_constructor_defaults(optimizer))
+            return ZeroRedundancyOptimizer([dict(g) for g in groups], optimizer_class=type(optimizer),
+                                           process_group=group, **_constructor_defaults(optimizer))
+
+        return split_optimizer(unwrap_model(model), optimizer, build)
 
     # Whole tensors are partitioned over the dp ranks by size; process_group=dp_group, never the world.
     # Groups keep their own hyperparameters (and a scheduler's initial_lr).
@@ -155,12 +167,15 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         model._oslo_zero_stage = stage
         return model, optimizer
 
+    if context.ep_size > 1 and (context.pp_size > 1 or stage >= 2):
+        raise NotImplementedError(f"expert_parallel_size > 1 with zero_stage={stage} / pipeline_parallel_size="
+                                  f"{context.pp_size} is not implemented; use zero_stage 0 or 1 without pipelining")
     if context.pp_size > 1:
         return _pipeline_data_parallel(model, optimizer, context, stage, ddp_kwargs)
     if stage <= 1:
         wrapped = data_parallel(model, context, **ddp_kwargs)
         if stage == 1 and optimizer is not None:
-            optimizer = _zero_redundancy(optimizer, context)
+            optimizer = _zero_redundancy(optimizer, context, model)
         wrapped._oslo_zero_stage = stage
         return wrapped, optimizer
 

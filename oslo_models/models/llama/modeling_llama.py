@@ -134,7 +134,7 @@ class LlamaPreTrainedModel(OsloPreTrainedModel):
 
     def _build_layer(self, layer_idx: int) -> LlamaDecoderLayer:
         config = self.config
-        return LlamaDecoderLayer(config, layer_idx, options=self.decoder_options(config),
+        return self.decoder_layer_class(config, layer_idx, options=self.decoder_options(config),
                                  attention_type=self.attention_types(config)[layer_idx],
                                  mlp=self.build_mlp(config, layer_idx), fused=self.parallel_context.config.fused_ops)
 
@@ -145,6 +145,7 @@ class LlamaModel(LlamaPreTrainedModel):
 
     parallel_plan = LLAMA_BASE_PLAN
     hf_twin = transformers.LlamaModel
+    decoder_layer_class = LlamaDecoderLayer  # the MoE decoders (models/mixtral, qwen2_moe) swap in theirs
 
     def __init__(self, config, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)

@@ -1,0 +1,51 @@
+"""The sparse mixture-of-experts feed-forward of the Llama-family MoE decoders (Mixtral, Qwen2-MoE), with the
+module names and keys of ``transformers``' ``MixtralSparseMoeBlock`` / ``Qwen2MoeSparseMoeBlock``:
+
+- ``gate`` (``TopKRouter``, replicated), ``experts`` (``StackedExperts``: ``gate_up_proj``, ``down_proj``, split
+  over the expert-parallel group by the plan's ``ExpertParallel`` style);
+- Qwen2-MoE only: ``shared_expert`` (a ``GatedMLP`` every token goes through, tensor-parallel like a dense MLP) and
+  ``shared_expert_gate`` (``[1, h]``, replicated): output ``experts + sigmoid(shared_expert_gate(x)) *
+  shared_expert(x)``.
+
+Input/output ``[b, s, h]``; the router logits ``[b*s, E]`` of each call are appended to ``router_logits`` when a
+list is passed (what ``output_router_logits`` returns and the load-balancing loss reads). Collectives: the
+dispatch/combine all-to-alls over ``ep`` (``parallel_layers/moe/dispatch.py``), and the shared expert's TP ones.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...parallel_layers.layers import Linear
+from ...parallel_layers.moe import StackedExperts, TopKRouter, combine, dispatch, router_jitter
+from .mlp import GatedMLP
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, *, num_experts: int, top_k: int, intermediate_size: int, act: str,
+                 normalize: bool, weights_in_logits_dtype: bool = False, jitter_noise: float = 0.0,
+                 shared_expert_intermediate_size: int | None = None):
+        super().__init__()
+        self.top_k, self.jitter_noise = top_k, jitter_noise
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, normalize=normalize,
+                               weights_in_logits_dtype=weights_in_logits_dtype)
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, act=act)
+        if shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, act=act)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, *, router_logits: list | None = None) -> torch.Tensor:
+        shape = hidden_states.shape
+        hidden_states = router_jitter(hidden_states, self.jitter_noise, self.training)
+        flat = hidden_states.reshape(-1, shape[-1])
+        logits, weights, index = self.gate(flat)
+        if router_logits is not None:
+            router_logits.append(logits)
+        group = self.experts.group
+        routed = dispatch(flat, index, self.experts.num_experts, group)
+        out = combine(self.experts(routed.rows, routed.local_counts), routed, weights, flat.shape[0], group)
+        if hasattr(self, "shared_expert"):
+            shared = self.shared_expert(hidden_states).reshape(-1, shape[-1])
+            out = out + F.sigmoid(self.shared_expert_gate(flat)) * shared
+        return out.reshape(shape)

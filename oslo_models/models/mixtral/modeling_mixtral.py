@@ -1,0 +1,130 @@
+"""Mixtral: the Llama decoder (``models/llama``) whose feed-forward is a sparse mixture of experts
+(``common.moe.SparseMoeBlock``), with ``transformers``' module tree and keys (``mlp.gate.weight``,
+``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``). Qwen2-MoE (``models/qwen2_moe``) is the same code with
+its switches (shared expert, dense layers, ``norm_topk_prob``, q/k/v biases).
+
+Expert parallelism: ``ParallelConfig(expert_parallel_size=ep)`` splits each layer's experts over ``ep`` of the
+data-parallel ranks (``parallel_plan.py``); tokens travel to their experts and back by all-to-all. Tensor
+parallelism splits attention (and Qwen2-MoE's shared/dense MLPs) as in Llama; experts are not TP-split.
+
+Router losses as ``transformers``: with ``output_router_logits`` (argument or ``config.output_router_logits``)
+the outputs carry ``router_logits`` (one ``[b*s, E]`` per sparse layer) and ``aux_loss`` (the load-balancing loss
+over this rank's tokens), and, when ``labels`` are given, ``loss = lm_loss + router_aux_loss_coef * aux_loss``.
+"""
+from __future__ import annotations
+
+import torch
+import transformers
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+from ...config import ParallelConfig
+from ...parallel_layers.moe import load_balancing_loss
+from ..common.expert_keys import ExpertKeyLayout, ExpertKeyReader, to_per_expert
+from ..common.mlp import GatedMLP
+from ..common.moe import SparseMoeBlock
+from ..llama import modeling_llama as llama
+from .configuration_mixtral import MixtralConfig
+from .parallel_plan import MOE_BASE_PLAN, MOE_LM_PLAN
+
+
+class MoeDecoderLayer(llama.LlamaDecoderLayer):
+    """``LlamaDecoderLayer`` whose ``mlp`` (``build_mlp``) is a ``SparseMoeBlock`` (or a dense ``GatedMLP`` in the
+    layers the config keeps dense). ``router_logits`` (a list, passed down by the model) collects each sparse
+    layer's logits."""
+
+    def __init__(self, config, layer_idx: int, **kwargs):
+        super().__init__(config, layer_idx, **kwargs)
+        self.is_sparse = isinstance(self.mlp, SparseMoeBlock)
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, *,
+                sequence_parallel: bool = False, router_logits: list | None = None, **kwargs):
+        attn_output, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
+                                        past_key_values, **kwargs)
+        hidden_states = hidden_states + attn_output
+        normed = self.post_attention_layernorm(hidden_states)
+        mlp = self.mlp(normed, router_logits=router_logits) if self.is_sparse else self.mlp(normed)
+        return hidden_states + mlp
+
+
+class MixtralPreTrainedModel(llama.LlamaPreTrainedModel):
+    """Checkpoints: read and written in the per-expert Hub layout (``expert_key_layout``, see
+    ``common/expert_keys.py``), as ``transformers`` saves them; stacked-layout checkpoints load too."""
+
+    config_class = MixtralConfig
+    _no_split_modules = ["MoeDecoderLayer"]
+    expert_key_layout = ExpertKeyLayout(gate="w1", up="w3", down="w2", hub_block="block_sparse_moe")
+
+    def load_from_reader(self, reader, *, progress: bool = False):
+        return super().load_from_reader(ExpertKeyReader.wrap(reader, self.expert_key_layout), progress=progress)
+
+    def full_state_dict(self):
+        full = super().full_state_dict()
+        return None if full is None else to_per_expert(full, self.expert_key_layout)
+
+    @classmethod
+    def decoder_options(cls, config) -> dict:
+        moe = dict(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+                   intermediate_size=config.intermediate_size, act=config.hidden_act, normalize=True,
+                   jitter_noise=config.router_jitter_noise)
+        return dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, moe=moe,
+                    sparse_layers=set(range(config.num_hidden_layers)), dense_intermediate_size=None)
+
+    @classmethod
+    def build_mlp(cls, config, layer_idx: int):
+        options = cls.decoder_options(config)
+        if layer_idx in options["sparse_layers"]:
+            return SparseMoeBlock(config.hidden_size, **options["moe"])
+        return GatedMLP(config.hidden_size, options["dense_intermediate_size"], act=config.hidden_act)
+
+    @classmethod
+    def num_experts(cls, config) -> int:
+        return config.num_local_experts
+
+    @classmethod
+    def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
+        super().validate_parallel_config(config, parallel)
+        ep, experts, name = parallel.expert_parallel_size, cls.num_experts(config), config.model_type
+        if experts % ep:
+            raise ValueError(f"{name}: the {experts} experts of each layer cannot be split over "
+                             f"expert_parallel_size={ep}; use a divisor of {experts}")
+        if parallel.sequence_parallel:
+            raise NotImplementedError(f"{name}: sequence_parallel with mixture-of-experts layers is not "
+                                      "implemented; use tensor_parallel_size without sequence_parallel")
+        if parallel.pipeline_parallel_size > 1:
+            raise NotImplementedError(f"{name}: pipeline_parallel_size > 1 is not implemented for the "
+                                      "mixture-of-experts decoders yet; use tensor/expert/data parallelism")
+
+
+class MixtralModel(MixtralPreTrainedModel, llama.LlamaModel):
+    parallel_plan = MOE_BASE_PLAN
+    hf_twin = transformers.MixtralModel
+    decoder_layer_class = MoeDecoderLayer
+
+
+class MixtralForCausalLM(MixtralPreTrainedModel, llama.LlamaForCausalLM):
+    """``MixtralForCausalLM`` of ``transformers``; outputs ``MoeCausalLMOutputWithPast`` (see the module
+    docstring for the router losses). Pipeline parallelism is not available (clear error)."""
+
+    parallel_plan = MOE_LM_PLAN
+    pipeline_adapter = None
+    hf_twin, base_model_class = transformers.MixtralForCausalLM, MixtralModel
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None, logits_to_keep=0,
+                gather_logits: bool = True, num_items_in_batch=None, **kwargs) -> MoeCausalLMOutputWithPast:
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        router_logits = []
+        out = super().forward(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                              use_cache=use_cache, logits_to_keep=logits_to_keep, gather_logits=gather_logits,
+                              num_items_in_batch=num_items_in_batch, router_logits=router_logits, **kwargs)
+        loss, aux_loss = out.loss, None
+        if output_router_logits:
+            aux_loss = load_balancing_loss(tuple(router_logits), self.num_experts(self.config),
+                                           self.config.num_experts_per_tok, attention_mask)
+            if labels is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=out.logits,
+                                         past_key_values=out.past_key_values,
+                                         router_logits=tuple(router_logits) if output_router_logits else None)

@@ -1,0 +1,48 @@
+"""Qwen2-MoE: the Mixtral code (``models/mixtral``) with Qwen2-MoE's switches: a shared expert with a sigmoid gate
+in every sparse block, dense ``Qwen2MoeMLP`` layers where ``mlp_only_layers`` / ``decoder_sparse_step`` say so,
+top-k renormalization only with ``norm_topk_prob``, routing weights cast to the logits' dtype, q/k/v biases
+(``qkv_bias``) and sliding windows per ``config.layer_types``."""
+from __future__ import annotations
+
+import transformers
+
+from ..common.expert_keys import ExpertKeyLayout
+from ..mixtral import modeling_mixtral as mixtral
+from ..mixtral.configuration_mixtral import Qwen2MoeConfig
+
+
+class Qwen2MoePreTrainedModel(mixtral.MixtralPreTrainedModel):
+    config_class = Qwen2MoeConfig
+    expert_key_layout = ExpertKeyLayout()  # mlp.experts.N.gate_proj/up_proj/down_proj
+
+    @classmethod
+    def decoder_options(cls, config) -> dict:
+        moe = dict(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+                   intermediate_size=config.moe_intermediate_size, act=config.hidden_act,
+                   normalize=config.norm_topk_prob, weights_in_logits_dtype=True,
+                   shared_expert_intermediate_size=config.shared_expert_intermediate_size)
+        sparse = {i for i in range(config.num_hidden_layers) if i not in config.mlp_only_layers
+                  and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0}
+        bias = bool(getattr(config, "qkv_bias", True))
+        return dict(qkv_bias=bias, o_bias=False, mlp_bias=False, qk_norm=False, moe=moe, sparse_layers=sparse,
+                    dense_intermediate_size=config.intermediate_size)
+
+    @classmethod
+    def num_experts(cls, config) -> int:
+        return config.num_experts
+
+    @classmethod
+    def validate_parallel_config(cls, config, parallel) -> None:
+        super().validate_parallel_config(config, parallel)
+        tp, shared = parallel.tensor_parallel_size, config.shared_expert_intermediate_size
+        if shared % tp:
+            raise ValueError(f"qwen2_moe: shared_expert_intermediate_size={shared} is not divisible by "
+                             f"tensor_parallel_size={tp}")
+
+
+class Qwen2MoeModel(Qwen2MoePreTrainedModel, mixtral.MixtralModel):
+    hf_twin = transformers.Qwen2MoeModel
+
+
+class Qwen2MoeForCausalLM(Qwen2MoePreTrainedModel, mixtral.MixtralForCausalLM):
+    hf_twin, base_model_class = transformers.Qwen2MoeForCausalLM, Qwen2MoeModel

@@ -1,0 +1,172 @@
+"""Mixtral and Qwen2-MoE with expert parallelism equal plain ``transformers``: logits, router logits, loss with the
+load-balancing loss added, every gradient (router, experts, shared expert) and the parameters after 3 AdamW steps
+(fp32, atol 1e-5) at ep 1, ep 4, ep 2 x tp 2 and ep 2 x dp 4 with ZeRO-1 through ``om.training.prepare``
+(experts reduced over the 2 expert-data-parallel ranks). Each data-parallel rank trains on its own batch; the
+reference is transformers on every batch, losses averaged (what plain data parallelism computes). Each rank holds
+only its E/ep experts; an ep save opens in plain ``transformers`` with the original keys and the same logits. One spawned group of 4 runs every layout.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from accelerate import Accelerator
+from safetensors.torch import load_file
+
+import oslo_models as om
+from oslo_models.training import (
+    clip_grad_norm_,
+    load_checkpoint,
+    prepare,
+    save_checkpoint,
+    shard_data_parallel,
+)
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import assert_grads_match, assert_params_match, padded_batch
+
+VOCAB, EXPERTS = 61, 4
+ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-6)
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=True,
+              router_aux_loss_coef=0.3, pad_token_id=0)
+CONFIGS = {
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=24, num_hidden_layers=2,
+                                                  num_local_experts=EXPERTS),
+    # layer 1 dense (mlp_only_layers), no top-k renormalization, shared expert with its sigmoid gate
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, intermediate_size=40, moe_intermediate_size=16,
+                                                     shared_expert_intermediate_size=24, num_hidden_layers=3,
+                                                     num_experts=EXPERTS, mlp_only_layers=[1], norm_topk_prob=False),
+}
+HF = {"mixtral": transformers.MixtralForCausalLM, "qwen2_moe": transformers.Qwen2MoeForCausalLM}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    paths = {}
+    for model_type, config in CONFIGS.items():
+        torch.manual_seed(0)
+        HF[model_type](config()).save_pretrained(root / model_type)
+        paths[model_type] = str(root / model_type)
+    return paths
+
+
+def _train_matches(model, reference, *, dp_rank: int, dp_size: int, zero_stage: int = 0, steps: int = 3,
+                   accelerator=None):
+    """``steps`` AdamW steps, rank ``dp_rank`` on batch ``dp_rank`` of ``dp_size``; the reference runs them all."""
+    batches = [padded_batch(VOCAB, batch=2, seq=8, seed=1 + d) for d in range(dp_size)]
+    ids, mask, labels = batches[dp_rank]
+    ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    if accelerator is None:
+        wrapped, opt = shard_data_parallel(model, opt, zero_stage=zero_stage)
+    else:  # Accelerate's path: om.training.prepare (ZeRO-1: dense state over dp, experts' over edp)
+        wrapped, opt = prepare(accelerator, model, opt, zero_stage=zero_stage)
+    for _ in range(steps):
+        expected = [reference(*batch[:1], attention_mask=batch[1], labels=batch[2]) for batch in batches]
+        got = wrapped(ids, attention_mask=mask, labels=labels)
+        mine = expected[dp_rank]
+        torch.testing.assert_close(got.logits, mine.logits, atol=1e-5, rtol=1e-5)
+        for got_layer, ref_layer in zip(got.router_logits, mine.router_logits, strict=True):
+            torch.testing.assert_close(got_layer, ref_layer, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.aux_loss, mine.aux_loss, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.loss, mine.loss, atol=1e-5, rtol=1e-5)  # includes coef * aux_loss
+        (sum(out.loss for out in expected) / dp_size).backward()
+        got.loss.backward() if accelerator is None else accelerator.backward(got.loss)
+        assert assert_grads_match(model, reference) == len(list(model.parameters()))
+        expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        torch.testing.assert_close(clip_grad_norm_(model, 0.5), expected_norm, atol=1e-5, rtol=1e-5)
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+        assert_params_match(model, reference)
+
+
+def _load(path: str, **parallel):
+    return om.AutoModelForCausalLM.from_pretrained(path, parallel=om.ParallelConfig(**parallel), progress=False)
+
+
+def test_ep1_matches_transformers(checkpoints, tmp_path):
+    for model_type, path in checkpoints.items():
+        model = _load(path).train()
+        assert type(model).__name__ == HF[model_type].__name__
+        reference = HF[model_type].from_pretrained(path).train()
+        _train_matches(model, reference, dp_rank=0, dp_size=1)
+        ids, mask, _ = padded_batch(VOCAB, batch=1, seq=5)
+        model.eval(), reference.eval()
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False),
+                           reference.generate(ids, max_new_tokens=4, do_sample=False))
+        # a resumable training checkpoint at ep 1 restores every expert
+        save_checkpoint(tmp_path / model_type, model)
+        restored = _load(path)
+        load_checkpoint(tmp_path / model_type, restored)
+        saved = dict(model.named_parameters())
+        for name, param in restored.named_parameters():
+            assert torch.equal(param, saved[name]), name
+
+
+def _resident_experts_are_own(model) -> None:
+    ctx = model.parallel_context
+    for layer in model.model.layers:
+        if not layer.is_sparse:
+            continue
+        experts = layer.mlp.experts
+        assert experts.gate_up_proj.shape[0] == experts.down_proj.shape[0] == EXPERTS // ctx.ep_size
+        assert experts.first_expert == ctx.ep_rank * EXPERTS // ctx.ep_size
+
+
+def _layouts_worker(checkpoints: dict, out_root: str) -> None:
+    # from_config at ep4 slices exactly the weights transformers draws from the seed; ZeRO-2/3 with ep say so
+    config = CONFIGS["qwen2_moe"]()
+    torch.manual_seed(3)
+    reference = HF["qwen2_moe"](config)
+    torch.manual_seed(3)
+    model = om.AutoModelForCausalLM.from_config(config, parallel=om.ParallelConfig(expert_parallel_size=4))
+    _resident_experts_are_own(model)
+    assert_params_match(model, reference, atol=0, rtol=0)
+    with pytest.raises(NotImplementedError, match="expert_parallel_size > 1 with zero_stage=2"):
+        shard_data_parallel(model, torch.optim.AdamW(model.parameters()), zero_stage=2)
+    with pytest.raises(NotImplementedError, match="experts split over expert_parallel_size=4"):
+        save_checkpoint(os.path.join(out_root, "resumable"), model)
+    for ep, tp, zero_stage in ((4, 1, 0), (2, 2, 0), (2, 1, 1)):
+        for model_type, path in checkpoints.items():
+            model = _load(path, expert_parallel_size=ep, tensor_parallel_size=tp).train()
+            ctx = model.parallel_context
+            assert (ctx.ep_size, ctx.tp_size, ctx.edp_size) == (ep, tp, ctx.dp_size // ep)
+            _resident_experts_are_own(model)
+            reference = HF[model_type].from_pretrained(path).train()
+            accelerator = Accelerator(cpu=True) if zero_stage else None
+            _train_matches(model, reference, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, zero_stage=zero_stage,
+                           accelerator=accelerator)
+            if zero_stage:
+                continue
+            # the trained model saves a plain checkpoint: transformers' keys and shapes, same logits
+            out = os.path.join(out_root, f"{model_type}-ep{ep}-tp{tp}")
+            model.eval()
+            ids, mask, _ = padded_batch(VOCAB)
+            logits = model(ids, attention_mask=mask).logits
+            model.save_pretrained(out)
+            if dist.get_rank() == 0:
+                plain = HF[model_type].from_pretrained(out)
+                saved = load_file(os.path.join(out, "model.safetensors"))
+                original = load_file(os.path.join(path, "model.safetensors"))
+                assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in original.items()}
+                torch.testing.assert_close(plain(ids, attention_mask=mask).logits, logits, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_parallel_layouts_match_transformers_and_save(checkpoints, tmp_path):
+    run_distributed(_layouts_worker, 4, checkpoints, str(tmp_path), timeout=600)
+
+
+def test_clear_errors(checkpoints):
+    config = om.MixtralConfig.from_pretrained(checkpoints["mixtral"])
+    with pytest.raises(ValueError, match="4 experts of each layer cannot be split over expert_parallel_size=3"):
+        om.MixtralForCausalLM.validate_parallel_config(config, om.ParallelConfig(expert_parallel_size=3))
+    with pytest.raises(ValueError, match="expert_parallel_size=2 must divide data_parallel_size=1"):
+        _load(checkpoints["mixtral"], expert_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="sequence_parallel"):
+        _load(checkpoints["qwen2_moe"], tensor_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(NotImplementedError, match="pipeline_parallel_size"):
+        _load(checkpoints["mixtral"], pipeline_parallel_size=2)
