@@ -36,6 +36,16 @@ from .models.roberta import (
     RobertaModel,
 )
 from .models.t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
+from .models.roberta import (  # same architecture, own model_type: see models/roberta/variants.py
+    CamembertConfig,
+    CamembertForMaskedLM,
+    CamembertModel,
+    XLMRobertaConfig,
+    XLMRobertaForMaskedLM,
+    XLMRobertaForSequenceClassification,
+    XLMRobertaModel,
+)
+from .models.t5 import MT5Config, MT5EncoderModel, MT5ForConditionalGeneration, MT5Model
 from . import pipeline  # noqa: E402  pipeline parallelism: partitioning, runner, schedule plot
 
 __version__ = "0.1.0"
@@ -54,3 +64,6 @@ __all__ = [
     "T5Config", "T5Model", "T5ForConditionalGeneration", "T5EncoderModel",
 ]
 __all__ += ["pipeline"]
+__all__ += ["XLMRobertaConfig", "XLMRobertaModel", "XLMRobertaForMaskedLM", "XLMRobertaForSequenceClassification",
+            "CamembertConfig", "CamembertModel", "CamembertForMaskedLM",
+            "MT5Config", "MT5Model", "MT5ForConditionalGeneration", "MT5EncoderModel"]
