@@ -99,6 +99,9 @@ class ParallelConfig:
                                       f"available: {_IMPLEMENTED_TENSOR_PARALLEL_MODES}")
         if self.expert_parallel_size > 1:
             raise NotImplementedError("expert_parallel_size > 1 is not implemented yet")
+        if self.zero_stage >= 2 and self.pipeline_parallel_size > 1:
+            raise NotImplementedError(f"zero_stage={self.zero_stage} with pipeline_parallel_size > 1 is not "
+                                      f"implemented yet; use zero_stage=1 (optimizer state sharded over dp)")
 
     def _check_pipeline(self) -> None:
         """Pipeline options that do not fit each other (the model-dependent checks run when it is split)."""
