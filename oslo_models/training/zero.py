@@ -21,7 +21,8 @@ stage  what is sharded over dp                     engine and collectives (per o
 
 With pipeline parallelism (``pipeline_parallel_size > 1``) ``model.train_step`` runs the schedule and all-reduces
 each stage's gradients over dp itself, so the model is not wrapped; stage 1 shards the optimizer state of each
-stage over its dp group; stages 2/3 raise ``NotImplementedError`` (not built yet).
+stage over its dp group; stages 2/3 raise ``NotImplementedError`` (not built yet; ``ParallelConfig`` and
+``prepare`` refuse them before anything is built).
 
 ``cpu_offload`` (stages 2 and 3) keeps the sharded parameters, gradients and optimizer state in host memory
 (FSDP2 ``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
