@@ -105,6 +105,9 @@ class ParallelConfig:
         if self.tensor_parallel_mode not in _IMPLEMENTED_TENSOR_PARALLEL_MODES:
             raise NotImplementedError(f"tensor_parallel_mode={self.tensor_parallel_mode!r} is not implemented yet; "
                                       f"available: {_IMPLEMENTED_TENSOR_PARALLEL_MODES}")
+        if self.zero_stage >= 2 and self.pipeline_parallel_size > 1:
+            raise NotImplementedError(f"zero_stage={self.zero_stage} with pipeline_parallel_size > 1 is not "
+                                      f"implemented yet; use zero_stage=1 (optimizer state sharded over dp)")
 
     def _check_pipeline(self) -> None:
         """Pipeline options that do not fit each other (the model-dependent checks run when it is split)."""

@@ -55,6 +55,8 @@ from .roberta import (
     RobertaModel,
 )
 from .t5 import T5EncoderModel, T5ForConditionalGeneration, T5Model
+from .roberta import variants as _roberta_variants
+from .t5 import mt5 as _mt5
 
 MODEL_REGISTRY: dict[str, dict[str, type]] = {
     "base": {"gpt2": GPT2Model, "bert": BertModel, "roberta": RobertaModel, "t5": T5Model},
@@ -87,6 +89,16 @@ for _type, _classes in {
 for _type, (_base, _lm) in {"mixtral": (MixtralModel, MixtralForCausalLM),
                             "qwen2_moe": (Qwen2MoeModel, Qwen2MoeForCausalLM)}.items():
     MODEL_REGISTRY["base"][_type], MODEL_REGISTRY["causal_lm"][_type] = _base, _lm
+
+# Same architecture as a family above, under the Hub's own model_type, config class and class names.
+for _task, _name in (("base", "Model"), ("masked_lm", "ForMaskedLM"), ("sequence_classification",
+                     "ForSequenceClassification"), ("token_classification", "ForTokenClassification"),
+                    ("question_answering", "ForQuestionAnswering")):
+    MODEL_REGISTRY[_task]["xlm-roberta"] = getattr(_roberta_variants, f"XLMRoberta{_name}")
+    MODEL_REGISTRY[_task]["camembert"] = getattr(_roberta_variants, f"Camembert{_name}")
+MODEL_REGISTRY["base"]["mt5"] = _mt5.MT5Model
+MODEL_REGISTRY["seq2seq_lm"]["mt5"] = _mt5.MT5ForConditionalGeneration
+MODEL_REGISTRY["text_encoding"]["mt5"] = _mt5.MT5EncoderModel
 
 
 class _AutoModel:

@@ -217,6 +217,17 @@ class OsloPreTrainedModel(PreTrainedModel):
         model.eval()
         return model
 
+    def generate(self, *args, **kwargs):
+        """``transformers``' ``generate``, with the same sampled tokens on every tensor-parallel rank whatever each
+        rank's seed: the group draws from tp rank 0's RNG (one broadcast per call; see ``models/generation.py``),
+        so the tokens equal single-process ``transformers`` seeded like tp rank 0. Call on every rank of the group.
+        A pipelined model raises ``RuntimeError`` here, before any collective."""
+        from .generation import check_can_generate, sampling_rng_of_group_source
+
+        check_can_generate(self)
+        with sampling_rng_of_group_source(self.parallel_context):
+            return super().generate(*args, **kwargs)
+
     # ------------------------------------------------------------------ training steps
     def train_step(self, batch, *, labels=None, attention_mask=None, optimizer=None) -> torch.Tensor:
         """Forward + backward of one batch (``input_ids [b, s]`` or a dict with ``input_ids``, ``labels``,

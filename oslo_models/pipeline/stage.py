@@ -118,6 +118,11 @@ class StageModule(nn.Module):
     ``layers``: the stage's layers in execution order (``layer_ids`` gives each one's container and index);
     the adapter's ``stage_modules`` are attributes. ``forward(*inputs, **kwargs)`` is the adapter's
     ``stage_forward``: the first stage takes the batch's ``first_inputs``, the others the previous stage's outputs.
+
+    Mixed precision (``om.training.prepare`` with Accelerate's ``mixed_precision="bf16"`` sets the model's
+    ``_oslo_autocast_dtype``): the stage runs under ``torch.autocast`` here, inside the schedule, where the
+    Accelerate wrapper of ``model.forward`` never reaches; its floating outputs are cast back to the parameters'
+    dtype, the dtype the schedule's point-to-point buffers were declared with.
     """
 
     def __init__(self, model, stage: int, layout: PipelineLayout, *, sequence_parallel: bool):
@@ -130,6 +135,7 @@ class StageModule(nn.Module):
         object.__setattr__(self, "model_config", model.config)
         object.__setattr__(self, "parallel_context", model.parallel_context)
         object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "owner", model)  # read at forward time: prepare() may set autocast later
         all_ids = self.adapter.layer_ids(model)
         self.layer_ids = [all_ids[i] for i in layout.ranges[stage]]
         self.layers = nn.ModuleList([model.get_submodule(path)[index] for path, index in self.layer_ids])
@@ -137,7 +143,14 @@ class StageModule(nn.Module):
             setattr(self, attribute, model.get_submodule(path))
 
     def forward(self, *inputs, **kwargs):
-        return self.adapter.stage_forward(self, *inputs, **kwargs)
+        autocast_dtype = getattr(self.owner, "_oslo_autocast_dtype", None)
+        if autocast_dtype is None:
+            return self.adapter.stage_forward(self, *inputs, **kwargs)
+        with torch.autocast(self.parallel_context.device.type, dtype=autocast_dtype):
+            outputs = self.adapter.stage_forward(self, *inputs, **kwargs)
+        dtype = next(self.owner.parameters()).dtype
+        cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+        return tuple(cast(t) for t in outputs) if isinstance(outputs, tuple) else cast(outputs)
 
 
 # ---------------------------------------------------------------------------------------------- tied weights

@@ -35,7 +35,8 @@ What each piece becomes:
 
 Pipelined models (``pipeline_parallel_size > 1``) train with ``loss = model.train_step(batch)`` in place of forward
 and ``accelerator.backward``; they are not wrapped (the runner all-reduces gradients over dp), ZeRO-1 shards the
-optimizer; gradient accumulation and Accelerate mixed precision are refused with a clear error.
+optimizer; Accelerate's bf16 autocast runs inside each stage's forward (``pipeline/stage.py``); ZeRO-2/3,
+fp16 and gradient accumulation are refused with a clear error before anything is wrapped.
 
 Collectives: none here beyond what DDP/FSDP2 run at construction (a parameter broadcast/none).
 """
@@ -70,16 +71,21 @@ def _check_world(accelerator, context) -> None:
                          "tensor_parallel_size > 1; use zero_stage=1/2/3 of oslo_models.training.prepare instead")
 
 
-def _check_pipeline(accelerator) -> None:
-    """What the pipelined ``model.train_step`` does not combine with (yet): clear errors, before any collective."""
+def _check_pipeline(accelerator, context, zero_stage: int | None) -> None:
+    """What the pipelined ``model.train_step`` does not combine with (yet): clear errors, before anything is
+    wrapped and before any collective."""
+    stage = context.config.zero_stage if zero_stage is None else zero_stage
+    if stage >= 2:
+        raise NotImplementedError(f"zero_stage={stage} with pipeline_parallel_size > 1 is not implemented; use "
+                                  f"zero_stage=1 (optimizer state sharded over the data-parallel group)")
     if accelerator.gradient_accumulation_steps > 1:
         raise ValueError("gradient_accumulation_steps > 1 with pipeline_parallel_size > 1: the pipeline already "
                          "accumulates over its microbatches; raise ParallelConfig.num_microbatches (and the batch) "
                          "instead")
-    if str(accelerator.mixed_precision) != "no":
+    if str(accelerator.mixed_precision) not in ("no", "bf16"):
         raise NotImplementedError(f"mixed_precision={accelerator.mixed_precision!r} with pipeline_parallel_size > "
-                                  f"1 is not implemented (the schedule runs the stages outside Accelerate's "
-                                  f"autocast); load the model with dtype=torch.bfloat16 instead")
+                                  f"1 is not implemented (fp16 needs loss scaling inside the schedule's backward); "
+                                  f"use mixed_precision='bf16', or load the model with dtype=torch.bfloat16")
 
 
 def _prepare_dataloader(accelerator, loader, context):
@@ -115,12 +121,15 @@ def prepare(accelerator, model, *objects, zero_stage: int | None = None, cpu_off
     _check_world(accelerator, context)
     check_mixed_precision(accelerator)
     if context.pp_size > 1:
-        _check_pipeline(accelerator)
+        _check_pipeline(accelerator, context, zero_stage)
     optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
     if len(optimizers) > 1:
         raise ValueError("pass at most one optimizer (one model, one optimizer)")
     # Autocast, compile and placement only: Accelerate must not wrap the model in world-wide DDP.
     model = accelerator.prepare_model(model, evaluation_mode=True)
+    if context.pp_size > 1 and str(accelerator.mixed_precision) == "bf16":
+        # The schedule runs the stages, not model.forward (which Accelerate wrapped): each stage autocasts itself.
+        unwrap_model(model)._oslo_autocast_dtype = torch.bfloat16
     model, sharded = shard_data_parallel(model, optimizers[0] if optimizers else None, zero_stage=zero_stage,
                                          cpu_offload=cpu_offload, **ddp_kwargs)
     # device_placement=False: the state is already where the parameters are, and Accelerate's placement round trip

@@ -21,7 +21,8 @@ stage  what is sharded over dp                     engine and collectives (per o
 
 With pipeline parallelism (``pipeline_parallel_size > 1``) ``model.train_step`` runs the schedule and all-reduces
 each stage's gradients over dp itself, so the model is not wrapped; stage 1 shards the optimizer state of each
-stage over its dp group; stages 2/3 raise ``NotImplementedError`` (not built yet).
+stage over its dp group; stages 2/3 raise ``NotImplementedError`` (not built yet; ``ParallelConfig`` and
+``prepare`` refuse them before anything is built).
 
 ``cpu_offload`` (stages 2 and 3) keeps the sharded parameters, gradients and optimizer state in host memory
 (FSDP2 ``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
@@ -29,7 +30,9 @@ stage over its dp group; stages 2/3 raise ``NotImplementedError`` (not built yet
 FSDP2 shards each tensor-parallel *local* tensor along its dim 0 over dp, so a weight of a tp x dp layout ends up
 split twice: over tp by the model's plan, over dp by FSDP. Transformer blocks (``model._no_split_modules``, the
 same hint ``transformers`` and Accelerate use for wrapping) each become one FSDP unit, so only one block's
-parameters are gathered at a time; the root unit holds the embeddings, final norm and (tied) head.
+parameters are gathered at a time; the root unit holds the embeddings, final norm and (tied) head. A block that
+shares a parameter with a module outside it (BERT/RoBERTa's embeddings, tied to the MLM decoder) is not made a unit:
+FSDP2 lets a parameter belong to one unit only, so it stays in the root with its other copy (``fsdp_units``).
 """
 from __future__ import annotations
 
@@ -84,15 +87,31 @@ def _check_fresh(optimizer: torch.optim.Optimizer) -> None:
                          "state with oslo_models.training.load_checkpoint afterwards")
 
 
+def _shares_parameters_outside(prefix: str, module: nn.Module, model: nn.Module) -> bool:
+    """Whether a parameter of ``module`` (at ``prefix``) is also registered outside it: a tied weight, e.g. BERT's
+    word embeddings are the MLM decoder's weight. FSDP2 lets one parameter belong to one unit only."""
+    inside = {id(param) for param in module.parameters()}
+    return any(id(param) in inside and not name.startswith(prefix + ".")
+               for name, param in model.named_parameters(remove_duplicate=False))
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules that become their own FSDP unit: the model's blocks (``_no_split_modules``) that share no
+    parameter with a module outside them. A block holding a tied weight (BERT/RoBERTa embeddings, tied to the MLM
+    decoder in the root) stays in the root unit with the other copy."""
+    block_types = set(getattr(model, "_no_split_modules", None) or ())
+    return [module for prefix, module in model.named_modules()
+            if module is not model and type(module).__name__ in block_types
+            and not _shares_parameters_outside(prefix, module, model)]
+
+
 def _fully_shard(model: nn.Module, mesh, *, reshard_after_forward: bool, cpu_offload: bool) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    block_types = set(getattr(model, "_no_split_modules", None) or ())
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
-    for module in model.modules():
-        if module is not model and type(module).__name__ in block_types:
-            fully_shard(module, **options)
+    for module in fsdp_units(model):
+        fully_shard(module, **options)
     # The root keeps what no block owns; its parameters are needed first and last, so never reshard them early.
     fully_shard(model, **{**options, "reshard_after_forward": False})
 

@@ -8,7 +8,25 @@ from .modeling_roberta import (
     RobertaPreTrainedModel,
 )
 from .parallel_plan import ROBERTA_BASE_PLAN, ROBERTA_HEAD_PLAN, ROBERTA_MLM_PLAN
+from .variants import (
+    CamembertConfig,
+    CamembertForMaskedLM,
+    CamembertForQuestionAnswering,
+    CamembertForSequenceClassification,
+    CamembertForTokenClassification,
+    CamembertModel,
+    XLMRobertaConfig,
+    XLMRobertaForMaskedLM,
+    XLMRobertaForQuestionAnswering,
+    XLMRobertaForSequenceClassification,
+    XLMRobertaForTokenClassification,
+    XLMRobertaModel,
+)
 
 __all__ = ["RobertaConfig", "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
            "RobertaForTokenClassification", "RobertaForQuestionAnswering", "RobertaPreTrainedModel",
            "ROBERTA_BASE_PLAN", "ROBERTA_MLM_PLAN", "ROBERTA_HEAD_PLAN"]
+__all__ += ["XLMRobertaConfig", "XLMRobertaModel", "XLMRobertaForMaskedLM", "XLMRobertaForSequenceClassification",
+            "XLMRobertaForTokenClassification", "XLMRobertaForQuestionAnswering", "CamembertConfig", "CamembertModel",
+            "CamembertForMaskedLM", "CamembertForSequenceClassification", "CamembertForTokenClassification",
+            "CamembertForQuestionAnswering"]

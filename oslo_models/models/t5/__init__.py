@@ -1,5 +1,7 @@
 from .configuration_t5 import T5Config
 from .modeling_t5 import T5EncoderModel, T5ForConditionalGeneration, T5Model, T5PreTrainedModel
+from .mt5 import MT5Config, MT5EncoderModel, MT5ForConditionalGeneration, MT5Model
 from .parallel_plan import T5_PLAN
 
 __all__ = ["T5Config", "T5Model", "T5ForConditionalGeneration", "T5EncoderModel", "T5PreTrainedModel", "T5_PLAN"]
+__all__ += ["MT5Config", "MT5Model", "MT5ForConditionalGeneration", "MT5EncoderModel"]

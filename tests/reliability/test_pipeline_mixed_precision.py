@@ -1,0 +1,87 @@
+"""Pipeline parallelism with Accelerate's bf16 mixed precision: ``om.training.prepare`` makes each stage run under
+autocast inside the schedule (Accelerate's wrapper of ``model.forward`` never runs there), so pp=2 GPT-2 equals
+``transformers`` under the same autocast: loss and every gradient over 2 AdamW steps to bf16 tolerance, the
+first loss to fp32 rounding (the fp32 run misses it), every stage matmul in bf16, fp32 master weights. ZeRO-2/3 with pp is
+refused before anything is wrapped, in ``prepare`` and in ``ParallelConfig``."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from accelerate import Accelerator
+
+import oslo_models as om
+from oslo_models import training
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import expected_shard, save_tiny_gpt2
+from tests.helpers.pipeline import ADAMW
+
+BF16 = dict(atol=2e-3, rtol=2e-2)
+
+
+def _batch():
+    ids = torch.randint(1, 101, (4, 16), generator=torch.Generator().manual_seed(5))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _reference_steps(path, autocast: bool):
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    losses, grads = [], []
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = reference(**_batch()).loss
+        loss.backward()
+        losses.append(loss.detach().float())
+        grads.append({n: p.grad.clone() for n, p in reference.named_parameters(remove_duplicate=False)})
+        opt.step(), opt.zero_grad()
+    return losses, grads
+
+
+def _worker(path: str) -> None:
+    bf16_losses, bf16_grads = _reference_steps(path, autocast=True)
+    fp32_losses, _ = _reference_steps(path, autocast=False)
+    # The setup tells bf16 from fp32: a stage that silently ran in fp32 would miss the step-0 loss below.
+    assert (fp32_losses[0] - bf16_losses[0]).abs() > 1e-5
+    cfg = om.ParallelConfig(pipeline_parallel_size=2, num_microbatches=2)
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+
+    refused = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False)
+    with pytest.raises(NotImplementedError, match="zero_stage=2 with pipeline_parallel_size > 1"):
+        training.prepare(accelerator, refused, torch.optim.AdamW(refused.parameters()), zero_stage=2)
+    assert not hasattr(refused, "_original_forward") and not hasattr(refused, "_oslo_autocast_dtype")  # untouched
+
+    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
+    model, opt = training.prepare(accelerator, model, torch.optim.AdamW(model.parameters(), **ADAMW))
+    seen = set()
+    for module in model.modules():
+        if type(module).__name__.endswith("Linear"):  # this project's (column/row-parallel) linears
+            module.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
+    for step in range(2):
+        loss = model.train_step(_batch())
+        torch.testing.assert_close(loss, bf16_losses[step], **BF16)
+        # bf16 and fp32 runs differ by more than the tolerance: a stage running in fp32 would fail above.
+        if step == 0:  # same bf16 matmuls as the reference: the loss agrees to fp32 rounding of the sum
+            torch.testing.assert_close(loss, bf16_losses[0], atol=2e-6, rtol=0)
+        for name, param in model.named_parameters():
+            expected = expected_shard(model, name, bf16_grads[step][name])
+            torch.testing.assert_close(param.grad, expected, **BF16, msg=lambda m, n=name: f"{n}: {m}")
+        opt.step(), opt.zero_grad()
+    assert seen == {torch.bfloat16}, seen  # every matmul of the stages ran under autocast
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_gpt2(tmp_path_factory.mktemp("gpt2"), n_layer=4)
+
+
+def test_bf16_autocast_with_pipeline_matches_transformers(checkpoint):
+    run_distributed(_worker, 2, checkpoint, timeout=180)
+
+
+def test_config_refuses_zero23_with_pipeline():
+    for stage in (2, 3):
+        with pytest.raises(NotImplementedError, match=f"zero_stage={stage} with pipeline_parallel_size > 1"):
+            om.ParallelConfig(pipeline_parallel_size=2, zero_stage=stage)
+    om.ParallelConfig(pipeline_parallel_size=2, zero_stage=1)  # ZeRO-1 composes with pp
