@@ -1,10 +1,11 @@
 """A run stopped and resumed from a training checkpoint continues bit for bit, with dropout on.
 
-GPT-2 with dropout 0.1 everywhere at tp=2 + SP x dp=2 (ZeRO-1), fed by ``build_dataloader`` (shuffled, resumable):
+GPT-2 with dropout 0.1 everywhere at tp=2 x dp=2 (ZeRO-1), fed by ``build_dataloader`` (shuffled, resumable):
 4 steps uninterrupted; then 2 steps, ``save_checkpoint``, fresh objects under another seed, ``load_checkpoint``,
 2 more steps. The last two losses must be *equal* to the uninterrupted ones, which needs every random stream
-restored: torch's generator (replicated dropout: embeddings, residual without SP), each rank's tensor-parallel
-stream (attention probabilities, SP residual chunks) and the loader's position.
+restored: torch's generator (replicated dropout: embeddings and residual stream), each rank's tensor-parallel stream
+(attention probabilities of its heads) and the loader's position. Sequence parallelism stays off here: under SP
+every GPT-2 dropout draws from the tensor-parallel stream, and the torch generator would go untested.
 
 Negative controls run the resumed step with one stream set wrong (torch reseeded; the tensor-parallel stream of
 another seed): the loss must change, so the equality above depends on both streams.
@@ -38,7 +39,7 @@ class _Tokens(torch.utils.data.Dataset):
 
 
 def _build(path):
-    cfg = om.ParallelConfig(tensor_parallel_size=2, sequence_parallel=True)
+    cfg = om.ParallelConfig(tensor_parallel_size=2)
     model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     model, opt = training.shard_data_parallel(model, opt, zero_stage=1)
