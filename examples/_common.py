@@ -1,14 +1,18 @@
-"""Pieces shared by examples/train_clm.py, train_mlm.py and train_seq2seq.py: CLI, data, the Accelerate loop, export.
+"""Pieces shared by examples/train_clm.py, train_mlm.py and train_seq2seq.py: CLI, launch checks, data and
+tokenizer, the Accelerate loop, export.
 
 Not a public API: each script imports what it needs (``from _common import ...``; the scripts' folder is on
-``sys.path`` when they run).
+``sys.path`` when they run). Evaluation is in ``_evaluate.py``; loss file, plot, trackers and Hub upload in
+``_report.py``.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import gc
 import math
 import os
+import sys
+import warnings
 
 import torch
 import transformers
@@ -16,45 +20,67 @@ from tqdm.auto import tqdm
 
 import oslo_models as om
 from oslo_models import training
+from oslo_models.cli import HelpFormatter
+from _evaluate import Evaluator
+from _report import Reporter, check_trackers, export_files, trackers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILTIN_CORPUS = os.path.join(HERE, "data", "public_domain.txt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.model")
 
 
-def build_parser(description: str, *, output: str, model_help: str, lr: float = 3e-3,
+class UsageError(ValueError):
+    """A wrong option or launch: every rank finds it alike, rank 0 prints one line, all exit with status 2."""
+
+
+def build_parser(doc: str, *, output: str, model_help: str, lr: float = 3e-3,
                  vocab_help: str = "BPE size when training a tokenizer") -> argparse.ArgumentParser:
-    """The options every example takes; a script adds its own before :func:`parse_args`."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", help="YAML file with any of the options below")
-    parser.add_argument("--model", help=model_help)
-    parser.add_argument("--data", help="corpus prefix (.bin/.idx) or a text/jsonl file; default: built-in corpus")
-    parser.add_argument("--output", default=output)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (GPT-2, BERT, T5 only)")
-    parser.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches per step")
-    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved_1f1b or zero_bubble")
-    parser.add_argument("--virtual-stages", type=int, default=1, help="stages per rank (interleaved schedules)")
-    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over dp")
-    parser.add_argument("--cpu-offload", action="store_true", help="ZeRO 2/3: params/grads/optimizer on CPU")
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--fp16", action="store_true", help="GPU only (loss scaling)")
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=8, help="micro-batch per data-parallel rank")
-    parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--lr", type=float, default=lr)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--n-layer", type=int, default=2)
-    parser.add_argument("--n-embd", type=int, default=128)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--vocab-size", type=int, default=512, help=vocab_help)
-    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    parser.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint")
-    parser.add_argument("--stop-at", type=int, default=0,
-                        help="end this run (checkpointed) at this step, to --resume later (a time-limited job)")
-    parser.add_argument("--seed", type=int, default=0)
+    """The options every example takes; a script adds its own before :func:`parse_args`. ``doc``: the script's
+    docstring, shown whole by ``--help`` (it holds the launch examples)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
+    add = parser.add_argument
+    add("--config", help="YAML file with any of the options below as keys (dashes or underscores)")
+    add("--model", help=model_help)
+    add("--tokenizer", help="tokenizer folder or Hub id; default: --model's, or one trained on --data")
+    add("--data", help="corpus prefix (.bin/.idx) or a text/jsonl file; default: the built-in corpus")
+    add("--text-field", default="text", help="the field holding the text in a jsonl --data / --eval-data")
+    add("--eval-data", help="held-out corpus (prefix or text/jsonl file): loss and perplexity at --eval-every")
+    add("--eval-every", type=int, default=0, help="evaluate every N optimizer steps (0: only at the end)")
+    add("--eval-samples", type=int, default=256, help="at most this many held-out windows per evaluation")
+    add("--output", default=output, help="folder for checkpoint/, model/, loss.json, loss.png")
+    add("--tp", type=int, default=1, help="tensor-parallel size")
+    add("--sequence-parallel", action="store_true", help="Megatron sequence parallelism inside tp")
+    add("--pp", type=int, default=1, help="pipeline stages")
+    add("--microbatches", type=int, default=None, help="pipeline microbatches per step (default: pp)")
+    add("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved_1f1b or zero_bubble")
+    add("--virtual-stages", type=int, default=1, help="stages per rank (interleaved_1f1b, zero_bubble)")
+    add("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the data-parallel group")
+    add("--cpu-offload", action="store_true", help="ZeRO 2/3: params/grads/optimizer on CPU")
+    add("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
+        help="overrides `accelerate launch --mixed_precision` and the accelerate config file (default: theirs)")
+    add("--bf16", action="store_true", help="same as --mixed-precision bf16")
+    add("--fp16", action="store_true", help="same as --mixed-precision fp16 (GPU only: loss scaling)")
+    add("--steps", type=int, default=200, help="optimizer steps")
+    add("--seq-len", type=int, default=64, help="tokens per sample")
+    add("--batch-size", type=int, default=8, help="micro-batch per data-parallel rank")
+    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    add("--lr", type=float, default=lr, help="peak learning rate (AdamW)")
+    add("--warmup", type=int, default=10, help="linear warm-up steps, then cosine decay")
+    add("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    add("--n-layer", type=int, default=2, help="layers of a model built from config")
+    add("--n-embd", type=int, default=128, help="hidden size of a model built from config")
+    add("--n-head", type=int, default=4, help="attention heads of a model built from config")
+    add("--vocab-size", type=int, default=512, help=vocab_help)
+    add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    add("--resume", action="store_true", help="continue from OUTPUT/checkpoint")
+    add("--stop-at", type=int, default=0,
+        help="end this run (checkpointed) at this step, to --resume later (a time-limited job)")
+    add("--report-to", default="none",
+        help="comma-separated Accelerate trackers (tensorboard, wandb, mlflow, ..., all) and/or 'jsonl' "
+             "(OUTPUT/metrics.jsonl, needs nothing installed)")
+    add("--push-to-hub", metavar="REPO_ID", help="upload the final Hub folder (model + tokenizer) to this repo")
+    add("--seed", type=int, default=0, help="weights, data order and masking")
     return parser
 
 
@@ -67,52 +93,186 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
         with open(args.config, encoding="utf-8") as handle:
             values = yaml.safe_load(handle) or {}
         known = vars(args)
-        for key, value in values.items():
-            key = key.replace("-", "_")
-            if key not in known or key == "config":
-                raise ValueError(f"unknown option {key!r} in {args.config}")
+        for key in values:
+            if key.replace("-", "_") not in known or key == "config":
+                parser.error(f"unknown option {key!r} in {args.config}")
         # the YAML sets defaults; flags given on the command line still win
         parser.set_defaults(**{k.replace("-", "_"): v for k, v in values.items()})
         args = parser.parse_args(argv)
-    if args.bf16 and args.fp16:
-        raise ValueError("choose one of --bf16 and --fp16")
+    flags = [name for name in ("bf16", "fp16") if getattr(args, name)]
+    if len(flags) > 1 or (flags and args.mixed_precision not in (None, flags[0])):
+        parser.error("choose one of --bf16, --fp16 and --mixed-precision")
+    if flags:
+        args.mixed_precision = flags[0]
     return args
 
 
-def prepare_data(args, context, train_tokenizer) -> tuple[str, transformers.PreTrainedTokenizerBase]:
-    """Tokenizer and corpus prefix; rank 0 builds what is missing while the others wait.
+def check_launch(args) -> om.ParallelConfig:
+    """Everything about the launch that can be wrong, from the options and the launcher's environment alone (no
+    process group, no model): the world against tp x pp, pipeline limits, ZeRO options. Raises ``UsageError``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = om.ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel=args.sequence_parallel,
+                                zero_stage=args.zero, pipeline_parallel_size=args.pp,
+                                num_microbatches=args.microbatches, pipeline_schedule=args.schedule,
+                                virtual_pipeline_size=args.virtual_stages)
+        dp = cfg.resolve_data_parallel_size(world)
+    except (ValueError, NotImplementedError) as error:
+        raise UsageError(str(error)) from None
+    mixed = args.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    for name in ("steps", "seq_len", "batch_size", "grad_accum"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.pp > 1:
+        if args.zero >= 2:
+            raise UsageError(f"--zero {args.zero} with --pp {args.pp} is not implemented: use --zero 1 (optimizer "
+                             f"state sharded over the data-parallel group) or --zero 0")
+        if mixed != "no":
+            raise UsageError(f"mixed precision ({mixed}) with --pp is not implemented: the schedule runs stages "
+                             f"outside Accelerate's autocast; launch with --mixed_precision no")
+        if args.grad_accum > 1:
+            raise UsageError("--grad-accum with --pp: the pipeline already accumulates over its microbatches; "
+                             "raise --microbatches and --batch-size instead")
+        microbatches = cfg.num_microbatches or args.pp  # the runner's default
+        if args.batch_size % microbatches:
+            raise UsageError(f"--batch-size {args.batch_size} does not split into --microbatches {microbatches}")
+    if args.cpu_offload and args.zero < 2:
+        raise UsageError(f"--cpu-offload needs --zero 2 or 3, got --zero {args.zero}")
+    if mixed == "fp16" and not torch.cuda.is_available():
+        raise UsageError("fp16 needs a GPU (loss scaling); use bf16 on CPU")
+    problem = check_trackers(args)
+    if problem:
+        raise UsageError(problem)
+    if args.zero and dp == 1:
+        print_once(f"note: --zero {args.zero} with data-parallel size 1 shards nothing")
+    return cfg
 
-    ``train_tokenizer(text_file, folder, vocab_size)`` writes a tokenizer folder when there is no ``--model``.
+
+def print_once(message: str, file=None) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=file or sys.stderr, flush=True)
+
+
+def run(main, argv=None) -> None:
+    """Run ``main(argv)`` and end the process deterministically.
+
+    A ``UsageError`` (raised alike on every rank) becomes one line from rank 0 and exit status 2 on every rank,
+    instead of one traceback per rank. After ``main`` returns, its objects are freed while the interpreter is
+    whole: the pipelined model and its runner refer to each other (a cycle only the garbage collector frees) and
+    hold the pipeline and tied-embedding process groups; left to interpreter finalization, a gloo group's
+    destructor there can hang or abort the rank ("terminate called without an active exception"). Then every rank
+    meets at a barrier and the process groups are destroyed. Any other exception propagates untouched (a rank
+    that fails must not wait for the others), and the launcher stops the job.
+    """
+    try:
+        main(argv)
+    except UsageError as error:
+        print_once(f"{os.path.basename(sys.argv[0])}: error: {error}")
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        sys.exit(2)
+    teardown()
+
+
+def teardown() -> None:
+    """Free what is only held in reference cycles (the pipelined model and its runner, with their process
+    groups), then barrier and destroy the process groups: all while the interpreter is whole. Every rank."""
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def _has_tokenizer_files(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES)
+
+
+def tokenizer_source(args) -> str | None:
+    """Where the tokenizer comes from: ``--tokenizer``, else ``--model``; ``None``: train one into OUTPUT."""
+    if args.tokenizer:
+        return args.tokenizer
+    if args.model and os.path.isdir(args.model) and not _has_tokenizer_files(args.model):
+        raise UsageError(f"--model {args.model} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...): "
+                         f"pass --tokenizer FOLDER_OR_HUB_ID")
+    return args.model
+
+
+def check_tokenizer(args, tokenizer) -> None:
+    """Refuse a tokenizer whose ids do not fit the model's embedding (``--model``'s config vocab_size)."""
+    if len(tokenizer) <= 1:
+        raise UsageError(f"the tokenizer from {args.tokenizer or args.model} is empty (vocabulary {len(tokenizer)})")
+    if args.model:
+        vocab = transformers.AutoConfig.from_pretrained(args.model).vocab_size
+        if len(tokenizer) > vocab:
+            raise UsageError(f"the tokenizer has {len(tokenizer)} tokens but {args.model} embeds {vocab}: ids past "
+                             f"{vocab - 1} would index outside the embedding; pass the model's own --tokenizer")
+
+
+def _tokenize(args, source: str, prefix: str, tokenizer_dir: str) -> str:
+    """Rank 0 only: a ``.bin/.idx`` prefix for ``source`` (itself when it is one, else tokenized to ``prefix``)."""
+    if os.path.isfile(str(source) + ".idx"):
+        return source
+    if not os.path.isfile(prefix + ".idx"):
+        om.data.preprocess(source, prefix, tokenizer_dir, text_field=args.text_field, show_progress=False)
+    return prefix
+
+
+def prepare_data(args, context, train_tokenizer) -> tuple[str, str | None, transformers.PreTrainedTokenizerBase]:
+    """``(train prefix, eval prefix or None, tokenizer)``; rank 0 builds what is missing while the others wait.
+
+    ``train_tokenizer(text_file, folder, vocab_size)`` writes a tokenizer folder when neither ``--tokenizer`` nor
+    ``--model`` gives one.
     """
     data = args.data or BUILTIN_CORPUS
-    tokenizer_dir = args.model or os.path.join(args.output, "tokenizer")
+    tokenizer_dir = tokenizer_source(args) or os.path.join(args.output, "tokenizer")
     is_prefix = os.path.isfile(str(data) + ".idx")
     prefix = data if is_prefix else os.path.join(args.output, "corpus")
+    eval_prefix = None
+    if args.eval_data:
+        eval_prefix = args.eval_data if os.path.isfile(args.eval_data + ".idx") else os.path.join(args.output,
+                                                                                                  "eval_corpus")
+    train_one = tokenizer_dir == os.path.join(args.output, "tokenizer") and not _has_tokenizer_files(tokenizer_dir)
+    if train_one and is_prefix:  # on every rank alike, before the others would wait for rank 0
+        raise UsageError("--data is a token file: pass --tokenizer (or --model) for its tokenizer")
     if context.is_main_process:
         os.makedirs(args.output, exist_ok=True)
-        if args.model is None and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
-            if is_prefix:
-                raise ValueError("--data is a token file: pass --model for its tokenizer")
+        if train_one:
             train_tokenizer(data, tokenizer_dir, args.vocab_size)
-        if not is_prefix and not os.path.isfile(prefix + ".idx"):
-            om.data.preprocess(data, prefix, tokenizer_dir, show_progress=False)
+        _tokenize(args, data, prefix, tokenizer_dir)
+        if args.eval_data:
+            _tokenize(args, args.eval_data, eval_prefix, tokenizer_dir)
     context.barrier()
-    return prefix, transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    check_tokenizer(args, tokenizer)
+    check_corpus(tokenizer, prefix, eval_prefix)
+    return prefix, eval_prefix, tokenizer
 
 
-def make_accelerator(args):
-    """``(accelerator, parallel context, mixed-precision mode)`` from the common options."""
+def check_corpus(tokenizer, *prefixes) -> None:
+    """Refuse a token file written with another vocabulary (a ``--data`` prefix, or OUTPUT/corpus left by a run
+    with another tokenizer): its ids would mean other tokens."""
+    for prefix in filter(None, prefixes):
+        corpus = om.data.MMapTokenDataset(prefix)
+        if corpus.header.get("tokenizer") is None:  # written without a tokenizer record: nothing to compare
+            continue
+        try:
+            corpus.check_tokenizer(tokenizer)
+        except ValueError as error:
+            raise UsageError(f"{error}. Pass the corpus' own --tokenizer, or delete {prefix}.bin/.idx (files in "
+                             f"--output are rebuilt)") from None
+
+
+def make_accelerator(args, cfg: om.ParallelConfig):
+    """``(accelerator, parallel context)``. Mixed precision: ``--mixed-precision`` when given, else what
+    ``accelerate launch`` / the accelerate config file set (``None`` lets the Accelerator read them)."""
     from accelerate import Accelerator
 
-    mixed = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
     # cpu=True on a machine without GPUs: torchrun ranks would otherwise each run alone (DistributedType.NO).
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed,
-                              gradient_accumulation_steps=args.grad_accum)
-    cfg = om.ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel=args.sequence_parallel,
-                            zero_stage=args.zero, pipeline_parallel_size=args.pp, num_microbatches=args.microbatches,
-                            pipeline_schedule=args.schedule, virtual_pipeline_size=args.virtual_stages)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
+                              gradient_accumulation_steps=args.grad_accum, log_with=trackers(args) or None,
+                              project_dir=args.output)
     context = om.ParallelContext.from_config(cfg)  # reuses the process group Accelerate started
-    return accelerator, context, mixed
+    return accelerator, context
 
 
 def optimizer_and_scheduler(args, model):
@@ -121,33 +281,23 @@ def optimizer_and_scheduler(args, model):
     return optimizer, scheduler
 
 
-def plot_losses(losses: list[float], path: str, title: str = "train_clm.py") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def train_loop(args, accelerator, model, optimizer, loader, scheduler) -> tuple[int, list[float]]:
-    """Run (or resume) ``args.steps`` optimizer steps; checkpoint to ``OUTPUT/checkpoint``. Returns
-    ``(step, losses)`` with one dp-mean loss per optimizer step."""
+def resume(args, accelerator, model, optimizer, scheduler, loader) -> tuple[int, list[float]]:
+    """``(step, losses)`` to start from: ``OUTPUT/checkpoint`` with ``--resume``, else ``(0, [])``."""
     checkpoint_dir = os.path.join(args.output, "checkpoint")
-    step, losses = 0, []
     if args.resume and os.path.isdir(checkpoint_dir):
         info = training.load_checkpoint(checkpoint_dir, model, optimizer, scheduler, dataloader=loader,
                                         scaler=accelerator.scaler)
-        step, losses = info["step"], list(info["extra"].get("losses", []))
-        accelerator.print(f"resumed at step {step} from {checkpoint_dir} (saved at {info['layout']})")
+        accelerator.print(f"resumed at step {info['step']} from {checkpoint_dir} (saved at {info['layout']})")
+        return info["step"], list(info["extra"].get("losses", []))
+    return 0, []
+
+
+def train_loop(args, accelerator, model, optimizer, loader, scheduler, reporter: Reporter,
+               evaluator: Evaluator | None) -> tuple[int, list[float]]:
+    """Run (or resume) ``args.steps`` optimizer steps; checkpoint to ``OUTPUT/checkpoint``; evaluate every
+    ``--eval-every`` steps and at the end. Returns ``(step, losses)`` with one dp-mean loss per optimizer step."""
+    checkpoint_dir = os.path.join(args.output, "checkpoint")
+    step, losses = resume(args, accelerator, model, optimizer, scheduler, loader)
 
     def save(step_now: int) -> None:
         training.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, dataloader=loader,
@@ -181,10 +331,14 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler) -> tuple[
         running.zero_()
         step += 1
         losses.append(mean)
+        lr = scheduler.get_last_lr()[0]
         progress.update(1)
-        progress.set_postfix(loss=f"{mean:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+        progress.set_postfix(loss=f"{mean:.3f}", lr=f"{lr:.2e}")
+        reporter.log({"train/loss": mean, "train/lr": lr}, step)
         if accelerator.is_main_process and (step % max(1, args.steps // 10) == 0 or step == 1):
             progress.write(f"step {step:5d}  loss {mean:.4f}")
+        if evaluator is not None and args.eval_every and step % args.eval_every == 0 and step < last:
+            reporter.log_eval(evaluator(model), step, progress.write)
         if args.save_every and step % args.save_every == 0:
             save(step)
         if step >= last:
@@ -192,41 +346,52 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler) -> tuple[
     progress.close()
     if not math.isfinite(losses[-1] if losses else 0.0):
         raise RuntimeError("the loss is not finite")
+    if evaluator is not None:
+        reporter.log_eval(evaluator(model), step, accelerator.print)
     save(step)
     return step, losses
 
 
-def fit(args, accelerator, context, mixed: str, model, dataset, collator, tokens: str):
+def fit(args, accelerator, context, model, dataset, collator, tokens: str, evaluator: Evaluator | None = None):
     """Loader, optimizer and scheduler, ``training.prepare``, then :func:`train_loop`: the part every example
-    shares. ``tokens`` describes one sample for the start-up line. Returns ``(model, step, losses)``."""
+    shares. ``tokens`` describes one sample for the start-up line. Returns ``(model, step, losses, reporter)``."""
     loader = om.data.build_dataloader(dataset, args.batch_size, collator, parallel_context=context, seed=args.seed)
     optimizer, scheduler = optimizer_and_scheduler(args, model)
+    if args.zero and context.dp_size > 1:
+        # ZeRO builds a new (sharded) optimizer after the scheduler was made on the plain one, and prepare points
+        # the scheduler at it; torch then warns once per rank that optimizer.step() "has been overridden after
+        # learning rate scheduler initialization". The schedule is still applied to the optimizer that steps.
+        warnings.filterwarnings("ignore", message=r"Seems like `optimizer.step\(\)` has been overridden")
+        accelerator.print(f"note: --zero {args.zero} rebuilds the optimizer over the data-parallel group; the LR "
+                          f"scheduler follows it (torch's 'optimizer.step() has been overridden' warning is "
+                          f"silenced)")
+    if args.zero >= 2 and context.dp_size > 1:
+        # FSDP2 warns (once per rank) when the model returns a view (e.g. logits from a biased Linear over [b, s, h]):
+        # an in-place op on it would skip a hook. This loop never modifies model outputs in place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     model, optimizer, loader, scheduler = training.prepare(accelerator, model, optimizer, loader, scheduler,
                                                            zero_stage=args.zero, cpu_offload=args.cpu_offload)
     global_batch = args.batch_size * args.grad_accum * context.dp_size
-    accelerator.print(f"{context}; zero_stage={args.zero}; mixed_precision={mixed}; global batch {global_batch} "
-                      f"x {tokens}; {len(dataset)} samples")
-    step, losses = train_loop(args, accelerator, model, optimizer, loader, scheduler)
-    return model, step, losses
+    accelerator.print(f"{context}; zero_stage={args.zero}; mixed_precision={accelerator.mixed_precision}; global "
+                      f"batch {global_batch} x {tokens}; {len(dataset)} samples")
+    reporter = Reporter(args, accelerator)
+    step, losses = train_loop(args, accelerator, model, optimizer, loader, scheduler, reporter, evaluator)
+    return model, step, losses, reporter
 
 
-def export(args, accelerator, model, tokenizer, losses: list[float], title: str) -> str:
-    """Hub folder ``OUTPUT/model`` (every rank takes part), and on rank 0 the tokenizer, ``loss.png`` and
-    ``loss.json``. Returns the folder."""
+def export(args, accelerator, model, tokenizer, losses: list[float], title: str, reporter: Reporter) -> str:
+    """Hub folder ``OUTPUT/model`` (every rank takes part: rank 0 writes), and on rank 0 the tokenizer,
+    ``loss.json``, ``loss.png`` and the ``--push-to-hub`` upload. Returns the folder."""
     model_dir = os.path.join(args.output, "model")
     training.save_pretrained(model, model_dir)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(model_dir)
-        plot_losses(losses, os.path.join(args.output, "loss.png"), title)
-        with open(os.path.join(args.output, "loss.json"), "w", encoding="utf-8") as handle:
-            json.dump({"losses": losses, "args": vars(args)}, handle, indent=1)
+        export_files(args, accelerator, losses, reporter, title, model_dir)
     return model_dir
 
 
 def finish(accelerator) -> None:
-    """End the run on every rank together and tear the process groups down before the interpreter exits (gloo
-    groups left to interpreter teardown can abort a rank with "terminate called without an active exception")."""
+    """End the run on every rank together (trackers closed). The process groups are torn down by :func:`run`
+    once ``main`` has returned and its objects are freed."""
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()

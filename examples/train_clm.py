@@ -10,8 +10,11 @@ Without ``--model`` a small GPT-2 is built from config; without ``--data`` the b
 (examples/data) is tokenized with a byte-level BPE trained on it offline (``tokenizers``). ``--data`` takes a
 ``.bin/.idx`` prefix written by ``python -m oslo_models.data preprocess`` or a text/jsonl file (tokenized here).
 
-Writes to ``--output``: ``checkpoint/`` (resumable: ``--resume``), ``loss.png``, ``loss.json`` and ``model/``, a Hub
-folder that plain ``transformers`` loads (``--push-to-hub ID`` uploads it).
+Writes to ``--output``: ``checkpoint/`` (resumable: ``--resume``), ``loss.json``, ``loss.png`` (with matplotlib) and
+``model/``, a Hub folder that plain ``transformers`` loads (``--push-to-hub ID`` uploads it). ``--eval-data FILE``
+reports held-out loss and perplexity (``--eval-every N``); ``--report-to jsonl,tensorboard,...`` logs through
+Accelerate's trackers. Mixed precision follows ``accelerate launch --mixed_precision`` and the accelerate config
+file unless ``--mixed-precision`` (``--bf16``) overrides it.
 """
 from __future__ import annotations
 
@@ -21,15 +24,15 @@ import torch
 import transformers
 
 import oslo_models as om
-from _common import build_parser, export, finish, fit, make_accelerator, prepare_data as _prepare_data
-from _common import parse_args as _parse_args
+from _common import build_parser, check_launch, export, finish, fit, make_accelerator, prepare_data as _prepare_data
+from _common import parse_args as _parse_args, run
+from _evaluate import evaluator_for
 
 
 def parse_args(argv=None):
-    parser = build_parser(__doc__.splitlines()[0], output="train_clm_out",
+    parser = build_parser(__doc__, output="train_clm_out",
                           model_help="Hub id or folder to fine-tune; default: a small GPT-2 from config")
-    parser.add_argument("--prompt", default="Shall I compare thee")
-    parser.add_argument("--push-to-hub", help="repo id to upload the final model to")
+    parser.add_argument("--prompt", default="Shall I compare thee", help="sampled from the saved model at the end")
     return _parse_args(parser, argv)
 
 
@@ -63,17 +66,19 @@ def build_model(args, tokenizer, context):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    accelerator, context, mixed = make_accelerator(args)
-    prefix, tokenizer = prepare_data(args, context)
+    cfg = check_launch(args)  # before any process group or model: one clean error per job
+    accelerator, context = make_accelerator(args, cfg)
+    prefix, eval_prefix, tokenizer = prepare_data(args, context)
     model = build_model(args, tokenizer, context)
 
     global_batch = args.batch_size * args.grad_accum * context.dp_size
     dataset = om.data.PackedCausalLMDataset(prefix, args.seq_len, seed=args.seed,
                                             num_samples=args.steps * global_batch)
-    model, step, losses = fit(args, accelerator, context, mixed, model, dataset, om.data.CausalLMCollator(),
-                              f"{args.seq_len} tokens")
+    evaluator = evaluator_for(args, context, eval_prefix, args.seq_len, om.data.CausalLMCollator)
+    model, step, losses, reporter = fit(args, accelerator, context, model, dataset, om.data.CausalLMCollator(),
+                                        f"{args.seq_len} tokens", evaluator)
 
-    model_dir = export(args, accelerator, model, tokenizer, losses, "train_clm.py")
+    model_dir = export(args, accelerator, model, tokenizer, losses, "train_clm.py", reporter)
     if accelerator.is_main_process:
         plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir)  # plain transformers, no conversion
         prompt = tokenizer(args.prompt, return_tensors="pt")
@@ -81,11 +86,8 @@ def main(argv=None) -> None:
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {step} steps; Hub folder: {model_dir}; "
               f"curve: {os.path.join(args.output, 'loss.png')}")
         print("plain transformers sample:", repr(tokenizer.decode(sample[0])))
-        if args.push_to_hub:
-            plain.push_to_hub(args.push_to_hub)
-            tokenizer.push_to_hub(args.push_to_hub)
     finish(accelerator)
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -8,29 +8,33 @@ Without ``--model`` a tiny BERT is built from config; without ``--data`` the bui
 (examples/data) is tokenized with a WordPiece vocabulary ([PAD] [UNK] [CLS] [SEP] [MASK]) trained on it offline.
 Samples are packed ``--seq-len`` windows of the corpus, masked 80/10/10 by ``om.data.MLMCollator``.
 
-Writes to ``--output``: ``checkpoint/`` (``--resume``), ``loss.png``, ``loss.json`` and ``model/``, a Hub folder that
+Writes to ``--output``: ``checkpoint/`` (``--resume``), ``loss.json``, ``loss.png`` and ``model/``, a Hub folder that
 plain ``transformers.BertForMaskedLM`` loads. Options and ``--config run.yaml`` as in train_clm.py.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import transformers
 
 import oslo_models as om
-from _common import build_parser, export, finish, fit, make_accelerator, parse_args as _parse_args, prepare_data
+from _common import build_parser, check_launch, export, finish, fit, make_accelerator, parse_args as _parse_args
+from _common import prepare_data, run
+from _evaluate import evaluator_for
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 def parse_args(argv=None):
-    parser = build_parser(__doc__.splitlines()[0], output="train_mlm_out", lr=1e-3,
+    parser = build_parser(__doc__, output="train_mlm_out", lr=1e-3,
                           model_help="Hub id or folder to fine-tune; default: a tiny BERT from config",
                           vocab_help="WordPiece size when training a tokenizer")
-    parser.add_argument("--mlm-probability", type=float, default=0.15)
-    parser.add_argument("--whole-word-mask", action="store_true")
-    parser.add_argument("--prompt", default="Shall I [MASK] thee to a summer's day?")
+    parser.add_argument("--mlm-probability", type=float, default=0.15, help="fraction of tokens masked (80/10/10)")
+    parser.add_argument("--whole-word-mask", action="store_true", help="mask all pieces of a chosen word")
+    parser.add_argument("--prompt", default="Shall I [MASK] thee to a summer's day?",
+                        help="filled in by the saved model at the end")
     return _parse_args(parser, argv)
 
 
@@ -64,18 +68,21 @@ def build_model(args, tokenizer, context):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    accelerator, context, mixed = make_accelerator(args)
-    prefix, tokenizer = prepare_data(args, context, train_tokenizer)
+    cfg = check_launch(args)  # before any process group or model: one clean error per job
+    accelerator, context = make_accelerator(args, cfg)
+    prefix, eval_prefix, tokenizer = prepare_data(args, context, train_tokenizer)
     model = build_model(args, tokenizer, context)
 
     global_batch = args.batch_size * args.grad_accum * context.dp_size
     dataset = om.data.PackedCausalLMDataset(prefix, args.seq_len, seed=args.seed,
                                             num_samples=args.steps * global_batch)
-    collator = om.data.MLMCollator(tokenizer, mlm_probability=args.mlm_probability,
-                                   whole_word_mask=args.whole_word_mask, seed=args.seed)
-    model, step, losses = fit(args, accelerator, context, mixed, model, dataset, collator, f"{args.seq_len} tokens")
+    make_collator = functools.partial(om.data.MLMCollator, tokenizer, mlm_probability=args.mlm_probability,
+                                      whole_word_mask=args.whole_word_mask, seed=args.seed)
+    evaluator = evaluator_for(args, context, eval_prefix, args.seq_len, make_collator)
+    model, step, losses, reporter = fit(args, accelerator, context, model, dataset, make_collator(),
+                                        f"{args.seq_len} tokens", evaluator)
 
-    model_dir = export(args, accelerator, model, tokenizer, losses, "train_mlm.py")
+    model_dir = export(args, accelerator, model, tokenizer, losses, "train_mlm.py", reporter)
     if accelerator.is_main_process:
         plain = transformers.BertForMaskedLM.from_pretrained(model_dir).eval()  # plain transformers
         enc = tokenizer(args.prompt, return_tensors="pt")
@@ -90,4 +97,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -11,29 +11,33 @@ Without ``--model`` a tiny T5 is built from config; without ``--data`` the built
 ``om.data.t5_lengths(--seq-len)`` raw tokens become ``--seq-len``-token encoder inputs through
 ``om.data.T5SpanCorruptionCollator`` (15% noise, mean span 3).
 
-Writes to ``--output``: ``checkpoint/`` (``--resume``), ``loss.png``, ``loss.json`` and ``model/``, a Hub folder that
+Writes to ``--output``: ``checkpoint/`` (``--resume``), ``loss.json``, ``loss.png`` and ``model/``, a Hub folder that
 plain ``transformers.T5ForConditionalGeneration`` loads. Options and ``--config run.yaml`` as in train_clm.py.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import transformers
 
 import oslo_models as om
-from _common import build_parser, export, finish, fit, make_accelerator, parse_args as _parse_args, prepare_data
+from _common import build_parser, check_launch, export, finish, fit, make_accelerator, parse_args as _parse_args
+from _common import prepare_data, run
+from _evaluate import evaluator_for
 
 
 def parse_args(argv=None):
-    parser = build_parser(__doc__.splitlines()[0], output="train_seq2seq_out", lr=3e-3,
+    parser = build_parser(__doc__, output="train_seq2seq_out", lr=3e-3,
                           model_help="Hub id or folder to fine-tune; default: a tiny T5 from config",
                           vocab_help="BPE size (sentinels included) when training a tokenizer")
     parser.add_argument("--d-kv", type=int, default=32, help="per-head size of the tiny T5")
     parser.add_argument("--sentinels", type=int, default=100, help="<extra_id_N> tokens of a trained tokenizer")
-    parser.add_argument("--noise-density", type=float, default=0.15)
-    parser.add_argument("--mean-noise-span-length", type=float, default=3.0)
-    parser.add_argument("--prompt", default="Shall I <extra_id_0> thee to a summer's <extra_id_1>?")
+    parser.add_argument("--noise-density", type=float, default=0.15, help="fraction of tokens corrupted")
+    parser.add_argument("--mean-noise-span-length", type=float, default=3.0, help="mean corrupted span length")
+    parser.add_argument("--prompt", default="Shall I <extra_id_0> thee to a summer's <extra_id_1>?",
+                        help="spans filled in by the saved model at the end")
     return _parse_args(parser, argv)
 
 
@@ -67,20 +71,23 @@ def build_model(args, tokenizer, context):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    accelerator, context, mixed = make_accelerator(args)
-    prefix, tokenizer = prepare_data(args, context, tokenizer_trainer(args.sentinels))
+    cfg = check_launch(args)  # before any process group or model: one clean error per job
+    accelerator, context = make_accelerator(args, cfg)
+    prefix, eval_prefix, tokenizer = prepare_data(args, context, tokenizer_trainer(args.sentinels))
     model = build_model(args, tokenizer, context)
 
     raw_len, target_len = om.data.t5_lengths(args.seq_len, args.noise_density, args.mean_noise_span_length)
     global_batch = args.batch_size * args.grad_accum * context.dp_size
     dataset = om.data.PackedCausalLMDataset(prefix, raw_len, seed=args.seed, num_samples=args.steps * global_batch)
-    collator = om.data.T5SpanCorruptionCollator(tokenizer, noise_density=args.noise_density,
-                                                mean_noise_span_length=args.mean_noise_span_length, seed=args.seed,
-                                                pad_to_multiple_of=args.tp if args.sequence_parallel else None)
-    model, step, losses = fit(args, accelerator, context, mixed, model, dataset, collator,
-                              f"{raw_len} raw -> {args.seq_len} input / {target_len} target tokens")
+    make_collator = functools.partial(om.data.T5SpanCorruptionCollator, tokenizer, noise_density=args.noise_density,
+                                      mean_noise_span_length=args.mean_noise_span_length, seed=args.seed,
+                                      pad_to_multiple_of=args.tp if args.sequence_parallel else None)
+    evaluator = evaluator_for(args, context, eval_prefix, raw_len, make_collator)
+    model, step, losses, reporter = fit(args, accelerator, context, model, dataset, make_collator(),
+                                        f"{raw_len} raw -> {args.seq_len} input / {target_len} target tokens",
+                                        evaluator)
 
-    model_dir = export(args, accelerator, model, tokenizer, losses, "train_seq2seq.py")
+    model_dir = export(args, accelerator, model, tokenizer, losses, "train_seq2seq.py", reporter)
     if accelerator.is_main_process:
         plain = transformers.T5ForConditionalGeneration.from_pretrained(model_dir).eval()  # plain transformers
         enc = tokenizer(args.prompt, return_tensors="pt")
@@ -92,4 +99,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -58,7 +58,27 @@ class _AutoModel:
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *, parallel=None, revision=None,
                         token=None, cache_dir=None, local_files_only: bool = False, subfolder: str = "",
                         **kwargs):
-        """Read ``config.json`` (local folder, cache or Hub), then ``<Family>.from_pretrained(...)``."""
+        """Load a Hub checkpoint (id, cache or local folder) as the ``oslo_models`` class for its ``model_type``,
+        sliced for this rank. Call on every rank of the launched world (torchrun / accelerate launch).
+
+        Args:
+            pretrained_model_name_or_path: Hub id or folder (safetensors, sharded index or legacy ``.bin``).
+            parallel: the layout: ``None`` (one process, no parallelism), an :class:`~oslo_models.ParallelConfig`
+                (``tensor_parallel_size``, ``sequence_parallel``, ``pipeline_parallel_size``, ...; checked against
+                the model before anything is allocated, the process group is then initialized from the torchrun
+                environment if the script has not done it, the rest of the world is data parallelism), or a ready
+                :class:`~oslo_models.ParallelContext` to share one context (and its process groups) between models.
+                The world must be a multiple of ``tensor_parallel_size x pipeline_parallel_size`` (``ValueError``
+                before any collective otherwise).
+            dtype: a torch dtype, its name, ``"auto"`` (the checkpoint's) or ``None`` (fp32).
+            revision, token, cache_dir, local_files_only, subfolder: as in ``transformers``.
+            **kwargs: ``dtype``, ``progress`` (a loading bar), ``config``, and config attributes to override.
+
+        Each rank builds the model on the meta device and reads only its slices, so peak host memory per rank is
+        about its shard. The result is in eval mode, like ``transformers``; ``model.parallel_context`` holds the
+        context. Collective: every rank calls it (a ``ParallelConfig`` creates the process groups and the device
+        mesh here); with pipeline stages, each rank reads only the layers of its own stages.
+        """
         config = AutoConfig.from_pretrained(pretrained_model_name_or_path, revision=revision, token=token,
                                             cache_dir=cache_dir, local_files_only=local_files_only,
                                             subfolder=subfolder)
@@ -69,7 +89,10 @@ class _AutoModel:
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, *, parallel=None, **kwargs):
-        """A randomly initialized model (seed every rank alike first)."""
+        """A randomly initialized model for ``config``'s ``model_type``. ``parallel``: as in
+        :meth:`from_pretrained` (``None``, a ``ParallelConfig`` or a ``ParallelContext``). The full weights are drawn
+        as ``transformers`` would from the current seed, then sliced: seed every rank alike first
+        (``torch.manual_seed``), and every layout starts from the model tp=1 would."""
         model_class = cls.model_class_for(config)
         if not isinstance(config, model_class.config_class):
             config = model_class.config_class.from_dict(config.to_dict())

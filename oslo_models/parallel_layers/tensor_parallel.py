@@ -96,7 +96,8 @@ class ColumnParallelLinear(Linear):
         """Local output ``[..., out/tp]`` -> full ``[..., out]`` (padding stripped). Backward: split."""
         full = gather_from_tensor_parallel_region(y, self.group, dim=-1)
         if self.vocab_size is not None:
-            full = full[..., : self.vocab_size]
+            if full.shape[-1] != self.vocab_size:  # slice only real padding: a no-op slice would still return a
+                full = full[..., : self.vocab_size]  # view, which FSDP2 warns about for every model output
         elif self.num_packed > 1 and self.tp_size > 1:
             parts = full.chunk(self.tp_size, dim=-1)
             blocks = [part.chunk(self.num_packed, dim=-1) for part in parts]

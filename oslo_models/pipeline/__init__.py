@@ -11,8 +11,18 @@ torch's schedules over those stages (train/eval steps, gradient sync); ``plot``:
 """
 from .adapter import PipelineAdapter, adapter_for
 from .partition import measure_layer_costs, partition_by_cost, partition_layers
-from .runner import PipelineRunner, schedule_class
 from .stage import PipelineLayout, StageLayers, StageModule
+
+
+def __getattr__(name):
+    # ``runner`` imports torch.distributed.pipelining, which imports torch._dynamo (~1 s): only on first use, so
+    # that the models (whose adapters live in this package) and ``import oslo_models`` do not pay for it.
+    if name in ("PipelineRunner", "schedule_class"):
+        from . import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["PipelineAdapter", "adapter_for", "PipelineRunner", "PipelineLayout", "StageLayers", "StageModule", "measure_layer_costs",
            "partition_by_cost", "partition_layers", "schedule_class"]

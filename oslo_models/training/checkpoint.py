@@ -29,7 +29,6 @@ import shutil
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from .zero import unwrap_model, unwrap_optimizer
 
@@ -154,6 +153,8 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
                 else:
                     view, full, shard_dim = _canonical(value, plan.shard_spec(inner, name), context)
                     state[f"optim/{name}/{key}"] = _to_dcp(view.contiguous(), full, shard_dim, context)
+    import torch.distributed.checkpoint as dcp  # here, not at import: it costs ~1 s of `import oslo_models`
+
     dcp.save(state, checkpoint_id=partial)
 
     os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
@@ -214,6 +215,8 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
     inner = unwrap_model(model)
     context, plan = inner.parallel_context, inner.parallel_plan
     trainer_state = torch.load(os.path.join(path, _TRAINER_STATE), weights_only=True)
+    import torch.distributed.checkpoint as dcp  # here, not at import (see save_checkpoint)
+
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
 
     state, pending = {}, []  # pending: (key, tp-local buffer, canonical view, apply(buffer))

@@ -1,11 +1,12 @@
-"""The Accelerate path: prepare + accumulate + clip at tp=2 x dp=2 equals one double batch on one process, and an
-``accelerate launch`` smoke run of examples/train_clm.py (2 CPU processes) trains, saves and reloads."""
+"""The Accelerate path: prepare + accumulate + clip at tp=2 x dp=2 equals one double batch on one process; an
+``accelerate launch --mixed_precision bf16`` run of examples/train_clm.py (2 CPU processes) honours the launcher,
+survives a missing matplotlib and reports evaluation to a tracker; a pp=2 torchrun run resumes exactly and its
+perplexity equals plain transformers'."""
 from __future__ import annotations
 
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +15,7 @@ import transformers
 
 import oslo_models as om
 from oslo_models import training
+from tests.helpers import examples
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import save_tiny_gpt2
 from tests.training.test_zero_checkpoint import assert_matches_reference, make_optimizer
@@ -72,43 +74,59 @@ def test_prepare_rejects_mismatched_world(checkpoint):
     del model
 
 
-def test_accelerate_launch_train_clm_smoke(tmp_path):
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+def test_accelerate_launch_bf16_without_matplotlib_eval_and_trackers(tmp_path):
+    """``accelerate launch --mixed_precision bf16`` (the launcher's flag, no script flag) trains in bf16, with
+    matplotlib not importable (loss.json still written, the plot skipped), ``--eval-data`` evaluated every 6 steps
+    and ``--report-to jsonl`` receiving every train and eval metric; the Hub folder loads in plain transformers."""
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     out = tmp_path / "out"
-    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-           "no", "--dynamo_backend", "no", os.path.join(ROOT, "examples", "train_clm.py"), "--tp", "2", "--steps", "12",
-           "--seq-len", "32", "--n-embd", "64", "--grad-accum", "2", "--output", str(out)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "plain transformers sample" in result.stdout
-    losses = json.loads((out / "loss.json").read_text())["losses"]
+    launcher = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                "--mixed_precision", "bf16", "--dynamo_backend", "no"]
+    result = examples.launch(launcher, "train_clm.py", "--tp", "2", "--steps", "12", "--seq-len", "32", "--n-embd",
+                             "64", "--grad-accum", "2", "--output", str(out), "--eval-data",
+                             examples.eval_file(tmp_path), "--eval-every", "6", "--eval-samples", "16",
+                             "--report-to", "jsonl", env={"ACCELERATE_USE_CPU": "1"},
+                             pythonpath=os.pathsep.join([examples.without_matplotlib(tmp_path), ROOT]))
+    assert "plain transformers sample" in result.stdout and "mixed_precision=bf16" in result.stdout
+    assert "loss.png skipped: matplotlib is not installed" in result.stdout and not (out / "loss.png").exists()
+    report, metrics = examples.read_run(out)
+    assert report["mixed_precision"] == "bf16" and report["args"]["mixed_precision"] is None
+    losses = report["losses"]
     assert len(losses) == 12 and losses[-1] < losses[0]
-    assert (out / "loss.png").stat().st_size > 1000
+    assert [m["step"] for m in metrics if "train/loss" in m] == list(range(1, 13))
+    assert [m["train/loss"] for m in metrics if "train/loss" in m] == losses
+    evals = [(m["step"], m["eval/perplexity"]) for m in metrics if "eval/loss" in m]
+    assert [step for step, _ in evals] == [6, 12] and all(math.isfinite(p) and p > 1 for _, p in evals)
+    assert [e["perplexity"] for e in report["eval"]] == [p for _, p in evals]
     plain = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
     assert plain.config.model_type == "gpt2"
     assert (out / "checkpoint" / "oslo_checkpoint.txt").is_file()
 
 
-def test_torchrun_train_clm_pipeline_resumes(tmp_path):
+def test_torchrun_train_clm_pipeline_resumes_and_evaluates(tmp_path):
     """examples/train_clm.py at pp=2 (1F1B, 2 microbatches) under torchrun: trains through model.train_step, stops
     checkpointed at step 4, resumes to step 6 with the loss history of an uninterrupted run, and exports a plain
-    Hub folder (same logits in transformers and oslo_models)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-
+    Hub folder (same logits in transformers and oslo_models). The uninterrupted run also evaluates ``--eval-data``
+    through ``model.eval_step`` at steps 3 and 6 (without changing its training), and its final perplexity is
+    what plain ``transformers`` computes on the saved checkpoint."""
     def run(out, *extra):
-        cmd = [torchrun, "--nproc_per_node", "2", os.path.join(ROOT, "examples", "train_clm.py"), "--pp", "2",
-               "--microbatches", "2", "--seq-len", "32", "--n-embd", "64", "--batch-size", "4", "--steps", "6",
-               "--output", str(out), *extra]
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        return result.stdout, json.loads((out / "loss.json").read_text())["losses"]
+        result = examples.launch(examples.torchrun(2), "train_clm.py", "--pp", "2", "--microbatches", "2",
+                                 *examples.TINY, "--steps", "6", "--output", str(out), *extra)
+        return result.stdout, json.loads((out / "loss.json").read_text())
 
-    _, uninterrupted = run(tmp_path / "whole")
+    whole = tmp_path / "whole"
+    _, report = run(whole, "--eval-data", examples.eval_file(tmp_path), "--eval-every", "3", "--eval-samples", "24")
+    uninterrupted = report["losses"]
+    assert [e["step"] for e in report["eval"]] == [3, 6] and report["eval"][-1]["samples"] == 24
+    plain = transformers.AutoModelForCausalLM.from_pretrained(whole / "model")
+    expected = examples.plain_eval_loss(plain, str(whole / "eval_corpus"), 32, om.data.CausalLMCollator(), 4, 24)
+    assert report["eval"][-1]["loss"] == pytest.approx(expected, abs=1e-5)
+    assert report["eval"][-1]["perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)
+
     out = tmp_path / "out"
     _, first = run(out, "--stop-at", "4")
     stdout, resumed = run(out, "--resume")
+    first, resumed = first["losses"], resumed["losses"]
     assert "resumed at step 4" in stdout
     assert len(first) == 4 and len(resumed) == 6 and resumed[:4] == first
     assert resumed == pytest.approx(uninterrupted, abs=1e-5)
