@@ -56,27 +56,38 @@ def test_cross_entropy_opcheck():
 def _vocab_parallel_worker(cases) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    logits, labels = _inputs(torch.float32, vocab=4230)
-    local_vocab = logits.shape[1] // world
-    cols = slice(rank * local_vocab, (rank + 1) * local_vocab)
-    for use_kernel, reduction, label_smoothing in cases:
-        kw = dict(label_smoothing=label_smoothing, reduction=reduction)
-        full = logits.clone().requires_grad_(True)
-        ref = torch.nn.functional.cross_entropy(full, labels, **kw)
-        shard = logits[:, cols].clone().requires_grad_(True)
-        path = dict(force_triton=True) if use_kernel else dict(enabled=False)
-        loss = cross_entropy(shard, labels, group=dist.group.WORLD, **path, **kw)
-        torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
-        dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(0))
-        ref.backward(dy)
-        loss.backward(dy)
-        torch.testing.assert_close(shard.grad, full.grad[:, cols], atol=1e-5, rtol=1e-5)
+    # A large vocabulary (several kernel blocks per row), then a small one at a tight tolerance: with V = 12 a
+    # smoothing term over the wrong vocabulary (eps / V_local instead of eps / V) moves every gradient element by
+    # eps / V ~ 1e-2 and the loss by ~1e-1, far above 1e-6; with V = 4230 the gradient error would hide under 1e-5.
+    for vocab, tol in ((4230, 1e-5), (12, 1e-6)):
+        logits, labels = _inputs(torch.float32, vocab=vocab)
+        local_vocab = logits.shape[1] // world
+        cols = slice(rank * local_vocab, (rank + 1) * local_vocab)
+        for use_kernel, reduction, label_smoothing in cases:
+            kw = dict(label_smoothing=label_smoothing, reduction=reduction)
+            full = logits.clone().requires_grad_(True)
+            ref = torch.nn.functional.cross_entropy(full, labels, **kw)
+            shard = logits[:, cols].clone().requires_grad_(True)
+            path = dict(force_triton=True) if use_kernel else dict(enabled=False)
+            loss = cross_entropy(shard, labels, group=dist.group.WORLD, **path, **kw)
+            torch.testing.assert_close(loss, ref, atol=tol, rtol=tol)
+            dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(0))
+            ref.backward(dy)
+            loss.backward(dy)
+            torch.testing.assert_close(shard.grad, full.grad[:, cols], atol=tol, rtol=tol)
+            # Invariants: each row's gradient sums to zero over the whole vocabulary (softmax, the smoothed
+            # target and the uniform part each sum to the row's weight), and ignored rows get none.
+            row_sums = shard.grad.sum(-1)
+            dist.all_reduce(row_sums)
+            torch.testing.assert_close(row_sums, torch.zeros_like(row_sums), atol=1e-6, rtol=0)
+            assert torch.equal(shard.grad[labels == -100], torch.zeros_like(shard.grad[labels == -100]))
 
 
 @pytest.mark.parametrize("use_kernel", [pytest.param(True, marks=requires_triton), False])
 def test_vocab_parallel_cross_entropy_matches_full_logits(use_kernel):
     # Each of 2 ranks holds half the vocab; loss and the local grad slice must equal the full-logits torch op.
-    cases = [(use_kernel, "mean", 0.1), (use_kernel, "none", 0.0), (use_kernel, "sum", 0.0)]
+    cases = [(use_kernel, "mean", 0.1), (use_kernel, "none", 0.0), (use_kernel, "sum", 0.0), (use_kernel, "sum", 0.3),
+             (use_kernel, "none", 0.2)]
     run_distributed(_vocab_parallel_worker, 2, cases)
 
 

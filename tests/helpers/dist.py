@@ -3,17 +3,32 @@
 ``run_distributed(fn, world_size, *args)`` sets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT) in every child, so the library's "initialize from the torchrun environment" path is
 what the tests exercise. ``fn`` must be a module-level function (it is pickled by name). A failure on any rank
-fails the test with that rank's traceback; a hang fails after ``timeout`` seconds instead of blocking CI.
+fails the test with that rank's traceback.
+
+A hang (a collective one rank never joins) fails after ``timeout`` seconds (default ``DEFAULT_TIMEOUT``: 150 s, or
+``$OSLO_TEST_TIMEOUT``) instead of blocking CI: the error names the ranks still alive, the last ``breadcrumb`` each
+of them left, and where each one was, as a Python stack of every thread (``faulthandler``, dumped on ``SIGUSR1``
+just before the ranks are killed).
 """
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import socket
+import tempfile
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# A deadlock must fail well under 3 minutes on the 2-core CI box (``pytest -n 2``). ``OSLO_TEST_TIMEOUT=<seconds>``
+# raises it on a box shared with other jobs, where every test runs several times slower.
+DEFAULT_TIMEOUT = float(os.environ.get("OSLO_TEST_TIMEOUT", 150.0))
+_STACK_GRACE = 3.0  # seconds the ranks get to write their stacks before they are killed
+_BREADCRUMB_ENV = "OSLO_TEST_BREADCRUMB"
 
 
 def free_port() -> int:
@@ -22,11 +37,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(local_rank: int, fn, world_size: int, port: int, args: tuple) -> None:
+def breadcrumb(text: str) -> None:
+    """Record where this rank is (e.g. ``f"step {step}"``); a hang report prints each live rank's last one.
+
+    Costs one small file write; a no-op outside ``run_distributed``."""
+    path = os.environ.get(_BREADCRUMB_ENV)
+    if path:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+
+
+def _child(local_rank: int, fn, world_size: int, port: int, args: tuple, report_dir: str) -> None:
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
+    os.environ[_BREADCRUMB_ENV] = os.path.join(report_dir, f"rank{local_rank}.step")
+    # Kept open for the life of the process: faulthandler writes to the descriptor from its signal handler.
+    stacks = open(os.path.join(report_dir, f"rank{local_rank}.stack"), "w", encoding="utf-8")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     torch.set_num_threads(1)
     try:
         fn(*args)
@@ -37,17 +66,48 @@ def _child(local_rank: int, fn, world_size: int, port: int, args: tuple) -> None
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 600.0) -> None:
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def _hang_report(fn, world_size: int, timeout: float, ctx, report_dir: str) -> str:
+    """Ask every live rank for its stacks, kill it, and describe who was where."""
+    alive = [rank for rank, proc in enumerate(ctx.processes) if proc.is_alive()]
+    for rank in alive:
+        try:
+            os.kill(ctx.processes[rank].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + _STACK_GRACE
+    while time.monotonic() < deadline and not all(
+            _read(os.path.join(report_dir, f"rank{rank}.stack")) for rank in alive):
+        time.sleep(0.1)
+    time.sleep(0.2)  # let the last lines land
+    for rank in alive:
+        ctx.processes[rank].kill()
+    for proc in ctx.processes:
+        proc.join(5)
+    done = [rank for rank in range(world_size) if rank not in alive]
+    lines = [f"distributed test {fn.__name__} (world {world_size}) hung for {timeout:.0f}s; "
+             f"ranks still running: {alive}, finished: {done}"]
+    for rank in alive:
+        step = _read(os.path.join(report_dir, f"rank{rank}.step")) or "(no breadcrumb)"
+        stack = _read(os.path.join(report_dir, f"rank{rank}.stack")) or "(no stack written)"
+        lines.append(f"--- rank {rank}, last breadcrumb: {step}\n{stack}")
+    return "\n".join(lines)
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT) -> None:
     """Run ``fn(*args)`` on ``world_size`` spawned processes; raise if any rank fails or time runs out."""
     port = free_port()
-    ctx = mp.start_processes(_child, args=(fn, world_size, port, args), nprocs=world_size,
-                             join=False, start_method="spawn")
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-            raise TimeoutError(f"distributed test {fn.__name__} (world {world_size}) hung for {timeout:.0f}s")
+    with tempfile.TemporaryDirectory(prefix="oslo_dist_") as report_dir:
+        ctx = mp.start_processes(_child, args=(fn, world_size, port, args, report_dir), nprocs=world_size,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(_hang_report(fn, world_size, timeout, ctx, report_dir))

@@ -13,6 +13,7 @@ import oslo_models as om
 from oslo_models.fused_ops._utils import HAS_TRITON, interpreter_enabled
 from oslo_models.parallel_layers.tensor_parallel import SequenceParallelLayerNorm
 from tests.helpers.dist import run_distributed
+from tests.helpers.ops import OpsSeen
 from tests.helpers.models import padded_batch, save_tiny_gpt2
 
 pytestmark = pytest.mark.skipif(not (HAS_TRITON and interpreter_enabled()),
@@ -21,13 +22,17 @@ pytestmark = pytest.mark.skipif(not (HAS_TRITON and interpreter_enabled()),
 
 def _fused_worker(path: str) -> None:
     def run(fused: bool):
-        os.environ["OSLO_FUSED_OPS"] = "force" if fused else "0"
+        # "force" in both runs: it must never turn on a kernel that the config (fused_ops=False) turned off.
+        os.environ["OSLO_FUSED_OPS"] = "force"
         cfg = om.ParallelConfig(tensor_parallel_size=2, sequence_parallel=True, fused_ops=fused)
         model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
         assert all(m.fused == fused for m in model.modules() if isinstance(m, SequenceParallelLayerNorm))
         ids, mask, labels = padded_batch(101)
-        out = model(ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
+        with OpsSeen() as seen:
+            out = model(ids, attention_mask=mask, labels=labels)
+            out.loss.backward()
+        kernels = seen.named("oslo_models")
+        assert bool(kernels) == fused, f"fused_ops={fused} under OSLO_FUSED_OPS=force ran kernels {set(kernels)}"
         return out.loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
     loss_off, grads_off = run(False)

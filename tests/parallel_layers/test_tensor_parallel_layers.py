@@ -83,6 +83,27 @@ def _packed_qkv_worker() -> None:
     naive = _shard(ShardSpec(dim=1), full, ctx)
     assert not torch.equal(naive, local)  # negative control: a plain column split takes whole blocks of q|k
 
+    # Colwise(num_packed=3, gather_output=True): the gathered output is q|k|v in the plain layer's order, and the
+    # backward gives the plain layer's input gradient and this rank's slice of its weight gradient.
+    plain = Linear(8, 24, layout="conv1d")
+    with torch.no_grad():
+        plain.weight.copy_(full), torch.nn.init.normal_(plain.bias)
+    layer, specs = _build(Colwise(num_packed=3, gather_output=True), plain, ctx)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, expected_out = layer(x), plain(x_ref)
+    torch.testing.assert_close(out, expected_out, atol=1e-6, rtol=1e-6)
+    out.pow(2).sum().backward(), expected_out.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
+    for name, param in layer.named_parameters():
+        torch.testing.assert_close(param.grad, _shard(specs[name], getattr(plain, name).grad, ctx), atol=1e-5,
+                                   rtol=1e-5)
+    # Negative control: the same local weights in an unpacked gathering layer come out in rank-major order.
+    unpacked, _ = _build(Colwise(gather_output=True), plain, ctx)
+    with torch.no_grad():
+        unpacked.weight.copy_(layer.weight), unpacked.bias.copy_(layer.bias)
+    assert not torch.allclose(unpacked(x_ref), expected_out, atol=1e-3)
+
 
 def test_packed_qkv_split_per_head_group():
     run_distributed(_packed_qkv_worker, 2)
