@@ -50,8 +50,10 @@ def init_full_tensor(name: str, shape: tuple[int, ...], std: float, generator: t
 
 def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, context, base_model_prefix: str,
                          init_std: float = 0.02, seed: int = 0, strict_shapes: bool = True,
-                         progress: bool = False) -> dict[str, list[str]]:
-    """Copy this rank's slice of every checkpoint tensor into ``model``; returns missing/unexpected keys."""
+                         progress: bool = False, ignore_mismatched_sizes: bool = False) -> dict[str, list]:
+    """Copy this rank's slice of every checkpoint tensor into ``model``; returns missing/unexpected keys and, with
+    ``ignore_mismatched_sizes``, the ``(key, checkpoint shape, model shape)`` of tensors whose full shape differs
+    (those are newly initialized, as ``transformers`` does for a new head with another ``num_labels``)."""
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     mapping = match_checkpoint_keys(list(params), reader.keys(), base_model_prefix)
     missing = [name for name in params if name not in mapping]
@@ -61,6 +63,15 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
                   and not any(pattern in key for pattern in ignore_patterns)
                   and not _is_tied_duplicate(model, key, base_model_prefix)]
 
+    mismatched = []
+    if ignore_mismatched_sizes:
+        for name, param in params.items():
+            if name in mapping:
+                full_shape = _full_shape(param.shape, plan.shard_spec(model, name), context.tp_size)
+                key = mapping[name]
+                if tuple(reader.shape(key)) != tuple(full_shape):
+                    mismatched.append((key, tuple(reader.shape(key)), tuple(full_shape)))
+                    del mapping[name]  # initialized below like a missing weight
     generator = torch.Generator().manual_seed(seed)
     items = list(params.items())
     if progress and context.rank == 0:
@@ -90,7 +101,10 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
                        type(model).__name__, missing)
     if unexpected:
         logger.warning("Some checkpoint weights were not used by %s: %s", type(model).__name__, unexpected)
-    return {"missing_keys": missing, "unexpected_keys": unexpected}
+    if mismatched:
+        logger.warning("Some weights of %s were not initialized from the checkpoint because their shapes differ "
+                       "(ignore_mismatched_sizes=True): %s", type(model).__name__, mismatched)
+    return {"missing_keys": missing, "unexpected_keys": unexpected, "mismatched_keys": mismatched}
 
 
 def _full_shape(local_shape, spec, tp_size: int) -> tuple[int, ...]:

@@ -254,8 +254,17 @@ class BertPreTrainedModel(OsloPreTrainedModel):
         if config.is_decoder or config.add_cross_attention:
             raise NotImplementedError(f"{name} as a decoder (is_decoder / add_cross_attention) is not implemented")
 
-    def load_from_reader(self, reader, *, progress: bool = False):
-        return super().load_from_reader(LegacyKeyReader.wrap(reader), progress=progress)  # LayerNorm.gamma/beta
+    def load_from_reader(self, reader, *, progress: bool = False, **options):
+        # LayerNorm.gamma/beta keys of old checkpoints
+        return super().load_from_reader(LegacyKeyReader.wrap(reader), progress=progress, **options)
+
+    def set_output_embeddings(self, new_embeddings) -> None:
+        """The new decoder, and (as ``transformers``) the head's own ``bias`` becomes the decoder's bias."""
+        super().set_output_embeddings(new_embeddings)
+        head = dict(self.named_modules()).get(self._decoder_bias_owner) if self._decoder_bias_owner else None
+        if head is not None:
+            head.bias = new_embeddings.bias
+            head.vocab_size = getattr(new_embeddings, "vocab_size", new_embeddings.out_features)
 
     def tie_parallel_weights(self) -> None:
         """Tie the decoder weight to the word embeddings and, as ``transformers`` does, the decoder bias to the

@@ -217,6 +217,8 @@ class T5PreTrainedModel(OsloPreTrainedModel):
     parallel_plan = T5_PLAN
     supports_gradient_checkpointing = True
     _no_split_modules = ["T5Block"]
+    _keep_in_fp32_modules = ["wo"]  # fp16 overflow in the feed-forward output, as transformers
+    _supports_flash_attn = False
     _supports_sdpa = True
     _supports_flex_attn = True
     _keys_to_ignore_on_load_unexpected = ["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"]
@@ -242,6 +244,13 @@ class T5PreTrainedModel(OsloPreTrainedModel):
                 stack.embed_tokens.weight = shared.weight
         if getattr(self, "lm_head", None) is not None and getattr(self, "_lm_head_tied", True):
             self.lm_head.weight = shared.weight
+
+    def set_input_embeddings(self, new_embeddings) -> None:
+        """``shared`` and both stacks' ``embed_tokens`` are one module, as in ``transformers``."""
+        self.shared = new_embeddings
+        for stack in (getattr(self, "encoder", None), getattr(self, "decoder", None)):
+            if stack is not None:
+                stack.set_input_embeddings(new_embeddings)
 
     def _tied_keys_to_skip(self) -> set[str]:
         """Skip on save the tied keys (``embed_tokens``, and ``lm_head`` while it is tied); an untied Flan-T5 head
@@ -406,14 +415,14 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
     def get_encoder(self):
         return self.encoder
 
-    def load_from_reader(self, reader, *, progress: bool = False):
+    def load_from_reader(self, reader, *, progress: bool = False, **options):
         """As ``transformers``: a checkpoint whose ``lm_head.weight`` differs from ``shared.weight`` (Flan-T5,
         T5 v1.1) gets its own head. Each rank compares only its vocabulary slice; the verdict is all-reduced."""
         if self._lm_head_tied and self._checkpoint_head_differs(reader):
             if self.lm_head is not None and self.shared is not None:  # else a pipeline stage's head is its own
                 self.lm_head.weight = nn.Parameter(torch.empty_like(self.shared.weight))
             self._lm_head_tied = False
-        return super().load_from_reader(reader, progress=progress)
+        return super().load_from_reader(reader, progress=progress, **options)
 
     def _checkpoint_head_differs(self, reader) -> bool:
         """Each rank compares its vocabulary slice; the verdict is all-reduced over tensor parallelism, and over
