@@ -28,12 +28,14 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, eager_attention_forward
+from transformers.utils.generic import can_return_tuple
 
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ..common import attend, enter_sequence_parallel, full_logits, leave_sequence_parallel, split_heads, token_loss
 from ..common import use_sequence_parallel
 from ..common.legacy_keys import LegacyKeyReader
+from ..common.outputs import OutputCollector, passed_on
 from ..heads import sequence_classification_loss
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_bert import BertConfig
@@ -92,11 +94,14 @@ class BertSelfAttention(nn.Module):
         self.value = Linear(config.hidden_size, self.all_head_size)
         self.dropout = Dropout(config.attention_probs_dropout_prob)
 
-    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, outputs=None, **kwargs):
         query, key, value = (split_heads(proj(hidden_states, sequence_parallel=sequence_parallel),
                                          self.attention_head_size) for proj in (self.query, self.key, self.value))
-        return attend(self, query, key, value, attention_mask, dropout=self.dropout, scaling=self.scaling,
-                      eager_fallback=eager_attention_forward, **kwargs)
+        out, weights = attend(self, query, key, value, attention_mask, dropout=self.dropout, scaling=self.scaling,
+                              eager_fallback=eager_attention_forward, **kwargs)
+        if outputs is not None:
+            outputs.attention(weights)  # [b, n/tp, s, s] -> all heads
+        return out, weights
 
 
 class BertSelfOutput(nn.Module):
@@ -164,9 +169,12 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
 
-    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, outputs=None, **kwargs):
         for layer in self.layer:
-            hidden_states = layer(hidden_states, attention_mask, sequence_parallel=sequence_parallel, **kwargs)
+            if outputs is not None:
+                outputs.hidden(hidden_states, sequence_parallel=sequence_parallel)
+            hidden_states = layer(hidden_states, attention_mask, sequence_parallel=sequence_parallel,
+                                  outputs=outputs, **kwargs)
         return hidden_states
 
 
@@ -300,8 +308,9 @@ class BertModel(BertPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None, **kwargs):
+                inputs_embeds=None, output_attentions=None, output_hidden_states=None, **kwargs):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         hidden_states = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids,
@@ -311,29 +320,34 @@ class BertModel(BertPreTrainedModel):
         sp = use_sequence_parallel(self, hidden_states.shape[1])
         if sp:
             hidden_states = enter_sequence_parallel(hidden_states, self.parallel_context)
-        hidden_states = self.encoder(hidden_states, mask, sequence_parallel=sp, **kwargs)
+        outputs = OutputCollector(self, output_attentions, output_hidden_states)
+        hidden_states = self.encoder(hidden_states, mask, sequence_parallel=sp,
+                                     outputs=outputs if outputs.active else None, **kwargs)
         if sp:
             hidden_states = leave_sequence_parallel(hidden_states, self.parallel_context)
+        outputs.hidden(hidden_states)
         pooled = self.pooler(hidden_states) if self.pooler is not None else None
-        return BaseModelOutputWithPoolingAndCrossAttentions(last_hidden_state=hidden_states, pooler_output=pooled)
+        return BaseModelOutputWithPoolingAndCrossAttentions(last_hidden_state=hidden_states, pooler_output=pooled,
+                                                            **outputs.result())
 
 
 def _base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs) -> dict:
-    for flag in ("output_attentions", "output_hidden_states", "return_dict"):
-        kwargs.pop(flag, None)  # accepted for API compatibility; only the last hidden state is returned
+    """The base model's arguments from a head's; the base always answers with its output object."""
+    kwargs.pop("return_dict", None)
     return dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
+                position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
 
 
-def token_classification_output(logits, labels) -> TokenClassifierOutput:
+def token_classification_output(logits, labels, base_outputs=None) -> TokenClassifierOutput:
     """``logits [b, s, num_labels]``; cross-entropy over every token (``-100`` ignored)."""
     loss = None
     if labels is not None:
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.to(logits.device).view(-1))
-    return TokenClassifierOutput(loss=loss, logits=logits)
+    return TokenClassifierOutput(loss=loss, logits=logits, **passed_on(base_outputs))
 
 
-def question_answering_output(logits, start_positions, end_positions) -> QuestionAnsweringModelOutput:
+def question_answering_output(logits, start_positions, end_positions,
+                              base_outputs=None) -> QuestionAnsweringModelOutput:
     """``logits [b, s, 2]`` -> start/end logits ``[b, s]``; the loss as ``transformers`` (positions outside the
     sequence are clamped to ``s`` and ignored)."""
     start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
@@ -344,7 +358,8 @@ def question_answering_output(logits, start_positions, end_positions) -> Questio
         end = end_positions.view(-1).clamp(0, ignored).to(logits.device)
         loss = (F.cross_entropy(start_logits, start, ignore_index=ignored)
                 + F.cross_entropy(end_logits, end, ignore_index=ignored)) / 2
-    return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)
+    return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
+                                        **passed_on(base_outputs))
 
 
 class BertForMaskedLM(BertPreTrainedModel):
@@ -372,6 +387,7 @@ class BertForMaskedLM(BertPreTrainedModel):
     def get_input_embeddings(self):
         return self.bert.embeddings.word_embeddings
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, gather_logits: bool = True, num_items_in_batch=None, **kwargs):
         outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
@@ -381,7 +397,8 @@ class BertForMaskedLM(BertPreTrainedModel):
         loss = None
         if labels is not None:
             loss = token_loss(local_logits, labels, decoder, num_items_in_batch=num_items_in_batch)
-        return MaskedLMOutput(loss=loss, logits=full_logits(local_logits, decoder, gather_logits))
+        return MaskedLMOutput(loss=loss, logits=full_logits(local_logits, decoder, gather_logits),
+                              **passed_on(outputs))
 
 
 class BertForPreTraining(BertPreTrainedModel):
@@ -406,6 +423,7 @@ class BertForPreTraining(BertPreTrainedModel):
     def get_input_embeddings(self):
         return self.bert.embeddings.word_embeddings
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, next_sentence_label=None, gather_logits: bool = True, **kwargs):
         outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
@@ -417,7 +435,7 @@ class BertForPreTraining(BertPreTrainedModel):
             loss = token_loss(local_logits, labels, decoder) + F.cross_entropy(
                 seq_relationship.view(-1, 2), next_sentence_label.view(-1))
         return BertForPreTrainingOutput(loss=loss, prediction_logits=full_logits(local_logits, decoder, gather_logits),
-                                        seq_relationship_logits=seq_relationship)
+                                        seq_relationship_logits=seq_relationship, **passed_on(outputs))
 
 
 class BertForSequenceClassification(BertPreTrainedModel):
@@ -437,13 +455,14 @@ class BertForSequenceClassification(BertPreTrainedModel):
         self.post_init()
         self.finish_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, **kwargs):
         outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                            kwargs))
         logits = self.classifier(self.dropout(outputs.pooler_output))
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
-        return SequenceClassifierOutput(loss=loss, logits=logits)
+        return SequenceClassifierOutput(loss=loss, logits=logits, **passed_on(outputs))
 
 
 class BertForTokenClassification(BertPreTrainedModel):
@@ -467,11 +486,12 @@ class BertForTokenClassification(BertPreTrainedModel):
         self.post_init()
         self.finish_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, **kwargs):
         outputs = self.base_model(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
                                                  inputs_embeds, kwargs))
-        return token_classification_output(self.classifier(self.dropout(outputs.last_hidden_state)), labels)
+        return token_classification_output(self.classifier(self.dropout(outputs.last_hidden_state)), labels, outputs)
 
 
 class BertForQuestionAnswering(BertPreTrainedModel):
@@ -490,8 +510,10 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         self.post_init()
         self.finish_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, start_positions=None, end_positions=None, **kwargs):
         outputs = self.base_model(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
                                                  inputs_embeds, kwargs))
-        return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions)
+        return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions,
+                                         outputs)
