@@ -36,6 +36,11 @@ from .models.roberta import (
     RobertaModel,
 )
 from .models.t5 import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
+from .models.auto import AutoModelForMultipleChoice, AutoModelForNextSentencePrediction
+from .models.bert import BertForMultipleChoice, BertForNextSentencePrediction, BertLMHeadModel
+from .models.gpt2 import GPT2ForQuestionAnswering, GPT2ForTokenClassification
+from .models.roberta import RobertaForCausalLM, RobertaForMultipleChoice
+from .models.t5 import T5ForQuestionAnswering, T5ForSequenceClassification, T5ForTokenClassification
 from . import pipeline  # noqa: E402  pipeline parallelism: partitioning, runner, schedule plot
 
 __version__ = "0.1.0"
@@ -54,3 +59,7 @@ __all__ = [
     "T5Config", "T5Model", "T5ForConditionalGeneration", "T5EncoderModel",
 ]
 __all__ += ["pipeline"]
+__all__ += ["AutoModelForMultipleChoice", "AutoModelForNextSentencePrediction", "BertLMHeadModel",
+            "BertForMultipleChoice", "BertForNextSentencePrediction", "GPT2ForTokenClassification",
+            "GPT2ForQuestionAnswering", "RobertaForCausalLM", "RobertaForMultipleChoice",
+            "T5ForSequenceClassification", "T5ForTokenClassification", "T5ForQuestionAnswering"]

@@ -25,6 +25,10 @@ from .roberta import (
     RobertaModel,
 )
 from .t5 import T5EncoderModel, T5ForConditionalGeneration, T5Model
+from .bert import BertForMultipleChoice, BertForNextSentencePrediction, BertLMHeadModel
+from .gpt2 import GPT2ForQuestionAnswering, GPT2ForTokenClassification
+from .roberta import RobertaForCausalLM, RobertaForMultipleChoice
+from .t5 import T5ForQuestionAnswering, T5ForSequenceClassification, T5ForTokenClassification
 
 MODEL_REGISTRY: dict[str, dict[str, type]] = {
     "base": {"gpt2": GPT2Model, "bert": BertModel, "roberta": RobertaModel, "t5": T5Model},
@@ -38,6 +42,13 @@ MODEL_REGISTRY: dict[str, dict[str, type]] = {
     "question_answering": {"bert": BertForQuestionAnswering, "roberta": RobertaForQuestionAnswering},
     "text_encoding": {"t5": T5EncoderModel},
 }
+# heads of the transformers model contract (issue 21)
+MODEL_REGISTRY["causal_lm"].update(bert=BertLMHeadModel, roberta=RobertaForCausalLM)
+MODEL_REGISTRY["sequence_classification"].update(t5=T5ForSequenceClassification)
+MODEL_REGISTRY["token_classification"].update(gpt2=GPT2ForTokenClassification, t5=T5ForTokenClassification)
+MODEL_REGISTRY["question_answering"].update(gpt2=GPT2ForQuestionAnswering, t5=T5ForQuestionAnswering)
+MODEL_REGISTRY["multiple_choice"] = {"bert": BertForMultipleChoice, "roberta": RobertaForMultipleChoice}
+MODEL_REGISTRY["next_sentence_prediction"] = {"bert": BertForNextSentencePrediction}
 
 
 class _AutoModel:
@@ -110,3 +121,11 @@ class AutoModelForQuestionAnswering(_AutoModel):
 
 class AutoModelForTextEncoding(_AutoModel):
     task = "text_encoding"
+
+
+class AutoModelForMultipleChoice(_AutoModel):
+    task = "multiple_choice"
+
+
+class AutoModelForNextSentencePrediction(_AutoModel):
+    task = "next_sentence_prediction"

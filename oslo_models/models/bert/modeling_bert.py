@@ -18,14 +18,13 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.masking_utils import create_bidirectional_mask
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPoolingAndCrossAttentions,
     MaskedLMOutput,
-    QuestionAnsweringModelOutput,
     SequenceClassifierOutput,
-    TokenClassifierOutput,
 )
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, eager_attention_forward
 from transformers.utils.generic import can_return_tuple
@@ -36,7 +35,7 @@ from ..common import attend, enter_sequence_parallel, full_logits, leave_sequenc
 from ..common import use_sequence_parallel
 from ..common.legacy_keys import LegacyKeyReader
 from ..common.outputs import OutputCollector, passed_on
-from ..heads import sequence_classification_loss
+from ..heads import question_answering_output, sequence_classification_loss, token_classification_output
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_bert import BertConfig
 from .parallel_plan import BERT_BASE_PLAN, BERT_HEAD_PLAN, BERT_MLM_PLAN
@@ -79,24 +78,29 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-    """Bidirectional attention on this rank's heads: input ``[b, s(/tp), h]``, output ``[b, s, (n/tp)*d]``."""
+    """Attention on this rank's heads: input ``[b, s(/tp), h]``, output ``[b, s, (n/tp)*d]``. Bidirectional, or
+    causal with a key/value cache when ``config.is_decoder`` (``BertLMHeadModel``, ``RobertaForCausalLM``)."""
 
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int | None = None):
         super().__init__()
         self.config = config
+        self.layer_idx = layer_idx
         self.num_attention_heads = config.num_attention_heads
         self.attention_head_size = config.hidden_size // config.num_attention_heads
         self.all_head_size = self.num_attention_heads * self.attention_head_size
         self.scaling = self.attention_head_size ** -0.5
-        self.is_causal = False
+        self.is_causal = bool(config.is_decoder)
         self.query = Linear(config.hidden_size, self.all_head_size)
         self.key = Linear(config.hidden_size, self.all_head_size)
         self.value = Linear(config.hidden_size, self.all_head_size)
         self.dropout = Dropout(config.attention_probs_dropout_prob)
 
-    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, outputs=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, outputs=None,
+                past_key_values=None, **kwargs):
         query, key, value = (split_heads(proj(hidden_states, sequence_parallel=sequence_parallel),
                                          self.attention_head_size) for proj in (self.query, self.key, self.value))
+        if past_key_values is not None:  # decoder: this rank's heads of the cache
+            key, value = past_key_values.update(key, value, self.layer_idx)
         out, weights = attend(self, query, key, value, attention_mask, dropout=self.dropout, scaling=self.scaling,
                               eager_fallback=eager_attention_forward, **kwargs)
         if outputs is not None:
@@ -120,9 +124,9 @@ class BertSelfOutput(nn.Module):
 
 
 class BertAttention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int | None = None):
         super().__init__()
-        self.self = BertSelfAttention(config)
+        self.self = BertSelfAttention(config, layer_idx)
         self.output = BertSelfOutput(config)
 
     def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, **kwargs):
@@ -151,9 +155,9 @@ class BertOutput(BertSelfOutput):
 
 
 class BertLayer(GradientCheckpointingLayer):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int | None = None):
         super().__init__()
-        self.attention = BertAttention(config)
+        self.attention = BertAttention(config, layer_idx)
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
 
@@ -167,7 +171,7 @@ class BertLayer(GradientCheckpointingLayer):
 class BertEncoder(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layer = nn.ModuleList([BertLayer(config, layer_idx=i) for i in range(config.num_hidden_layers)])
 
     def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, outputs=None, **kwargs):
         for layer in self.layer:
@@ -259,8 +263,8 @@ class BertPreTrainedModel(OsloPreTrainedModel):
         if config.intermediate_size % tp:
             raise ValueError(f"{name} intermediate_size={config.intermediate_size} is not divisible by "
                              f"tensor_parallel_size={tp}")
-        if config.is_decoder or config.add_cross_attention:
-            raise NotImplementedError(f"{name} as a decoder (is_decoder / add_cross_attention) is not implemented")
+        if config.add_cross_attention:
+            raise NotImplementedError(f"{name} with cross-attention (add_cross_attention) is not implemented")
 
     def load_from_reader(self, reader, *, progress: bool = False, **options):
         # LayerNorm.gamma/beta keys of old checkpoints
@@ -310,13 +314,24 @@ class BertModel(BertPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, output_attentions=None, output_hidden_states=None, **kwargs):
+                inputs_embeds=None, output_attentions=None, output_hidden_states=None, past_key_values=None,
+                use_cache=None, **kwargs):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        use_cache = (use_cache if use_cache is not None else self.config.use_cache) and self.config.is_decoder
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         hidden_states = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids,
-                                        position_ids=position_ids, inputs_embeds=inputs_embeds)
-        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
-                                         attention_mask=attention_mask)
+                                        position_ids=position_ids, inputs_embeds=inputs_embeds,
+                                        past_key_values_length=past_length)
+        if self.config.is_decoder:
+            mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
+                                      past_key_values=past_key_values)
+            kwargs["past_key_values"] = past_key_values
+        else:
+            mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
+                                             attention_mask=attention_mask)
         sp = use_sequence_parallel(self, hidden_states.shape[1])
         if sp:
             hidden_states = enter_sequence_parallel(hidden_states, self.parallel_context)
@@ -328,6 +343,7 @@ class BertModel(BertPreTrainedModel):
         outputs.hidden(hidden_states)
         pooled = self.pooler(hidden_states) if self.pooler is not None else None
         return BaseModelOutputWithPoolingAndCrossAttentions(last_hidden_state=hidden_states, pooler_output=pooled,
+                                                            past_key_values=past_key_values if use_cache else None,
                                                             **outputs.result())
 
 
@@ -336,30 +352,6 @@ def _base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs
     kwargs.pop("return_dict", None)
     return dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                 position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
-
-
-def token_classification_output(logits, labels, base_outputs=None) -> TokenClassifierOutput:
-    """``logits [b, s, num_labels]``; cross-entropy over every token (``-100`` ignored)."""
-    loss = None
-    if labels is not None:
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.to(logits.device).view(-1))
-    return TokenClassifierOutput(loss=loss, logits=logits, **passed_on(base_outputs))
-
-
-def question_answering_output(logits, start_positions, end_positions,
-                              base_outputs=None) -> QuestionAnsweringModelOutput:
-    """``logits [b, s, 2]`` -> start/end logits ``[b, s]``; the loss as ``transformers`` (positions outside the
-    sequence are clamped to ``s`` and ignored)."""
-    start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
-    loss = None
-    if start_positions is not None and end_positions is not None:
-        ignored = start_logits.size(1)
-        start = start_positions.view(-1).clamp(0, ignored).to(logits.device)
-        end = end_positions.view(-1).clamp(0, ignored).to(logits.device)
-        loss = (F.cross_entropy(start_logits, start, ignore_index=ignored)
-                + F.cross_entropy(end_logits, end, ignore_index=ignored)) / 2
-    return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
-                                        **passed_on(base_outputs))
 
 
 class BertForMaskedLM(BertPreTrainedModel):

@@ -30,11 +30,11 @@ from transformers.utils.generic import can_return_tuple
 from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 
 from ...config import ParallelConfig
-from ...parallel_layers.cross_entropy import causal_lm_loss
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ...parallel_layers.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
-from ..common.outputs import OutputCollector
-from ..heads import sequence_classification_loss
+from ..common import causal_token_loss, full_logits, keep_last_logits
+from ..common.outputs import OutputCollector, passed_on
+from ..heads import question_answering_output, sequence_classification_loss, token_classification_output
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_gpt2 import GPT2Config
 from .parallel_plan import GPT2_BASE_PLAN, GPT2_HEAD_PLAN, GPT2_LM_PLAN
@@ -254,24 +254,15 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
         outputs = self.transformer(input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
                                    token_type_ids=token_type_ids, position_ids=position_ids,
                                    inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True, **kwargs)
-        hidden_states = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            hidden_states = hidden_states[:, -logits_to_keep:, :]
-        elif torch.is_tensor(logits_to_keep):
-            hidden_states = hidden_states[:, logits_to_keep, :]
+        hidden_states = keep_last_logits(outputs.last_hidden_state, logits_to_keep)
         local_logits = self.lm_head(hidden_states)  # [b, s, V_padded/tp], padded columns = -inf
         loss = None
         if labels is not None or shift_labels is not None:
-            head = self.lm_head
-            loss = causal_lm_loss(local_logits, labels, group=getattr(head, "group", None),
-                                  vocab_start=getattr(head, "vocab_start_index", 0),
-                                  num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
-        logits = local_logits
-        if gather_logits and hasattr(self.lm_head, "gather"):
-            logits = self.lm_head.gather(local_logits)
-        return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                                 hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-                                                 cross_attentions=outputs.cross_attentions)
+            loss = causal_token_loss(local_logits, labels, self.lm_head, num_items_in_batch=num_items_in_batch,
+                                     shift_labels=shift_labels)
+        return CausalLMOutputWithCrossAttentions(loss=loss, logits=full_logits(local_logits, self.lm_head, gather_logits),
+                                                 past_key_values=outputs.past_key_values,
+                                                 cross_attentions=outputs.cross_attentions, **passed_on(outputs))
 
 
 class GPT2ForSequenceClassification(GPT2PreTrainedModel):
@@ -308,4 +299,56 @@ class GPT2ForSequenceClassification(GPT2PreTrainedModel):
         pooled = logits[torch.arange(batch_size, device=logits.device), last_token]
         loss = sequence_classification_loss(pooled, labels, self.config) if labels is not None else None
         return SequenceClassifierOutputWithPast(loss=loss, logits=pooled, past_key_values=outputs.past_key_values,
-                                                hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+                                                **passed_on(outputs))
+
+
+class GPT2ForTokenClassification(GPT2PreTrainedModel):
+    """GPT-2 with a replicated ``classifier`` on every token: ``logits [b, s, num_labels]``."""
+
+    parallel_plan = GPT2_HEAD_PLAN
+    hf_twin = transformers.GPT2ForTokenClassification
+
+    def __init__(self, config: GPT2Config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.num_labels = config.num_labels
+        self.transformer = GPT2Model(config, parallel_context=self.parallel_context, submodule=True)
+        dropout = getattr(config, "classifier_dropout", None)
+        if dropout is None:
+            dropout = getattr(config, "hidden_dropout", None)
+        self.dropout = Dropout(0.1 if dropout is None else dropout)  # transformers' fallback
+        self.classifier = Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+        self.finish_init()
+
+    @can_return_tuple
+    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
+                position_ids=None, inputs_embeds=None, labels=None, use_cache=None, **kwargs):
+        outputs = self.transformer(input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+                                   token_type_ids=token_type_ids, position_ids=position_ids,
+                                   inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True, **kwargs)
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        return token_classification_output(logits, labels, outputs)
+
+
+class GPT2ForQuestionAnswering(GPT2PreTrainedModel):
+    """GPT-2 with a replicated span head ``qa_outputs``: ``start_logits, end_logits [b, s]``."""
+
+    parallel_plan = GPT2_HEAD_PLAN
+    hf_twin = transformers.GPT2ForQuestionAnswering
+
+    def __init__(self, config: GPT2Config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.num_labels = config.num_labels
+        self.transformer = GPT2Model(config, parallel_context=self.parallel_context, submodule=True)
+        self.qa_outputs = Linear(config.hidden_size, 2)
+        self.post_init()
+        self.finish_init()
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, start_positions=None, end_positions=None, **kwargs):
+        outputs = self.transformer(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                   position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True,
+                                   **kwargs)
+        return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions,
+                                         outputs)

@@ -7,8 +7,10 @@ from .modeling_roberta import (
     RobertaModel,
     RobertaPreTrainedModel,
 )
+from .modeling_roberta import RobertaForCausalLM, RobertaForMultipleChoice
 from .parallel_plan import ROBERTA_BASE_PLAN, ROBERTA_HEAD_PLAN, ROBERTA_MLM_PLAN
 
 __all__ = ["RobertaConfig", "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
            "RobertaForTokenClassification", "RobertaForQuestionAnswering", "RobertaPreTrainedModel",
            "ROBERTA_BASE_PLAN", "ROBERTA_MLM_PLAN", "ROBERTA_HEAD_PLAN"]
+__all__ += ["RobertaForCausalLM", "RobertaForMultipleChoice"]

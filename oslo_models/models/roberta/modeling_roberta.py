@@ -15,6 +15,7 @@ from transformers.modeling_outputs import MaskedLMOutput, SequenceClassifierOutp
 from transformers.utils.generic import can_return_tuple
 
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
+from ..bert.heads_bert import BertForMultipleChoice, BertLMHeadModel
 from ..bert.modeling_bert import (
     BertEmbeddings,
     BertForQuestionAnswering,
@@ -167,3 +168,26 @@ class RobertaForQuestionAnswering(RobertaPreTrainedModel, BertForQuestionAnsweri
     parallel_plan = ROBERTA_HEAD_PLAN
     hf_twin = transformers.RobertaForQuestionAnswering
     base_model_class = RobertaModel
+
+
+class RobertaForCausalLM(RobertaPreTrainedModel, BertLMHeadModel):
+    """BERT's causal-LM head model on RoBERTa's encoder and ``lm_head`` (``config.is_decoder``)."""
+
+    parallel_plan = ROBERTA_MLM_PLAN
+    hf_twin = transformers.RobertaForCausalLM
+    base_model_class = RobertaModel
+    head_name, head_class = "lm_head", RobertaLMHead
+    _decoder_bias_owner = "lm_head"
+    _tied_weights_keys = RobertaForMaskedLM._tied_weights_keys
+
+
+class RobertaForMultipleChoice(RobertaPreTrainedModel, BertForMultipleChoice):
+    """BERT's multiple-choice head on RoBERTa's encoder (``roberta.*`` keys; dropout ``hidden_dropout_prob``)."""
+
+    parallel_plan = ROBERTA_HEAD_PLAN
+    hf_twin = transformers.RobertaForMultipleChoice
+    base_model_class = RobertaModel
+
+    @staticmethod
+    def classifier_dropout(config) -> float:
+        return config.hidden_dropout_prob

@@ -239,6 +239,9 @@ class T5PreTrainedModel(OsloPreTrainedModel):
         carried a different one (``_lm_head_tied``), as ``transformers`` decides when loading. A pipeline stage
         may lack any of these modules (``None``, see ``pipeline_t5.py``); a tied head without ``shared`` on its
         stage is a copy that the pipeline engine keeps equal."""
+        inner = getattr(self, "transformer", None)  # the T5Model / T5EncoderModel inside a head model
+        if isinstance(inner, T5PreTrainedModel):
+            inner.tie_parallel_weights()
         shared = getattr(self, "shared", None)
         if shared is None:
             return
@@ -389,13 +392,14 @@ class T5Model(T5PreTrainedModel):
     _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight",
                           "decoder.embed_tokens.weight": "shared.weight"}
 
-    def __init__(self, config, *, parallel_context=None):
+    def __init__(self, config, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)
         self.shared = Embedding(config.vocab_size, config.d_model)
         self.encoder = T5Stack(_stack_config(config, is_decoder=False), parallel_context=self.parallel_context)
         self.decoder = T5Stack(_stack_config(config, is_decoder=True), parallel_context=self.parallel_context)
         self.post_init()
-        self.finish_init()
+        if not submodule:  # inside a head model, the head model applies the plan once
+            self.finish_init()
 
     def get_input_embeddings(self):
         return self.shared
@@ -500,14 +504,15 @@ class T5EncoderModel(T5PreTrainedModel):
     _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
     _keys_to_ignore_on_load_unexpected = ["decoder"]
 
-    def __init__(self, config, *, parallel_context=None):
+    def __init__(self, config, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)
         self.shared = Embedding(config.vocab_size, config.d_model)
         encoder_config = _stack_config(config, is_decoder=False)
         encoder_config.is_encoder_decoder = False
         self.encoder = T5Stack(encoder_config, parallel_context=self.parallel_context)
         self.post_init()
-        self.finish_init()
+        if not submodule:  # inside a head model, the head model applies the plan once
+            self.finish_init()
 
     def get_input_embeddings(self):
         return self.shared
