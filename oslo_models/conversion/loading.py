@@ -14,10 +14,15 @@ import logging
 
 import torch
 from torch import nn
+from transformers.utils import logging as hf_logging
 
 from .checkpoint import CheckpointReader
 
 logger = logging.getLogger(__name__)
+
+
+class MismatchedSizeError(ValueError, RuntimeError):
+    """A checkpoint tensor whose shape does not fit the model (``transformers`` raises ``RuntimeError`` here)."""
 
 
 def match_checkpoint_keys(param_names: list[str], checkpoint_keys, base_model_prefix: str) -> dict[str, str]:
@@ -91,9 +96,11 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
                 read = lambda index, full=full: full[index]  # noqa: E731
             expected = tuple(param.shape)
             if tuple(spec.local_shape(full_shape, context.tp_size)) != expected:
-                raise ValueError(f"Checkpoint tensor for {name!r} has shape {tuple(full_shape)}, which does not "
-                                 f"give the local shape {expected} at tensor_parallel_size={context.tp_size}; the "
-                                 "checkpoint does not match the model config")
+                raise MismatchedSizeError(
+                    f"Checkpoint tensor for {name!r} has shape {tuple(full_shape)}, which does not give the local "
+                    f"shape {expected} at tensor_parallel_size={context.tp_size}; the checkpoint does not match the "
+                    "model config (ignore_mismatched_sizes=True initializes such tensors anew, e.g. a head with "
+                    "another num_labels)")
             local = spec.read_shard(full_shape, read, context.tp_rank, context.tp_size)
             param.copy_(local.to(device=param.device, dtype=param.dtype))
     if missing:
@@ -101,9 +108,10 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
                        type(model).__name__, missing)
     if unexpected:
         logger.warning("Some checkpoint weights were not used by %s: %s", type(model).__name__, unexpected)
-    if mismatched:
-        logger.warning("Some weights of %s were not initialized from the checkpoint because their shapes differ "
-                       "(ignore_mismatched_sizes=True): %s", type(model).__name__, mismatched)
+    if mismatched:  # transformers' wording, on its loading logger, where users and its tests look for it
+        hf_logging.get_logger("transformers.modeling_utils").warning(
+            "Some weights of %s were not initialized from the checkpoint (Reinit due to size mismatch, "
+            "ignore_mismatched_sizes=True): %s", type(model).__name__, mismatched)
     return {"missing_keys": missing, "unexpected_keys": unexpected, "mismatched_keys": mismatched}
 
 

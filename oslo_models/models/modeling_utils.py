@@ -125,7 +125,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         then keep this rank's slices. Costs one full model of host memory while it runs."""
         if self.hf_twin is None:
             raise NotImplementedError(f"{type(self).__name__} has no hf_twin to initialize from")
-        twin_config = self.config.__class__.from_dict(self.config.to_dict())
+        twin_config = copy.deepcopy(self.config)  # no from_dict round trip: it would re-validate (problem_type)
         twin = self.hf_twin(twin_config)
         self.load_from_reader(InMemoryReader(twin.state_dict()))
 
@@ -326,7 +326,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         if state_dict is not None:
             raise ValueError("state_dict= is not supported: the gathered model state is always saved")
         full_state = self.full_state_dict()
-        config = self.config.__class__.from_dict(self.config.to_dict())
+        config = copy.deepcopy(self.config)
         config.architectures = [type(self).__name__]
         dtypes = {tensor.dtype for tensor in (full_state or {}).values() if tensor.is_floating_point()}
         if len(dtypes) == 1:

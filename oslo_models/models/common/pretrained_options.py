@@ -36,6 +36,11 @@ REFUSED = {
 _SPLITTING_DEVICE_MAPS = ("balanced", "balanced_low_0", "sequential")
 
 
+class LoadingError(ValueError, RuntimeError):
+    """A ``from_pretrained`` call that cannot work as asked. A ``ValueError`` like every usage error here, and a
+    ``RuntimeError`` like the error ``transformers`` raises in the same case, so code catching either keeps working."""
+
+
 @dataclass
 class LoadOptions:
     """The loading options ``from_pretrained`` acts on, separated from the config overrides."""
@@ -73,6 +78,10 @@ def _single_device(device_map) -> torch.device | None:
 
 def parse_load_options(kwargs: dict, *, dtype) -> LoadOptions:
     """Pop the loading options from ``kwargs`` (what is left are config overrides) and resolve them."""
+    if kwargs.get("device_map") is None and torch.get_default_device().type == "meta":
+        raise LoadingError("You are using `from_pretrained` with a meta device context manager or "
+                           "`torch.set_default_device('meta')`: from_pretrained loads existing weights. For an empty "
+                           "model on the meta device use `from_config` or `ModelClass(config)` under the context")
     torch_dtype = kwargs.pop("torch_dtype", None)
     if torch_dtype is not None:
         # transformers' own message for the pre-v5 argument name; the value is honoured
