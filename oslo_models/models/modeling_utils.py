@@ -254,6 +254,13 @@ class OsloPreTrainedModel(PreTrainedModel):
             if patterns & set(name.split(".")):
                 module.to(torch.float32)
 
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """``set_attn_implementation("eager" | "sdpa" | ...)`` at runtime: every attention here runs through
+        ``transformers``' ``ALL_ATTENTION_FUNCTIONS`` (``models/common/attention.py``); ``transformers``' heuristic
+        looks for that call in the model's own source file and would miss the shared helper."""
+        return True
+
     def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
         """Replace the module ``get_output_embeddings()`` returns, wherever it sits (``lm_head``, an MLM head's
         ``decoder``)."""

@@ -127,6 +127,8 @@ def _outputs_check(paths: dict, tp: int) -> None:
             assert assert_outputs_match(got, expected, f"{name} tp{tp} sp{sp}") >= 5
             assert_outputs_match(model(**inputs, **flags, return_dict=False),
                                  reference(**inputs, **flags, return_dict=False), f"{name} tuple")
+            assert_outputs_match(model(**inputs, output_attentions=True), reference(**inputs, output_attentions=True),
+                                 f"{name} attentions only")
 
 
 def _resize_check(paths: dict, tp: int, save_root) -> None:

@@ -39,9 +39,20 @@ def _skip(reason_: str):
 
 
 def family_test(name: str, tester, model_classes, *, skips=(), **attributes):
-    """A ``unittest.TestCase`` running ``ModelTesterMixin`` on ``model_classes`` with ``tester``."""
+    """A ``unittest.TestCase`` running ``ModelTesterMixin`` on ``model_classes`` with ``tester``.
+
+    Labels come from ``ModelTesterMixin._prepare_for_class`` plus the tester's ``extra_labels`` (what
+    ``transformers``' family test files add, e.g. BERT pre-training's ``next_sentence_label``)."""
     body = dict(all_model_classes=tuple(model_classes), **attributes)
     body["setUp"] = lambda self: setattr(self, "model_tester", tester(self))
+
+    def _prepare_for_class(self, inputs_dict, model_class, return_labels=False):
+        inputs = common.ModelTesterMixin._prepare_for_class(self, inputs_dict, model_class, return_labels)
+        if return_labels:
+            inputs.update(self.model_tester.extra_labels(model_class))
+        return inputs
+
+    body["_prepare_for_class"] = _prepare_for_class
     for test_name, why in {**SKIPS, **dict(skips)}.items():
         body[test_name] = _skip(why)
     cls = type(name, (common.ModelTesterMixin, unittest.TestCase), body)

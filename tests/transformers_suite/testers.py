@@ -25,11 +25,15 @@ def random_attention_mask(shape, generator=None) -> torch.Tensor:
 class _Tester:
     batch_size, seq_length, vocab_size = 3, 7, 99
     hidden_size, num_hidden_layers, num_attention_heads, intermediate_size = 32, 2, 4, 37
-    num_labels, num_choices, type_sequence_label_size = 3, 4, 2
+    num_choices = 4  # configs keep num_labels=2 (the default), as transformers' testers: span heads need 2
     is_training, use_labels = True, True
 
     def __init__(self, parent):
         self.parent = parent
+
+    def extra_labels(self, model_class) -> dict:
+        """Labels ``ModelTesterMixin._prepare_for_class`` does not know for ``model_class`` (family-specific)."""
+        return {}
 
     def prepare_config_and_inputs_for_common(self):
         generator = torch.Generator().manual_seed(0)
@@ -43,7 +47,7 @@ class GPT2Tester(_Tester):
             vocab_size=self.vocab_size, n_embd=self.hidden_size, n_layer=self.num_hidden_layers,
             n_head=self.num_attention_heads, n_inner=self.intermediate_size, n_positions=512,
             activation_function="gelu", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, initializer_range=0.02,
-            num_labels=self.num_labels, bos_token_id=self.vocab_size - 1, eos_token_id=self.vocab_size - 1,
+            bos_token_id=self.vocab_size - 1, eos_token_id=self.vocab_size - 1,
             pad_token_id=self.vocab_size - 1, use_cache=True)
 
     def inputs(self, config, generator):
@@ -63,13 +67,20 @@ class BertTester(_Tester):
             num_attention_heads=self.num_attention_heads, intermediate_size=self.intermediate_size,
             hidden_act="gelu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
             max_position_embeddings=512, type_vocab_size=self.type_vocab_size, initializer_range=0.02,
-            num_labels=self.num_labels, is_decoder=False, pad_token_id=1)
+            is_decoder=False, pad_token_id=1)
 
     def inputs(self, config, generator):
         shape = (self.batch_size, self.seq_length)
         return {"input_ids": ids_tensor(shape, self.vocab_size, low=2, generator=generator),
                 "token_type_ids": ids_tensor(shape, self.type_vocab_size, generator=generator),
                 "attention_mask": random_attention_mask(shape, generator)}
+
+
+    def extra_labels(self, model_class) -> dict:
+        if model_class.__name__ != "BertForPreTraining":
+            return {}
+        return {"labels": torch.zeros((self.batch_size, self.seq_length), dtype=torch.long),
+                "next_sentence_label": torch.zeros(self.batch_size, dtype=torch.long)}
 
 
 class RobertaTester(BertTester):
@@ -87,7 +98,7 @@ class T5Tester(_Tester):
             num_decoder_layers=self.num_hidden_layers, num_heads=self.num_attention_heads,
             relative_attention_num_buckets=8, dropout_rate=0.1, initializer_factor=0.002,
             eos_token_id=self.eos_token_id, bos_token_id=self.pad_token_id, pad_token_id=self.pad_token_id,
-            decoder_start_token_id=self.decoder_start_token_id, num_labels=self.num_labels)
+            decoder_start_token_id=self.decoder_start_token_id)
 
     def inputs(self, config, generator):
         input_ids = ids_tensor((self.batch_size, self.encoder_seq_length), self.vocab_size, low=2,

@@ -65,7 +65,7 @@ class BertLMHeadModel(BertPreTrainedModel, GenerationMixin):
         local_logits = getattr(self, self.head_name)(hidden_states)  # [b, s, V_padded/tp]
         decoder = self.get_output_embeddings()
         loss = None
-        if labels is not None or shift_labels is not None:
+        if labels is not None:  # as transformers: shift_labels (pre-shifted targets) only alongside labels
             loss = causal_token_loss(local_logits, labels, decoder, num_items_in_batch=num_items_in_batch,
                                      shift_labels=shift_labels)
         return CausalLMOutputWithCrossAttentions(loss=loss, logits=full_logits(local_logits, decoder, gather_logits),

@@ -257,7 +257,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
         hidden_states = keep_last_logits(outputs.last_hidden_state, logits_to_keep)
         local_logits = self.lm_head(hidden_states)  # [b, s, V_padded/tp], padded columns = -inf
         loss = None
-        if labels is not None or shift_labels is not None:
+        if labels is not None:  # as transformers: shift_labels (pre-shifted targets) only alongside labels
             loss = causal_token_loss(local_logits, labels, self.lm_head, num_items_in_batch=num_items_in_batch,
                                      shift_labels=shift_labels)
         return CausalLMOutputWithCrossAttentions(loss=loss, logits=full_logits(local_logits, self.lm_head, gather_logits),

@@ -34,7 +34,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.models.t5.modeling_t5 import T5Attention as _HFT5Attention
 from transformers.models.t5.modeling_t5 import eager_attention_forward
-from transformers.utils.generic import can_return_tuple
+from transformers.utils.generic import ModelOutput, can_return_tuple
 
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, Linear
@@ -369,7 +369,7 @@ def _stack_config(config, *, is_decoder: bool):
 
 def _as_encoder_output(encoder_outputs) -> BaseModelOutput:
     """A user's ``encoder_outputs`` tuple (``return_dict=False``) as the output object, as ``transformers``."""
-    if isinstance(encoder_outputs, BaseModelOutput):
+    if isinstance(encoder_outputs, ModelOutput):  # also the stack's BaseModelOutputWithPastAndCrossAttentions
         return encoder_outputs
     return BaseModelOutput(last_hidden_state=encoder_outputs[0],
                            hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
