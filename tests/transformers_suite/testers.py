@@ -109,3 +109,19 @@ class T5Tester(_Tester):
         return {"input_ids": input_ids, "attention_mask": random_attention_mask(input_ids.shape, generator),
                 "decoder_input_ids": decoder_input_ids,
                 "decoder_attention_mask": random_attention_mask(decoder_input_ids.shape, generator)}
+
+
+class T5EncoderTester(T5Tester):
+    """``T5EncoderModel`` / ``T5ForTokenClassification``: encoder inputs only, ``is_encoder_decoder=False`` and no
+    training tests (``T5EncoderModel`` has no loss), as transformers' encoder-only T5 tester."""
+
+    is_training = False
+
+    def get_config(self):
+        config = super().get_config()
+        config.is_encoder_decoder = False
+        return config
+
+    def inputs(self, config, generator):
+        inputs = super().inputs(config, generator)
+        return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}

@@ -253,6 +253,9 @@ class T5PreTrainedModel(OsloPreTrainedModel):
 
     def set_input_embeddings(self, new_embeddings) -> None:
         """``shared`` and both stacks' ``embed_tokens`` are one module, as in ``transformers``."""
+        inner = getattr(self, "transformer", None)  # a head model's T5Model / T5EncoderModel
+        if isinstance(inner, T5PreTrainedModel):
+            return inner.set_input_embeddings(new_embeddings)
         self.shared = new_embeddings
         for stack in (getattr(self, "encoder", None), getattr(self, "decoder", None)):
             if stack is not None:
