@@ -18,7 +18,7 @@ import transformers
 
 import oslo_models as om
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import tiny_gpt2_config
+from tests.helpers.models import expected_shard, tiny_gpt2_config
 
 ATOL = dict(atol=1e-5, rtol=1e-5)
 _BERT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -38,6 +38,9 @@ LM_FAMILIES = {
                   lambda: transformers.T5Config(tie_word_embeddings=False, feed_forward_proj="gated-gelu", **_T5),
                   "T5ForConditionalGeneration", ("decoder",)),
 }
+# (family, new vocabulary size, pad_to_multiple_of, mean_resizing): 99/101 -> an odd size changes the TP padding
+RESIZE_CASES = [("gpt2", 121, None, True), ("gpt2", 110, 16, False), ("bert", 121, None, True),
+                ("roberta", 121, None, True), ("t5", 121, None, True), ("t5_untied", 110, 16, True)]
 HEADS = {
     "GPT2ForTokenClassification": (lambda: tiny_gpt2_config(num_labels=3), "token"),
     "GPT2ForQuestionAnswering": (lambda: tiny_gpt2_config(), "span"),
@@ -114,6 +117,8 @@ def save_checkpoints(root) -> dict:
 def _outputs_check(paths: dict, tp: int) -> None:
     """Attentions and hidden states, dict and tuple, ± SP: equal ``transformers``' on every rank."""
     for name, (hf_class, _, ours, extra) in LM_FAMILIES.items():
+        if name == "t5_untied":  # same stacks as "t5"; its untied head is exercised by the resize check
+            continue
         reference = hf_class.from_pretrained(paths[name], attn_implementation="eager").eval()
         inputs = _inputs(extra[0] if extra else "", reference.config.vocab_size)
         flags = dict(output_attentions=True, output_hidden_states=True)
@@ -134,26 +139,26 @@ def _outputs_check(paths: dict, tp: int) -> None:
 def _resize_check(paths: dict, tp: int, save_root) -> None:
     """``resize_token_embeddings`` (odd size: the TP padding changes; and ``pad_to_multiple_of``) equals
     ``transformers`` resized from the same seed; plain ``transformers`` reloads the saved model exactly."""
-    for name, (hf_class, _, ours, extra) in LM_FAMILIES.items():
-        for new_size, multiple, mean in ((121, None, True), (110, 16, False)):
-            reference = hf_class.from_pretrained(paths[name]).eval()
-            model = getattr(om, ours).from_pretrained(
-                paths[name], parallel=om.ParallelConfig(tensor_parallel_size=tp), progress=False)
-            torch.manual_seed(7)
-            reference.resize_token_embeddings(new_size, pad_to_multiple_of=multiple, mean_resizing=mean)
-            torch.manual_seed(7 + dist.get_rank() if dist.is_initialized() else 7)  # ranks' RNGs differ on purpose
-            model.resize_token_embeddings(new_size, pad_to_multiple_of=multiple, mean_resizing=mean)
-            assert model.config.vocab_size == reference.config.vocab_size
-            inputs = _inputs(extra[0] if extra else "", reference.config.vocab_size)
-            inputs["input_ids"][0, :3] = torch.tensor([reference.config.vocab_size - 1, 100, 99])  # new tokens
-            expected = reference(**inputs).logits
-            torch.testing.assert_close(model(**inputs).logits, expected, **ATOL)
-            if model.get_output_embeddings() is not None and getattr(model.config, "tie_word_embeddings", False):
-                assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-            folder = save_root / f"{name}-{new_size}-tp{tp}"
-            model.save_pretrained(folder)
-            reloaded = hf_class.from_pretrained(folder).eval()
-            torch.testing.assert_close(reloaded(**inputs).logits, expected, **ATOL)
+    for name, new_size, multiple, mean in RESIZE_CASES:
+        hf_class, _, ours, extra = LM_FAMILIES[name]
+        reference = hf_class.from_pretrained(paths[name]).eval()
+        model = getattr(om, ours).from_pretrained(
+            paths[name], parallel=om.ParallelConfig(tensor_parallel_size=tp), progress=False)
+        torch.manual_seed(7)
+        reference.resize_token_embeddings(new_size, pad_to_multiple_of=multiple, mean_resizing=mean)
+        torch.manual_seed(7 + dist.get_rank() if dist.is_initialized() else 7)  # ranks' RNGs differ on purpose
+        model.resize_token_embeddings(new_size, pad_to_multiple_of=multiple, mean_resizing=mean)
+        assert model.config.vocab_size == reference.config.vocab_size
+        inputs = _inputs(extra[0] if extra else "", reference.config.vocab_size)
+        inputs["input_ids"][0, :3] = torch.tensor([reference.config.vocab_size - 1, 100, 99])  # new tokens
+        expected = reference(**inputs).logits
+        torch.testing.assert_close(model(**inputs).logits, expected, **ATOL)
+        if model.get_output_embeddings() is not None and getattr(model.config, "tie_word_embeddings", False):
+            assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        folder = save_root / f"{name}-{new_size}-tp{tp}"
+        model.save_pretrained(folder)
+        reloaded = hf_class.from_pretrained(folder).eval()
+        torch.testing.assert_close(reloaded(**inputs).logits, expected, **ATOL)
 
 
 def _heads_check(paths: dict, tp: int) -> None:
@@ -181,7 +186,27 @@ def _generate_check(paths: dict, tp: int) -> None:
         assert assert_outputs_match(got, expected, f"generate {name} tp{tp}") > 10
 
 
+def _options_check(paths: dict, tp: int) -> None:
+    """``from_pretrained`` options on a split model: a mismatched vocab-parallel table is re-initialized and
+    reported as ``transformers`` reports it, the rest loads; ``torch_dtype`` keeps T5's ``wo`` in fp32."""
+    options = dict(vocab_size=120, ignore_mismatched_sizes=True, output_loading_info=True)
+    _, expected = transformers.BertForMaskedLM.from_pretrained(paths["bert"], **options)
+    model, info = om.BertForMaskedLM.from_pretrained(paths["bert"], parallel=om.ParallelConfig(tensor_parallel_size=tp),
+                                                     device_map="auto", progress=False, **options)
+    assert {key for key, _, _ in info["mismatched_keys"]} == {key for key, _, _ in expected["mismatched_keys"]}
+    assert model.get_input_embeddings().weight.shape[0] == -(-120 // tp)
+    reference = transformers.BertForMaskedLM.from_pretrained(paths["bert"])
+    name = "bert.encoder.layer.0.attention.self.query.weight"
+    torch.testing.assert_close(dict(model.named_parameters())[name], expected_shard(
+        model, name, dict(reference.named_parameters())[name].detach()))
+    t5 = om.T5ForConditionalGeneration.from_pretrained(paths["t5"], parallel=om.ParallelConfig(tensor_parallel_size=tp),
+                                                       torch_dtype=torch.float16, progress=False)
+    assert t5.decoder.block[1].layer[2].DenseReluDense.wo.weight.dtype == torch.float32
+    assert t5.decoder.block[1].layer[2].DenseReluDense.wi.weight.dtype == torch.float16
+
+
 def _worker(paths: dict, tp: int, save_root) -> None:
+    _options_check(paths, tp)
     _outputs_check(paths, tp)
     _heads_check(paths, tp)
     _resize_check(paths, tp, save_root)
