@@ -9,7 +9,7 @@ on PyPI ships the common mixins (``tests/test_modeling_common.py`` with ``ModelT
    only; no GitHub, no Hub) into a cache, once (a file lock serializes pytest-xdist workers);
 2. extracts the top-level ``tests/*.py`` unmodified into a package named ``hf_model_tests`` (our own tests are
    the package ``tests``), and adds empty ``GenerationTesterMixin`` / ``ExportTesterMixin`` placeholders for the
-   two modules the sdist lacks (their tests are not run; see ``README`` of this folder's tests);
+   two modules the sdist lacks (the generation and export mixins' tests are therefore not run);
 3. puts the cache on ``sys.path`` and imports ``hf_model_tests.test_modeling_common``.
 
 ``OSLO_HF_TESTS_DIR`` may point to a ``transformers`` checkout's ``tests`` folder of the same version instead
