@@ -54,8 +54,11 @@ def family_test(name: str, tester, model_classes, *, skips=(), **attributes):
         return inputs
 
     body["_prepare_for_class"] = _prepare_for_class
-    for test_name, why in {**SKIPS, **dict(skips)}.items():
-        body[test_name] = _skip(why)
+    for test_name, why in {**SKIPS, **dict(skips)}.items():  # also parameterized expansions (name_00_...)
+        for attribute in dir(common.ModelTesterMixin):
+            suffix = attribute[len(test_name) + 1:]
+            if attribute == test_name or attribute.startswith(test_name + "_") and suffix[:1].isdigit():
+                body[attribute] = _skip(why)
     cls = type(name, (common.ModelTesterMixin, unittest.TestCase), body)
     for test_name in SLOW:
         if hasattr(cls, test_name):
