@@ -27,7 +27,8 @@ setup(
         "triton": ["triton>=3.0"],
         "plot": ["matplotlib>=3.6"],
         "dev": ["datasets>=2.18", "triton>=3.0", "matplotlib>=3.6", "pytest>=7", "pytest-xdist>=3",
-                "hypothesis>=6.100"],
+                "hypothesis>=6.100",
+                "parameterized>=0.9"],  # parameterized: transformers' common model tests import it
     },
     entry_points={"console_scripts": ["oslo-models=oslo_models.cli:main"]},
 )

@@ -41,8 +41,10 @@ _LAZY = {
                                  "ForSequenceClassification", "ForTokenClassification", "ForCausalLM",
                                  "ForMultipleChoice"),
                         # same architecture, own model_type: see models/roberta/variants.py
-                        *_family("XLMRoberta", "Config", "Model", "ForMaskedLM", "ForSequenceClassification"),
-                        *_family("Camembert", "Config", "Model", "ForMaskedLM")],
+                        *_family("XLMRoberta", "Config", "Model", "ForMaskedLM", "ForSequenceClassification",
+                                 "ForTokenClassification", "ForQuestionAnswering"),
+                        *_family("Camembert", "Config", "Model", "ForMaskedLM", "ForSequenceClassification",
+                                 "ForTokenClassification", "ForQuestionAnswering")],
     ".models.t5": [*_family("T5", "Config", "Model", "EncoderModel", "ForConditionalGeneration",
                             "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"),
                    *_family("MT5", "Config", "Model", "EncoderModel", "ForConditionalGeneration")],

@@ -14,10 +14,15 @@ import logging
 
 import torch
 from torch import nn
+from transformers.utils import logging as hf_logging
 
 from .checkpoint import CheckpointReader
 
 logger = logging.getLogger(__name__)
+
+
+class MismatchedSizeError(ValueError, RuntimeError):
+    """A checkpoint tensor whose shape does not fit the model (``transformers`` raises ``RuntimeError`` here)."""
 
 
 def match_checkpoint_keys(param_names: list[str], checkpoint_keys, base_model_prefix: str) -> dict[str, str]:
@@ -50,8 +55,10 @@ def init_full_tensor(name: str, shape: tuple[int, ...], std: float, generator: t
 
 def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, context, base_model_prefix: str,
                          init_std: float = 0.02, seed: int = 0, strict_shapes: bool = True,
-                         progress: bool = False) -> dict[str, list[str]]:
-    """Copy this rank's slice of every checkpoint tensor into ``model``; returns missing/unexpected keys."""
+                         progress: bool = False, ignore_mismatched_sizes: bool = False) -> dict[str, list]:
+    """Copy this rank's slice of every checkpoint tensor into ``model``; returns missing/unexpected keys and, with
+    ``ignore_mismatched_sizes``, the ``(key, checkpoint shape, model shape)`` of tensors whose full shape differs
+    (those are newly initialized, as ``transformers`` does for a new head with another ``num_labels``)."""
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     mapping = match_checkpoint_keys(list(params), reader.keys(), base_model_prefix)
     missing = [name for name in params if name not in mapping]
@@ -61,6 +68,16 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
                   and not any(pattern in key for pattern in ignore_patterns)
                   and not _is_tied_duplicate(model, key, base_model_prefix)]
 
+    mismatched = []
+    if ignore_mismatched_sizes:
+        for name, param in params.items():
+            if name in mapping:
+                spec = plan.shard_spec(model, name)
+                full_shape = spec.full_shape(param.shape, context.axis(spec.axis).size)
+                key = mapping[name]
+                if tuple(reader.shape(key)) != tuple(full_shape):
+                    mismatched.append((key, tuple(reader.shape(key)), tuple(full_shape)))
+                    del mapping[name]  # initialized below like a missing weight
     generator = torch.Generator().manual_seed(seed)
     items = list(params.items())
     if progress and context.rank == 0:
@@ -86,7 +103,11 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
                        type(model).__name__, missing)
     if unexpected:
         logger.warning("Some checkpoint weights were not used by %s: %s", type(model).__name__, unexpected)
-    return {"missing_keys": missing, "unexpected_keys": unexpected}
+    if mismatched:  # transformers' wording, on its loading logger, where users and its tests look for it
+        hf_logging.get_logger("transformers.modeling_utils").warning(
+            "Some weights of %s were not initialized from the checkpoint (Reinit due to size mismatch, "
+            "ignore_mismatched_sizes=True): %s", type(model).__name__, mismatched)
+    return {"missing_keys": missing, "unexpected_keys": unexpected, "mismatched_keys": mismatched}
 
 
 def _check_stored_shape(name: str, key: str, stored: tuple[int, ...], expected: tuple[int, ...], spec) -> None:
@@ -99,8 +120,10 @@ def _check_stored_shape(name: str, key: str, stored: tuple[int, ...], expected: 
         hint = " (transposed: was it saved with another layout, nn.Linear vs Conv1D?)"
     elif spec.num_packed > 1:
         hint = f" (it packs {spec.num_packed} blocks, q|k|v, along dim {spec.dim})"
-    raise ValueError(f"Checkpoint tensor {key!r} has shape {stored}, but the model config needs {expected} for "
-                     f"{name!r}{hint}: the checkpoint does not match the config (vocab_size, hidden size, heads...)")
+    raise MismatchedSizeError(f"Checkpoint tensor {key!r} has shape {stored}, but the model config needs {expected} "
+                              f"for {name!r}{hint}: the checkpoint does not match the config (vocab_size, hidden "
+                              "size, heads...; ignore_mismatched_sizes=True initializes such tensors anew, e.g. a "
+                              "head with another num_labels)")
 
 
 def _is_tied_duplicate(model: nn.Module, key: str, prefix: str) -> bool:

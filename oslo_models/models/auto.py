@@ -57,6 +57,10 @@ from .roberta import (
 from .t5 import T5EncoderModel, T5ForConditionalGeneration, T5Model
 from .roberta import variants as _roberta_variants
 from .t5 import mt5 as _mt5
+from .bert import BertForMultipleChoice, BertForNextSentencePrediction, BertLMHeadModel
+from .gpt2 import GPT2ForQuestionAnswering, GPT2ForTokenClassification
+from .roberta import RobertaForCausalLM, RobertaForMultipleChoice
+from .t5 import T5ForQuestionAnswering, T5ForSequenceClassification, T5ForTokenClassification
 
 MODEL_REGISTRY: dict[str, dict[str, type]] = {
     "base": {"gpt2": GPT2Model, "bert": BertModel, "roberta": RobertaModel, "t5": T5Model},
@@ -99,6 +103,13 @@ for _task, _name in (("base", "Model"), ("masked_lm", "ForMaskedLM"), ("sequence
 MODEL_REGISTRY["base"]["mt5"] = _mt5.MT5Model
 MODEL_REGISTRY["seq2seq_lm"]["mt5"] = _mt5.MT5ForConditionalGeneration
 MODEL_REGISTRY["text_encoding"]["mt5"] = _mt5.MT5EncoderModel
+# heads of the transformers model contract (issue 21)
+MODEL_REGISTRY["causal_lm"].update(bert=BertLMHeadModel, roberta=RobertaForCausalLM)
+MODEL_REGISTRY["sequence_classification"].update(t5=T5ForSequenceClassification)
+MODEL_REGISTRY["token_classification"].update(gpt2=GPT2ForTokenClassification, t5=T5ForTokenClassification)
+MODEL_REGISTRY["question_answering"].update(gpt2=GPT2ForQuestionAnswering, t5=T5ForQuestionAnswering)
+MODEL_REGISTRY["multiple_choice"] = {"bert": BertForMultipleChoice, "roberta": RobertaForMultipleChoice}
+MODEL_REGISTRY["next_sentence_prediction"] = {"bert": BertForNextSentencePrediction}
 
 
 class _AutoModel:
@@ -194,3 +205,11 @@ class AutoModelForQuestionAnswering(_AutoModel):
 
 class AutoModelForTextEncoding(_AutoModel):
     task = "text_encoding"
+
+
+class AutoModelForMultipleChoice(_AutoModel):
+    task = "multiple_choice"
+
+
+class AutoModelForNextSentencePrediction(_AutoModel):
+    task = "next_sentence_prediction"

@@ -1,8 +1,16 @@
-"""Loss rules shared by the classification heads of every family (the same rules as ``transformers``)."""
+"""Outputs and loss rules shared by the classification heads of every family (the same rules as
+``transformers``). The heads themselves are replicated (never split): their inputs are full ``[b, s, h]``."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.modeling_outputs import (
+    MultipleChoiceModelOutput,
+    QuestionAnsweringModelOutput,
+    TokenClassifierOutput,
+)
+
+from .common.outputs import passed_on
 
 
 def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
@@ -39,3 +47,45 @@ def last_token_logits(logits: torch.Tensor, input_ids: torch.Tensor | None, pad_
         positions = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
         last_token = (positions * non_pad).argmax(-1)
     return logits[torch.arange(batch_size, device=logits.device), last_token]
+
+
+def token_classification_output(logits, labels, base_outputs=None) -> TokenClassifierOutput:
+    """``logits [b, s, num_labels]``; cross-entropy over every token (``-100`` ignored)."""
+    loss = None
+    if labels is not None:
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.to(logits.device).view(-1))
+    return TokenClassifierOutput(loss=loss, logits=logits, **passed_on(base_outputs))
+
+
+def span_logits_and_loss(logits, start_positions, end_positions):
+    """``logits [b, s, 2]`` -> ``(start_logits [b, s], end_logits [b, s], loss)``; the loss as ``transformers``
+    (positions outside the sequence are clamped to ``s`` and ignored), ``None`` without positions."""
+    start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
+    loss = None
+    if start_positions is not None and end_positions is not None:
+        ignored = start_logits.size(1)
+        start = start_positions.view(-1).clamp(0, ignored).to(logits.device)
+        end = end_positions.view(-1).clamp(0, ignored).to(logits.device)
+        loss = (F.cross_entropy(start_logits, start, ignore_index=ignored)
+                + F.cross_entropy(end_logits, end, ignore_index=ignored)) / 2
+    return start_logits, end_logits, loss
+
+
+def question_answering_output(logits, start_positions, end_positions,
+                              base_outputs=None) -> QuestionAnsweringModelOutput:
+    """``QuestionAnsweringModelOutput`` of a span head (see ``span_logits_and_loss``)."""
+    start_logits, end_logits, loss = span_logits_and_loss(logits, start_positions, end_positions)
+    return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
+                                        **passed_on(base_outputs))
+
+
+def multiple_choice_output(logits, labels, num_choices: int, base_outputs=None) -> MultipleChoiceModelOutput:
+    """``logits [b*c, 1]`` (one score per flattened choice) -> ``[b, c]``; cross-entropy over the choices."""
+    logits = logits.view(-1, num_choices)
+    loss = F.cross_entropy(logits, labels.to(logits.device)) if labels is not None else None
+    return MultipleChoiceModelOutput(loss=loss, logits=logits, **passed_on(base_outputs))
+
+
+def flatten_choices(*tensors):
+    """``[b, c, ...]`` inputs of a multiple-choice head -> ``[b*c, ...]`` (``None`` stays ``None``)."""
+    return tuple(None if t is None else t.reshape(-1, *t.shape[2:]) for t in tensors)

@@ -14,11 +14,13 @@ layout (``save_pretrained``, ``push_to_hub``), and keeps the ``transformers`` AP
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import tempfile
 from typing import ClassVar
 
 import torch
+from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 
 from ..config import ParallelConfig
@@ -28,6 +30,7 @@ from ..conversion.saving import gather_full_state_dict, run_on_main_process, wri
 from ..distributed.agreement import all_or_none
 from ..distributed.context import ParallelContext, _world_from_environment
 from ..parallel_layers.plan import ParallelPlan
+from .common.pretrained_options import parse_load_options
 
 
 def _resolve_context(parallel: ParallelConfig | ParallelContext | None) -> ParallelContext:
@@ -85,7 +88,11 @@ class OsloPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """No per-module init here: weights come from a checkpoint or from ``hf_twin`` (see ``finish_init``)."""
+        """No per-module init for the model's own layers: weights come from a checkpoint or from ``hf_twin`` (see
+        ``finish_init``). Plain ``torch`` layers only exist transiently, when ``resize_token_embeddings`` lets
+        ``transformers`` build the new full table (``mean_resizing=False``): those get ``transformers``' init."""
+        if type(module) in (nn.Linear, nn.Embedding):
+            PreTrainedModel._init_weights(self, module)
 
     def finish_init(self) -> None:
         """Swap in the parallel layers of the plan; off the meta device, initialize like ``transformers``.
@@ -129,11 +136,12 @@ class OsloPreTrainedModel(PreTrainedModel):
         then keep this rank's slices. Costs one full model of host memory while it runs."""
         if self.hf_twin is None:
             raise NotImplementedError(f"{type(self).__name__} has no hf_twin to initialize from")
-        twin_config = self.config.__class__.from_dict(self.config.to_dict())
+        twin_config = copy.deepcopy(self.config)  # no from_dict round trip: it would re-validate (problem_type)
         twin = self.hf_twin(twin_config)
         self.load_from_reader(InMemoryReader(twin.state_dict()))
 
-    def load_from_reader(self, reader: CheckpointReader, *, progress: bool = False) -> dict[str, list[str]]:
+    def load_from_reader(self, reader: CheckpointReader, *, progress: bool = False,
+                         ignore_mismatched_sizes: bool = False) -> dict[str, list]:
         if self.parallel_context.pp_size > 1:
             # Pipeline parallelism: read only this stage's tensors (and the tied head from the input embedding).
             from ..pipeline.checkpoint import StageReader
@@ -142,7 +150,8 @@ class OsloPreTrainedModel(PreTrainedModel):
         return load_checkpoint_into(self, reader, plan=self.parallel_plan, context=self.parallel_context,
                                     base_model_prefix=self.base_model_prefix,
                                     init_std=getattr(self.config, "initializer_range", 0.02),
-                                    seed=self.parallel_context.config.seed, progress=progress)
+                                    seed=self.parallel_context.config.seed, progress=progress,
+                                    ignore_mismatched_sizes=ignore_mismatched_sizes)
 
     @classmethod
     def _build_empty(cls, config, context: ParallelContext, dtype: torch.dtype) -> "OsloPreTrainedModel":
@@ -150,6 +159,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         with torch.device("meta"):
             model = cls(config, parallel_context=context)
         model.to(dtype)
+        model.keep_in_fp32(dtype)
         model.to_empty(device=context.device)
         for module in model.modules():  # non-persistent buffers (rotary frequencies) are in no checkpoint
             if hasattr(module, "reset_buffers"):
@@ -172,49 +182,83 @@ class OsloPreTrainedModel(PreTrainedModel):
         return model
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args,
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike | None, *model_args,
                         parallel: ParallelConfig | ParallelContext | None = None, dtype=None, config=None,
                         revision: str | None = None, token: str | bool | None = None, cache_dir=None,
                         local_files_only: bool = False, subfolder: str = "", progress: bool = True,
-                        **config_kwargs) -> "OsloPreTrainedModel":
+                        **kwargs) -> "OsloPreTrainedModel":
         """Load a Hub checkpoint (id, cache or local folder) sliced for this rank.
 
         Each rank builds the model on the meta device, allocates only its shards and reads only its slices
         (safetensors ``get_slice``), so peak host memory per rank is about its shard. ``parallel`` is a
         ``ParallelConfig`` (the process group is initialized from the torchrun environment if needed) or a ready
         ``ParallelContext``. ``dtype``: a torch dtype, its name, ``"auto"`` (the checkpoint's) or ``None`` (fp32).
-        Extra keyword arguments override config attributes, as in ``transformers``.
+
+        ``transformers``' loading options work as there (see ``models/common/pretrained_options.py``):
+        ``ignore_mismatched_sizes``, ``output_loading_info`` (returns ``(model, info)``), ``torch_dtype`` (the old
+        name of ``dtype``, with ``transformers``' deprecation warning), ``device_map`` (``"auto"``, ``"cpu"`` or one
+        device; a map that splits the model is refused: use ``parallel=``), ``state_dict`` with
+        ``pretrained_model_name_or_path=None`` and a ``config``, ``attn_implementation``, ``generation_config``.
+        Other keyword arguments override config attributes, as in ``transformers``.
         """
         if model_args:
             raise ValueError("Positional model arguments are not supported; pass options by keyword")
+        options = parse_load_options(kwargs, dtype=dtype)
         hub = dict(revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only,
                    subfolder=subfolder)
-        if config is None:
-            config, unused = cls.config_class.from_pretrained(pretrained_model_name_or_path, return_unused_kwargs=True,
-                                                              **hub, **config_kwargs)
-            if unused:
+        if pretrained_model_name_or_path is None and (options.state_dict is None or config is None):
+            raise ValueError("from_pretrained(None, ...) needs both config= and state_dict=")
+        if options.state_dict is not None and pretrained_model_name_or_path is not None:
+            raise ValueError("`state_dict` cannot be passed together with a model name: use one of the two")
+        if config is None or isinstance(config, (str, os.PathLike)):
+            config, unused = cls.config_class.from_pretrained(config or pretrained_model_name_or_path,
+                                                              return_unused_kwargs=True, **hub, **options.hub,
+                                                              **kwargs)
+            if unused:  # transformers hands these to the model's __init__, which rejects them
                 raise ValueError(f"Unknown from_pretrained option(s): {sorted(unused)}")
+        else:
+            config = copy.deepcopy(config)
+            for key, value in kwargs.items():  # as transformers: overrides of a given config
+                setattr(config, key, value)
+        if options.attn_implementation is not None:
+            config._attn_implementation = options.attn_implementation
         expected_type = getattr(cls.config_class, "model_type", None)
         if expected_type and config.model_type != expected_type:
             raise ValueError(f"{cls.__name__} expects a {expected_type!r} checkpoint, got model_type="
                              f"{config.model_type!r} from {pretrained_model_name_or_path}")
         cls.validate_parallel_config(config, _parallel_config(parallel))
-        try:  # file errors show on every rank (each reads every header) before any collective...
-            reader = CheckpointReader.open(pretrained_model_name_or_path, **hub)
-        except (OSError, ValueError) as error:
-            if _world_from_environment()[0] == 1:
-                raise
-            reader = error  # ...unless only this rank sees them: agree below, so no rank waits for it
+        if options.state_dict is not None:
+            reader = InMemoryReader(options.state_dict)
+        else:
+            try:  # file errors show on every rank (each reads every header) before any collective...
+                reader = CheckpointReader.open(pretrained_model_name_or_path, **hub)
+            except (OSError, ValueError) as error:
+                if _world_from_environment()[0] == 1:
+                    raise
+                reader = error  # ...unless only this rank sees them: agree below, so no rank waits for it
         context = _resolve_context(parallel)
+        if options.device is not None and options.device.index is None and options.device.type == context.device.type:
+            options.device = context.device
+        if options.device is not None and options.device != context.device and context.world_size > 1:
+            raise ValueError(f"device_map places the model on {options.device}, but this rank's parallel context "
+                             f"uses {context.device}: under torchrun the device follows LOCAL_RANK")
         with all_or_none(context, f"from_pretrained({str(pretrained_model_name_or_path)!r})"):
             if isinstance(reader, Exception):
                 raise reader
-            model = cls._build_empty(config, context, _resolve_dtype(dtype, config))
-            model.load_from_reader(reader, progress=progress)  # rank-local reads only: no collective inside
-        if model.can_generate():
+            model = cls._build_empty(config, context, _resolve_dtype(options.dtype, config))
+            info = model.load_from_reader(reader, progress=progress,  # rank-local reads only: no collective inside
+                                          ignore_mismatched_sizes=options.ignore_mismatched_sizes)
+        if options.device is not None and options.device != context.device:
+            model.to(options.device)  # one process: honour the single device the map names
+        if options.generation_config is not None:
+            model.generation_config = options.generation_config
+        elif model.can_generate() and pretrained_model_name_or_path is not None:
             with contextlib.suppress(OSError, ValueError):
                 model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub)
         model.eval()
+        if options.output_loading_info:
+            return model, {"missing_keys": set(info["missing_keys"]), "unexpected_keys": set(info["unexpected_keys"]),
+                           "mismatched_keys": set(info.get("mismatched_keys", ())), "error_msgs": []}
         return model
 
     def generate(self, *args, **kwargs):
@@ -227,6 +271,48 @@ class OsloPreTrainedModel(PreTrainedModel):
         check_can_generate(self)
         with sampling_rng_of_group_source(self.parallel_context):
             return super().generate(*args, **kwargs)
+
+    # ------------------------------------------------------------------ transformers API contract
+    def keep_in_fp32(self, dtype: torch.dtype) -> None:
+        """As ``transformers``: parameters of ``_keep_in_fp32_modules`` (e.g. T5's ``wo``, against fp16 overflow)
+        stay fp32 when the model is loaded in fp16, those of ``_keep_in_fp32_modules_strict`` in fp16 and bf16."""
+        patterns = set(self._keep_in_fp32_modules or ()) if dtype == torch.float16 else set()
+        if dtype in (torch.float16, torch.bfloat16):
+            patterns |= set(self._keep_in_fp32_modules_strict or ())
+        if not patterns:
+            return
+        for name, module in self.named_modules():
+            if patterns & set(name.split(".")):
+                module.to(torch.float32)
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """``set_attn_implementation("eager" | "sdpa" | ...)`` at runtime: every attention here runs through
+        ``transformers``' ``ALL_ATTENTION_FUNCTIONS`` (``models/common/attention.py``); ``transformers``' heuristic
+        looks for that call in the model's own source file and would miss the shared helper."""
+        return True
+
+    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        """Replace the module ``get_output_embeddings()`` returns, wherever it sits (``lm_head``, an MLM head's
+        ``decoder``)."""
+        old = self.get_output_embeddings()
+        if old is None:
+            self.lm_head = new_embeddings
+            return
+        for name, module in list(self.named_modules(remove_duplicate=False)):
+            if module is old:
+                parent, _, child = name.rpartition(".")
+                setattr(self.get_submodule(parent) if parent else self, child, new_embeddings)
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Module:
+        """``transformers``' ``resize_token_embeddings`` at any tensor-parallel size: the new rows are the ones
+        ``transformers`` draws (mean/covariance of the full old vocabulary), the vocab-parallel layers are rebuilt
+        with the padding for the new size, ties are kept and ``config.vocab_size`` updated. Collective (all-gather
+        of the old tables, broadcast of the new ones): call on every rank. See ``models/common/resize.py``."""
+        from .common.resize import resize_token_embeddings
+
+        return resize_token_embeddings(self, new_num_tokens, pad_to_multiple_of, mean_resizing)
 
     # ------------------------------------------------------------------ training steps
     def train_step(self, batch, *, labels=None, attention_mask=None, optimizer=None) -> torch.Tensor:
@@ -270,14 +356,15 @@ class OsloPreTrainedModel(PreTrainedModel):
         Gathers each tensor over its tensor-parallel group, then global rank 0 writes safetensors (sharded at
         ``max_shard_size`` with an index), ``config.json`` and ``generation_config.json`` atomically.
         """
-        if kwargs.pop("safe_serialization", True) is False:
-            raise ValueError("Only safetensors serialization is supported")
+        if kwargs.pop("safe_serialization", True) is False:  # transformers v5 always writes safetensors too
+            raise ValueError("save_pretrained(safe_serialization=False) is not supported: oslo-models writes "
+                             "safetensors only, as transformers v5 does (it no longer writes pytorch_model.bin)")
         if kwargs:
             raise ValueError(f"Unknown save_pretrained option(s): {sorted(kwargs)}")
         if state_dict is not None:
             raise ValueError("state_dict= is not supported: the gathered model state is always saved")
         full_state = self.full_state_dict()
-        config = self.config.__class__.from_dict(self.config.to_dict())
+        config = copy.deepcopy(self.config)
         config.architectures = [type(self).__name__]
         dtypes = {tensor.dtype for tensor in (full_state or {}).values() if tensor.is_floating_point()}
         if len(dtypes) == 1:

@@ -65,11 +65,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, 
     return loss
 
 
-def causal_lm_loss(local_logits: torch.Tensor, labels: torch.Tensor, *, group, vocab_start: int,
-                   ignore_index: int = -100, num_items_in_batch=None) -> torch.Tensor:
+def causal_lm_loss(local_logits: torch.Tensor, labels: torch.Tensor | None, *, group, vocab_start: int,
+                   ignore_index: int = -100, num_items_in_batch=None,
+                   shift_labels: torch.Tensor | None = None) -> torch.Tensor:
     """``transformers``' causal-LM loss on vocab-split logits: labels shifted left, mean over non-ignored tokens
-    (or sum / ``num_items_in_batch`` when given, as ``transformers`` does for gradient accumulation)."""
-    labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(local_logits.device)
+    (or sum / ``num_items_in_batch`` when given, as ``transformers`` does for gradient accumulation).
+
+    ``shift_labels`` (``[b, s]``, already aligned with the logits: position ``t`` holds the target of ``t``) is
+    used as is instead of shifting ``labels``, as ``transformers``' ``ForCausalLMLoss`` does; context parallelism
+    needs it, because a rank's chunk of the sequence cannot see the next chunk's first token."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    labels = shift_labels.to(local_logits.device)
     per_token = vocab_parallel_cross_entropy(local_logits.reshape(-1, local_logits.shape[-1]), labels.reshape(-1),
                                              group=group, vocab_start=vocab_start, ignore_index=ignore_index)
     total = per_token.sum()

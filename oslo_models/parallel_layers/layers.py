@@ -33,12 +33,15 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.view(out_shape)
 
 
-class Linear(nn.Module):
-    """``y = x W^T + b`` with the weight stored in ``layout`` (see module docstring)."""
+class Linear(nn.Linear):
+    """``y = x W^T + b`` with the weight stored in ``layout`` (see module docstring).
+
+    An ``nn.Linear`` for ``isinstance`` checks (``transformers``' ``get_output_embeddings`` contract, tools that
+    look for linear layers); with ``layout="conv1d"`` the weight is stored transposed, as GPT-2's ``Conv1D``."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, layout: str = "linear",
                  device=None, dtype=None):
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear.__init__: the weight's shape depends on the layout
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.in_features, self.out_features, self.layout = in_features, out_features, layout

@@ -93,7 +93,11 @@ class ColumnParallelLinear(Linear):
         return logits.masked_fill(pad, float("-inf"))
 
     def gather(self, y: torch.Tensor) -> torch.Tensor:
-        """Local output ``[..., out/tp]`` -> full ``[..., out]`` (padding stripped). Backward: split."""
+        """Local output ``[..., out/tp]`` -> full ``[..., out]`` (padding stripped). Backward: split.
+        At tp=1 with nothing to strip this is ``y`` itself, so a loss computed on ``y`` is a function of the
+        returned logits (as in ``transformers``)."""
+        if self.tp_size == 1 and (self.vocab_size is None or y.shape[-1] == self.vocab_size):
+            return y
         full = gather_from_tensor_parallel_region(y, self.group, dim=-1)
         if self.vocab_size is not None:
             if full.shape[-1] != self.vocab_size:  # slice only real padding: a no-op slice would still return a

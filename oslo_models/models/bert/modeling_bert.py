@@ -18,23 +18,24 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.masking_utils import create_bidirectional_mask
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPoolingAndCrossAttentions,
     MaskedLMOutput,
-    QuestionAnsweringModelOutput,
     SequenceClassifierOutput,
-    TokenClassifierOutput,
 )
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, eager_attention_forward
+from transformers.utils.generic import can_return_tuple
 
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ..common import attend, enter_sequence_parallel, full_logits, leave_sequence_parallel, split_heads, token_loss
 from ..common import use_sequence_parallel
 from ..common.legacy_keys import LegacyKeyReader
-from ..heads import sequence_classification_loss
+from ..common.outputs import OutputCollector, passed_on
+from ..heads import question_answering_output, sequence_classification_loss, token_classification_output
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_bert import BertConfig
 from .parallel_plan import BERT_BASE_PLAN, BERT_HEAD_PLAN, BERT_MLM_PLAN
@@ -77,26 +78,34 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-    """Bidirectional attention on this rank's heads: input ``[b, s(/tp), h]``, output ``[b, s, (n/tp)*d]``."""
+    """Attention on this rank's heads: input ``[b, s(/tp), h]``, output ``[b, s, (n/tp)*d]``. Bidirectional, or
+    causal with a key/value cache when ``config.is_decoder`` (``BertLMHeadModel``, ``RobertaForCausalLM``)."""
 
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int | None = None):
         super().__init__()
         self.config = config
+        self.layer_idx = layer_idx
         self.num_attention_heads = config.num_attention_heads
         self.attention_head_size = config.hidden_size // config.num_attention_heads
         self.all_head_size = self.num_attention_heads * self.attention_head_size
         self.scaling = self.attention_head_size ** -0.5
-        self.is_causal = False
+        self.is_causal = bool(config.is_decoder)
         self.query = Linear(config.hidden_size, self.all_head_size)
         self.key = Linear(config.hidden_size, self.all_head_size)
         self.value = Linear(config.hidden_size, self.all_head_size)
         self.dropout = Dropout(config.attention_probs_dropout_prob)
 
-    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, outputs=None,
+                past_key_values=None, **kwargs):
         query, key, value = (split_heads(proj(hidden_states, sequence_parallel=sequence_parallel),
                                          self.attention_head_size) for proj in (self.query, self.key, self.value))
-        return attend(self, query, key, value, attention_mask, dropout=self.dropout, scaling=self.scaling,
-                      eager_fallback=eager_attention_forward, **kwargs)
+        if past_key_values is not None:  # decoder: this rank's heads of the cache
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        out, weights = attend(self, query, key, value, attention_mask, dropout=self.dropout, scaling=self.scaling,
+                              eager_fallback=eager_attention_forward, **kwargs)
+        if outputs is not None:
+            outputs.attention(weights)  # [b, n/tp, s, s] -> all heads
+        return out, weights
 
 
 class BertSelfOutput(nn.Module):
@@ -115,9 +124,9 @@ class BertSelfOutput(nn.Module):
 
 
 class BertAttention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int | None = None):
         super().__init__()
-        self.self = BertSelfAttention(config)
+        self.self = BertSelfAttention(config, layer_idx)
         self.output = BertSelfOutput(config)
 
     def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, **kwargs):
@@ -146,9 +155,9 @@ class BertOutput(BertSelfOutput):
 
 
 class BertLayer(GradientCheckpointingLayer):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int | None = None):
         super().__init__()
-        self.attention = BertAttention(config)
+        self.attention = BertAttention(config, layer_idx)
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
 
@@ -162,11 +171,14 @@ class BertLayer(GradientCheckpointingLayer):
 class BertEncoder(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layer = nn.ModuleList([BertLayer(config, layer_idx=i) for i in range(config.num_hidden_layers)])
 
-    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, outputs=None, **kwargs):
         for layer in self.layer:
-            hidden_states = layer(hidden_states, attention_mask, sequence_parallel=sequence_parallel, **kwargs)
+            if outputs is not None:
+                outputs.hidden(hidden_states, sequence_parallel=sequence_parallel)
+            hidden_states = layer(hidden_states, attention_mask, sequence_parallel=sequence_parallel,
+                                  outputs=outputs, **kwargs)
         return hidden_states
 
 
@@ -251,11 +263,20 @@ class BertPreTrainedModel(OsloPreTrainedModel):
         if config.intermediate_size % tp:
             raise ValueError(f"{name} intermediate_size={config.intermediate_size} is not divisible by "
                              f"tensor_parallel_size={tp}")
-        if config.is_decoder or config.add_cross_attention:
-            raise NotImplementedError(f"{name} as a decoder (is_decoder / add_cross_attention) is not implemented")
+        if config.add_cross_attention:
+            raise NotImplementedError(f"{name} with cross-attention (add_cross_attention) is not implemented")
 
-    def load_from_reader(self, reader, *, progress: bool = False):
-        return super().load_from_reader(LegacyKeyReader.wrap(reader), progress=progress)  # LayerNorm.gamma/beta
+    def load_from_reader(self, reader, *, progress: bool = False, **options):
+        # LayerNorm.gamma/beta keys of old checkpoints
+        return super().load_from_reader(LegacyKeyReader.wrap(reader), progress=progress, **options)
+
+    def set_output_embeddings(self, new_embeddings) -> None:
+        """The new decoder, and (as ``transformers``) the head's own ``bias`` becomes the decoder's bias."""
+        super().set_output_embeddings(new_embeddings)
+        head = dict(self.named_modules()).get(self._decoder_bias_owner) if self._decoder_bias_owner else None
+        if head is not None:
+            head.bias = new_embeddings.bias
+            head.vocab_size = getattr(new_embeddings, "vocab_size", new_embeddings.out_features)
 
     def tie_parallel_weights(self) -> None:
         """Tie the decoder weight to the word embeddings and, as ``transformers`` does, the decoder bias to the
@@ -291,51 +312,46 @@ class BertModel(BertPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None, **kwargs):
+                inputs_embeds=None, output_attentions=None, output_hidden_states=None, past_key_values=None,
+                use_cache=None, **kwargs):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        use_cache = (use_cache if use_cache is not None else self.config.use_cache) and self.config.is_decoder
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         hidden_states = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids,
-                                        position_ids=position_ids, inputs_embeds=inputs_embeds)
-        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
-                                         attention_mask=attention_mask)
+                                        position_ids=position_ids, inputs_embeds=inputs_embeds,
+                                        past_key_values_length=past_length)
+        if self.config.is_decoder:
+            mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
+                                      past_key_values=past_key_values)
+            kwargs["past_key_values"] = past_key_values
+        else:
+            mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
+                                             attention_mask=attention_mask)
         sp = use_sequence_parallel(self, hidden_states.shape[1])
         if sp:
             hidden_states = enter_sequence_parallel(hidden_states, self.parallel_context)
-        hidden_states = self.encoder(hidden_states, mask, sequence_parallel=sp, **kwargs)
+        outputs = OutputCollector(self, output_attentions, output_hidden_states)
+        hidden_states = self.encoder(hidden_states, mask, sequence_parallel=sp,
+                                     outputs=outputs if outputs.active else None, **kwargs)
         if sp:
             hidden_states = leave_sequence_parallel(hidden_states, self.parallel_context)
+        outputs.hidden(hidden_states)
         pooled = self.pooler(hidden_states) if self.pooler is not None else None
-        return BaseModelOutputWithPoolingAndCrossAttentions(last_hidden_state=hidden_states, pooler_output=pooled)
+        return BaseModelOutputWithPoolingAndCrossAttentions(last_hidden_state=hidden_states, pooler_output=pooled,
+                                                            past_key_values=past_key_values if use_cache else None,
+                                                            **outputs.result())
 
 
 def _base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs) -> dict:
-    for flag in ("output_attentions", "output_hidden_states", "return_dict"):
-        kwargs.pop(flag, None)  # accepted for API compatibility; only the last hidden state is returned
+    """The base model's arguments from a head's; the base always answers with its output object."""
+    kwargs.pop("return_dict", None)
     return dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
-
-
-def token_classification_output(logits, labels) -> TokenClassifierOutput:
-    """``logits [b, s, num_labels]``; cross-entropy over every token (``-100`` ignored)."""
-    loss = None
-    if labels is not None:
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.to(logits.device).view(-1))
-    return TokenClassifierOutput(loss=loss, logits=logits)
-
-
-def question_answering_output(logits, start_positions, end_positions) -> QuestionAnsweringModelOutput:
-    """``logits [b, s, 2]`` -> start/end logits ``[b, s]``; the loss as ``transformers`` (positions outside the
-    sequence are clamped to ``s`` and ignored)."""
-    start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
-    loss = None
-    if start_positions is not None and end_positions is not None:
-        ignored = start_logits.size(1)
-        start = start_positions.view(-1).clamp(0, ignored).to(logits.device)
-        end = end_positions.view(-1).clamp(0, ignored).to(logits.device)
-        loss = (F.cross_entropy(start_logits, start, ignore_index=ignored)
-                + F.cross_entropy(end_logits, end, ignore_index=ignored)) / 2
-    return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)
+                position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
 
 
 class BertForMaskedLM(BertPreTrainedModel):
@@ -363,6 +379,7 @@ class BertForMaskedLM(BertPreTrainedModel):
     def get_input_embeddings(self):
         return self.bert.embeddings.word_embeddings
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, gather_logits: bool = True, num_items_in_batch=None, **kwargs):
         outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
@@ -372,7 +389,8 @@ class BertForMaskedLM(BertPreTrainedModel):
         loss = None
         if labels is not None:
             loss = token_loss(local_logits, labels, decoder, num_items_in_batch=num_items_in_batch)
-        return MaskedLMOutput(loss=loss, logits=full_logits(local_logits, decoder, gather_logits))
+        return MaskedLMOutput(loss=loss, logits=full_logits(local_logits, decoder, gather_logits),
+                              **passed_on(outputs))
 
 
 class BertForPreTraining(BertPreTrainedModel):
@@ -397,6 +415,7 @@ class BertForPreTraining(BertPreTrainedModel):
     def get_input_embeddings(self):
         return self.bert.embeddings.word_embeddings
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, next_sentence_label=None, gather_logits: bool = True, **kwargs):
         outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
@@ -408,7 +427,7 @@ class BertForPreTraining(BertPreTrainedModel):
             loss = token_loss(local_logits, labels, decoder) + F.cross_entropy(
                 seq_relationship.view(-1, 2), next_sentence_label.view(-1))
         return BertForPreTrainingOutput(loss=loss, prediction_logits=full_logits(local_logits, decoder, gather_logits),
-                                        seq_relationship_logits=seq_relationship)
+                                        seq_relationship_logits=seq_relationship, **passed_on(outputs))
 
 
 class BertForSequenceClassification(BertPreTrainedModel):
@@ -428,13 +447,14 @@ class BertForSequenceClassification(BertPreTrainedModel):
         self.post_init()
         self.finish_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, **kwargs):
         outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                            kwargs))
         logits = self.classifier(self.dropout(outputs.pooler_output))
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
-        return SequenceClassifierOutput(loss=loss, logits=logits)
+        return SequenceClassifierOutput(loss=loss, logits=logits, **passed_on(outputs))
 
 
 class BertForTokenClassification(BertPreTrainedModel):
@@ -458,11 +478,12 @@ class BertForTokenClassification(BertPreTrainedModel):
         self.post_init()
         self.finish_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, **kwargs):
         outputs = self.base_model(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
                                                  inputs_embeds, kwargs))
-        return token_classification_output(self.classifier(self.dropout(outputs.last_hidden_state)), labels)
+        return token_classification_output(self.classifier(self.dropout(outputs.last_hidden_state)), labels, outputs)
 
 
 class BertForQuestionAnswering(BertPreTrainedModel):
@@ -481,8 +502,10 @@ class BertForQuestionAnswering(BertPreTrainedModel):
         self.post_init()
         self.finish_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, start_positions=None, end_positions=None, **kwargs):
         outputs = self.base_model(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
                                                  inputs_embeds, kwargs))
-        return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions)
+        return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions,
+                                         outputs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ...parallel_layers.cross_entropy import vocab_parallel_cross_entropy
+from ...parallel_layers.cross_entropy import causal_lm_loss, vocab_parallel_cross_entropy
 
 
 def token_loss(local_logits: torch.Tensor, labels: torch.Tensor, decoder, *, ignore_index: int = -100,
@@ -25,6 +25,23 @@ def token_loss(local_logits: torch.Tensor, labels: torch.Tensor, decoder, *, ign
             num_items_in_batch = num_items_in_batch.to(per_token.device)
         return per_token.sum() / num_items_in_batch
     return per_token.sum() / (labels != ignore_index).sum()
+
+
+def causal_token_loss(local_logits: torch.Tensor, labels, decoder, *, num_items_in_batch=None,
+                      shift_labels=None) -> torch.Tensor:
+    """``transformers``' causal-LM loss (labels shifted left, or ``shift_labels`` as given) on this rank's
+    vocabulary slice of the logits of ``decoder`` (a vocab-parallel or plain output layer)."""
+    return causal_lm_loss(local_logits, labels, group=getattr(decoder, "group", None),
+                          vocab_start=getattr(decoder, "vocab_start_index", 0), num_items_in_batch=num_items_in_batch,
+                          shift_labels=shift_labels)
+
+
+def keep_last_logits(hidden_states: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """``transformers``' ``logits_to_keep``: the last ``n`` positions (``0``: all), or the positions a tensor
+    names, so generation projects only what it samples from."""
+    if isinstance(logits_to_keep, int):
+        return hidden_states[:, -logits_to_keep:, :] if logits_to_keep > 0 else hidden_states
+    return hidden_states[:, logits_to_keep, :]
 
 
 def full_logits(local_logits: torch.Tensor, decoder, gather: bool = True) -> torch.Tensor:

@@ -26,13 +26,15 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.generic import can_return_tuple
 from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 
 from ...config import ParallelConfig
-from ...parallel_layers.cross_entropy import causal_lm_loss
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ...parallel_layers.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
-from ..heads import sequence_classification_loss
+from ..common import causal_token_loss, full_logits, keep_last_logits
+from ..common.outputs import OutputCollector, passed_on
+from ..heads import question_answering_output, sequence_classification_loss, token_classification_output
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_gpt2 import GPT2Config
 from .parallel_plan import GPT2_BASE_PLAN, GPT2_HEAD_PLAN, GPT2_LM_PLAN
@@ -58,7 +60,7 @@ class GPT2Attention(nn.Module):
         self.resid_dropout = Dropout(config.resid_pdrop)
 
     def forward(self, hidden_states, *, attention_mask=None, past_key_values=None, sequence_parallel=False,
-                **kwargs):
+                outputs=None, **kwargs):
         qkv = self.c_attn(hidden_states, sequence_parallel=sequence_parallel)  # [b, s, 3*h/tp]
         query, key, value = qkv.chunk(3, dim=-1)  # each [b, s, (n/tp)*d]: this rank's heads
         shape = (*query.shape[:-1], -1, self.head_dim)
@@ -68,9 +70,11 @@ class GPT2Attention(nn.Module):
 
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         with self.attn_dropout.rng_context(sequence_parallel):
-            out, _ = attention(self, query, key, value, attention_mask,
-                               dropout=self.attn_dropout.p if self.training else 0.0, scaling=self.scaling,
-                               **kwargs)
+            out, weights = attention(self, query, key, value, attention_mask,
+                                     dropout=self.attn_dropout.p if self.training else 0.0, scaling=self.scaling,
+                                     **kwargs)
+        if outputs is not None:
+            outputs.attention(weights)  # [b, n/tp, s, s_k] -> all heads
         out = out.reshape(*out.shape[:-2], -1).contiguous()  # [b, s, h/tp]
         out = self.c_proj(out, sequence_parallel=sequence_parallel)  # [b, s(/tp), h]
         return self.resid_dropout(out, sequence_parallel=sequence_parallel)
@@ -100,10 +104,10 @@ class GPT2Block(GradientCheckpointingLayer):
         self.mlp = GPT2MLP(inner_dim, config)
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, *, sequence_parallel=False,
-                **kwargs):
+                outputs=None, **kwargs):
         sp = sequence_parallel
         attn_output = self.attn(self.ln_1(hidden_states, sequence_parallel=sp), attention_mask=attention_mask,
-                                past_key_values=past_key_values, sequence_parallel=sp, **kwargs)
+                                past_key_values=past_key_values, sequence_parallel=sp, outputs=outputs, **kwargs)
         hidden_states = attn_output + hidden_states
         return hidden_states + self.mlp(self.ln_2(hidden_states, sequence_parallel=sp), sequence_parallel=sp)
 
@@ -175,9 +179,10 @@ class GPT2Model(GPT2PreTrainedModel):
             self._warned_sequence_parallel = True
         return False
 
+    @can_return_tuple
     def forward(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
                 position_ids=None, inputs_embeds=None, use_cache=None, output_attentions=None,
-                output_hidden_states=None, return_dict=None, **kwargs):
+                output_hidden_states=None, **kwargs):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if input_ids is not None:
@@ -203,15 +208,19 @@ class GPT2Model(GPT2PreTrainedModel):
         if sp:
             hidden_states = scatter_to_sequence_parallel_region(hidden_states, self.parallel_context.tp_group)
         hidden_states = self.drop(hidden_states, sequence_parallel=sp)
+        outputs = OutputCollector(self, output_attentions, output_hidden_states)
         for block in self.h:
+            outputs.hidden(hidden_states, sequence_parallel=sp)
             hidden_states = block(hidden_states, causal_mask, past_key_values, sequence_parallel=sp,
-                                  position_ids=position_ids, **kwargs)
+                                  position_ids=position_ids, outputs=outputs if outputs.active else None, **kwargs)
         hidden_states = self.ln_f(hidden_states, sequence_parallel=sp)
         if sp:  # consumers downstream hold full, identical gradients: the backward is a plain split
             hidden_states = gather_from_sequence_parallel_region(hidden_states, self.parallel_context.tp_group,
                                                                  grad_is_partial=False)
+        outputs.hidden(hidden_states)  # transformers' last hidden state is the normalized one
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states,
-                                                         past_key_values=past_key_values if use_cache else None)
+                                                         past_key_values=past_key_values if use_cache else None,
+                                                         **outputs.result())
 
 
 class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
@@ -238,29 +247,22 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.transformer.wte
 
+    @can_return_tuple
     def forward(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
                 position_ids=None, inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
-                gather_logits: bool = True, num_items_in_batch=None, return_dict=None, output_attentions=None,
-                output_hidden_states=None, **kwargs):
+                gather_logits: bool = True, num_items_in_batch=None, shift_labels=None, **kwargs):
         outputs = self.transformer(input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
                                    token_type_ids=token_type_ids, position_ids=position_ids,
-                                   inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        hidden_states = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            hidden_states = hidden_states[:, -logits_to_keep:, :]
-        elif torch.is_tensor(logits_to_keep):
-            hidden_states = hidden_states[:, logits_to_keep, :]
+                                   inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True, **kwargs)
+        hidden_states = keep_last_logits(outputs.last_hidden_state, logits_to_keep)
         local_logits = self.lm_head(hidden_states)  # [b, s, V_padded/tp], padded columns = -inf
         loss = None
-        if labels is not None:
-            head = self.lm_head
-            loss = causal_lm_loss(local_logits, labels, group=getattr(head, "group", None),
-                                  vocab_start=getattr(head, "vocab_start_index", 0),
-                                  num_items_in_batch=num_items_in_batch)
-        logits = local_logits
-        if gather_logits and hasattr(self.lm_head, "gather"):
-            logits = self.lm_head.gather(local_logits)
-        return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        if labels is not None:  # as transformers: shift_labels (pre-shifted targets) only alongside labels
+            loss = causal_token_loss(local_logits, labels, self.lm_head, num_items_in_batch=num_items_in_batch,
+                                     shift_labels=shift_labels)
+        return CausalLMOutputWithCrossAttentions(loss=loss, logits=full_logits(local_logits, self.lm_head, gather_logits),
+                                                 past_key_values=outputs.past_key_values,
+                                                 cross_attentions=outputs.cross_attentions, **passed_on(outputs))
 
 
 class GPT2ForSequenceClassification(GPT2PreTrainedModel):
@@ -277,12 +279,12 @@ class GPT2ForSequenceClassification(GPT2PreTrainedModel):
         self.post_init()
         self.finish_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
-                position_ids=None, inputs_embeds=None, labels=None, use_cache=None, return_dict=None,
-                output_attentions=None, output_hidden_states=None, **kwargs):
+                position_ids=None, inputs_embeds=None, labels=None, use_cache=None, **kwargs):
         outputs = self.transformer(input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
                                    token_type_ids=token_type_ids, position_ids=position_ids,
-                                   inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+                                   inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True, **kwargs)
         logits = self.score(outputs.last_hidden_state)  # [b, s, num_labels]
         batch_size = logits.shape[0]
         pad_token_id = self.config.pad_token_id
@@ -296,4 +298,57 @@ class GPT2ForSequenceClassification(GPT2PreTrainedModel):
             last_token = (positions * non_pad).argmax(-1)
         pooled = logits[torch.arange(batch_size, device=logits.device), last_token]
         loss = sequence_classification_loss(pooled, labels, self.config) if labels is not None else None
-        return SequenceClassifierOutputWithPast(loss=loss, logits=pooled, past_key_values=outputs.past_key_values)
+        return SequenceClassifierOutputWithPast(loss=loss, logits=pooled, past_key_values=outputs.past_key_values,
+                                                **passed_on(outputs))
+
+
+class GPT2ForTokenClassification(GPT2PreTrainedModel):
+    """GPT-2 with a replicated ``classifier`` on every token: ``logits [b, s, num_labels]``."""
+
+    parallel_plan = GPT2_HEAD_PLAN
+    hf_twin = transformers.GPT2ForTokenClassification
+
+    def __init__(self, config: GPT2Config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.num_labels = config.num_labels
+        self.transformer = GPT2Model(config, parallel_context=self.parallel_context, submodule=True)
+        dropout = getattr(config, "classifier_dropout", None)
+        if dropout is None:
+            dropout = getattr(config, "hidden_dropout", None)
+        self.dropout = Dropout(0.1 if dropout is None else dropout)  # transformers' fallback
+        self.classifier = Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+        self.finish_init()
+
+    @can_return_tuple
+    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
+                position_ids=None, inputs_embeds=None, labels=None, use_cache=None, **kwargs):
+        outputs = self.transformer(input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+                                   token_type_ids=token_type_ids, position_ids=position_ids,
+                                   inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True, **kwargs)
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        return token_classification_output(logits, labels, outputs)
+
+
+class GPT2ForQuestionAnswering(GPT2PreTrainedModel):
+    """GPT-2 with a replicated span head ``qa_outputs``: ``start_logits, end_logits [b, s]``."""
+
+    parallel_plan = GPT2_HEAD_PLAN
+    hf_twin = transformers.GPT2ForQuestionAnswering
+
+    def __init__(self, config: GPT2Config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        self.num_labels = config.num_labels
+        self.transformer = GPT2Model(config, parallel_context=self.parallel_context, submodule=True)
+        self.qa_outputs = Linear(config.hidden_size, 2)
+        self.post_init()
+        self.finish_init()
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, start_positions=None, end_positions=None, **kwargs):
+        outputs = self.transformer(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                   position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True,
+                                   **kwargs)
+        return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions,
+                                         outputs)

@@ -7,6 +7,7 @@ from .modeling_roberta import (
     RobertaModel,
     RobertaPreTrainedModel,
 )
+from .modeling_roberta import RobertaForCausalLM, RobertaForMultipleChoice
 from .parallel_plan import ROBERTA_BASE_PLAN, ROBERTA_HEAD_PLAN, ROBERTA_MLM_PLAN
 from .variants import (
     CamembertConfig,
@@ -30,3 +31,4 @@ __all__ += ["XLMRobertaConfig", "XLMRobertaModel", "XLMRobertaForMaskedLM", "XLM
             "XLMRobertaForTokenClassification", "XLMRobertaForQuestionAnswering", "CamembertConfig", "CamembertModel",
             "CamembertForMaskedLM", "CamembertForSequenceClassification", "CamembertForTokenClassification",
             "CamembertForQuestionAnswering"]
+__all__ += ["RobertaForCausalLM", "RobertaForMultipleChoice"]

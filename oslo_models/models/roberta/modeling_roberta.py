@@ -12,8 +12,10 @@ import transformers
 from torch import nn
 from transformers.activations import gelu
 from transformers.modeling_outputs import MaskedLMOutput, SequenceClassifierOutput
+from transformers.utils.generic import can_return_tuple
 
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
+from ..bert.heads_bert import BertForMultipleChoice, BertLMHeadModel
 from ..bert.modeling_bert import (
     BertEmbeddings,
     BertForQuestionAnswering,
@@ -23,6 +25,7 @@ from ..bert.modeling_bert import (
     _base_kwargs,
 )
 from ..common import full_logits, token_loss
+from ..common.outputs import passed_on
 from ..heads import sequence_classification_loss
 from .configuration_roberta import RobertaConfig
 from .parallel_plan import ROBERTA_BASE_PLAN, ROBERTA_HEAD_PLAN, ROBERTA_MLM_PLAN
@@ -99,6 +102,7 @@ class RobertaForMaskedLM(RobertaPreTrainedModel):
     def get_input_embeddings(self):
         return self.roberta.embeddings.word_embeddings
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, gather_logits: bool = True, num_items_in_batch=None, **kwargs):
         outputs = self.roberta(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
@@ -107,7 +111,8 @@ class RobertaForMaskedLM(RobertaPreTrainedModel):
         loss = None
         if labels is not None:
             loss = token_loss(local_logits, labels, self.lm_head.decoder, num_items_in_batch=num_items_in_batch)
-        return MaskedLMOutput(loss=loss, logits=full_logits(local_logits, self.lm_head.decoder, gather_logits))
+        return MaskedLMOutput(loss=loss, logits=full_logits(local_logits, self.lm_head.decoder, gather_logits),
+                              **passed_on(outputs))
 
 
 class RobertaClassificationHead(nn.Module):
@@ -139,13 +144,14 @@ class RobertaForSequenceClassification(RobertaPreTrainedModel):
         self.post_init()
         self.finish_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, **kwargs):
         outputs = self.roberta(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
                                               inputs_embeds, kwargs))
         logits = self.classifier(outputs.last_hidden_state)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
-        return SequenceClassifierOutput(loss=loss, logits=logits)
+        return SequenceClassifierOutput(loss=loss, logits=logits, **passed_on(outputs))
 
 
 class RobertaForTokenClassification(RobertaPreTrainedModel, BertForTokenClassification):
@@ -162,3 +168,26 @@ class RobertaForQuestionAnswering(RobertaPreTrainedModel, BertForQuestionAnsweri
     parallel_plan = ROBERTA_HEAD_PLAN
     hf_twin = transformers.RobertaForQuestionAnswering
     base_model_class = RobertaModel
+
+
+class RobertaForCausalLM(RobertaPreTrainedModel, BertLMHeadModel):
+    """BERT's causal-LM head model on RoBERTa's encoder and ``lm_head`` (``config.is_decoder``)."""
+
+    parallel_plan = ROBERTA_MLM_PLAN
+    hf_twin = transformers.RobertaForCausalLM
+    base_model_class = RobertaModel
+    head_name, head_class = "lm_head", RobertaLMHead
+    _decoder_bias_owner = "lm_head"
+    _tied_weights_keys = RobertaForMaskedLM._tied_weights_keys
+
+
+class RobertaForMultipleChoice(RobertaPreTrainedModel, BertForMultipleChoice):
+    """BERT's multiple-choice head on RoBERTa's encoder (``roberta.*`` keys; dropout ``hidden_dropout_prob``)."""
+
+    parallel_plan = ROBERTA_HEAD_PLAN
+    hf_twin = transformers.RobertaForMultipleChoice
+    base_model_class = RobertaModel
+
+    @staticmethod
+    def classifier_dropout(config) -> float:
+        return config.hidden_dropout_prob

@@ -34,6 +34,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.models.t5.modeling_t5 import T5Attention as _HFT5Attention
 from transformers.models.t5.modeling_t5 import eager_attention_forward
+from transformers.utils.generic import ModelOutput, can_return_tuple
 
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, Linear
@@ -50,12 +51,12 @@ from ..common import (
     token_loss,
     use_sequence_parallel,
 )
+from ..common.outputs import OutputCollector
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_t5 import T5Config
 from .parallel_plan import T5_PLAN
 from .pipeline_t5 import T5PipelineAdapter
 
-_OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "return_dict")
 
 
 class T5Attention(nn.Module):
@@ -94,7 +95,7 @@ class T5Attention(nn.Module):
         return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
 
     def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, past_key_values=None,
-                *, sequence_parallel: bool = False, **kwargs):
+                *, sequence_parallel: bool = False, outputs=None, **kwargs):
         sp = sequence_parallel
         past_seen = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
         is_cross_attention = key_value_states is not None
@@ -124,8 +125,10 @@ class T5Attention(nn.Module):
             else:
                 position_bias = torch.zeros((1, query.shape[1], query_length, key_length), device=query.device,
                                             dtype=query.dtype)
-        out, _ = attend(self, query, key, value, mask, dropout=self.dropout, scaling=1.0,
-                        eager_fallback=eager_attention_forward, position_bias=position_bias, **kwargs)
+        out, weights = attend(self, query, key, value, mask, dropout=self.dropout, scaling=1.0,
+                              eager_fallback=eager_attention_forward, position_bias=position_bias, **kwargs)
+        if outputs is not None:
+            outputs.attention(weights, cross=is_cross_attention)  # [b, n/tp, s_q, s_k] -> all heads
         return self.o(out, sequence_parallel=sp), position_bias
 
 
@@ -217,6 +220,8 @@ class T5PreTrainedModel(OsloPreTrainedModel):
     parallel_plan = T5_PLAN
     supports_gradient_checkpointing = True
     _no_split_modules = ["T5Block"]
+    _keep_in_fp32_modules = ["wo"]  # fp16 overflow in the feed-forward output, as transformers
+    _supports_flash_attn = False
     _supports_sdpa = True
     _supports_flex_attn = True
     _keys_to_ignore_on_load_unexpected = ["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"]
@@ -234,6 +239,9 @@ class T5PreTrainedModel(OsloPreTrainedModel):
         carried a different one (``_lm_head_tied``), as ``transformers`` decides when loading. A pipeline stage
         may lack any of these modules (``None``, see ``pipeline_t5.py``); a tied head without ``shared`` on its
         stage is a copy that the pipeline engine keeps equal."""
+        inner = getattr(self, "transformer", None)  # the T5Model / T5EncoderModel inside a head model
+        if isinstance(inner, T5PreTrainedModel):
+            inner.tie_parallel_weights()
         shared = getattr(self, "shared", None)
         if shared is None:
             return
@@ -243,11 +251,36 @@ class T5PreTrainedModel(OsloPreTrainedModel):
         if getattr(self, "lm_head", None) is not None and getattr(self, "_lm_head_tied", True):
             self.lm_head.weight = shared.weight
 
+    def set_input_embeddings(self, new_embeddings) -> None:
+        """``shared`` and both stacks' ``embed_tokens`` are one module, as in ``transformers``."""
+        inner = getattr(self, "transformer", None)  # a head model's T5Model / T5EncoderModel
+        if isinstance(inner, T5PreTrainedModel):
+            return inner.set_input_embeddings(new_embeddings)
+        self.shared = new_embeddings
+        for stack in (getattr(self, "encoder", None), getattr(self, "decoder", None)):
+            if stack is not None:
+                stack.set_input_embeddings(new_embeddings)
+
     def _tied_keys_to_skip(self) -> set[str]:
         """Skip on save the tied keys (``embed_tokens``, and ``lm_head`` while it is tied); an untied Flan-T5 head
         is saved. Decided by the flag, not by tensor identity: a pipeline stage's head may be a tied copy."""
         return {target for target in (getattr(self, "all_tied_weights_keys", None) or {})
                 if target != "lm_head.weight" or getattr(self, "_lm_head_tied", True)}
+
+    def run_stacks(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
+                   past_key_values, inputs_embeds, decoder_inputs_embeds, use_cache, **kwargs):
+        """Encoder (unless ``encoder_outputs`` are given), then the decoder over its output: both output objects."""
+        kwargs.pop("return_dict", None)
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                                           inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
+        encoder_outputs = _as_encoder_output(encoder_outputs)
+        decoder_outputs = self.decoder(input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
+                                       inputs_embeds=decoder_inputs_embeds, past_key_values=past_key_values,
+                                       encoder_hidden_states=encoder_outputs.last_hidden_state,
+                                       encoder_attention_mask=attention_mask, use_cache=use_cache, return_dict=True,
+                                       **kwargs)
+        return encoder_outputs, decoder_outputs
 
     def _shift_right(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Decoder inputs from labels: prepend ``decoder_start_token_id``, drop the last token, -100 -> pad."""
@@ -278,10 +311,10 @@ class T5Stack(T5PreTrainedModel):
     def set_input_embeddings(self, new_embeddings):
         self.embed_tokens = new_embeddings
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
-                inputs_embeds=None, past_key_values=None, use_cache=None, **kwargs):
-        for flag in _OUTPUT_FLAGS:
-            kwargs.pop(flag, None)  # accepted for API compatibility; only the last hidden state is returned
+                inputs_embeds=None, past_key_values=None, use_cache=None, output_attentions=None,
+                output_hidden_states=None, **kwargs):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -312,15 +345,19 @@ class T5Stack(T5PreTrainedModel):
         hidden_states = enter_sequence_parallel(inputs_embeds, self.parallel_context) if sp else inputs_embeds
         hidden_states = self.dropout(hidden_states, sequence_parallel=sp)
         position_bias = encoder_decoder_position_bias = None
+        outputs = OutputCollector(self, output_attentions, output_hidden_states)
         for block in self.block:  # block 0 computes the position biases, the others reuse them
+            outputs.hidden(hidden_states, sequence_parallel=sp)
             hidden_states, position_bias, encoder_decoder_position_bias = block(
                 hidden_states, mask, position_bias, encoder_hidden_states, encoder_mask,
-                encoder_decoder_position_bias, past_key_values=past_key_values, sequence_parallel=sp, **kwargs)
+                encoder_decoder_position_bias, past_key_values=past_key_values, sequence_parallel=sp,
+                outputs=outputs if outputs.active else None, **kwargs)
         hidden_states = self.dropout(self.final_layer_norm(hidden_states, sequence_parallel=sp), sequence_parallel=sp)
         if sp:
             hidden_states = leave_sequence_parallel(hidden_states, self.parallel_context)
+        outputs.hidden(hidden_states)  # transformers' last hidden state is the normalized one
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states,
-                                                         past_key_values=past_key_values)
+                                                         past_key_values=past_key_values, **outputs.result())
 
 
 def _stack_config(config, *, is_decoder: bool):
@@ -334,9 +371,21 @@ def _stack_config(config, *, is_decoder: bool):
 
 
 def _as_encoder_output(encoder_outputs) -> BaseModelOutput:
-    if isinstance(encoder_outputs, BaseModelOutput):
+    """A user's ``encoder_outputs`` tuple (``return_dict=False``) as the output object, as ``transformers``."""
+    if isinstance(encoder_outputs, ModelOutput):  # also the stack's BaseModelOutputWithPastAndCrossAttentions
         return encoder_outputs
-    return BaseModelOutput(last_hidden_state=encoder_outputs[0])
+    return BaseModelOutput(last_hidden_state=encoder_outputs[0],
+                           hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
+                           attentions=encoder_outputs[2] if len(encoder_outputs) > 2 else None)
+
+
+def _seq2seq_outputs(encoder_outputs, decoder_outputs) -> dict:
+    """The fields of ``Seq2Seq*Output`` besides the head's own, from both stacks' outputs."""
+    return dict(past_key_values=decoder_outputs.past_key_values,
+                decoder_hidden_states=decoder_outputs.hidden_states, decoder_attentions=decoder_outputs.attentions,
+                cross_attentions=decoder_outputs.cross_attentions,
+                encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+                encoder_hidden_states=encoder_outputs.hidden_states, encoder_attentions=encoder_outputs.attentions)
 
 
 class T5Model(T5PreTrainedModel):
@@ -346,13 +395,14 @@ class T5Model(T5PreTrainedModel):
     _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight",
                           "decoder.embed_tokens.weight": "shared.weight"}
 
-    def __init__(self, config, *, parallel_context=None):
+    def __init__(self, config, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)
         self.shared = Embedding(config.vocab_size, config.d_model)
         self.encoder = T5Stack(_stack_config(config, is_decoder=False), parallel_context=self.parallel_context)
         self.decoder = T5Stack(_stack_config(config, is_decoder=True), parallel_context=self.parallel_context)
         self.post_init()
-        self.finish_init()
+        if not submodule:  # inside a head model, the head model applies the plan once
+            self.finish_init()
 
     def get_input_embeddings(self):
         return self.shared
@@ -360,20 +410,15 @@ class T5Model(T5PreTrainedModel):
     def get_encoder(self):
         return self.encoder
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
                 use_cache=None, **kwargs):
-        if encoder_outputs is None:
-            encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
-                                           inputs_embeds=inputs_embeds, **kwargs)
-        encoder_outputs = _as_encoder_output(encoder_outputs)
-        decoder_outputs = self.decoder(input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
-                                       inputs_embeds=decoder_inputs_embeds, past_key_values=past_key_values,
-                                       encoder_hidden_states=encoder_outputs.last_hidden_state,
-                                       encoder_attention_mask=attention_mask, use_cache=use_cache, **kwargs)
+        encoder_outputs, decoder_outputs = self.run_stacks(
+            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
+            inputs_embeds, decoder_inputs_embeds, use_cache, **kwargs)
         return Seq2SeqModelOutput(last_hidden_state=decoder_outputs.last_hidden_state,
-                                  past_key_values=decoder_outputs.past_key_values,
-                                  encoder_last_hidden_state=encoder_outputs.last_hidden_state)
+                                  **_seq2seq_outputs(encoder_outputs, decoder_outputs))
 
 
 class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
@@ -406,14 +451,14 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
     def get_encoder(self):
         return self.encoder
 
-    def load_from_reader(self, reader, *, progress: bool = False):
+    def load_from_reader(self, reader, *, progress: bool = False, **options):
         """As ``transformers``: a checkpoint whose ``lm_head.weight`` differs from ``shared.weight`` (Flan-T5,
         T5 v1.1) gets its own head. Each rank compares only its vocabulary slice; the verdict is all-reduced."""
         if self._lm_head_tied and self._checkpoint_head_differs(reader):
             if self.lm_head is not None and self.shared is not None:  # else a pipeline stage's head is its own
                 self.lm_head.weight = nn.Parameter(torch.empty_like(self.shared.weight))
             self._lm_head_tied = False
-        return super().load_from_reader(reader, progress=progress)
+        return super().load_from_reader(reader, progress=progress, **options)
 
     def _checkpoint_head_differs(self, reader) -> bool:
         """Each rank compares its vocabulary slice; the verdict is all-reduced over tensor parallelism, and over
@@ -432,19 +477,15 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
                 dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
         return bool(differs.item())
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
                 labels=None, use_cache=None, gather_logits: bool = True, num_items_in_batch=None, **kwargs):
-        if encoder_outputs is None:
-            encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
-                                           inputs_embeds=inputs_embeds, **kwargs)
-        encoder_outputs = _as_encoder_output(encoder_outputs)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self._shift_right(labels)
-        decoder_outputs = self.decoder(input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
-                                       inputs_embeds=decoder_inputs_embeds, past_key_values=past_key_values,
-                                       encoder_hidden_states=encoder_outputs.last_hidden_state,
-                                       encoder_attention_mask=attention_mask, use_cache=use_cache, **kwargs)
+        encoder_outputs, decoder_outputs = self.run_stacks(
+            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
+            inputs_embeds, decoder_inputs_embeds, use_cache, **kwargs)
         sequence_output = decoder_outputs.last_hidden_state
         if self.config.scale_decoder_outputs:  # original T5 (tied head) rescales before the projection
             sequence_output = sequence_output * (self.model_dim ** -0.5)
@@ -453,8 +494,7 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = token_loss(local_logits, labels, self.lm_head, num_items_in_batch=num_items_in_batch)
         return Seq2SeqLMOutput(loss=loss, logits=full_logits(local_logits, self.lm_head, gather_logits),
-                               past_key_values=decoder_outputs.past_key_values,
-                               encoder_last_hidden_state=encoder_outputs.last_hidden_state)
+                               **_seq2seq_outputs(encoder_outputs, decoder_outputs))
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return self._shift_right(labels)
@@ -467,14 +507,15 @@ class T5EncoderModel(T5PreTrainedModel):
     _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
     _keys_to_ignore_on_load_unexpected = ["decoder"]
 
-    def __init__(self, config, *, parallel_context=None):
+    def __init__(self, config, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)
         self.shared = Embedding(config.vocab_size, config.d_model)
         encoder_config = _stack_config(config, is_decoder=False)
         encoder_config.is_encoder_decoder = False
         self.encoder = T5Stack(encoder_config, parallel_context=self.parallel_context)
         self.post_init()
-        self.finish_init()
+        if not submodule:  # inside a head model, the head model applies the plan once
+            self.finish_init()
 
     def get_input_embeddings(self):
         return self.shared
@@ -482,5 +523,6 @@ class T5EncoderModel(T5PreTrainedModel):
     def get_encoder(self):
         return self.encoder
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, **kwargs):
         return self.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
