@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 import oslo_models as om
 from oslo_models import training
 from oslo_models.conversion.checkpoint import CheckpointReader
+from oslo_models.conversion.loading import MismatchedSizeError
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import save_tiny_gpt2, tiny_gpt2_config
 
@@ -74,8 +75,8 @@ def _world2_worker(paths):
                               r"failed on rank 1: OSError: injected read error on rank 1", expected_type=OSError)
     # pp2: a tensor only stage 1 reads has the wrong shape; a tensor missing from its shard; a truncated shard.
     same_error_everywhere(lambda: load(paths["bad_shape"], pipeline_parallel_size=2),
-                          rf"failed on rank 1: ValueError: Checkpoint tensor '{STAGE1_KEY}' has shape \(32, 127\), "
-                          r"but the model config needs \(32, 128\)", expected_type=ValueError)
+                          rf"failed on rank 1: MismatchedSizeError: Checkpoint tensor '{STAGE1_KEY}' has shape "
+                          r"\(32, 127\), but the model config needs \(32, 128\)", expected_type=MismatchedSizeError)
     same_error_everywhere(lambda: load(paths["missing"], pipeline_parallel_size=2),
                           rf"no shard holds: '{STAGE1_KEY}'", expected_type=ValueError)
     same_error_everywhere(lambda: load(paths["truncated"], pipeline_parallel_size=2), r"is truncated",
@@ -137,8 +138,8 @@ def _world4_worker(paths):
     dist.init_process_group("gloo")
     # pp2 x tp2: stage 1 (ranks 2, 3) finds the bad tensor; stage 0 would otherwise enter training alone.
     same_error_everywhere(lambda: load(paths["bad_shape"], pipeline_parallel_size=2, tensor_parallel_size=2),
-                          rf"failed on rank 2: ValueError: Checkpoint tensor '{STAGE1_KEY}' has shape \(32, 127\)"
-                          r".*\(ranks \[3\] failed too\)", expected_type=ValueError)
+                          rf"failed on rank 2: MismatchedSizeError: Checkpoint tensor '{STAGE1_KEY}' has shape "
+                          r"\(32, 127\).*\(ranks \[3\] failed too\)", expected_type=MismatchedSizeError)
     with read_fails_on(1):  # stage 0's second tp rank cannot read
         same_error_everywhere(lambda: load(paths["good"], pipeline_parallel_size=2, tensor_parallel_size=2),
                               r"failed on rank 1: OSError: injected read error", expected_type=OSError)

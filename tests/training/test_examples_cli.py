@@ -72,8 +72,8 @@ def test_check_launch_refuses_before_building(examples, monkeypatch):
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     cases = {
         ("--tp", "3"): "does not divide",
-        ("--pp", "2", "--zero", "2"): "--zero 2 with --pp 2 is not implemented",
-        ("--pp", "2", "--bf16"): r"mixed precision \(bf16\) with --pp",
+        ("--pp", "2", "--zero", "2"): "zero_stage=2 with pipeline_parallel_size > 1 is not implemented",
+        ("--pp", "2", "--mixed-precision", "fp16"): r"mixed precision \(fp16\) with --pp",
         ("--pp", "2", "--grad-accum", "2"): "--grad-accum with --pp",
         ("--pp", "2", "--microbatches", "3"): "does not split into --microbatches 3",
         ("--tp", "2", "--cpu-offload"): "--cpu-offload needs --zero 2 or 3",
@@ -82,9 +82,10 @@ def test_check_launch_refuses_before_building(examples, monkeypatch):
     for argv, message in cases.items():
         with pytest.raises(common.UsageError, match=message):
             common.check_launch(parse(list(argv)))
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what `accelerate launch --mixed_precision bf16` sets
-    with pytest.raises(common.UsageError, match=r"mixed precision \(bf16\)"):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # what `accelerate launch --mixed_precision fp16` sets
+    with pytest.raises(common.UsageError, match=r"mixed precision \(fp16\)"):
         common.check_launch(parse(["--pp", "2"]))
+    assert common.check_launch(parse(["--pp", "2", "--mixed-precision", "bf16"])).pipeline_parallel_size == 2
     assert common.check_launch(parse(["--pp", "2", "--mixed-precision", "no"])).pipeline_parallel_size == 2
     assert common.check_launch(parse(["--tp", "2", "--zero", "2"])).resolve_data_parallel_size(4) == 2
     with pytest.raises(SystemExit):  # argparse: conflicting precision flags
