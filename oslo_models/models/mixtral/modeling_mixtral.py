@@ -58,8 +58,9 @@ class MixtralPreTrainedModel(llama.LlamaPreTrainedModel):
     _no_split_modules = ["MoeDecoderLayer"]
     expert_key_layout = ExpertKeyLayout(gate="w1", up="w3", down="w2", hub_block="block_sparse_moe")
 
-    def load_from_reader(self, reader, *, progress: bool = False):
-        return super().load_from_reader(ExpertKeyReader.wrap(reader, self.expert_key_layout), progress=progress)
+    def load_from_reader(self, reader, *, progress: bool = False, **options):
+        return super().load_from_reader(ExpertKeyReader.wrap(reader, self.expert_key_layout), progress=progress,
+                                        **options)
 
     def full_state_dict(self):
         full = super().full_state_dict()
