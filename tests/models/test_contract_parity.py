@@ -7,7 +7,7 @@
   the full vocabulary's mean/covariance), and the saved model reloads in plain ``transformers`` with the same logits;
 - the heads added for the contract equal their ``transformers`` twins (logits and loss).
 
-fp32, atol 1e-5. One spawned tp2 group runs every family and layout.
+fp32, atol 1e-5. One spawned tp2 group runs every family (GPT-2, BERT, RoBERTa, T5, Llama, Qwen2) and layout.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch.distributed as dist
 import transformers
 
 import oslo_models as om
+from tests.helpers.decoders import tiny_config
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import expected_shard, tiny_gpt2_config
 
@@ -37,10 +38,14 @@ LM_FAMILIES = {
     "t5_untied": (transformers.T5ForConditionalGeneration,
                   lambda: transformers.T5Config(tie_word_embeddings=False, feed_forward_proj="gated-gelu", **_T5),
                   "T5ForConditionalGeneration", ("decoder",)),
+    # the Llama-shaped decoders: untied Llama with biases, tied Qwen2 with a sliding window past layer 1
+    "llama": (transformers.LlamaForCausalLM, lambda: tiny_config("llama"), "LlamaForCausalLM", ()),
+    "qwen2": (transformers.Qwen2ForCausalLM, lambda: tiny_config("qwen2"), "Qwen2ForCausalLM", ()),
 }
 # (family, new vocabulary size, pad_to_multiple_of, mean_resizing): 99/101 -> an odd size changes the TP padding
 RESIZE_CASES = [("gpt2", 121, None, True), ("gpt2", 110, 16, False), ("bert", 121, None, True),
-                ("roberta", 121, None, True), ("t5", 121, None, True), ("t5_untied", 110, 16, True)]
+                ("roberta", 121, None, True), ("t5", 121, None, True), ("t5_untied", 110, 16, True),
+                ("llama", 121, None, True), ("qwen2", 110, 16, False)]
 HEADS = {
     "GPT2ForTokenClassification": (lambda: tiny_gpt2_config(num_labels=3), "token"),
     "GPT2ForQuestionAnswering": (lambda: tiny_gpt2_config(), "span"),
@@ -172,7 +177,7 @@ def _heads_check(paths: dict, tp: int) -> None:
 
 def _generate_check(paths: dict, tp: int) -> None:
     """``generate(return_dict_in_generate=True, output_attentions, output_hidden_states, output_scores)``."""
-    for name in ("gpt2", "t5"):
+    for name in ("gpt2", "t5", "llama"):
         hf_class, _, ours, _ = LM_FAMILIES[name]
         reference = hf_class.from_pretrained(paths[name], attn_implementation="eager").eval()
         model = getattr(om, ours).from_pretrained(

@@ -16,7 +16,7 @@ import oslo_models as om
 
 from .fetch import load_common
 from .selection import CORE  # noqa: F401  (used by conftest.py)
-from .testers import BertTester, GPT2Tester, RobertaTester, T5EncoderTester, T5Tester
+from .testers import BertTester, GPT2Tester, LlamaTester, Qwen2Tester, RobertaTester, T5EncoderTester, T5Tester
 
 common, reason = load_common()
 if common is None:
@@ -88,3 +88,9 @@ T5CommonTest = family_test("T5CommonTest", T5Tester, (
     })
 T5EncoderCommonTest = family_test("T5EncoderCommonTest", T5EncoderTester, (
     om.T5EncoderModel, om.T5ForTokenClassification))
+LlamaCommonTest = family_test("LlamaCommonTest", LlamaTester, (
+    om.LlamaModel, om.LlamaForCausalLM, om.LlamaForSequenceClassification, om.LlamaForTokenClassification,
+    om.LlamaForQuestionAnswering))
+Qwen2CommonTest = family_test("Qwen2CommonTest", Qwen2Tester, (
+    om.Qwen2Model, om.Qwen2ForCausalLM, om.Qwen2ForSequenceClassification, om.Qwen2ForTokenClassification,
+    om.Qwen2ForQuestionAnswering))

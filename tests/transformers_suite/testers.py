@@ -125,3 +125,29 @@ class T5EncoderTester(T5Tester):
     def inputs(self, config, generator):
         inputs = super().inputs(config, generator)
         return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+
+
+class LlamaTester(_Tester):
+    """transformers' Llama tester sizes (``CausalLMModelTester``): 4 heads over 2 key/value heads (grouped-query),
+    pad token 0 and ids from 1 (the sequence classifier pools the last non-pad token)."""
+
+    config_class = transformers.LlamaConfig
+    num_key_value_heads, pad_token_id = 2, 0
+
+    def get_config(self):
+        return self.config_class(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            intermediate_size=self.intermediate_size, hidden_act="silu", max_position_embeddings=512,
+            initializer_range=0.02, pad_token_id=self.pad_token_id, bos_token_id=1, eos_token_id=2)
+
+    def inputs(self, config, generator):
+        shape = (self.batch_size, self.seq_length)
+        return {"input_ids": ids_tensor(shape, self.vocab_size, low=1, generator=generator),
+                "attention_mask": torch.tril(torch.ones(shape, dtype=torch.long))}
+
+
+class Qwen2Tester(LlamaTester):
+    """Qwen2: q/k/v biases and tied embeddings (transformers' Qwen2 default)."""
+
+    config_class = transformers.Qwen2Config

@@ -52,21 +52,15 @@ def full_logits(local_logits: torch.Tensor, decoder, gather: bool = True) -> tor
 
 
 def lm_head_loss_and_logits(lm_head, hidden_states: torch.Tensor, labels=None, *, logits_to_keep=0,
-                            gather_logits: bool = True, num_items_in_batch=None):
+                            gather_logits: bool = True, num_items_in_batch=None, shift_labels=None):
     """A decoder LM head as ``transformers``' ``*ForCausalLM.forward`` runs it: ``hidden_states [b, s, h]`` (only the
     last ``logits_to_keep`` positions, or those an index tensor picks) -> ``(loss, logits)``. The loss (labels
-    shifted left) runs on the vocab-split logits (``causal_lm_loss``); ``logits`` are gathered to ``[b, s, V]``
-    unless ``gather_logits=False`` (then this rank's ``[b, s, V_padded/tp]``, padded columns ``-inf``)."""
-    from ...parallel_layers.cross_entropy import causal_lm_loss
-
-    if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-        hidden_states = hidden_states[:, -logits_to_keep:, :]
-    elif torch.is_tensor(logits_to_keep):
-        hidden_states = hidden_states[:, logits_to_keep, :]
-    local_logits = lm_head(hidden_states)
+    shifted left, or ``shift_labels`` as given, alongside ``labels`` as in ``transformers``) runs on the
+    vocab-split logits (``causal_lm_loss``); ``logits`` are gathered to ``[b, s, V]`` unless ``gather_logits=False``
+    (then this rank's ``[b, s, V_padded/tp]``, padded columns ``-inf``)."""
+    local_logits = lm_head(keep_last_logits(hidden_states, logits_to_keep))
     loss = None
     if labels is not None:
-        loss = causal_lm_loss(local_logits, labels, group=getattr(lm_head, "group", None),
-                              vocab_start=getattr(lm_head, "vocab_start_index", 0),
-                              num_items_in_batch=num_items_in_batch)
+        loss = causal_token_loss(local_logits, labels, lm_head, num_items_in_batch=num_items_in_batch,
+                                 shift_labels=shift_labels)
     return loss, full_logits(local_logits, lm_head, gather_logits)

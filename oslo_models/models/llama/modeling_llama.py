@@ -30,10 +30,10 @@ from transformers.modeling_outputs import (
     CausalLMOutputWithPast,
     SequenceClassifierOutputWithPast,
 )
+from transformers.utils.generic import can_return_tuple
 
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, Linear
-from ..bert.modeling_bert import question_answering_output, token_classification_output
 from ..common import (
     GatedMLP,
     GroupedQueryAttention,
@@ -47,7 +47,13 @@ from ..common import (
 )
 from ..common.causal_masks import SLIDING
 from ..common.lm_loss import lm_head_loss_and_logits
-from ..heads import last_token_logits, sequence_classification_loss
+from ..common.outputs import OutputCollector, passed_on
+from ..heads import (
+    last_token_logits,
+    question_answering_output,
+    sequence_classification_loss,
+    token_classification_output,
+)
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_llama import LlamaConfig
 from .parallel_plan import LLAMA_BASE_PLAN, LLAMA_HEAD_PLAN, LLAMA_LM_PLAN, LLAMA_QA_PLAN
@@ -74,11 +80,13 @@ class LlamaDecoderLayer(GradientCheckpointingLayer):
                                                 fused=fused)
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, *,
-                sequence_parallel: bool = False, **kwargs):
+                sequence_parallel: bool = False, outputs: OutputCollector | None = None, **kwargs):
         sp = sequence_parallel
-        attn_output, _ = self.self_attn(self.input_layernorm(hidden_states, sequence_parallel=sp),
-                                        position_embeddings, attention_mask, past_key_values, sequence_parallel=sp,
-                                        **kwargs)
+        attn_output, weights = self.self_attn(self.input_layernorm(hidden_states, sequence_parallel=sp),
+                                              position_embeddings, attention_mask, past_key_values,
+                                              sequence_parallel=sp, **kwargs)
+        if outputs is not None:
+            outputs.attention(weights)  # [b, n/tp, s, s_k] -> all heads
         hidden_states = hidden_states + attn_output
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states, sequence_parallel=sp),
                                         sequence_parallel=sp)
@@ -167,9 +175,12 @@ class LlamaModel(LlamaPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, **kwargs) -> BaseModelOutputWithPast:
+                **kwargs) -> BaseModelOutputWithPast:
+        """``output_attentions`` / ``output_hidden_states``: gathered over the TP heads / SP chunks to what
+        ``transformers`` returns, on every rank (``common/outputs.py``; attentions need the eager kernel)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -188,14 +199,20 @@ class LlamaModel(LlamaPreTrainedModel):
         sp = use_sequence_parallel(self, inputs_embeds.shape[1])
         if sp:
             hidden_states = enter_sequence_parallel(hidden_states, self.parallel_context)
+        outputs = OutputCollector(self, output_attentions, output_hidden_states)
         for layer in self.layers:
+            outputs.hidden(hidden_states, sequence_parallel=sp)
             hidden_states = layer(hidden_states, masks[layer.attention_type], position_embeddings, past_key_values,
-                                  sequence_parallel=sp, position_ids=position_ids, **kwargs)
+                                  sequence_parallel=sp, position_ids=position_ids,
+                                  outputs=outputs if outputs.active else None, **kwargs)
         hidden_states = self.norm(hidden_states, sequence_parallel=sp)
         if sp:
             hidden_states = leave_sequence_parallel(hidden_states, self.parallel_context)
+        outputs.hidden(hidden_states)  # transformers' last hidden state is the normalized one
+        collected = outputs.result()  # a decoder-only stack: no cross-attentions
         return BaseModelOutputWithPast(last_hidden_state=hidden_states,
-                                       past_key_values=past_key_values if use_cache else None)
+                                       past_key_values=past_key_values if use_cache else None,
+                                       hidden_states=collected["hidden_states"], attentions=collected["attentions"])
 
 
 class _WithBaseModel(LlamaPreTrainedModel):
@@ -213,11 +230,10 @@ class _WithBaseModel(LlamaPreTrainedModel):
 
     def _base_outputs(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
                       kwargs) -> BaseModelOutputWithPast:
-        for flag in ("output_attentions", "output_hidden_states", "return_dict"):
-            kwargs.pop(flag, None)  # accepted for API compatibility; the last hidden state is what is returned
+        kwargs.pop("return_dict", None)  # the head decides (``can_return_tuple``); the base answers a dict
         return self.base_model(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                               **kwargs)
+                               return_dict=True, **kwargs)
 
 
 class LlamaForCausalLM(_WithBaseModel, GenerationMixin):
@@ -246,15 +262,17 @@ class LlamaForCausalLM(_WithBaseModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, gather_logits: bool = True,
-                num_items_in_batch=None, **kwargs) -> CausalLMOutputWithPast:
+                num_items_in_batch=None, shift_labels=None, **kwargs) -> CausalLMOutputWithPast:
         outputs = self._base_outputs(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
                                      use_cache, kwargs)
         loss, logits = lm_head_loss_and_logits(self.lm_head, outputs.last_hidden_state, labels,
                                                logits_to_keep=logits_to_keep, gather_logits=gather_logits,
-                                               num_items_in_batch=num_items_in_batch)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+                                               num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                      **passed_on(outputs))
 
 
 class LlamaForSequenceClassification(_WithBaseModel):
@@ -271,13 +289,15 @@ class LlamaForSequenceClassification(_WithBaseModel):
         self.post_init()
         self.finish_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, **kwargs) -> SequenceClassifierOutputWithPast:
         outputs = self._base_outputs(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
                                      use_cache, kwargs)
         logits = last_token_logits(self.score(outputs.last_hidden_state), input_ids, self.config.pad_token_id)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
-        return SequenceClassifierOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return SequenceClassifierOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                                **passed_on(outputs))
 
 
 class LlamaForTokenClassification(_WithBaseModel):
@@ -298,11 +318,12 @@ class LlamaForTokenClassification(_WithBaseModel):
         self.post_init()
         self.finish_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, **kwargs):
         outputs = self._base_outputs(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
                                      use_cache, kwargs)
-        return token_classification_output(self.score(self.dropout(outputs.last_hidden_state)), labels)
+        return token_classification_output(self.score(self.dropout(outputs.last_hidden_state)), labels, outputs)
 
 
 class LlamaForQuestionAnswering(_WithBaseModel):
@@ -320,8 +341,10 @@ class LlamaForQuestionAnswering(_WithBaseModel):
         self.post_init()
         self.finish_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, start_positions=None, end_positions=None, **kwargs):
         outputs = self._base_outputs(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
                                      False, kwargs)
-        return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions)
+        return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions,
+                                         outputs)

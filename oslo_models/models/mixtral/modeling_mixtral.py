@@ -16,12 +16,14 @@ from __future__ import annotations
 import torch
 import transformers
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+from transformers.utils.generic import can_return_tuple
 
 from ...config import ParallelConfig
 from ...parallel_layers.moe import load_balancing_loss
 from ..common.expert_keys import ExpertKeyLayout, ExpertKeyReader, to_per_expert
 from ..common.mlp import GatedMLP
 from ..common.moe import SparseMoeBlock
+from ..common.outputs import passed_on
 from ..llama import modeling_llama as llama
 from .configuration_mixtral import MixtralConfig
 from .parallel_plan import MOE_BASE_PLAN, MOE_LM_PLAN
@@ -37,9 +39,11 @@ class MoeDecoderLayer(llama.LlamaDecoderLayer):
         self.is_sparse = isinstance(self.mlp, SparseMoeBlock)
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, *,
-                sequence_parallel: bool = False, router_logits: list | None = None, **kwargs):
-        attn_output, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
-                                        past_key_values, **kwargs)
+                sequence_parallel: bool = False, router_logits: list | None = None, outputs=None, **kwargs):
+        attn_output, weights = self.self_attn(self.input_layernorm(hidden_states), position_embeddings,
+                                              attention_mask, past_key_values, **kwargs)
+        if outputs is not None:
+            outputs.attention(weights)
         hidden_states = hidden_states + attn_output
         normed = self.post_attention_layernorm(hidden_states)
         mlp = self.mlp(normed, router_logits=router_logits) if self.is_sparse else self.mlp(normed)
@@ -54,8 +58,9 @@ class MixtralPreTrainedModel(llama.LlamaPreTrainedModel):
     _no_split_modules = ["MoeDecoderLayer"]
     expert_key_layout = ExpertKeyLayout(gate="w1", up="w3", down="w2", hub_block="block_sparse_moe")
 
-    def load_from_reader(self, reader, *, progress: bool = False):
-        return super().load_from_reader(ExpertKeyReader.wrap(reader, self.expert_key_layout), progress=progress)
+    def load_from_reader(self, reader, *, progress: bool = False, **options):
+        return super().load_from_reader(ExpertKeyReader.wrap(reader, self.expert_key_layout), progress=progress,
+                                        **options)
 
     def full_state_dict(self):
         full = super().full_state_dict()
@@ -109,6 +114,7 @@ class MixtralForCausalLM(MixtralPreTrainedModel, llama.LlamaForCausalLM):
     pipeline_adapter = None
     hf_twin, base_model_class = transformers.MixtralForCausalLM, MixtralModel
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None, logits_to_keep=0,
                 gather_logits: bool = True, num_items_in_batch=None, **kwargs) -> MoeCausalLMOutputWithPast:
@@ -127,4 +133,5 @@ class MixtralForCausalLM(MixtralPreTrainedModel, llama.LlamaForCausalLM):
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=out.logits,
                                          past_key_values=out.past_key_values,
-                                         router_logits=tuple(router_logits) if output_router_logits else None)
+                                         router_logits=tuple(router_logits) if output_router_logits else None,
+                                         **passed_on(out))
