@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import importlib
 import os
 import time
 
@@ -59,19 +60,37 @@ def agree_on_failure(context, error: BaseException | None, *, what: str, value=N
         if error is not None:
             raise error
         return [value]
-    mine = None if error is None else (type(error).__name__, _describe(error))
+    mine = None if error is None else (_lineage(type(error)), _describe(error))
     gathered: list = [None] * context.world_size
     dist.all_gather_object(gathered, (mine, value))
     failures = [(rank, item[0]) for rank, item in enumerate(gathered) if item[0] is not None]
     if not failures:
         return [item[1] for item in gathered]
-    rank, (type_name, message) = failures[0]
+    rank, (lineage, message) = failures[0]
     others = [r for r, _ in failures[1:]]
     text = f"{what} failed on rank {rank}: {message}"
     if others:
         text += f" (ranks {others} failed too)"
-    cls = getattr(builtins, type_name) if type_name in _PORTABLE_ERRORS else RankFailure
-    raise cls(text) from error
+    raise _rebuild(lineage)(text) from error
+
+
+def _lineage(cls: type) -> list[tuple[str, str]]:
+    """``(module, name)`` of an exception class and its bases, most derived first."""
+    return [(base.__module__, base.__qualname__) for base in cls.__mro__]
+
+
+def _rebuild(lineage) -> type:
+    """The most derived class of ``lineage`` that every rank can rebuild: this project's own error classes
+    (e.g. ``MismatchedSizeError``, a ``ValueError``) or the portable builtins; ``RankFailure`` otherwise. So a
+    caller's ``except ValueError`` catches the agreed error on every rank as it would the original."""
+    for module, name in lineage:
+        if module == "builtins" and name in _PORTABLE_ERRORS:
+            return getattr(builtins, name)
+        if module.startswith("oslo_models.") and "." not in name:
+            found = getattr(importlib.import_module(module), name, None)
+            if isinstance(found, type) and issubclass(found, BaseException):
+                return found
+    return RankFailure
 
 
 @contextlib.contextmanager
