@@ -36,9 +36,10 @@ def worker(args) -> None:
 
         context = om.ParallelContext.from_config(om.ParallelConfig(tensor_parallel_size=args.tp))
         rank = context.rank
+        auto = om.AutoModelForCausalLM  # names import lazily: import the model code before measuring
         with PeakRSS() as peak:
             start = time.perf_counter()
-            om.AutoModelForCausalLM.from_pretrained(args.path, parallel=context, progress=False)
+            auto.from_pretrained(args.path, parallel=context, progress=False)
             seconds = time.perf_counter() - start
     with open(args.out, "a", encoding="utf-8") as handle:
         handle.write(json.dumps({"rank": rank, "peak_rss_growth_bytes": peak.growth_bytes,
