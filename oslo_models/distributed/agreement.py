@@ -27,9 +27,6 @@ import time
 
 import torch.distributed as dist
 
-# Exception types rebuilt as themselves on the ranks that did not fail; anything else becomes RuntimeError.
-_PORTABLE_ERRORS = ("ValueError", "FileNotFoundError", "FileExistsError", "PermissionError", "OSError",
-                    "RuntimeError", "KeyError", "TypeError", "NotImplementedError", "TimeoutError")
 ARRIVAL_TIMEOUT_ENV = "OSLO_ARRIVAL_TIMEOUT"
 DEFAULT_ARRIVAL_TIMEOUT = 30.0
 _arrival_calls: dict[str, int] = {}  # per process: how many times this rank passed check_arrival(what)
@@ -82,10 +79,13 @@ def _lineage(cls: type) -> list[tuple[str, str]]:
 def _rebuild(lineage) -> type:
     """The most derived class of ``lineage`` that every rank can rebuild: this project's own error classes
     (e.g. ``MismatchedSizeError``, a ``ValueError``) or the portable builtins; ``RankFailure`` otherwise. So a
-    caller's ``except ValueError`` catches the agreed error on every rank as it would the original."""
+    caller's ``except ValueError`` (or ``except ConnectionError``) catches the agreed error on every rank as it
+    would the original."""
     for module, name in lineage:
-        if module == "builtins" and name in _PORTABLE_ERRORS:
-            return getattr(builtins, name)
+        if module == "builtins":  # builtin exceptions take a message and exist on every rank
+            found = getattr(builtins, name, None)
+            if isinstance(found, type) and issubclass(found, Exception):
+                return found
         if module.startswith("oslo_models.") and "." not in name:
             found = getattr(importlib.import_module(module), name, None)
             if isinstance(found, type) and issubclass(found, BaseException):

@@ -87,6 +87,7 @@ def test_check_launch_refuses_before_building(examples, monkeypatch):
         common.check_launch(parse(["--pp", "2"]))
     assert common.check_launch(parse(["--pp", "2", "--mixed-precision", "bf16"])).pipeline_parallel_size == 2
     assert common.check_launch(parse(["--pp", "2", "--mixed-precision", "no"])).pipeline_parallel_size == 2
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
     assert common.check_launch(parse(["--tp", "2", "--zero", "2"])).resolve_data_parallel_size(4) == 2
     with pytest.raises(SystemExit):  # argparse: conflicting precision flags
         parse(["--bf16", "--mixed-precision", "no"])

@@ -34,7 +34,8 @@ from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ...parallel_layers.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from ..common import causal_token_loss, full_logits, keep_last_logits
 from ..common.outputs import OutputCollector, passed_on
-from ..heads import question_answering_output, sequence_classification_loss, token_classification_output
+from ..heads import (last_token_logits, question_answering_output, sequence_classification_loss,
+                     token_classification_output)
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_gpt2 import GPT2Config
 from .parallel_plan import GPT2_BASE_PLAN, GPT2_HEAD_PLAN, GPT2_LM_PLAN
@@ -286,17 +287,7 @@ class GPT2ForSequenceClassification(GPT2PreTrainedModel):
                                    token_type_ids=token_type_ids, position_ids=position_ids,
                                    inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True, **kwargs)
         logits = self.score(outputs.last_hidden_state)  # [b, s, num_labels]
-        batch_size = logits.shape[0]
-        pad_token_id = self.config.pad_token_id
-        if pad_token_id is None and batch_size != 1:
-            raise ValueError("Cannot handle batch sizes > 1 if no padding token is defined.")
-        if pad_token_id is None or input_ids is None:
-            last_token = torch.full((batch_size,), -1, device=logits.device, dtype=torch.long)
-        else:  # rightmost non-pad token: works for left and right padding, as in transformers
-            non_pad = (input_ids != pad_token_id).to(logits.device, torch.int32)
-            positions = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
-            last_token = (positions * non_pad).argmax(-1)
-        pooled = logits[torch.arange(batch_size, device=logits.device), last_token]
+        pooled = last_token_logits(logits, input_ids, self.config.pad_token_id)  # rightmost non-pad token
         loss = sequence_classification_loss(pooled, labels, self.config) if labels is not None else None
         return SequenceClassifierOutputWithPast(loss=loss, logits=pooled, past_key_values=outputs.past_key_values,
                                                 **passed_on(outputs))
