@@ -19,6 +19,8 @@ import os
 import shutil
 import uuid
 
+from ..utils.files import atomic_write_file
+
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -125,16 +127,4 @@ def recover_folder(target: str) -> bool:
 
 def write_text_atomic(path: str, text: str) -> None:
     """Replace the small file ``path`` with ``text`` atomically (temp file, fsync, ``os.replace``, fsync folder)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    temp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:10]}.tmp")
-    try:
-        with open(temp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
-            os.remove(temp)
-        raise
-    fsync_path(folder)
+    atomic_write_file(path, lambda handle: handle.write(text.encode("utf-8")))

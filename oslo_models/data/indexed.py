@@ -24,11 +24,12 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+
+from ..utils.files import atomic_write_file
 
 MAGIC = b"OSLOTOK\0"
 FORMAT_VERSION = 1
@@ -68,29 +69,6 @@ def bin_path(prefix) -> Path:
 
 def idx_path(prefix) -> Path:
     return Path(f"{os.fspath(prefix)}.idx")
-
-
-def _atomic_write(path: Path, write_fn) -> None:
-    """Call ``write_fn(fileobj)`` on a temp file next to ``path``, fsync it, then rename it over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; corpora are usually read by other users and jobs
-        with os.fdopen(fd, "wb") as f:
-            write_fn(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    # fsync the folder so the rename itself survives a power cut
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _idx_bytes(header: dict, offsets: np.ndarray) -> bytes:
@@ -152,7 +130,7 @@ def write_token_batches(prefix, batches: Iterable[tuple[np.ndarray, np.ndarray]]
         if not lengths or sum(int(x.sum()) for x in lengths) == 0:
             raise ValueError(f"empty corpus: no tokens to write to {bpath}")
 
-    _atomic_write(bpath, write_bin)
+    atomic_write_file(bpath, write_bin)
     all_lengths = np.concatenate(lengths)
     offsets = np.zeros(all_lengths.size + 1, dtype=np.int64)
     np.cumsum(all_lengths, out=offsets[1:])
@@ -164,7 +142,7 @@ def write_token_batches(prefix, batches: Iterable[tuple[np.ndarray, np.ndarray]]
         "eos_token_id": None if eos_token_id is None else int(eos_token_id),
         "tokenizer": tokenizer_identity(tokenizer) if tokenizer is not None else None,
     }
-    _atomic_write(idx_path(prefix), lambda f: f.write(_idx_bytes(header, offsets)))
+    atomic_write_file(idx_path(prefix), lambda f: f.write(_idx_bytes(header, offsets)))
     return header
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .indexed import MMapTokenDataset, _atomic_write
+from ..utils.files import atomic_write_file
+from .indexed import MMapTokenDataset
 
 _INDEX_VERSION = 1
 
@@ -104,7 +105,7 @@ class PackedCausalLMDataset(torch.utils.data.Dataset):
         arrays = self._build()
         try:
             for path, arr in zip(paths, arrays):
-                _atomic_write(path, lambda f, a=arr: np.save(f, a))
+                atomic_write_file(path, lambda f, a=arr: np.save(f, a))
         except OSError as err:
             warnings.warn(f"cannot cache the sample index in {folder} ({err}); keeping it in memory", stacklevel=3)
         return arrays
