@@ -23,7 +23,7 @@ _ZERO_STAGES = (0, 1, 2, 3)
 _MAX_SEED = 2**63 - 1
 
 # What is implemented today. Kept in one place so a feature landing is a one-line change here.
-_IMPLEMENTED_TENSOR_PARALLEL_MODES = ("1d",)
+_IMPLEMENTED_TENSOR_PARALLEL_MODES = ("1d", "2d", "2.5d", "3d")
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,11 @@ class ParallelConfig:
 
     Args:
         tensor_parallel_size: ranks that split each weight matrix.
-        tensor_parallel_mode: ``"1d"`` (Megatron column/row); ``"2d"``, ``"2.5d"``, ``"3d"`` are reserved.
-        tensor_parallel_depth: depth of the 2.5D mode (ignored otherwise).
+        tensor_parallel_mode: ``"1d"`` (Megatron column/row), ``"2d"`` (Optimus/SUMMA on a q x q grid,
+            ``tensor_parallel_size = q**2``), ``"2.5d"`` (Tesseract on q x q x d, ``tensor_parallel_size =
+            q**2 * tensor_parallel_depth``), ``"3d"`` (Bian et al., q x q x q, ``tensor_parallel_size = q**3``).
+            See ``grid_shape``.
+        tensor_parallel_depth: depth ``d`` of the 2.5D mode (must be 1 for the other modes).
         sequence_parallel: Megatron sequence parallelism: activations outside the tensor-parallel regions
             (norms, dropout, residuals) are split along the sequence over the tensor-parallel group.
         pipeline_parallel_size: pipeline stages.
@@ -89,6 +92,7 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.pipeline_schedule={self.pipeline_schedule!r} is unknown; "
                              f"choose one of {PIPELINE_SCHEDULES}")
         self._check_pipeline()
+        self._check_tensor_parallel_mode()
         stage = self.zero_stage
         if isinstance(stage, bool) or not isinstance(stage, int) or stage not in _ZERO_STAGES:
             raise ValueError(f"ParallelConfig.zero_stage must be the int 0, 1, 2 or 3, got {self.zero_stage!r}")
@@ -108,6 +112,45 @@ class ParallelConfig:
         if self.zero_stage >= 2 and self.pipeline_parallel_size > 1:
             raise NotImplementedError(f"zero_stage={self.zero_stage} with pipeline_parallel_size > 1 is not "
                                       f"implemented yet; use zero_stage=1 (optimizer state sharded over dp)")
+
+    def _check_tensor_parallel_mode(self) -> None:
+        """The grid of the 2D/2.5D/3D modes must exist for ``tensor_parallel_size`` (see ``grid_shape``)."""
+        mode, tp, depth = self.tensor_parallel_mode, self.tensor_parallel_size, self.tensor_parallel_depth
+        if mode != "2.5d" and depth != 1:
+            raise ValueError(f"tensor_parallel_depth={depth} is only used by tensor_parallel_mode='2.5d', "
+                             f"got mode {mode!r}")
+        if mode == "1d":
+            return
+        root = {"2d": 2, "2.5d": 2, "3d": 3}[mode]
+        per_layer = tp // depth if tp % depth == 0 else 0
+        q = round(per_layer ** (1 / root)) if per_layer else 0
+        if not per_layer or q ** root != per_layer:
+            need = {"2d": "a square (q*q: 1, 4, 9, 16, ...)", "3d": "a cube (q*q*q: 1, 8, 27, ...)",
+                    "2.5d": f"q*q*tensor_parallel_depth (q*q*{depth}: {', '.join(str(n * n * depth) for n in (1, 2, 3))}, ...)"}
+            raise ValueError(f"tensor_parallel_mode={mode!r} needs tensor_parallel_size to be {need[mode]}, "
+                             f"got {tp}")
+        if self.sequence_parallel:
+            raise ValueError(f"sequence_parallel=True is a 1D (Megatron) feature: tensor_parallel_mode={mode!r} "
+                             "already splits every activation over batch and hidden; drop sequence_parallel")
+        if self.pipeline_parallel_size > 1:
+            raise NotImplementedError(f"tensor_parallel_mode={mode!r} with pipeline_parallel_size > 1 is not "
+                                      "implemented yet (the stage boundaries exchange full activations)")
+        if self.expert_parallel_size > 1:
+            raise NotImplementedError(f"tensor_parallel_mode={mode!r} with expert_parallel_size > 1 is not "
+                                      "implemented yet (the grid layers do not split mixture-of-experts layers)")
+
+    @property
+    def grid_shape(self) -> tuple[int, ...]:
+        """The tensor-parallel grid, outermost first: ``(tp,)`` for 1D, ``(q, q)`` for 2D, ``(d, q, q)`` for 2.5D,
+        ``(q, q, q)`` for 3D. Its product is ``tensor_parallel_size``."""
+        mode, tp, depth = self.tensor_parallel_mode, self.tensor_parallel_size, self.tensor_parallel_depth
+        if mode == "1d":
+            return (tp,)
+        if mode == "3d":
+            q = round(tp ** (1 / 3))
+            return (q, q, q)
+        q = round((tp // depth) ** 0.5)
+        return (q, q) if mode == "2d" else (depth, q, q)
 
     def _check_pipeline(self) -> None:
         """Pipeline options that do not fit each other (the model-dependent checks run when it is split)."""

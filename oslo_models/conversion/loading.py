@@ -73,7 +73,7 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
         for name, param in params.items():
             if name in mapping:
                 spec = plan.shard_spec(model, name)
-                full_shape = spec.full_shape(param.shape, context.axis(spec.axis).size)
+                full_shape = spec.full_shape_of(tuple(param.shape), context)
                 key = mapping[name]
                 if tuple(reader.shape(key)) != tuple(full_shape):
                     mismatched.append((key, tuple(reader.shape(key)), tuple(full_shape)))
@@ -87,8 +87,8 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
     with torch.no_grad():
         for name, param in items:
             spec = plan.shard_spec(model, name)
-            split = context.axis(spec.axis)  # tensor-parallel group, or expert-parallel for stacked experts
-            full_shape = spec.full_shape(param.shape, split.size)  # what the config says, at any split
+            # what the config says, at any split (tensor-parallel group or grid axes, expert-parallel for experts)
+            full_shape = spec.full_shape_of(tuple(param.shape), context)
             if name in mapping:
                 key = mapping[name]
                 _check_stored_shape(name, key, tuple(reader.shape(key)), full_shape, spec)
@@ -96,7 +96,7 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
             else:
                 full = init_full_tensor(name, full_shape, init_std, generator)
                 read = lambda index, full=full: full[index]  # noqa: E731
-            local = spec.read_shard(full_shape, read, split.rank, split.size)
+            local = spec.read_local(full_shape, read, context)
             param.copy_(local.to(device=param.device, dtype=param.dtype))
     if missing:
         logger.warning("Some weights of %s were not in the checkpoint and are newly initialized: %s",

@@ -47,8 +47,7 @@ def gather_full_state_dict(model: torch.nn.Module, *, plan, context: ParallelCon
         if name in skip_keys or id(tensor) in seen:
             continue  # tied weights are saved once, under the name transformers keeps
         seen.add(id(tensor))
-        spec = plan.shard_spec(model, name)
-        full = spec.gather(tensor.detach(), context.axis(spec.axis).group)
+        full = plan.shard_spec(model, name).gather_local(tensor.detach(), context)
         if keep:
             full_state[name] = full.to("cpu", copy=True).contiguous()
     if context.pp_size > 1:  # pipeline stages hold disjoint tensors: merge them on global rank 0

@@ -6,6 +6,15 @@ layouts can live in one process and tests can build contexts freely.
 Mesh axes, outermost first: ``("pp", "dp", "tp")``. Tensor-parallel ranks are adjacent (global ranks
 ``r*tp .. r*tp+tp-1``), which keeps the chattiest group inside one node.
 
+Under the 2D / 2.5D / 3D tensor-parallel modes the ``tp`` axis is itself a grid of named sub-axes (innermost
+last), and ``tp`` is their flattening (same ranks, same order):
+
+- 2D ``(q, q)``: ``("tp_col", "tp_row")``. An axis' group holds the ranks that differ only along it, so the
+  ``tp_row`` group is one row of the grid (this rank's ``tp_row`` rank is its column index ``j``) and the
+  ``tp_col`` group one column (rank = row index ``i``); ``tp_rank = i * q + j``.
+- 2.5D ``(d, q, q)``: ``("tp_dep", "tp_col", "tp_row")``: ``d`` stacked 2D grids (Tesseract's depth).
+- 3D ``(q, q, q)``: the same names, ``(z, y, x)`` of the cube (see ``parallel_layers/tensor_parallel_3d.py``).
+
 Expert parallelism is carved out of ``dp``: data-parallel index ``d = e_dp * ep + e`` (``e`` the expert-parallel
 rank, adjacent data-parallel ranks first), so each ``dp`` group is cut into ``dp/ep`` expert-parallel groups
 (``ep``: the ranks that hold different experts and exchange tokens all-to-all) and ``ep`` expert-data-parallel
@@ -24,6 +33,8 @@ from ..config import ParallelConfig
 from ..parallel_layers.random import RNGTracker
 
 MESH_AXES = ("pp", "dp", "tp")
+TP_SUB_AXES = {"1d": (), "2d": ("tp_col", "tp_row"), "2.5d": ("tp_dep", "tp_col", "tp_row"),
+               "3d": ("tp_dep", "tp_col", "tp_row")}
 EXPERT_AXES = ("ep", "edp")  # carved out of "dp" (see the module docstring)
 
 
@@ -96,11 +107,13 @@ class ParallelContext:
         world_size, rank = _world_from_environment()
         data_parallel_size = config.resolve_data_parallel_size(world_size)  # raises ValueError on mismatch
         sizes = {"pp": config.pipeline_parallel_size, "dp": data_parallel_size, "tp": config.tensor_parallel_size}
+        sub_axes = TP_SUB_AXES[config.tensor_parallel_mode]
+        sizes.update(zip(sub_axes, config.grid_shape))
 
         if world_size == 1 and not dist.is_initialized():
             # Single process, not launched by torchrun: no process group is needed for anything.
             device = torch.device(device_type)
-            axes = {name: AxisInfo(None, 1, 0, (0,)) for name in MESH_AXES + EXPERT_AXES}
+            axes = {name: AxisInfo(None, 1, 0, (0,)) for name in MESH_AXES + sub_axes + EXPERT_AXES}
             return cls(config, world_size=1, rank=0, device=device, axes=axes)
 
         if not dist.is_initialized():
@@ -114,21 +127,30 @@ class ParallelContext:
 
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, tuple(sizes[name] for name in MESH_AXES), mesh_dim_names=MESH_AXES)
+        dims = MESH_AXES[:-1] + (sub_axes or ("tp",))
+        mesh = init_device_mesh(device_type, tuple(sizes[name] for name in dims), mesh_dim_names=dims)
+        flat = {}
+        if sub_axes:  # "tp" = the grid flattened, so everything that uses the tensor-parallel group keeps working
+            flat["tp"] = mesh[sub_axes]._flatten("tp")
         axes = {}
-        for name in MESH_AXES:
-            sub = mesh[name]
+        for name in MESH_AXES + sub_axes:
+            sub = flat[name] if name in flat else mesh[name]
             ranks = tuple(int(r) for r in sub.mesh.flatten().tolist())
             group = sub.get_group() if sizes[name] > 1 else None
             axes[name] = AxisInfo(group, sizes[name], sub.get_local_rank(), ranks)
-        axes.update(_expert_axes(mesh.mesh, rank, config.expert_parallel_size, axes["dp"]))
+        grid = mesh.mesh.reshape(sizes["pp"], sizes["dp"], sizes["tp"])  # the tp sub-axes flattened
+        axes.update(_expert_axes(grid, rank, config.expert_parallel_size, axes["dp"]))
         return cls(config, world_size=world_size, rank=rank, device=device, mesh=mesh, axes=axes)
 
     # ------------------------------------------------------------------ accessors
     def axis(self, name: str) -> AxisInfo:
         if name not in self._axes:
-            raise ValueError(f"Unknown mesh axis {name!r}; axes are {MESH_AXES + EXPERT_AXES}")
+            raise ValueError(f"Unknown mesh axis {name!r}; axes are {tuple(self._axes)}")
         return self._axes[name]
+
+    @property
+    def tensor_parallel_mode(self) -> str:
+        return self.config.tensor_parallel_mode
 
     @property
     def tp_group(self):

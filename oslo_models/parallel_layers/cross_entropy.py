@@ -60,7 +60,16 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, 
 
     ``vocab_start`` is the first vocabulary id this rank's columns hold. Forward: three all-reduces (max, sum of
     exponentials, target logit). Backward: none. The returned gradient has the logits' dtype.
+
+    Under the 2D / 2.5D modes ``group`` is the head's ``Grid``: ``logits`` are this rank's block of the tokens
+    (the batch is split over the grid's columns and depth) while ``labels`` cover the whole batch. The loss of
+    this rank's tokens is computed over the row (the vocabulary group) and all-gathered over the batch groups
+    (backward: split), so callers reduce the global batch exactly as at 1D.
     """
+    if hasattr(group, "vocab_group"):
+        local = _VocabParallelCrossEntropy.apply(logits, group.local_rows(labels), vocab_start, group.vocab_group,
+                                                 ignore_index)
+        return group.gather_rows(local)
     loss = _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, group, ignore_index)
     return loss
 

@@ -45,9 +45,19 @@ class HeadwiseEmbedding(Style):
     hf_style = "colwise"  # transformers' colwise on an nn.Embedding shards the last (here: heads) dim
 
     def build(self, module, context):
+        if context.tensor_parallel_mode in ("2d", "2.5d"):  # heads follow the grid's column blocks
+            from .tensor_parallel_2d import HiddenEmbedding2D
+
+            return HiddenEmbedding2D.from_plain(module, context)
+        if context.tensor_parallel_mode == "3d":  # heads live in the inner layout: split over y (tp_col)
+            from .tensor_parallel_3d import HiddenEmbedding3D
+
+            return HiddenEmbedding3D.from_plain(module, context, axis="tp_col")
         return HeadParallelEmbedding.from_plain(module, context.tp_group)
 
     def shard_specs(self, module):
+        if hasattr(module, "tp_shard_specs"):
+            return module.tp_shard_specs()
         return {"weight": ShardSpec(1)}
 
 
@@ -63,11 +73,18 @@ class VocabBias(Style):
 
     def build(self, module, context):
         bias = module.bias
-        tp = context.tp_size
+        if context.tensor_parallel_mode == "3d":
+            raise NotImplementedError("tensor_parallel_mode='3d': an LM head with a vocabulary bias (BERT/RoBERTa "
+                                      "MLM) is not implemented yet")
+        grid = context.tensor_parallel_mode in ("2d", "2.5d")
+        # 2D/2.5D: split like the decoder's logits, over the grid's row (q ranks); 1D: over the whole group.
+        module.vocab_axis = "tp_row" if grid else "tp"
+        tp = context.axis(module.vocab_axis).size
         module.vocab_size = bias.shape[0]
         local = padded_size(module.vocab_size, tp) // tp
         module.bias = nn.Parameter(torch.zeros(local, device=bias.device, dtype=bias.dtype))
+        module.grid_planned = grid  # its one parameter is laid out for the grid (see grid_boundary)
         return module
 
     def shard_specs(self, module):
-        return {"bias": ShardSpec(0, vocab_size=module.vocab_size)}
+        return {"bias": ShardSpec(0, vocab_size=module.vocab_size, axis=getattr(module, "vocab_axis", "tp"))}

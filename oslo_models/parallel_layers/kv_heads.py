@@ -23,7 +23,7 @@ import torch
 
 from .layers import Linear, linear_forward
 from .mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, group_size
-from .plan import ShardSpec, Style, _weight_out_dim
+from .plan import ShardSpec, Style, _weight_out_dim, refuse_grid_mode
 from .tensor_parallel import ColumnParallelLinear
 
 
@@ -86,6 +86,7 @@ class KVHeadColwise(Style):
     hf_style = "colwise"
 
     def build(self, module, context):
+        refuse_grid_mode(context, "grouped-query key/value projections (Llama-family attention)")
         spec = ShardSpec(0, num_heads=module.num_heads)
         replicas = spec.replicas(context.tp_size)
         replica_group = context.tp_subgroup(replicas) if replicas > 1 else None

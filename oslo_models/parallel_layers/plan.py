@@ -11,12 +11,18 @@ component, e.g. ``transformer.h.*.attn.c_attn``) to a style. A style knows three
 
 ``ShardSpec.read_shard`` cuts this rank's piece out of a full tensor *or* a lazily read checkpoint slice, and
 ``ShardSpec.gather`` reassembles the full tensor from all ranks' pieces, so slicing and gathering share one
-definition of the layout.
+definition of the layout. Under the 2D / 2.5D modes a spec splits up to two dims over two named mesh axes
+(``read_local`` / ``gather_local`` / ``local_shape_in`` take the context and read the axes from it).
+
+The tensor-parallel mode decides *how* a style is built: a style says what its module is (column-parallel,
+vocabulary embedding, norm on the residual stream...); ``context.tensor_parallel_mode`` picks the 1D (Megatron)
+layer or the 2D/2.5D one (``tensor_parallel_2d.py``, built through ``_build_for_mode``). The model files and
+their plans do not change with the mode.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 import torch
@@ -49,6 +55,10 @@ class ShardSpec:
     Megatron rule) and gathering keeps one copy of each.
     ``axis``: the ``ParallelContext`` axis the split dim is cut over: ``"tp"`` (everything above), or ``"ep"``
     for the stacked expert weights of a mixture-of-experts layer (dim 0 = experts, contiguous blocks per rank).
+
+    ``axis``: the mesh axis ``dim`` is split over (``"tp"``, or a sub-axis of the 2D/2.5D grid). ``dim2``/``axis2``:
+    a second dim split (evenly, no packing or padding) over a second axis, for the ``q x q`` weight blocks of
+    the 2D modes; the piece of rank ``(a, b)`` is the block ``(a-th of dim, b-th of dim2)``.
     """
 
     dim: int | None = None
@@ -56,6 +66,72 @@ class ShardSpec:
     vocab_size: int | None = None
     num_heads: int | None = None
     axis: str = "tp"
+    dim2: int | None = None
+    axis2: str | None = None
+
+    # -------------------------------------------------------------- context-aware (any mode)
+    # ``axis`` may also be a tuple of mesh axes, outermost first (3D: a weight's rows over ``("tp_col", "tp_dep")``):
+    # the piece index is the ranks combined in that order, and gathering runs innermost axis first.
+    def _first(self) -> "ShardSpec":
+        return replace(self, dim2=None, axis2=None)
+
+    def local_shape_in(self, full_shape: tuple[int, ...], context) -> tuple[int, ...]:
+        """This rank's shape for a full tensor of ``full_shape`` under ``context``'s layout."""
+        if self.dim is None:
+            return tuple(full_shape)
+        shape = self._first().local_shape(full_shape, _axis_info(context, self.axis).size)
+        if self.dim2 is not None:
+            shape = ShardSpec(self.dim2).local_shape(shape, _axis_info(context, self.axis2).size)
+        return tuple(shape)
+
+    def full_shape_of(self, local_shape: tuple[int, ...], context) -> tuple[int, ...]:
+        """The full shape a local piece of ``local_shape`` comes from (the vocabulary without padding)."""
+        if self.dim is None:
+            return tuple(local_shape)
+        shape = self._first().full_shape(local_shape, _axis_info(context, self.axis).size)
+        if self.dim2 is not None:
+            shape = ShardSpec(self.dim2).full_shape(shape, _axis_info(context, self.axis2).size)
+        return tuple(shape)
+
+    def read_local(self, full_shape: tuple[int, ...], read: Reader, context) -> torch.Tensor:
+        """This rank's piece under ``context`` (1D: ``read_shard``; 2D: the block of this rank's two axes)."""
+        if self.dim is None:
+            return read(tuple(slice(None) for _ in full_shape))
+        first = _axis_info(context, self.axis)
+        if self.dim2 is None:
+            return self.read_shard(full_shape, read, first.rank, first.size)
+        second, dim2 = _axis_info(context, self.axis2), self.dim2
+
+        def read_first(index: tuple) -> torch.Tensor:
+            def read_both(index2: tuple) -> torch.Tensor:
+                merged = list(index)
+                merged[dim2] = index2[dim2]
+                return read(tuple(merged))
+
+            return ShardSpec(dim2).read_shard(full_shape, read_both, second.rank, second.size)
+
+        narrowed = list(full_shape)
+        narrowed[dim2] = ShardSpec(dim2).local_shape(full_shape, second.size)[dim2]  # shape of zero padding
+        return self._first().read_shard(tuple(narrowed), read_first, first.rank, first.size)
+
+    def num_replicas(self, context) -> int:
+        """How many tensor-parallel ranks hold each piece (1 under 1D unless key/value heads are replicated, see
+        ``replicas``; under 2D a bias split over the row is held by the ``q`` ranks of each column). Norms over the
+        tensor-parallel group divide by it. Expert (``axis="ep"``) pieces are not split over tensor parallelism:
+        every tp rank of an expert-parallel rank holds them, so the answer is ``tp_size``."""
+        if self.dim is None or self.axis == "ep":
+            return context.tp_size
+        first = _axis_info(context, self.axis).size
+        split = first * (_axis_info(context, self.axis2).size if self.dim2 is not None else 1)
+        return context.tp_size // split * self.replicas(first)
+
+    def gather_local(self, local: torch.Tensor, context) -> torch.Tensor:
+        """The full tensor from every rank's piece (collective over this spec's axes; padding stripped)."""
+        if self.dim is None:
+            return local
+        if self.dim2 is not None:
+            local = _gather_over(ShardSpec(self.dim2), local, context, self.axis2)
+        return _gather_over(self._first(), local, context, self.axis)
 
     @property
     def padded_vocab(self) -> bool:
@@ -155,6 +231,33 @@ class ShardSpec:
         return heads, heads * (size // self.num_heads)
 
 
+def _axis_names(axis) -> tuple[str, ...]:
+    return axis if isinstance(axis, tuple) else (axis,)
+
+
+def _axis_info(context, axis):
+    """Rank and size of a mesh axis, or of several combined (outermost first)."""
+    rank, size = 0, 1
+    for name in _axis_names(axis):
+        info = context.axis(name)
+        rank, size = rank * info.size + info.rank, size * info.size
+    return _Combined(rank, size)
+
+
+@dataclass(frozen=True)
+class _Combined:
+    rank: int
+    size: int
+
+
+def _gather_over(spec: ShardSpec, local: torch.Tensor, context, axis) -> torch.Tensor:
+    """``spec.gather`` over one axis, or over several: plain all-gathers over the inner ones first."""
+    *outer, last = _axis_names(axis)
+    for name in reversed((*outer, last)[1:]):
+        local = _all_gather(local, context.axis(name).group, spec.dim)
+    return spec.gather(local, context.axis(_axis_names(axis)[0]).group)
+
+
 # ---------------------------------------------------------------------------------------------- styles
 class Style:
     hf_style = "replicate"
@@ -185,12 +288,17 @@ class Colwise(Style):
         return "colwise_gather_output" if self.vocab else "colwise"
 
     def build(self, module, context):
+        if _grid_mode(context):
+            return _build_for_mode("Linear2D", module, context, num_packed=self.num_packed, vocab=self.vocab,
+                                   column=True)
         options = dict(num_packed=self.num_packed, gather_output=self.gather_output)
         if self.vocab:
             options["vocab_size"] = getattr(module, "full_out_features", module.out_features)
         return ColumnParallelLinear.from_plain(module, context.tp_group, **options)
 
     def shard_specs(self, module):
+        if hasattr(module, "tp_shard_specs"):
+            return module.tp_shard_specs()
         vocab_size = module.vocab_size if self.vocab else None
         specs = {"weight": ShardSpec(_weight_out_dim(module), self.num_packed, vocab_size)}
         if getattr(module, "bias", None) is not None:
@@ -203,9 +311,13 @@ class Rowwise(Style):
     hf_style = "rowwise"
 
     def build(self, module, context):
+        if _grid_mode(context):
+            return _build_for_mode("Linear2D", module, context, column=False)
         return RowParallelLinear.from_plain(module, context.tp_group)
 
     def shard_specs(self, module):
+        if hasattr(module, "tp_shard_specs"):
+            return module.tp_shard_specs()
         return {"weight": ShardSpec(1 - _weight_out_dim(module))}
 
 
@@ -214,10 +326,28 @@ class VocabEmbedding(Style):
     hf_style = "embedding_rowwise"
 
     def build(self, module, context):
+        if _grid_mode(context):
+            return _build_for_mode("VocabEmbedding2D", module, context)
         return VocabParallelEmbedding.from_plain(module, context.tp_group)
 
     def shard_specs(self, module):
+        if hasattr(module, "tp_shard_specs"):
+            return module.tp_shard_specs()
         return {"weight": ShardSpec(0, vocab_size=module.vocab_size)}
+
+
+@dataclass(frozen=True)
+class PositionEmbedding(Style):
+    """A small table looked up whole and added to the residual stream (position or token-type embeddings).
+
+    1D: replicated (the residual stream is whole on every rank). 2D/2.5D: split over the hidden like the
+    stream it joins (``HiddenEmbedding2D``)."""
+
+    def build(self, module, context):
+        return _build_for_mode("HiddenEmbedding2D", module, context) if _grid_mode(context) else module
+
+    def shard_specs(self, module):
+        return module.tp_shard_specs() if hasattr(module, "tp_shard_specs") else {}
 
 
 @dataclass(frozen=True)
@@ -227,7 +357,12 @@ class SequenceParallelNorm(Style):
     hf_style = "sequence_parallel"
 
     def build(self, module, context):
+        if _grid_mode(context):
+            return _build_for_mode("LayerNorm2D", module, context)
         return SequenceParallelLayerNorm.from_plain(module, context.tp_group, fused=context.config.fused_ops)
+
+    def shard_specs(self, module):
+        return module.tp_shard_specs() if hasattr(module, "tp_shard_specs") else {}
 
 
 @dataclass(frozen=True)
@@ -238,7 +373,55 @@ class TPDropout(Style):
     hf_style = None
 
     def build(self, module, context):
-        return ParallelDropout.from_plain(module, context.tp_group, rng=context.rng, always_split=self.always_split)
+        # 2D/2.5D: every activation differs per rank (split over batch and hidden), so every dropout draws from
+        # the rank's own stream.
+        always_split = self.always_split or _grid_mode(context)
+        return ParallelDropout.from_plain(module, context.tp_group, rng=context.rng, always_split=always_split)
+
+
+@dataclass(frozen=True)
+class StreamLinear(Style):
+    """A hidden -> hidden linear outside the tensor-parallel regions (e.g. BERT's MLM transform): replicated under
+    1D, where the residual stream is whole; a ``Linear2D`` under 2D/2.5D, where the stream is split."""
+
+    def build(self, module, context):
+        return _build_for_mode("Linear2D", module, context) if _grid_mode(context) else module
+
+    def shard_specs(self, module):
+        return module.tp_shard_specs() if hasattr(module, "tp_shard_specs") else {}
+
+
+# ---------------------------------------------------------------------------------------------- mode dispatch
+def _grid_mode(context) -> bool:
+    """Whether ``context`` runs a grid mode (2D / 2.5D / 3D), even with one rank (the layers then talk to no one)."""
+    return getattr(context, "tensor_parallel_mode", "1d") in GRID_MODES
+
+
+GRID_MODES = ("2d", "2.5d", "3d")
+
+
+def refuse_grid_mode(context, what: str) -> None:
+    """A style with no grid version yet raises here, while the model is built and before any collective."""
+    if _grid_mode(context):
+        raise NotImplementedError(f"tensor_parallel_mode={context.tensor_parallel_mode!r} does not support {what} "
+                                  "yet; use tensor_parallel_mode='1d' for this model")
+# 3D: column- and row-parallel linears differ (they swap the two hidden axes); the stream's norms, position
+# tables and the model boundary are the 2D ones, run on the cube's (row, col, dep) = (x, y, z) axes.
+_LAYERS_3D = {"Linear2D": "Linear3D", "VocabEmbedding2D": "VocabEmbedding3D"}
+
+
+def _build_for_mode(layer: str, module: nn.Module, context, **options) -> nn.Module:
+    from . import tensor_parallel_2d, tensor_parallel_3d  # imported here: they build on ShardSpec from this module
+
+    column = options.pop("column", None)
+    if context.tensor_parallel_mode == "3d" and layer == "Linear2D":
+        if column is None:
+            raise NotImplementedError(f"tensor_parallel_mode='3d': a {type(module).__name__} outside the "
+                                      "column/row pairs (a StreamLinear) is not implemented yet")
+        options["column"] = column
+    if context.tensor_parallel_mode == "3d" and layer in _LAYERS_3D:
+        return getattr(tensor_parallel_3d, _LAYERS_3D[layer]).from_plain(module, context, **options)
+    return getattr(tensor_parallel_2d, layer).from_plain(module, context, **options)
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -269,6 +452,11 @@ class ParallelPlan:
             if replacement is not module:
                 parent_name, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+        if _grid_mode(context):  # the model boundary keeps HF's full-batch layout (see grid_boundary.py)
+            from . import grid_boundary
+
+            grid_boundary.check_fully_planned(model, context.tensor_parallel_mode)
+            grid_boundary.install(model, context)
 
     def shard_spec(self, model: nn.Module, param_name: str) -> ShardSpec:
         """The ``ShardSpec`` of a parameter of ``model`` by its full name (replicated when unplanned)."""

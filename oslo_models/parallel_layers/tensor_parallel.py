@@ -39,6 +39,31 @@ def padded_size(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
+def mask_vocab_padding(logits: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """Local logits ``[..., n]`` of vocabulary ids ``vocab_start ..``: the padded columns (ids >= ``vocab_size``)
+    get ``-inf`` so they carry no probability mass and no gradient."""
+    local = logits.shape[-1]
+    num_real = max(0, min(local, vocab_size - vocab_start))
+    if num_real == local:
+        return logits
+    pad = torch.zeros(local, dtype=torch.bool, device=logits.device)
+    pad[num_real:] = True
+    return logits.masked_fill(pad, float("-inf"))
+
+
+def strip_padding_and_unpack(full: torch.Tensor, vocab_size: int | None, num_packed: int, parts: int) -> torch.Tensor:
+    """Outputs all-gathered from ``parts`` ranks along the last dim -> the plain layout: padded vocabulary columns
+    dropped, or packed blocks (q|k|v, each split over the ranks) put back in order."""
+    if vocab_size is not None:
+        # slice only real padding: a no-op slice would still return a view, which FSDP2 warns about for every
+        # model output
+        return full[..., :vocab_size] if full.shape[-1] != vocab_size else full
+    if num_packed > 1 and parts > 1:
+        blocks = [part.chunk(num_packed, dim=-1) for part in full.chunk(parts, dim=-1)]
+        return torch.cat([blocks[r][p] for p in range(num_packed) for r in range(parts)], dim=-1)
+    return full
+
+
 class ColumnParallelLinear(Linear):
     """``Y = X A + b`` with ``A`` split by output columns: rank ``r`` computes ``Y[..., r-th block]``.
 
@@ -83,14 +108,7 @@ class ColumnParallelLinear(Linear):
         return y
 
     def mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
-        """Padded vocabulary columns get ``-inf`` so they carry no probability mass and no gradient."""
-        start = self.tp_rank * self.out_features
-        num_real = max(0, min(self.out_features, self.vocab_size - start))
-        if num_real == self.out_features:
-            return logits
-        pad = torch.zeros(self.out_features, dtype=torch.bool, device=logits.device)
-        pad[num_real:] = True
-        return logits.masked_fill(pad, float("-inf"))
+        return mask_vocab_padding(logits, self.tp_rank * self.out_features, self.vocab_size)
 
     def gather(self, y: torch.Tensor) -> torch.Tensor:
         """Local output ``[..., out/tp]`` -> full ``[..., out]`` (padding stripped). Backward: split.
@@ -99,14 +117,7 @@ class ColumnParallelLinear(Linear):
         if self.tp_size == 1 and (self.vocab_size is None or y.shape[-1] == self.vocab_size):
             return y
         full = gather_from_tensor_parallel_region(y, self.group, dim=-1)
-        if self.vocab_size is not None:
-            if full.shape[-1] != self.vocab_size:  # slice only real padding: a no-op slice would still return a
-                full = full[..., : self.vocab_size]  # view, which FSDP2 warns about for every model output
-        elif self.num_packed > 1 and self.tp_size > 1:
-            parts = full.chunk(self.tp_size, dim=-1)
-            blocks = [part.chunk(self.num_packed, dim=-1) for part in parts]
-            full = torch.cat([blocks[r][p] for p in range(self.num_packed) for r in range(self.tp_size)], dim=-1)
-        return full
+        return strip_padding_and_unpack(full, self.vocab_size, self.num_packed, self.tp_size)
 
     @property
     def vocab_start_index(self) -> int:

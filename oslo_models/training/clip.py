@@ -73,8 +73,8 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
             experts.append(value)
             continue
         sharded = context.tp_size > 1 and spec.dim is not None
-        if sharded and not is_inf and spec.replicas(context.tp_size) > 1:
-            value = value / spec.replicas(context.tp_size)  # a key/value head held by several TP ranks counts once
+        if sharded and not is_inf:  # a piece held by several tp ranks (a replicated key/value head, a 2D bias)
+            value = value / spec.num_replicas(context)  # is counted once
         (split if sharded else replicated).append(value)
 
     def combine(values):

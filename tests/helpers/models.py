@@ -33,8 +33,8 @@ def padded_batch(vocab_size: int, batch: int = 3, seq: int = 8, seed: int = 1):
 def expected_shard(model, name: str, full: torch.Tensor) -> torch.Tensor:
     """The slice of a full (reference) tensor that parameter ``name`` of ``model`` holds on this rank."""
     spec = model.parallel_plan.shard_spec(model, name)
-    split = model.parallel_context.axis(spec.axis)  # tp, or ep for stacked experts
-    return spec.read_shard(tuple(full.shape), lambda index: full[index], split.rank, split.size)
+    # any tensor-parallel mode; the ep axis for stacked experts
+    return spec.read_local(tuple(full.shape), lambda index: full[index], model.parallel_context)
 
 
 def assert_grads_match(model, reference, atol: float = 1e-5, rtol: float = 1e-4) -> int:

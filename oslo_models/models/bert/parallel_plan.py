@@ -13,14 +13,20 @@ from ...parallel_layers.head_parallel import VocabBias
 from ...parallel_layers.plan import (
     Colwise,
     ParallelPlan,
+    PositionEmbedding,
     Rowwise,
     SequenceParallelNorm,
+    StreamLinear,
     TPDropout,
     VocabEmbedding,
 )
 
 ENCODER_STYLES = {  # relative to BertModel / RobertaModel
     "embeddings.word_embeddings": VocabEmbedding(),
+    "embeddings.position_embeddings": PositionEmbedding(),  # replicated at 1D; hidden-split at 2D/2.5D
+    "embeddings.token_type_embeddings": PositionEmbedding(),
+    "embeddings.LayerNorm": SequenceParallelNorm(),  # called without sequence_parallel: a plain norm at 1D
+    "embeddings.dropout": TPDropout(),
     "encoder.layer.*.attention.self.query": Colwise(),
     "encoder.layer.*.attention.self.key": Colwise(),
     "encoder.layer.*.attention.self.value": Colwise(),
@@ -41,7 +47,8 @@ def prefixed(prefix: str, styles: dict) -> dict:
 
 def mlm_head_styles(head: str) -> dict:
     """The vocab-parallel decoder of an MLM head at ``head`` and the vocab-sized bias the head itself owns."""
-    return {head: VocabBias(), f"{head}.decoder": Colwise(vocab=True)}
+    return {head: VocabBias(), f"{head}.decoder": Colwise(vocab=True),
+            f"{head}.transform.dense": StreamLinear(), f"{head}.transform.LayerNorm": SequenceParallelNorm()}
 
 
 BERT_BASE_PLAN = ParallelPlan(ENCODER_STYLES)

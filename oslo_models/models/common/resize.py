@@ -34,9 +34,9 @@ def _module_name(model: nn.Module, module: nn.Module) -> str:
 
 
 def _full_tensor(model, module_name: str, leaf: str, local: torch.Tensor) -> torch.Tensor:
-    """The full (unpadded) tensor of parameter ``module_name.leaf`` (all-gather over TP)."""
+    """The full (unpadded) tensor of parameter ``module_name.leaf`` (all-gather over TP, or the grid's axes)."""
     spec = model.parallel_plan.shard_spec(model, f"{module_name}.{leaf}" if module_name else leaf)
-    return spec.gather(local.detach(), model.parallel_context.tp_group).clone()
+    return spec.gather_local(local.detach(), model.parallel_context).clone()
 
 
 def _plain_embedding(model, module: nn.Embedding) -> nn.Embedding:
@@ -83,8 +83,8 @@ def _parallel_copy(model, name: str, plain: nn.Module, layout: str = "linear") -
             full = getattr(plain, leaf).detach()
             if leaf == "weight" and layout == "conv1d":
                 full = full.t()
-            local = specs.get(leaf, ShardSpec()).read_shard(tuple(full.shape), lambda index, f=full: f[index],
-                                                             context.tp_rank, context.tp_size)
+            local = specs.get(leaf, ShardSpec()).read_local(tuple(full.shape), lambda index, f=full: f[index],
+                                                             context)
             setattr(built, leaf, nn.Parameter(local.to(dtype).contiguous(), requires_grad=param.requires_grad))
     return built
 

@@ -91,5 +91,12 @@ class SequenceParallelRMSNormStyle(Style):
         return "replicated_with_grad_allreduce" if self.always_reduce else "sequence_parallel"
 
     def build(self, module, context):
+        if context.tensor_parallel_mode in ("2d", "2.5d", "3d"):  # the mode decides how: an RMS norm over split hidden
+            from ...parallel_layers.tensor_parallel_2d import RMSNorm2D
+
+            return RMSNorm2D.from_plain(module, context)
         return SequenceParallelRMSNorm.from_plain(module, context.tp_group, always_reduce=self.always_reduce,
                                                   fused=context.config.fused_ops)
+
+    def shard_specs(self, module):
+        return module.tp_shard_specs() if hasattr(module, "tp_shard_specs") else {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 from ...parallel_layers.plan import (
     Colwise,
     ParallelPlan,
+    PositionEmbedding,
     Rowwise,
     SequenceParallelNorm,
     TPDropout,
@@ -21,6 +22,7 @@ from ...parallel_layers.plan import (
 
 _BASE_STYLES = {
     "wte": VocabEmbedding(),
+    "wpe": PositionEmbedding(),
     "drop": TPDropout(),
     "h.*.ln_1": SequenceParallelNorm(),
     "h.*.attn.c_attn": Colwise(num_packed=3),

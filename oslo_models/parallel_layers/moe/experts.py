@@ -19,7 +19,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ..mappings import group_rank, group_size
-from ..plan import ShardSpec, Style
+from ..plan import ShardSpec, Style, refuse_grid_mode
 from ..tensor_parallel import divide
 
 
@@ -72,6 +72,7 @@ class ExpertParallel(Style):
     hf_style = None  # not a tensor-parallel style (transformers lists it in base_model_ep_plan as "grouped_gemm")
 
     def build(self, module, context):
+        refuse_grid_mode(context, "mixture-of-experts layers")
         return module.shard(context.ep_group)
 
     def shard_specs(self, module):

@@ -1,0 +1,99 @@
+"""Single-process checks of the 2D / 2.5D / 3D tensor-parallel modes: config validation (errors before any process
+group exists), the 2-dim ``ShardSpec`` blocks, and a q=1 grid model equal to ``transformers``."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+
+import oslo_models as om
+from oslo_models.parallel_layers.plan import ShardSpec
+from tests.helpers.models import padded_batch, save_tiny_gpt2
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(tensor_parallel_size=2, tensor_parallel_mode="2d"), "a square"),
+    (dict(tensor_parallel_size=8, tensor_parallel_mode="2d"), "a square"),
+    (dict(tensor_parallel_size=4, tensor_parallel_mode="2.5d", tensor_parallel_depth=2), "q\\*q\\*tensor_parallel_depth"),
+    (dict(tensor_parallel_size=8, tensor_parallel_mode="2.5d", tensor_parallel_depth=3), "q\\*q\\*tensor_parallel_depth"),
+    (dict(tensor_parallel_size=2, tensor_parallel_depth=2), "only used by tensor_parallel_mode='2.5d'"),
+    (dict(tensor_parallel_size=4, tensor_parallel_mode="2d", sequence_parallel=True), "sequence_parallel"),
+    (dict(tensor_parallel_size=4, tensor_parallel_mode="3d"), "a cube"),
+])
+def test_grid_sizes_are_validated(options, match):
+    with pytest.raises(ValueError, match=match):
+        om.ParallelConfig(**options)
+
+
+def test_unimplemented_combinations_say_so():
+    with pytest.raises(NotImplementedError, match="pipeline_parallel_size"):
+        om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d", pipeline_parallel_size=2)
+
+
+def test_grid_shape():
+    assert om.ParallelConfig(tensor_parallel_size=4).grid_shape == (4,)
+    assert om.ParallelConfig(tensor_parallel_size=9, tensor_parallel_mode="2d").grid_shape == (3, 3)
+    assert om.ParallelConfig(tensor_parallel_size=8, tensor_parallel_mode="2.5d",
+                             tensor_parallel_depth=2).grid_shape == (2, 2, 2)
+    assert om.ParallelConfig(tensor_parallel_size=27, tensor_parallel_mode="3d").grid_shape == (3, 3, 3)
+
+
+def _context(i: int, j: int, q: int = 2):
+    axes = {"tp_col": SimpleNamespace(rank=i, size=q), "tp_row": SimpleNamespace(rank=j, size=q)}
+    return SimpleNamespace(axis=lambda name: axes[name], tp_size=q * q)
+
+
+def test_two_dim_blocks_read_only_their_block():
+    full = torch.arange(5 * 12.0).view(5, 12)  # 5 vocabulary rows (padded to 6), 12 = 3 packed blocks of 4
+    reads = []
+
+    def read(index):
+        reads.append(index)
+        return full[index]
+
+    vocab = ShardSpec(0, vocab_size=5, axis="tp_col", dim2=1, axis2="tp_row")
+    packed = ShardSpec(1, num_packed=3, axis="tp_row", dim2=0, axis2="tp_col")
+    for i in range(2):
+        for j in range(2):
+            ctx = _context(i, j)
+            rows = full[3 * i: 3 * i + 3, 6 * j: 6 * j + 6]
+            if i == 1:  # the padding row of the vocabulary
+                rows = torch.cat([rows, torch.zeros(1, 6)])
+            assert vocab.local_shape_in((5, 12), ctx) == (3, 6)
+            torch.testing.assert_close(vocab.read_local((5, 12), read, ctx), rows, rtol=0, atol=0)
+            assert vocab.full_shape_of((3, 6), ctx) == (5, 12)
+            packed_full = full[:4]
+            block = torch.cat([packed_full[2 * i: 2 * i + 2, 4 * p + 2 * j: 4 * p + 2 * j + 2] for p in range(3)], 1)
+            torch.testing.assert_close(packed.read_local((4, 12), lambda index: packed_full[index], ctx), block,
+                                       rtol=0, atol=0)
+            # Negative control: the transposed grid position reads another block.
+            if i != j:
+                assert not torch.equal(vocab.read_local((5, 12), read, _context(j, i)), rows)
+    assert all(isinstance(index, tuple) for index in reads)
+    # No read ever asks for more than one block's rows and columns.
+    assert all((index[0].stop or 5) - (index[0].start or 0) <= 3 for index in reads)
+
+
+def test_q1_grid_model_matches_transformers(tmp_path):
+    path = save_tiny_gpt2(tmp_path / "gpt2")
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    model = om.AutoModelForCausalLM.from_pretrained(
+        path, parallel=om.ParallelConfig(tensor_parallel_mode="2d"), progress=False).train()
+    assert type(model.transformer.h[0].mlp.c_fc).__name__ == "Linear2D"
+    ids, mask, labels = padded_batch(101, batch=2, seq=8)
+    expected, got = reference(ids, attention_mask=mask, labels=labels), model(ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    expected.loss.backward()
+    got.loss.backward()
+    ref = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, ref[name].grad, atol=1e-5, rtol=1e-4)
+
+
+def test_unplanned_module_is_refused_under_a_grid_mode(tmp_path):
+    path = save_tiny_gpt2(tmp_path / "cls", cls=transformers.GPT2ForSequenceClassification)
+    with pytest.raises(NotImplementedError, match="score"):
+        om.AutoModelForSequenceClassification.from_pretrained(
+            path, parallel=om.ParallelConfig(tensor_parallel_mode="2d"), progress=False)

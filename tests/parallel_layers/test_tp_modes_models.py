@@ -1,0 +1,179 @@
+"""GPT-2, BERT MLM and T5 under the 2D (Optimus/SUMMA, tp=4), 2.5D (Tesseract, tp=8, d=2) and 3D (tp=8)
+tensor-parallel modes equal plain ``transformers``: logits, loss, every gradient, parameters after 3 AdamW steps; per-rank parameter count is the
+mode's formula; save -> plain ``transformers`` load gives the same logits; ``from_config`` equals tp=1 from the
+same seed; 2D x dp2 equals the single-process run on the global batch. One process group per layout runs all
+of them. Negative control: the block of another grid position does not match."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+import oslo_models as om
+from oslo_models.parallel_layers.plan import ShardSpec
+from tests.helpers.dist import run_distributed
+from tests.helpers.encoders import VOCAB, assert_steps_match, save_tiny, tiny_bert_config, tiny_t5_config
+from tests.helpers.models import assert_params_match, padded_batch, save_tiny_gpt2, tiny_gpt2_config
+
+# 8 heads so that the family's divisibility check (heads % tensor_parallel_size) passes at tp=8 too.
+MODEL = dict(n_head=8, n_embd=32, n_layer=2, vocab_size=101, n_positions=64)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_gpt2(tmp_path_factory.mktemp("gpt2_modes"), **MODEL)
+
+
+@pytest.fixture(scope="module")
+def bert_checkpoint(tmp_path_factory):
+    config = tiny_bert_config(num_attention_heads=8)
+    return save_tiny(tmp_path_factory.mktemp("bert_modes") / "mlm", transformers.BertForMaskedLM, config)
+
+
+@pytest.fixture(scope="module")
+def t5_checkpoint(tmp_path_factory):
+    config = tiny_t5_config("gated-gelu", num_heads=8, tie_word_embeddings=True)
+    return save_tiny(tmp_path_factory.mktemp("t5_modes") / "t5", transformers.T5ForConditionalGeneration, config)
+
+
+def _seq2seq_batch(batch: int = 4):
+    ids, mask, _ = padded_batch(VOCAB, batch=batch, seq=8)
+    dec_ids, dec_mask, _ = padded_batch(VOCAB, batch=batch, seq=4, seed=2)
+    dec_mask[2] = torch.tensor([1, 1, 0, 0])
+    return dict(input_ids=ids, attention_mask=mask, decoder_attention_mask=dec_mask), \
+        dec_ids.masked_fill(dec_mask == 0, -100)
+
+
+def _mlm_batch(batch: int = 4, seq: int = 8):
+    """Padded batch with token types; labels -100 on padding and on every other token."""
+    ids, mask, labels = padded_batch(VOCAB, batch=batch, seq=seq)
+    ids = ids.masked_fill(ids == 0, 5).masked_fill(mask == 0, 0)
+    labels = labels.masked_fill(torch.arange(seq) % 2 == 1, -100)
+    token_type_ids = (torch.arange(seq) >= seq // 2).long().expand(batch, seq).contiguous() * mask
+    return dict(input_ids=ids, attention_mask=mask, token_type_ids=token_type_ids), labels
+
+
+def _expected_num_params(q: int, mode: str) -> int:
+    """The grid modes' per-rank count: every weight matrix (in*out)/q^2 (2D, 2.5D: replicated over depth) or
+    /q^3 (3D), the vocabulary padded to a multiple of q (q^2 for 3D); every hidden vector (biases, norms) and
+    the position table split over the hidden, h/q."""
+    h, layers, vocab, positions = MODEL["n_embd"], MODEL["n_layer"], MODEL["vocab_size"], MODEL["n_positions"]
+    blocks = q ** 3 if mode == "3d" else q ** 2
+    vocab_parts = q ** 2 if mode == "3d" else q
+    per_layer = 12 * h * h // blocks + (3 * h + h + 4 * h + h + 4 * h) // q
+    return layers * per_layer + (-(-vocab // vocab_parts)) * (h // q) + positions * h // q + 2 * h // q
+
+
+def _bert_mlm(path: str, ctx, out_dir: str) -> None:
+    reference = transformers.BertForMaskedLM.from_pretrained(path).train()
+    model = om.AutoModelForMaskedLM.from_pretrained(path, parallel=ctx, progress=False).train()
+    decoder = model.cls.predictions.decoder
+    assert decoder.weight is model.bert.embeddings.word_embeddings.weight and decoder.bias is model.cls.predictions.bias
+    inputs, labels = _mlm_batch()
+    assert_steps_match(model, reference, inputs, labels)
+    model.save_pretrained(out_dir)
+    ctx.barrier()
+    reloaded = transformers.BertForMaskedLM.from_pretrained(out_dir).eval()
+    torch.testing.assert_close(reloaded(**inputs).logits, reference.eval()(**inputs).logits, atol=1e-5, rtol=1e-5)
+
+
+def _t5(path: str, ctx) -> None:
+    """T5 (gated FFN, relative attention bias split by heads, RMS norms, decoder inputs from the labels)."""
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(path).train()
+    model = om.AutoModelForSeq2SeqLM.from_pretrained(path, parallel=ctx, progress=False).train()
+    inputs, labels = _seq2seq_batch()
+    assert_steps_match(model, reference, inputs, labels)
+
+
+def _modes_worker(path: str, bert_path: str, t5_path: str, tp: int, mode: str, depth: int, out_dir: str) -> None:
+    cfg = om.ParallelConfig(tensor_parallel_size=tp, tensor_parallel_mode=mode, tensor_parallel_depth=depth)
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
+    ctx = model.parallel_context
+    q = ctx.axis("tp_row").size
+    assert q == 2 and ctx.tp_size == tp and ctx.axis("tp_col").size == 2
+    assert mode == "2d" or ctx.axis("tp_dep").size == tp // 4
+    assert sum(p.numel() for p in model.parameters()) == _expected_num_params(q, mode)
+
+    # Negative control: another grid position's block (the two axes' ranks swapped) is a different tensor.
+    weight = "transformer.h.0.mlp.c_fc.weight"
+    spec = model.parallel_plan.shard_spec(model, weight)
+    if isinstance(spec.axis2, tuple):  # 3D: rows over (tp_row, tp_dep) combined
+        swapped, differs = ShardSpec(spec.dim, axis=spec.axis, dim2=spec.dim2, axis2=spec.axis2[::-1]), \
+            ctx.axis("tp_row").rank != ctx.axis("tp_dep").rank
+    else:
+        swapped, differs = ShardSpec(spec.dim, axis=spec.axis2, dim2=spec.dim2, axis2=spec.axis), \
+            ctx.axis("tp_row").rank != ctx.axis("tp_col").rank
+    full = dict(reference.named_parameters())[weight].detach()
+    wrong = swapped.read_local(tuple(full.shape), lambda i: full[i], ctx)
+    assert torch.equal(model.get_parameter(weight).detach(), wrong) != differs
+
+    ids, mask, labels = padded_batch(101, batch=4, seq=8)
+    assert_steps_match(model, reference, dict(input_ids=ids, attention_mask=mask), labels)
+
+    # The base model returns HF's [b, s, h] at the boundary.
+    base = om.AutoModel.from_pretrained(path, parallel=ctx, progress=False)
+    torch.testing.assert_close(base(ids, attention_mask=mask).last_hidden_state,
+                               transformers.GPT2Model.from_pretrained(path)(ids, attention_mask=mask)
+                               .last_hidden_state, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="batch size 3"):
+        model(ids[:3])
+
+    # save -> plain transformers load -> same logits as the trained reference.
+    model.save_pretrained(out_dir)
+    ctx.barrier()
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(out_dir).eval()
+    torch.testing.assert_close(reloaded(ids).logits, reference.eval()(ids).logits, atol=1e-5, rtol=1e-5)
+
+    # from_config at this mode equals the tp=1 model drawn from the same seed.
+    config = tiny_gpt2_config(**MODEL)
+    torch.manual_seed(7)
+    fresh = om.GPT2LMHeadModel.from_config(config, parallel=ctx)
+    torch.manual_seed(7)
+    assert_params_match(fresh, transformers.GPT2LMHeadModel(config), atol=0, rtol=0)
+
+    if mode == "3d":
+        with pytest.raises(NotImplementedError, match="vocabulary bias"):
+            om.AutoModelForMaskedLM.from_pretrained(bert_path, parallel=ctx, progress=False)
+    else:
+        _bert_mlm(bert_path, ctx, out_dir + "_bert")
+    _t5(t5_path, ctx)
+
+
+@pytest.mark.parametrize("tp,mode,depth", [(4, "2d", 1), (8, "2.5d", 2), (8, "3d", 1)])
+def test_grid_modes_match_transformers(checkpoint, bert_checkpoint, t5_checkpoint, tmp_path, tp, mode, depth):
+    run_distributed(_modes_worker, tp, checkpoint, bert_checkpoint, t5_checkpoint, tp, mode, depth,
+                    str(tmp_path / "saved"),
+                    timeout=400)
+    assert os.path.exists(tmp_path / "saved" / "model.safetensors")
+    assert mode == "3d" or os.path.exists(tmp_path / "saved_bert" / "model.safetensors")
+
+
+def _dp_worker(path: str) -> None:
+    global_ids = torch.randint(1, 101, (8, 8), generator=torch.Generator().manual_seed(3))
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    cfg = om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d")
+    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
+    ctx = model.parallel_context
+    assert (ctx.dp_size, ctx.tp_size) == (2, 4)
+    ddp = om.data_parallel(model, ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    local_ids = global_ids.chunk(ctx.dp_size)[ctx.dp_rank]
+    for _ in range(3):
+        expected = reference(global_ids, labels=global_ids)
+        expected.loss.backward()
+        ref_opt.step(), ref_opt.zero_grad()
+        loss = ddp(local_ids, labels=local_ids).loss
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        mean_loss = loss.detach().clone()
+        torch.distributed.all_reduce(mean_loss, group=ctx.dp_group)
+        torch.testing.assert_close(mean_loss / ctx.dp_size, expected.loss.detach(), atol=1e-5, rtol=1e-5)
+    assert_params_match(model, reference)
+
+
+def test_2d_with_data_parallel_matches_single_process(checkpoint):
+    run_distributed(_dp_worker, 8, checkpoint, timeout=300)
