@@ -49,3 +49,16 @@ class SparseMoeBlock(nn.Module):
             shared = self.shared_expert(hidden_states).reshape(-1, shape[-1])
             out = out + F.sigmoid(self.shared_expert_gate(flat)) * shared
         return out.reshape(shape)
+
+
+def check_expert_layout(name: str, num_experts: int, parallel) -> None:
+    """The layout checks every mixture-of-experts family shares, before any process group exists: experts split
+    evenly over ``expert_parallel_size``; no sequence parallelism (the router and the capacity rule see whole
+    sequences)."""
+    ep = parallel.expert_parallel_size
+    if num_experts % ep:
+        raise ValueError(f"{name}: the {num_experts} experts of each layer cannot be split over "
+                         f"expert_parallel_size={ep}; use a divisor of {num_experts}")
+    if parallel.sequence_parallel:
+        raise NotImplementedError(f"{name}: sequence_parallel with mixture-of-experts layers is not "
+                                  "implemented; use tensor_parallel_size without sequence_parallel")
