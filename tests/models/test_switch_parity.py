@@ -23,9 +23,9 @@ from safetensors.torch import load_file
 import oslo_models as om
 from oslo_models.conversion.checkpoint import InMemoryReader
 from oslo_models.models.common.expert_keys import ExpertKeyReader
-from oslo_models.training import clip_grad_norm_, prepare, shard_data_parallel
+from oslo_models.training import clip_grad_norm_
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import expected_shard, padded_batch
+from tests.helpers.models import adamw_pair, expected_shard, padded_batch
 
 VOCAB, EXPERTS, SEQ = 61, 4, 8
 ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-6)
@@ -103,12 +103,8 @@ def _zero_missing_grads(reference) -> None:
 def _train_matches(model, reference, *, dp_rank: int, dp_size: int, zero_stage: int = 0, accelerator=None,
                    drops: bool = True):
     batches = [_batch(d) for d in range(dp_size)]
-    ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    if accelerator is None:
-        wrapped, opt = shard_data_parallel(model, opt, zero_stage=zero_stage)
-    else:  # Accelerate's path: om.training.prepare (ZeRO-1: dense state over dp, experts' over edp)
-        wrapped, opt = prepare(accelerator, model, opt, zero_stage=zero_stage)
+    # with an accelerator: om.training.prepare (ZeRO-1: dense state over dp, experts' over edp)
+    wrapped, opt, ref_opt = adamw_pair(model, reference, zero_stage=zero_stage, accelerator=accelerator, **ADAMW)
     for _ in range(3):
         expected = [reference(**batch) for batch in batches]
         got, mine = wrapped(**batches[dp_rank]), expected[dp_rank]

@@ -22,7 +22,7 @@ from ...config import ParallelConfig
 from ...parallel_layers.moe import load_balancing_loss
 from ..common.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
 from ..common.mlp import GatedMLP
-from ..common.moe import SparseMoeBlock, check_expert_layout
+from ..common.moe import RouterLogits, SparseMoeBlock, check_expert_layout
 from ..common.outputs import passed_on
 from ..llama import modeling_llama as llama
 from .configuration_mixtral import MixtralConfig
@@ -31,15 +31,15 @@ from .parallel_plan import MOE_BASE_PLAN, MOE_LM_PLAN
 
 class MoeDecoderLayer(llama.LlamaDecoderLayer):
     """``LlamaDecoderLayer`` whose ``mlp`` (``build_mlp``) is a ``SparseMoeBlock`` (or a dense ``GatedMLP`` in the
-    layers the config keeps dense). ``router_logits`` (a list, passed down by the model) collects each sparse
-    layer's logits."""
+    layers the config keeps dense). ``router_logits`` (a ``RouterLogits``, passed down by the model) collects each
+    sparse layer's logits."""
 
     def __init__(self, config, layer_idx: int, **kwargs):
         super().__init__(config, layer_idx, **kwargs)
         self.is_sparse = isinstance(self.mlp, SparseMoeBlock)
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, *,
-                sequence_parallel: bool = False, router_logits: list | None = None, outputs=None, **kwargs):
+                sequence_parallel: bool = False, router_logits: RouterLogits | None = None, outputs=None, **kwargs):
         attn_output, weights = self.self_attn(self.input_layernorm(hidden_states), position_embeddings,
                                               attention_mask, past_key_values, **kwargs)
         if outputs is not None:
@@ -107,11 +107,12 @@ class MixtralForCausalLM(MixtralPreTrainedModel, llama.LlamaForCausalLM):
                 gather_logits: bool = True, num_items_in_batch=None, **kwargs) -> MoeCausalLMOutputWithPast:
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        router_logits = []
+        collected = RouterLogits()
         out = super().forward(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                               use_cache=use_cache, logits_to_keep=logits_to_keep, gather_logits=gather_logits,
-                              num_items_in_batch=num_items_in_batch, router_logits=router_logits, **kwargs)
+                              num_items_in_batch=num_items_in_batch, router_logits=collected, **kwargs)
+        router_logits = collected.logits
         loss, aux_loss = out.loss, None
         if output_router_logits:
             aux_loss = load_balancing_loss(tuple(router_logits), self.num_experts(self.config),

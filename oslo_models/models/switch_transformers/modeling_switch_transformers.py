@@ -46,7 +46,7 @@ from ...parallel_layers.layers import Dropout, Linear
 from ...parallel_layers.moe import StackedDenseExperts, combine, dispatch, drop_over_capacity, router_jitter
 from ..common import DenseActDense, RMSNorm
 from ..common.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
-from ..common.moe import check_expert_layout
+from ..common.moe import RouterLogits, check_expert_layout
 from ..t5 import modeling_t5 as t5
 from .configuration_switch_transformers import SwitchTransformersConfig
 from .parallel_plan import SWITCH_PLAN
@@ -84,7 +84,7 @@ class SwitchTransformersTop1Router(nn.Module):
 
 class SwitchTransformersSparseMLP(nn.Module):
     """Router, then the kept tokens to their experts and back (``dispatch``/``combine``: all-to-all over ``ep``).
-    Input/output ``[b, s, d]``; appends the router logits to ``router_logits`` when a list is given."""
+    Input/output ``[b, s, d]``; appends the router logits to ``router_logits`` (a ``RouterLogits``) when given."""
 
     def __init__(self, config):
         super().__init__()
@@ -92,7 +92,7 @@ class SwitchTransformersSparseMLP(nn.Module):
         self.experts = StackedDenseExperts(config.num_experts, config.d_model, config.d_ff, act=config.dense_act_fn,
                                            dropout=config.dropout_rate)
 
-    def forward(self, hidden_states: torch.Tensor, *, router_logits: list | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *, router_logits: RouterLogits | None = None) -> torch.Tensor:
         shape = hidden_states.shape
         logits, weights, index = self.router(hidden_states)
         if router_logits is not None:
@@ -116,7 +116,7 @@ class SwitchTransformersLayerFF(nn.Module):
         self.layer_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, *, sequence_parallel: bool = False, router_logits: list | None = None):
+    def forward(self, hidden_states, *, sequence_parallel: bool = False, router_logits: RouterLogits | None = None):
         normed = self.layer_norm(hidden_states)
         out = self.mlp(normed, router_logits=router_logits) if self.is_sparse else self.mlp(normed)
         return hidden_states + self.dropout(out)
@@ -137,11 +137,10 @@ class SwitchTransformersStack(t5.T5Stack):
     @can_return_tuple
     def forward(self, *args, output_router_logits: bool | None = None, **kwargs):
         kwargs.pop("return_dict", None)
-        router_logits = []
-        out = super().forward(*args, feed_forward_kwargs={"router_logits": router_logits}, return_dict=True,
-                              **kwargs)
+        collected = RouterLogits()
+        out = super().forward(*args, feed_forward_kwargs={"router_logits": collected}, return_dict=True, **kwargs)
         return MoEModelOutputWithPastAndCrossAttentions(
-            **out, router_logits=tuple(router_logits) if output_router_logits else None)
+            **out, router_logits=tuple(collected.logits) if output_router_logits else None)
 
 
 def router_losses(router_logits: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,19 @@ from ..plan import ShardSpec, Style, refuse_grid_mode
 from ..tensor_parallel import divide
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, weight, scale):
+        ctx.scale = scale
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 class _GroupedExperts(nn.Module):
     """Stacked expert weights (``weight_names``, dim 0 = experts) and the grouped run of the local experts.
 
@@ -45,6 +58,14 @@ class _GroupedExperts(nn.Module):
         self.num_experts = num_experts  # of the whole layer
         self.group = None  # expert-parallel group; set by ExpertParallel
         self.first_expert = 0
+        # ZeRO-2/3 (training/zero.py) sets 1/ep: FSDP2 averages the experts' gradients over edp, they must be
+        # summed over edp and divided by dp (FSDP2's own divide factor needs PREMUL_SUM, which gloo lacks)
+        self.gradient_scale = 1.0
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The stacked weight ``name`` as the forward uses it (its gradient scaled by ``gradient_scale``)."""
+        weight = getattr(self, name)
+        return weight if self.gradient_scale == 1.0 else _ScaleGradient.apply(weight, self.gradient_scale)
 
     @property
     def num_local_experts(self) -> int:
@@ -87,8 +108,8 @@ class StackedExperts(_GroupedExperts):
         self.act_fn = ACT2FN[act]
 
     def run(self, padded: torch.Tensor) -> torch.Tensor:
-        gate, up = torch.bmm(padded, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E_l, C, i] each
-        return torch.bmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2))  # [E_l, C, h]
+        gate, up = torch.bmm(padded, self.weight("gate_up_proj").transpose(1, 2)).chunk(2, dim=-1)  # [E_l, C, i]
+        return torch.bmm(self.act_fn(gate) * up, self.weight("down_proj").transpose(1, 2))  # [E_l, C, h]
 
 
 class StackedDenseExperts(_GroupedExperts):
@@ -105,8 +126,8 @@ class StackedDenseExperts(_GroupedExperts):
         self.dropout = Dropout(dropout)
 
     def run(self, padded: torch.Tensor) -> torch.Tensor:
-        hidden = self.dropout(self.act(torch.bmm(padded, self.wi.transpose(1, 2))))  # [E_l, C, f]
-        return torch.bmm(hidden.to(self.wo.dtype), self.wo.transpose(1, 2))  # [E_l, C, d]
+        hidden = self.dropout(self.act(torch.bmm(padded, self.weight("wi").transpose(1, 2))))  # [E_l, C, f]
+        return torch.bmm(hidden.to(self.wo.dtype), self.weight("wo").transpose(1, 2))  # [E_l, C, d]
 
 
 class ExpertParallel(Style):
