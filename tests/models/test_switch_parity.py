@@ -135,6 +135,10 @@ def _load(path: str, cls=om.AutoModelForSeq2SeqLM, **parallel):
 
 def test_ep1_matches_transformers(checkpoints):
     path = checkpoints["drops"]
+    torch.manual_seed(5)  # from_config draws the weights transformers draws from the same seed
+    fresh = om.AutoModelForSeq2SeqLM.from_config(_config(3))
+    torch.manual_seed(5)
+    _assert_match(fresh, HF(_config(3)), grads=False)
     model = _load(path).train()
     assert type(model).__name__ == HF.__name__
     reference = HF.from_pretrained(path).train()

@@ -159,6 +159,9 @@ class SwitchTransformersPreTrainedModel(PerExpertCheckpoint, t5.T5PreTrainedMode
     parallel_plan = SWITCH_PLAN
     _no_split_modules = ["SwitchTransformersBlock"]
     _keep_in_fp32_modules = None  # transformers keeps no Switch module in fp32
+    # transformers' Switch runs eager attention only; the same default here (and from_config's twin can be built)
+    _supports_sdpa = False
+    _supports_flex_attn = False
     expert_key_layout = ExpertKeyLayout(expert_prefix="expert_", stacked=(("wi", ("wi",)), ("wo", ("wo",))))
 
     @classmethod
