@@ -63,7 +63,7 @@ def _train_matches(family: str, path: str, *, zero_stage: int = 0, steps: int = 
     model = _load(family, path, **options)
     context = model.parallel_context
     full = _batch(family)
-    replicas = [{k: v[d::context.dp_size] for k, v in full.items()} for d in range(context.dp_size)]
+    replicas = [{k: v[d::context.dp_size].contiguous() for k, v in full.items()} for d in range(context.dp_size)]
     splitter = ContextParallelSplitter(context, shift_labels=family != "bert")
     local = splitter(replicas[context.dp_rank])
     for key, value in local.items():  # the chunks of every rank reassemble to the replica's batch exactly
