@@ -243,7 +243,8 @@ class ParallelConfig:
             raise ValueError(
                 f"The launched world has {world_size} process(es), which tensor_parallel_size="
                 f"{self.tensor_parallel_size} x pipeline_parallel_size={self.pipeline_parallel_size} x "
-                f"context_parallel_size={self.context_parallel_size} = {self.model_parallel_size} does not divide. Launch a multiple of {self.model_parallel_size} "
+                f"context_parallel_size={self.context_parallel_size} = {self.model_parallel_size} does not divide. "
+                f"Launch a multiple of {self.model_parallel_size} "
                 f"processes (e.g. torchrun --nproc_per_node {self.model_parallel_size}).")
         return world_size // self.model_parallel_size
 

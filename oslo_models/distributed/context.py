@@ -285,7 +285,8 @@ class ParallelContext:
 
     def __repr__(self) -> str:
         return (f"ParallelContext(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
-                f"dp={self.dp_rank}/{self.dp_size}, cp={self.cp_rank}/{self.cp_size}, ep={self.ep_rank}/{self.ep_size}, "
+                f"dp={self.dp_rank}/{self.dp_size}, cp={self.cp_rank}/{self.cp_size}, "
+                f"ep={self.ep_rank}/{self.ep_size}, "
                 f"pp={self.pp_rank}/{self.pp_size}, "
                 f"sequence_parallel={self.sequence_parallel}, device={self.device})")
 

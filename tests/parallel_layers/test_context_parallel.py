@@ -15,7 +15,7 @@ import transformers
 import oslo_models as om
 from oslo_models import training
 from oslo_models.data import ContextParallelSplitter
-from oslo_models.parallel_layers.context_parallel import merge_sequence, split_sequence, token_index
+from oslo_models.parallel_layers.context_parallel import merge_sequence, ring, split_sequence, token_index
 from tests.helpers import decoders
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import save_tiny, tiny_bert_config
@@ -34,11 +34,13 @@ def checkpoints(tmp_path_factory):
             "mistral": decoders.save_tiny(root / "mistral", "mistral")}
 
 
-def _batch(family: str, rows: int = 4) -> dict:
+def _batch(family: str, rows: int = 4, padded: bool = True) -> dict:
     """Right-padded rows of lengths 16, 14, 12, 10 (whole chunks of padding at cp4); MLM labels on half the tokens,
-    token types for BERT."""
+    token types for BERT. ``padded=False``: full rows and no attention mask (the kernels' unmasked causal path)."""
     ids, mask, labels = padded_batch(VOCAB, batch=rows, seq=SEQ)
     batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    if not padded:
+        batch = dict(input_ids=ids.masked_fill(mask == 0, 7), labels=ids.masked_fill(mask == 0, 7))
     if family == "bert":
         batch["labels"] = labels.masked_fill(torch.arange(SEQ) % 2 == 1, -100)
         batch["token_type_ids"] = (torch.arange(SEQ) >= SEQ // 2).long().expand(rows, SEQ).contiguous() * mask
@@ -57,12 +59,13 @@ def _load(family: str, path: str, **options):
     return auto.from_pretrained(path, parallel=cfg, progress=False).train()
 
 
-def _train_matches(family: str, path: str, *, zero_stage: int = 0, steps: int = 3, **options) -> None:
+def _train_matches(family: str, path: str, *, zero_stage: int = 0, steps: int = 3, padded: bool = True,
+                   **options) -> None:
     """``steps`` AdamW steps at the layout ``options``; dp rank ``d`` trains on rows ``d::dp`` and the reference
     on the mean of the replicas' losses (what data parallelism computes)."""
     model = _load(family, path, **options)
     context = model.parallel_context
-    full = _batch(family)
+    full = _batch(family, padded=padded)
     replicas = [{k: v[d::context.dp_size].contiguous() for k, v in full.items()} for d in range(context.dp_size)]
     splitter = ContextParallelSplitter(context, shift_labels=family != "bert")
     local = splitter(replicas[context.dp_rank])
@@ -102,6 +105,10 @@ def _cp2_worker(checkpoints: dict) -> None:
     for mode in ("ring", "all_to_all"):
         for family, path in checkpoints.items():
             _train_matches(family, path, context_parallel_size=2, context_parallel_mode=mode)
+        _train_matches("gpt2", checkpoints["gpt2"], context_parallel_size=2, context_parallel_mode=mode,
+                       padded=False, steps=1)
+    ring._TILE_ELEMENTS = 4 * 8 * 8 * 3  # [b, n, rows, s_k] tiles of 3 of the 8 query rows: exact too
+    _train_matches("mistral", checkpoints["mistral"], context_parallel_size=2, steps=1)
 
 
 def test_cp2_ring_and_all_to_all_match_transformers(checkpoints):

@@ -64,9 +64,13 @@ def all_to_all_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         key, value = (_expand(t, heads // key.shape[1]) for t in (key, value))
     q, k, v = (sequence_to_heads(t, mask.group) for t in (query, key, value))
     index = mask.token_index.reshape(-1)  # global position of each gathered token
-    valid, document = ((None if t is None else t.permute(1, 0, 2).reshape(q.shape[0], -1))  # [b, s]
-                       for t in (mask.key_valid, mask.document))
-    allowed = mask.allowed(index, index, valid, window, document, document)
     k, v = (_expand(t, q.shape[1] // t.shape[1]) for t in (k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
+    if mask.causal and window is None and mask.key_valid is None and mask.document is None:
+        # the gathered tokens are in global order: plain causal attention, no s x s mask (flash kernels)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+    else:
+        valid, document = ((None if t is None else t.permute(1, 0, 2).reshape(q.shape[0], -1))  # [b, s]
+                           for t in (mask.key_valid, mask.document))
+        allowed = mask.allowed(index, index, valid, window, document, document)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
     return heads_to_sequence(out, mask.group)

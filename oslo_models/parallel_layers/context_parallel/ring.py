@@ -50,9 +50,15 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, n // groups, groups, s, d).sum(2)
 
 
-def _scores(q, k, allowed, scaling):
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
-    return scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
+_TILE_ELEMENTS = 2 ** 24  # scores of at most this many elements (64 MiB in fp32) exist at once
+
+
+def _row_tiles(num_rows: int, row_elements: int):
+    """Slices of query rows such that one tile's scores ``[b, n, rows, s_k]`` stay under ``_TILE_ELEMENTS``: the
+    block's full ``s x s`` scores (and mask) never exist, as in flash attention."""
+    step = max(1, _TILE_ELEMENTS // max(1, row_elements))
+    for start in range(0, num_rows, step):
+        yield slice(start, min(num_rows, start + step))
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -60,10 +66,49 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(torch.isinf(lse), 0.0)
 
 
-def _block_forward(q, k, v, allowed, scaling):
-    scores = _scores(q, k, allowed, scaling)
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - _finite(lse)[..., None]), v), lse
+class _Block:
+    """One key/value block as seen from this rank's queries: positions, padding and documents of both sides."""
+
+    def __init__(self, mask: ContextParallelMask, src: int, window):
+        self.mask, self.window = mask, window
+        self.q_index, _, self.q_document = mask.keys_of(mask.rank)
+        self.k_index, self.k_valid, self.k_document = mask.keys_of(src)
+
+    @property
+    def hidden(self) -> bool:
+        """Whether no query sees any key of the block (skipped without computing a mask)."""
+        causal_hidden = self.mask.causal and bool(self.k_index.min() > self.q_index.max())
+        return causal_hidden or (self.k_valid is not None and not bool(self.k_valid.any()))
+
+    def scores(self, q_rows: torch.Tensor, rows: slice, k: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Masked scores ``[b, n, len(rows), s_k]`` of the query rows ``rows``."""
+        doc = None if self.q_document is None else self.q_document[:, rows]
+        allowed = self.mask.allowed(self.q_index[rows], self.k_index, self.k_valid, self.window, doc, self.k_document)
+        scores = torch.matmul(q_rows, k.transpose(-1, -2)) * scaling
+        return scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
+
+
+def _block_forward(block: _Block, q, k, v, scaling):
+    """``(out, lse)`` of the queries ``q`` over one block, tile by tile."""
+    outs, lses = [], []
+    for rows in _row_tiles(q.shape[2], q.shape[0] * q.shape[1] * k.shape[2]):
+        scores = block.scores(q[:, :, rows], rows, k, scaling)
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.matmul(torch.exp(scores - _finite(lse)[..., None]), v))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _block_backward(block: _Block, q, k, v, dout, delta, lse, dq, scaling):
+    """Add this block's share to ``dq`` (in place); return its ``(dk, dv)``. ``lse``/``delta`` ``[b, n, s, 1]``."""
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for rows in _row_tiles(q.shape[2], q.shape[0] * q.shape[1] * k.shape[2]):
+        probs = torch.exp(block.scores(q[:, :, rows], rows, k, scaling) - lse[:, :, rows])
+        dv += torch.matmul(probs.transpose(-1, -2), dout[:, :, rows])
+        dscores = probs * (torch.matmul(dout[:, :, rows], v.transpose(-1, -2)) - delta[:, :, rows]) * scaling
+        dq[:, :, rows] += torch.matmul(dscores, k)
+        dk += torch.matmul(dscores.transpose(-1, -2), q[:, :, rows])
+    return dk, dv
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -74,14 +119,9 @@ def _merge(out, lse, block_out, block_lse):
 
 
 def _blocks(mask: ContextParallelMask, window):
-    """``(src, allowed)`` for each ring step, ``allowed`` ``False`` when the block is hidden entirely."""
-    q_index, _, q_document = mask.keys_of(mask.rank)
+    """``(step, block)`` for each ring step; the block of step ``j`` came from rank ``rank - j``."""
     for step in range(mask.size):
-        k_index, k_valid, k_document = mask.keys_of((mask.rank - step) % mask.size)
-        allowed = mask.allowed(q_index, k_index, k_valid, window, q_document, k_document)
-        if allowed is not None and not bool(allowed.any()):
-            allowed = False
-        yield step, allowed
+        yield step, _Block(mask, (mask.rank - step) % mask.size, window)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -92,11 +132,11 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([key, value])
-        for step, allowed in _blocks(mask, window):
+        for step, block in _blocks(mask, window):
             pending = _start_exchange(kv, mask) if step + 1 < mask.size else None
-            if allowed is not False:
+            if not block.hidden:
                 k, v = (_expand(t.float(), groups) for t in kv)
-                out, lse = _merge(out, lse, *_block_forward(q, k, v, allowed, scaling))
+                out, lse = _merge(out, lse, *_block_forward(block, q, k, v, scaling))
             if pending is not None:
                 kv = _finish(*pending)
         ctx.save_for_backward(query, key, value, out, lse)
@@ -113,15 +153,11 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q)
         kv = torch.stack([key, value])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with its block
-        for step, allowed in _blocks(mask, ctx.window):
+        for step, block in _blocks(mask, ctx.window):
             pending = _start_exchange(kv, mask) if step + 1 < mask.size else None
-            if allowed is not False:
+            if not block.hidden:
                 k, v = (_expand(t.float(), groups) for t in kv)
-                probs = torch.exp(_scores(q, k, allowed, scaling) - lse)
-                dv = torch.matmul(probs.transpose(-1, -2), dout)
-                dscores = probs * (torch.matmul(dout, v.transpose(-1, -2)) - delta) * scaling
-                dq += torch.matmul(dscores, k)
-                dk = torch.matmul(dscores.transpose(-1, -2), q)
+                dk, dv = _block_backward(block, q, k, v, dout, delta, lse, dq, scaling)
                 dkv += torch.stack([_fold(dk, groups), _fold(dv, groups)])
             if pending is not None:
                 kv = _finish(*pending)
