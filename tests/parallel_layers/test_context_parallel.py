@@ -120,6 +120,8 @@ def _cp4_worker(checkpoints: dict) -> None:
         for family in ("gpt2", "bert", "llama"):
             # llama's 8 heads: 2 per rank at all-to-all cp4 (and its 2 key/value heads are repeated to split)
             _train_matches(family, checkpoints[family], context_parallel_size=4, context_parallel_mode=mode)
+    # unpadded: the ring's causal chunk pairs run through the CPU flash kernel (full, causal and hidden pairs)
+    _train_matches("llama", checkpoints["llama"], context_parallel_size=4, padded=False, steps=1)
     for family in ("gpt2", "llama"):
         _train_matches(family, checkpoints[family], context_parallel_size=2, tensor_parallel_size=2,
                        sequence_parallel=True)

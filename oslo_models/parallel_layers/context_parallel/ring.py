@@ -3,7 +3,11 @@
 Forward, on rank ``r`` of ``cp``, step ``j = 0 .. cp-1`` (``src = r - j``): send the key/value block it holds to
 ``r + 1`` and receive the next from ``r - 1`` (``batch_isend_irecv``, started before the block's compute so the
 transfer overlaps it), attend its queries to block ``src`` and merge into the running output with the block's
-log-sum-exp (online softmax, fp32). Blocks a causal mask hides completely are skipped.
+log-sum-exp (online softmax, fp32). Blocks a causal mask hides completely are skipped. Within a block, when only
+the causal structure masks (no padding, sliding window or packed documents), each (query chunk, key chunk) pair is
+fully visible or plainly causal and runs through torch's CPU flash kernel (``_scaled_dot_product_flash_attention_
+for_cpu``, which returns the log-sum-exp); otherwise (and on GPUs) the block runs as query tiles of masked scores,
+so no ``s x s`` score or mask matrix ever exists.
 
 Backward (recompute, flash-attention style): the same ring again; per block the probabilities are rebuilt from the
 saved log-sum-exp, ``dQ`` accumulates locally and ``dK``/``dV`` accumulators travel *with* their block, so after
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .chunking import chunk_ids
 from .mask import ContextParallelMask
 
 
@@ -70,9 +75,26 @@ class _Block:
     """One key/value block as seen from this rank's queries: positions, padding and documents of both sides."""
 
     def __init__(self, mask: ContextParallelMask, src: int, window):
-        self.mask, self.window = mask, window
+        self.mask, self.window, self.src = mask, window, src
         self.q_index, _, self.q_document = mask.keys_of(mask.rank)
         self.k_index, self.k_valid, self.k_document = mask.keys_of(src)
+
+    def chunk_pairs(self, q: torch.Tensor):
+        """``[(query rows, key rows, causal)]`` covering exactly what the queries see, when only the causal
+        structure masks (no padding, window or documents) and torch's CPU flash kernel can run each pair; else
+        ``None``. A (query chunk, key chunk) pair is fully visible (earlier key chunk), causal (the same chunk) or
+        hidden (a later one): the load-balanced layout cuts no chunk."""
+        mask = self.mask
+        if q.device.type != "cpu" or self.window is not None or self.k_valid is not None or \
+                self.k_document is not None:
+            return None
+        if not mask.causal:
+            return [(slice(None), slice(None), False)]
+        q_ids = chunk_ids(mask.rank, mask.size, mask.mode)
+        k_ids = chunk_ids(self.src, mask.size, mask.mode)
+        size = q.shape[2] // len(q_ids)
+        rows = (lambda i: slice(i * size, (i + 1) * size))
+        return [(rows(a), rows(b), qi == kj) for a, qi in enumerate(q_ids) for b, kj in enumerate(k_ids) if kj <= qi]
 
     @property
     def hidden(self) -> bool:
@@ -89,7 +111,18 @@ class _Block:
 
 
 def _block_forward(block: _Block, q, k, v, scaling):
-    """``(out, lse)`` of the queries ``q`` over one block, tile by tile."""
+    """``(out, lse)`` of the queries ``q`` over one block: chunk pairs through torch's CPU flash kernel where they
+    cover the mask exactly, else tile by tile."""
+    pairs = block.chunk_pairs(q)
+    if pairs is not None:
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        for rows, cols, causal in pairs:
+            pair = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, :, rows].contiguous(), k[:, :, cols].contiguous(), v[:, :, cols].contiguous(), 0.0, causal,
+                scale=scaling)
+            out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], *pair)
+        return out, lse
     outs, lses = [], []
     for rows in _row_tiles(q.shape[2], q.shape[0] * q.shape[1] * k.shape[2]):
         scores = block.scores(q[:, :, rows], rows, k, scaling)
@@ -99,9 +132,21 @@ def _block_forward(block: _Block, q, k, v, scaling):
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
-def _block_backward(block: _Block, q, k, v, dout, delta, lse, dq, scaling):
-    """Add this block's share to ``dq`` (in place); return its ``(dk, dv)``. ``lse``/``delta`` ``[b, n, s, 1]``."""
+def _block_backward(block: _Block, q, k, v, dout, out, raw_lse, delta, lse, dq, scaling):
+    """Add this block's share to ``dq`` (in place); return its ``(dk, dv)``. ``out``/``raw_lse``: the final
+    attention output and log-sum-exp (the flash backward's inputs); ``lse``/``delta`` ``[b, n, s, 1]``."""
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    pairs = block.chunk_pairs(q)
+    if pairs is not None:
+        for rows, cols, causal in pairs:
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout[:, :, rows].contiguous(), q[:, :, rows].contiguous(), k[:, :, cols].contiguous(),
+                v[:, :, cols].contiguous(), out[:, :, rows].contiguous(), raw_lse[:, :, rows].contiguous(), 0.0,
+                causal, scale=scaling)
+            dq[:, :, rows] += grads[0]
+            dk[:, :, cols] += grads[1]
+            dv[:, :, cols] += grads[2]
+        return dk, dv
     for rows in _row_tiles(q.shape[2], q.shape[0] * q.shape[1] * k.shape[2]):
         probs = torch.exp(block.scores(q[:, :, rows], rows, k, scaling) - lse[:, :, rows])
         dv += torch.matmul(probs.transpose(-1, -2), dout[:, :, rows])
@@ -149,7 +194,7 @@ class _RingAttention(torch.autograd.Function):
         mask, scaling, groups = ctx.mask, ctx.scaling, ctx.groups
         q, dout = query.float(), grad_out.float()
         delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O): the softmax backward's correction
-        lse = _finite(lse)[..., None]
+        raw_lse, lse = lse, _finite(lse)[..., None]
         dq = torch.zeros_like(q)
         kv = torch.stack([key, value])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with its block
@@ -157,7 +202,7 @@ class _RingAttention(torch.autograd.Function):
             pending = _start_exchange(kv, mask) if step + 1 < mask.size else None
             if not block.hidden:
                 k, v = (_expand(t.float(), groups) for t in kv)
-                dk, dv = _block_backward(block, q, k, v, dout, delta, lse, dq, scaling)
+                dk, dv = _block_backward(block, q, k, v, dout, out, raw_lse, delta, lse, dq, scaling)
                 dkv += torch.stack([_fold(dk, groups), _fold(dv, groups)])
             if pending is not None:
                 kv = _finish(*pending)
