@@ -34,13 +34,16 @@ def checkpoints(tmp_path_factory):
             "mistral": decoders.save_tiny(root / "mistral", "mistral")}
 
 
-def _batch(family: str, rows: int = 4, padded: bool = True) -> dict:
+def _batch(family: str, rows: int = 4, padded: bool = True, packed: bool = False) -> dict:
     """Right-padded rows of lengths 16, 14, 12, 10 (whole chunks of padding at cp4); MLM labels on half the tokens,
-    token types for BERT. ``padded=False``: full rows and no attention mask (the kernels' unmasked causal path)."""
+    token types for BERT. ``padded=False``: full rows and no attention mask (the kernels' unmasked causal path);
+    ``packed``: and two documents per row (6 + 10 tokens), marked by ``position_ids`` that restart at 0."""
     ids, mask, labels = padded_batch(VOCAB, batch=rows, seq=SEQ)
     batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
     if not padded:
         batch = dict(input_ids=ids.masked_fill(mask == 0, 7), labels=ids.masked_fill(mask == 0, 7))
+    if packed:
+        batch["position_ids"] = torch.cat([torch.arange(6), torch.arange(10)]).expand(rows, SEQ).contiguous()
     if family == "bert":
         batch["labels"] = labels.masked_fill(torch.arange(SEQ) % 2 == 1, -100)
         batch["token_type_ids"] = (torch.arange(SEQ) >= SEQ // 2).long().expand(rows, SEQ).contiguous() * mask
@@ -60,12 +63,13 @@ def _load(family: str, path: str, **options):
 
 
 def _train_matches(family: str, path: str, *, zero_stage: int = 0, steps: int = 3, padded: bool = True,
-                   **options) -> None:
+                   packed: bool = False, **options) -> None:
     """``steps`` AdamW steps at the layout ``options``; dp rank ``d`` trains on rows ``d::dp`` and the reference
     on the mean of the replicas' losses (what data parallelism computes)."""
     model = _load(family, path, **options)
     context = model.parallel_context
-    full = _batch(family, padded=padded)
+    full = _batch(family, padded=padded and not packed, packed=packed)
+    call = dict(use_cache=False) if packed else {}  # transformers masks packed documents only without a cache
     replicas = [{k: v[d::context.dp_size].contiguous() for k, v in full.items()} for d in range(context.dp_size)]
     splitter = ContextParallelSplitter(context, shift_labels=family != "bert")
     local = splitter(replicas[context.dp_rank])
@@ -87,9 +91,9 @@ def _train_matches(family: str, path: str, *, zero_stage: int = 0, steps: int = 
     inner = training.unwrap_model(model)
     mode = context.config.context_parallel_mode
     for _ in range(steps):
-        outputs = [reference(**replica) for replica in replicas]
+        outputs = [reference(**replica, **call) for replica in replicas]
         expected = outputs[context.dp_rank]
-        got = model(**local)
+        got = model(**local, **call)
         torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.logits, split_sequence(expected.logits, context.cp_rank, context.cp_size, mode),
                                    atol=1e-5, rtol=1e-5)
@@ -107,6 +111,8 @@ def _cp2_worker(checkpoints: dict) -> None:
             _train_matches(family, path, context_parallel_size=2, context_parallel_mode=mode)
         _train_matches("gpt2", checkpoints["gpt2"], context_parallel_size=2, context_parallel_mode=mode,
                        padded=False, steps=1)
+        _train_matches("llama", checkpoints["llama"], context_parallel_size=2, context_parallel_mode=mode,
+                       packed=True, steps=1)
     ring._TILE_ELEMENTS = 4 * 8 * 8 * 3  # [b, n, rows, s_k] tiles of 3 of the 8 query rows: exact too
     _train_matches("mistral", checkpoints["mistral"], context_parallel_size=2, steps=1)
 
@@ -170,3 +176,36 @@ def test_config_errors():
         om.ParallelConfig(context_parallel_size=2, tensor_parallel_size=2, data_parallel_size=2
                           ).resolve_data_parallel_size(4)
     assert om.ParallelConfig(context_parallel_size=2, tensor_parallel_size=2).resolve_data_parallel_size(8) == 2
+
+
+def test_build_dataloader_hands_each_cp_rank_its_chunks():
+    from types import SimpleNamespace
+
+    data = [dict(input_ids=torch.arange(i, i + 8), labels=torch.arange(i, i + 8)) for i in range(4)]
+    parts = []
+    for rank in range(2):
+        ctx = SimpleNamespace(dp_rank=0, dp_size=1, cp_rank=rank, cp_size=2,
+                              config=SimpleNamespace(context_parallel_mode="ring"))
+        parts.append(next(iter(om.data.build_dataloader(data, 2, parallel_context=ctx, shuffle=False))))
+    assert parts[1]["input_ids"].tolist() == [[2, 3, 4, 5], [3, 4, 5, 6]]  # chunks 1 and 2 of 4
+    for key in ("input_ids", "labels", "shift_labels"):
+        whole = merge_sequence([p[key] for p in parts], "ring")
+        expected = torch.stack([d["labels"] for d in data[:2]])
+        expected = torch.nn.functional.pad(expected, (0, 1), value=-100)[:, 1:] if key == "shift_labels" else expected
+        assert torch.equal(whole, expected), key
+
+
+def test_model_level_errors_before_any_collective():
+    from oslo_models.models.common.context_parallel import check_context_parallel
+    from tests.helpers.models import tiny_gpt2_config
+
+    a2a = om.ParallelConfig(context_parallel_size=3, context_parallel_mode="all_to_all")
+    with pytest.raises(ValueError, match=r"heads per tensor-parallel rank .* divisible by context_parallel_size=3"):
+        check_context_parallel(om.GPT2LMHeadModel, tiny_gpt2_config(), a2a)
+    check_context_parallel(om.GPT2LMHeadModel, tiny_gpt2_config(), om.ParallelConfig(context_parallel_size=3))
+    with pytest.raises(NotImplementedError, match="T5ForConditionalGeneration"):
+        check_context_parallel(om.T5ForConditionalGeneration, transformers.T5Config(),
+                               om.ParallelConfig(context_parallel_size=2))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        check_context_parallel(om.GPT2LMHeadModel, tiny_gpt2_config(attn_pdrop=0.1),
+                               om.ParallelConfig(context_parallel_size=2))

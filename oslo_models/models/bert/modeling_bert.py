@@ -295,7 +295,7 @@ class BertModel(BertPreTrainedModel):
 
     parallel_plan = BERT_BASE_PLAN
     hf_twin = transformers.BertModel
-    _supports_context_parallel = True
+    _oslo_context_parallel = True
     embeddings_class: ClassVar[type] = BertEmbeddings
 
     def __init__(self, config, add_pooling_layer: bool = True, *, parallel_context=None, submodule: bool = False):
@@ -371,7 +371,7 @@ class BertForMaskedLM(BertPreTrainedModel):
 
     parallel_plan = BERT_MLM_PLAN
     hf_twin = transformers.BertForMaskedLM
-    _supports_context_parallel = True
+    _oslo_context_parallel = True
     pipeline_adapter = BertMLMPipelineAdapter  # pipeline_parallel_size > 1: stages, see pipeline_bert.py
     _decoder_bias_owner = "cls.predictions"
     _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",

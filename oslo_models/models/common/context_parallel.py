@@ -59,12 +59,14 @@ def context_parallel_loss(model, loss):
 
 def check_context_parallel(model_class, config, parallel) -> None:
     """Before any collective: ``NotImplementedError`` for a model class that does not run under context parallelism
-    (``_supports_context_parallel``: the base models and LM heads of GPT-2, BERT and the Llama family; heads that
-    pool one token or average per chunk do not), ``ValueError`` for heads that all-to-all cannot split."""
+    (``_oslo_context_parallel``, not ``transformers``' own ``_supports_context_parallel``, which is ``True`` on every
+    model: the base models and LM heads of GPT-2, BERT and the Llama family; heads that pool one token or average per
+    chunk do not), ``ValueError`` for heads that all-to-all cannot split."""
     cp = parallel.context_parallel_size
     if cp == 1:
         return
-    if not getattr(model_class, "_supports_context_parallel", False):
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts or not getattr(model_class, "_oslo_context_parallel", False):  # MoE: the router loss is per chunk
         raise NotImplementedError(f"{model_class.__name__} under context_parallel_size={cp} is not implemented; "
                                   f"the base models and LM heads of GPT-2, BERT and the Llama family are")
     if parallel.context_parallel_mode == "all_to_all":

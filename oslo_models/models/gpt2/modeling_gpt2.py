@@ -146,7 +146,7 @@ class GPT2Model(GPT2PreTrainedModel):
 
     parallel_plan = GPT2_BASE_PLAN
     hf_twin = transformers.GPT2Model
-    _supports_context_parallel = True
+    _oslo_context_parallel = True
 
     def __init__(self, config: GPT2Config, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)
@@ -234,7 +234,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
     ``gather_logits=False`` (then they are this rank's ``[b, s, V_padded/tp]`` slice)."""
 
     parallel_plan = GPT2_LM_PLAN
-    _supports_context_parallel = True
+    _oslo_context_parallel = True
     pipeline_adapter = GPT2LMPipelineAdapter  # pipeline_parallel_size > 1: stages, see pipeline_gpt2.py
     hf_twin = transformers.GPT2LMHeadModel
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}

@@ -154,7 +154,7 @@ class LlamaModel(LlamaPreTrainedModel):
 
     parallel_plan = LLAMA_BASE_PLAN
     hf_twin = transformers.LlamaModel
-    _supports_context_parallel = True
+    _oslo_context_parallel = True
     decoder_layer_class = LlamaDecoderLayer  # the MoE decoders (models/mixtral, qwen2_moe) swap in theirs
 
     def __init__(self, config, *, parallel_context=None, submodule: bool = False):
@@ -249,7 +249,7 @@ class LlamaForCausalLM(_WithBaseModel, GenerationMixin):
     ``[b, s, V]`` unless ``gather_logits=False`` (then this rank's ``[b, s, V_padded/tp]``)."""
 
     parallel_plan = LLAMA_LM_PLAN
-    _supports_context_parallel = True
+    _oslo_context_parallel = True
     pipeline_adapter = LlamaPipelineAdapter  # pipeline_parallel_size > 1: stages, see pipeline_llama.py
     hf_twin = transformers.LlamaForCausalLM
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
