@@ -92,7 +92,7 @@ def _step(seq: int, mode: str) -> dict:
     if counter:
         counter.close()
     return {"saved": sum(saved.values()), "peak_rss": peak.growth_bytes, "sent_per_layer": sent / LAYERS,
-            "seconds": seconds, "loss": float(loss)}
+            "seconds": seconds, "loss": loss.item()}
 
 
 def formula_per_layer(seq: int, cp: int, mode: str) -> float:
