@@ -31,8 +31,9 @@ _IMPLEMENTED_TENSOR_PARALLEL_MODES = ("1d", "2d", "2.5d", "3d")
 class ParallelConfig:
     """How a model is split over processes.
 
-    World layout: ``world_size == pipeline_parallel_size * data_parallel_size * tensor_parallel_size``, with
-    tensor-parallel ranks adjacent (they talk most), then data-parallel, then pipeline (Megatron's order).
+    World layout: ``world_size == pipeline_parallel_size * data_parallel_size * context_parallel_size *
+    tensor_parallel_size``, with tensor-parallel ranks adjacent (they talk most), then context-parallel, then
+    data-parallel, then pipeline (Megatron's order).
     Expert parallelism is carved out of the data-parallel ranks, so it must divide ``data_parallel_size``.
 
     Args:
