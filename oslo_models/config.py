@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 TENSOR_PARALLEL_MODES = ("1d", "2d", "2.5d", "3d")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+CONTEXT_PARALLEL_MODES = ("ring", "all_to_all")
 
 _ZERO_STAGES = (0, 1, 2, 3)
 _MAX_SEED = 2**63 - 1
@@ -30,8 +31,9 @@ _IMPLEMENTED_TENSOR_PARALLEL_MODES = ("1d", "2d", "2.5d", "3d")
 class ParallelConfig:
     """How a model is split over processes.
 
-    World layout: ``world_size == pipeline_parallel_size * data_parallel_size * tensor_parallel_size``, with
-    tensor-parallel ranks adjacent (they talk most), then data-parallel, then pipeline (Megatron's order).
+    World layout: ``world_size == pipeline_parallel_size * data_parallel_size * context_parallel_size *
+    tensor_parallel_size``, with tensor-parallel ranks adjacent (they talk most), then context-parallel, then
+    data-parallel, then pipeline (Megatron's order).
     Expert parallelism is carved out of the data-parallel ranks, so it must divide ``data_parallel_size``.
 
     Args:
@@ -54,6 +56,14 @@ class ParallelConfig:
             data-parallel ranks (it must divide ``data_parallel_size``; the model checks that it divides the number
             of experts). Expert weights are averaged over the ``data_parallel_size / expert_parallel_size``
             expert-data-parallel ranks, everything else over all data-parallel ranks.
+        context_parallel_size: ranks that split every sequence into chunks and share the model like data-parallel
+            ranks (their gradients are reduced together with dp: over dp x cp). World layout with it:
+            ``pp * dp * cp * tp``, tensor-parallel ranks innermost (``parallel_layers/context_parallel``).
+        context_parallel_mode: ``"ring"`` (key/value blocks passed around the cp ring, online-softmax merge; each
+            rank holds the mirrored chunks ``i`` and ``2cp-1-i`` so causal work is balanced: sequence length
+            divisible by ``2 * cp``) or ``"all_to_all"`` (Ulysses: heads <-> sequence exchange around the attention
+            core; each rank holds one contiguous chunk, sequence length divisible by ``cp``, heads per tensor-
+            parallel rank divisible by ``cp``).
         data_parallel_size: model replicas; ``None`` infers it from the world size.
         zero_stage: ZeRO stage (0 = plain data parallel) for the training helpers.
         fused_ops: use the fused Triton kernels where they run (CUDA); the torch reference runs elsewhere.
@@ -70,6 +80,8 @@ class ParallelConfig:
     virtual_pipeline_size: int = 1
     pipeline_partition: str | tuple[int, ...] = "uniform"
     expert_parallel_size: int = 1
+    context_parallel_size: int = 1
+    context_parallel_mode: str = "ring"
     data_parallel_size: int | None = None
     zero_stage: int = 0
     fused_ops: bool = True
@@ -77,7 +89,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "tensor_parallel_depth", "pipeline_parallel_size",
-                     "virtual_pipeline_size", "expert_parallel_size"):
+                     "virtual_pipeline_size", "expert_parallel_size", "context_parallel_size"):
             _check_positive_int(name, getattr(self, name))
         for name in ("num_microbatches", "data_parallel_size"):
             if getattr(self, name) is not None:
@@ -91,6 +103,9 @@ class ParallelConfig:
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"ParallelConfig.pipeline_schedule={self.pipeline_schedule!r} is unknown; "
                              f"choose one of {PIPELINE_SCHEDULES}")
+        if self.context_parallel_mode not in CONTEXT_PARALLEL_MODES:
+            raise ValueError(f"ParallelConfig.context_parallel_mode={self.context_parallel_mode!r} is unknown; "
+                             f"choose one of {CONTEXT_PARALLEL_MODES}")
         self._check_pipeline()
         self._check_tensor_parallel_mode()
         stage = self.zero_stage
@@ -112,6 +127,15 @@ class ParallelConfig:
         if self.zero_stage >= 2 and self.pipeline_parallel_size > 1:
             raise NotImplementedError(f"zero_stage={self.zero_stage} with pipeline_parallel_size > 1 is not "
                                       f"implemented yet; use zero_stage=1 (optimizer state sharded over dp)")
+        if self.context_parallel_size > 1:
+            for name, trivial in (("pipeline_parallel_size", 1), ("expert_parallel_size", 1),
+                                  ("tensor_parallel_mode", "1d")):
+                if getattr(self, name) != trivial:
+                    raise NotImplementedError(f"context_parallel_size > 1 with {name}={getattr(self, name)!r} is "
+                                              f"not implemented yet")
+            if self.zero_stage >= 2:
+                raise NotImplementedError(f"context_parallel_size > 1 with zero_stage={self.zero_stage} is not "
+                                          f"implemented yet; use zero_stage 0 or 1 (sharded over dp x cp)")
 
     def _check_tensor_parallel_mode(self) -> None:
         """The grid of the 2D/2.5D/3D modes must exist for ``tensor_parallel_size`` (see ``grid_shape``)."""
@@ -190,8 +214,9 @@ class ParallelConfig:
     # ------------------------------------------------------------------ sizes
     @property
     def model_parallel_size(self) -> int:
-        """Ranks that hold one replica of the model: tensor x pipeline."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """Ranks that hold one replica of the model: tensor x pipeline (x context: cp ranks hold the same weights
+        but train on different chunks of the same sequences, so they count as one replica)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
 
     def resolve_data_parallel_size(self, world_size: int) -> int:
         """The data-parallel size for ``world_size`` processes; ``ValueError`` when they do not fit (or when
@@ -211,14 +236,16 @@ class ParallelConfig:
                 raise ValueError(
                     f"The launched world has {world_size} process(es), but the ParallelConfig asks for "
                     f"tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
-                    f"{self.pipeline_parallel_size} x data_parallel_size={self.data_parallel_size} = {expected}. "
+                    f"{self.pipeline_parallel_size} x context_parallel_size={self.context_parallel_size} x "
+                    f"data_parallel_size={self.data_parallel_size} = {expected}. "
                     f"Launch {expected} processes (e.g. torchrun --nproc_per_node {expected}) or change the config.")
             return self.data_parallel_size
         if world_size % self.model_parallel_size:
             raise ValueError(
                 f"The launched world has {world_size} process(es), which tensor_parallel_size="
-                f"{self.tensor_parallel_size} x pipeline_parallel_size={self.pipeline_parallel_size} = "
-                f"{self.model_parallel_size} does not divide. Launch a multiple of {self.model_parallel_size} "
+                f"{self.tensor_parallel_size} x pipeline_parallel_size={self.pipeline_parallel_size} x "
+                f"context_parallel_size={self.context_parallel_size} = {self.model_parallel_size} does not divide. "
+                f"Launch a multiple of {self.model_parallel_size} "
                 f"processes (e.g. torchrun --nproc_per_node {self.model_parallel_size}).")
         return world_size // self.model_parallel_size
 

@@ -10,7 +10,7 @@ Typical use::
 ``datasets`` is only needed to preprocess (it is imported lazily there); reading needs numpy and torch.
 """
 from .blended import BlendedDataset, exact_counts
-from .collators import (CausalLMCollator, MLMCollator, Seq2SeqCollator, SequenceParallelSplitter,
+from .collators import (CausalLMCollator, ContextParallelSplitter, MLMCollator, Seq2SeqCollator, SequenceParallelSplitter,
                         T5SpanCorruptionCollator, t5_lengths)
 from .indexed import FORMAT_VERSION, MMapTokenDataset, tokenizer_identity, write_token_file
 from .loader import ResumableDataLoader, build_dataloader
@@ -20,7 +20,7 @@ from .sampler import DistributedResumableSampler
 
 
 __all__ = [
-    "BlendedDataset", "CausalLMCollator", "DistributedResumableSampler", "FORMAT_VERSION", "MLMCollator",
+    "BlendedDataset", "CausalLMCollator", "ContextParallelSplitter", "DistributedResumableSampler", "FORMAT_VERSION", "MLMCollator",
     "MMapTokenDataset", "PackedCausalLMDataset", "ResumableDataLoader", "Seq2SeqCollator",
     "SequenceParallelSplitter", "T5SpanCorruptionCollator", "build_dataloader", "exact_counts", "preprocess",
     "t5_lengths", "tokenizer_identity", "write_token_file",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import default_collate
 
+from .collators.context_parallel import ContextParallelSplitter
 from .collators.splitter import SequenceParallelSplitter
 from .sampler import DistributedResumableSampler
 
@@ -50,7 +51,8 @@ class ResumableDataLoader(torch.utils.data.DataLoader):
 
 def build_dataloader(dataset, batch_size: int, collator=None, *, parallel_context=None, dp_rank: int | None = None,
                      dp_size: int | None = None, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
-                     split_sequence: bool = False, num_workers: int = 0, pin_memory: bool = False,
+                     split_sequence: bool = False, split_context: bool | None = None, shift_labels: bool = True,
+                     num_workers: int = 0, pin_memory: bool = False,
                      **dataloader_kwargs) -> ResumableDataLoader:
     """A resumable loader yielding this dp rank's batches of ``batch_size`` samples (per rank).
 
@@ -62,6 +64,9 @@ def build_dataloader(dataset, batch_size: int, collator=None, *, parallel_contex
             replica gets the same batches, different dp ranks disjoint ones.
         split_sequence: give tp rank ``r`` only its contiguous ``1/tp_size`` slice of the sequence dimension
             (:class:`SequenceParallelSplitter`, for Megatron-style sequence parallelism).
+        split_context: give cp rank ``r`` its chunk(s) of every sequence (:class:`ContextParallelSplitter`);
+            default: on when ``parallel_context.cp_size > 1``. ``shift_labels`` (causal LMs; ``False`` for MLM):
+            targets shifted on the full sequence before the split.
         drop_last: drop incomplete batches (and the indices that do not divide over dp ranks), so every rank
             runs the same number of equal steps.
     """
@@ -70,6 +75,10 @@ def build_dataloader(dataset, batch_size: int, collator=None, *, parallel_contex
     sampler = DistributedResumableSampler(dataset, parallel_context=parallel_context, dp_rank=dp_rank,
                                           dp_size=dp_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
     collate = collator if collator is not None else default_collate
+    if split_context is None:
+        split_context = getattr(parallel_context, "cp_size", 1) > 1
+    if split_context:
+        collate = _SplitAfter(collate, ContextParallelSplitter(parallel_context, shift_labels=shift_labels))
     if split_sequence:
         collate = _SplitAfter(collate, SequenceParallelSplitter(parallel_context=parallel_context))
     return ResumableDataLoader(dataset, sampler=sampler, batch_size=batch_size, collate_fn=collate,

@@ -3,8 +3,10 @@
 Nothing here is global: every model and layer receives the context it should use, so two models with different
 layouts can live in one process and tests can build contexts freely.
 
-Mesh axes, outermost first: ``("pp", "dp", "tp")``. Tensor-parallel ranks are adjacent (global ranks
-``r*tp .. r*tp+tp-1``), which keeps the chattiest group inside one node.
+Mesh axes, outermost first: ``("pp", "dp", "cp", "tp")``. Tensor-parallel ranks are adjacent (global ranks
+``r*tp .. r*tp+tp-1``), which keeps the chattiest group inside one node; context-parallel ranks come next (the
+ring / all-to-all of every attention layer). ``dp_cp`` is ``dp`` and ``cp`` flattened: cp ranks hold the same
+weights (like dp ranks), so dense gradients are reduced and ZeRO-1 shards over ``dp_cp``.
 
 Under the 2D / 2.5D / 3D tensor-parallel modes the ``tp`` axis is itself a grid of named sub-axes (innermost
 last), and ``tp`` is their flattening (same ranks, same order):
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from ..config import ParallelConfig
 from ..parallel_layers.random import RNGTracker
 
-MESH_AXES = ("pp", "dp", "tp")
+MESH_AXES = ("pp", "dp", "cp", "tp")
 TP_SUB_AXES = {"1d": (), "2d": ("tp_col", "tp_row"), "2.5d": ("tp_dep", "tp_col", "tp_row"),
                "3d": ("tp_dep", "tp_col", "tp_row")}
 EXPERT_AXES = ("ep", "edp")  # carved out of "dp" (see the module docstring)
@@ -106,14 +108,15 @@ class ParallelContext:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
         world_size, rank = _world_from_environment()
         data_parallel_size = config.resolve_data_parallel_size(world_size)  # raises ValueError on mismatch
-        sizes = {"pp": config.pipeline_parallel_size, "dp": data_parallel_size, "tp": config.tensor_parallel_size}
+        sizes = {"pp": config.pipeline_parallel_size, "dp": data_parallel_size, "cp": config.context_parallel_size,
+                 "tp": config.tensor_parallel_size}
         sub_axes = TP_SUB_AXES[config.tensor_parallel_mode]
         sizes.update(zip(sub_axes, config.grid_shape))
 
         if world_size == 1 and not dist.is_initialized():
             # Single process, not launched by torchrun: no process group is needed for anything.
             device = torch.device(device_type)
-            axes = {name: AxisInfo(None, 1, 0, (0,)) for name in MESH_AXES + sub_axes + EXPERT_AXES}
+            axes = {name: AxisInfo(None, 1, 0, (0,)) for name in MESH_AXES + sub_axes + EXPERT_AXES + ("dp_cp",)}
             return cls(config, world_size=1, rank=0, device=device, axes=axes)
 
         if not dist.is_initialized():
@@ -138,7 +141,13 @@ class ParallelContext:
             ranks = tuple(int(r) for r in sub.mesh.flatten().tolist())
             group = sub.get_group() if sizes[name] > 1 else None
             axes[name] = AxisInfo(group, sizes[name], sub.get_local_rank(), ranks)
-        grid = mesh.mesh.reshape(sizes["pp"], sizes["dp"], sizes["tp"])  # the tp sub-axes flattened
+        if sizes["cp"] > 1:  # the gradient-reduction group of dense parameters: dp and cp flattened
+            sub = mesh[("dp", "cp")]._flatten("dp_cp")
+            axes["dp_cp"] = AxisInfo(sub.get_group(), sizes["dp"] * sizes["cp"], sub.get_local_rank(),
+                                     tuple(int(r) for r in sub.mesh.flatten().tolist()))
+        else:
+            axes["dp_cp"] = axes["dp"]
+        grid = mesh.mesh.reshape(sizes["pp"], sizes["dp"] * sizes["cp"], sizes["tp"])  # tp sub-axes flattened
         axes.update(_expert_axes(grid, rank, config.expert_parallel_size, axes["dp"]))
         return cls(config, world_size=world_size, rank=rank, device=device, mesh=mesh, axes=axes)
 
@@ -189,6 +198,28 @@ class ParallelContext:
         return self._axes["pp"].rank
 
     @property
+    def cp_group(self):
+        """Context-parallel group: the ranks holding the chunks of the same sequences (``None`` at cp=1)."""
+        return self._axes["cp"].group
+
+    @property
+    def cp_size(self) -> int:
+        return self._axes["cp"].size
+
+    @property
+    def cp_rank(self) -> int:
+        return self._axes["cp"].rank
+
+    @property
+    def dp_cp_group(self):
+        """Where dense gradients are reduced (and ZeRO shards): dp x cp flattened, the dp group at cp=1."""
+        return self._axes["dp_cp"].group
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self._axes["dp_cp"].size
+
+    @property
     def ep_group(self):
         return self._axes["ep"].group
 
@@ -237,15 +268,14 @@ class ParallelContext:
             return self.tp_group
         groups = self.__dict__.setdefault("_tp_subgroups", {})
         if size not in groups:
-            mesh = self.mesh.mesh  # [pp, dp, tp] global ranks
+            rows = self.mesh.mesh.reshape(-1, self.tp_size)  # one row of global ranks per tp group
             mine = None
-            for pp in range(mesh.shape[0]):
-                for dp in range(mesh.shape[1]):
-                    for start in range(0, self.tp_size, size):
-                        ranks = [int(r) for r in mesh[pp, dp, start:start + size].tolist()]
-                        group = dist.new_group(ranks)
-                        if self.rank in ranks:
-                            mine = group
+            for row in rows:
+                for start in range(0, self.tp_size, size):
+                    ranks = [int(r) for r in row[start:start + size].tolist()]
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        mine = group
             groups[size] = mine
         return groups[size]
 
@@ -255,7 +285,8 @@ class ParallelContext:
 
     def __repr__(self) -> str:
         return (f"ParallelContext(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
-                f"dp={self.dp_rank}/{self.dp_size}, ep={self.ep_rank}/{self.ep_size}, "
+                f"dp={self.dp_rank}/{self.dp_size}, cp={self.cp_rank}/{self.cp_size}, "
+                f"ep={self.ep_rank}/{self.ep_size}, "
                 f"pp={self.pp_rank}/{self.pp_size}, "
                 f"sequence_parallel={self.sequence_parallel}, device={self.device})")
 

@@ -30,6 +30,7 @@ from ..conversion.saving import gather_full_state_dict, run_on_main_process, wri
 from ..distributed.agreement import all_or_none
 from ..distributed.context import ParallelContext, _world_from_environment
 from ..parallel_layers.plan import ParallelPlan
+from .common.context_parallel import check_context_parallel
 from .common.pretrained_options import parse_load_options
 
 
@@ -100,6 +101,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         Called at the end of the outermost ``__init__`` (submodules are built with ``submodule=True``).
         """
         type(self).validate_parallel_config(self.config, self.parallel_context.config)  # direct construction too
+        check_context_parallel(type(self), self.config, self.parallel_context.config)
         self.parallel_plan.apply(self, self.parallel_context)
         if self.parallel_context.pp_size > 1:
             # Pipeline parallelism: keep only this rank's stages (layers, and embeddings/head on the first/last

@@ -181,7 +181,7 @@ class TiedCopies:
     def __init__(self, model, layout: PipelineLayout, context):
         self.groups: list[tuple[nn.Parameter, object]] = []
         local = dict(model.named_parameters(remove_duplicate=False))
-        mesh = context.mesh.mesh  # [pp, dp, tp] global ranks
+        mesh = context.mesh.mesh.reshape(context.pp_size, -1, context.tp_size)  # [pp, dp (x cp), tp] global ranks
         for names in adapter_for(model).tied_groups(model):
             pp_ranks = ranks_holding(model, layout, names)
             if len(pp_ranks) < 2:

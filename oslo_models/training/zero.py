@@ -163,10 +163,10 @@ def _zero_redundancy(optimizer: torch.optim.Optimizer, context, model=None):
 
         return split_optimizer(unwrap_model(model), optimizer, build)
 
-    # Whole tensors are partitioned over the dp ranks by size; process_group=dp_group, never the world.
+    # Whole tensors are partitioned over the dp (x cp) ranks by size; process_group=dp_cp_group, never the world.
     # Groups keep their own hyperparameters (and a scheduler's initial_lr).
     groups = [dict(group) for group in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=context.dp_group,
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=context.dp_cp_group,
                                    **_constructor_defaults(optimizer))
 
 
@@ -213,10 +213,13 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     if optimizer is not None:
         optimizer = unwrap_optimizer(optimizer)
         _check_fresh(optimizer)
-    if context.dp_size == 1 and not cpu_offload:
+    if context.dp_cp_size == 1 and not cpu_offload:
         model._oslo_zero_stage = stage
         return model, optimizer
 
+    if context.cp_size > 1 and stage >= 2:
+        raise NotImplementedError(f"context_parallel_size > 1 with zero_stage={stage} is not implemented; use "
+                                  f"zero_stage 0 or 1 (gradients and optimizer state over dp x cp)")
     if context.ep_size > 1 and context.pp_size > 1:
         raise NotImplementedError(f"expert_parallel_size > 1 with pipeline_parallel_size={context.pp_size} is not "
                                   "implemented")

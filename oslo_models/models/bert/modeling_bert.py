@@ -31,6 +31,7 @@ from transformers.utils.generic import can_return_tuple
 
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
+from ..common.context_parallel import context_parallel_inputs, context_parallel_loss, context_parallel_loss_items
 from ..common import attend, enter_sequence_parallel, full_logits, leave_sequence_parallel, split_heads, token_loss
 from ..common import use_sequence_parallel
 from ..common.legacy_keys import LegacyKeyReader
@@ -294,6 +295,7 @@ class BertModel(BertPreTrainedModel):
 
     parallel_plan = BERT_BASE_PLAN
     hf_twin = transformers.BertModel
+    _oslo_context_parallel = True
     embeddings_class: ClassVar[type] = BertEmbeddings
 
     def __init__(self, config, add_pooling_layer: bool = True, *, parallel_context=None, submodule: bool = False):
@@ -322,10 +324,19 @@ class BertModel(BertPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        cp_mask, position_ids = context_parallel_inputs(  # RoBERTa's positions need the whole sequence
+            self, input_ids if input_ids is not None else inputs_embeds, attention_mask, position_ids,
+            past_key_values, causal=bool(self.config.is_decoder),
+            default_positions=type(self.embeddings).make_position_ids is BertEmbeddings.make_position_ids)
+        if cp_mask is not None and self.pooler is not None:
+            raise NotImplementedError("the [CLS] pooler under context parallelism is not implemented (only cp rank "
+                                      "0 holds the first token); build the model with add_pooling_layer=False")
         hidden_states = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids,
                                         position_ids=position_ids, inputs_embeds=inputs_embeds,
                                         past_key_values_length=past_length)
-        if self.config.is_decoder:
+        if cp_mask is not None:
+            mask = cp_mask
+        elif self.config.is_decoder:
             mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
                                       past_key_values=past_key_values)
             kwargs["past_key_values"] = past_key_values
@@ -360,6 +371,7 @@ class BertForMaskedLM(BertPreTrainedModel):
 
     parallel_plan = BERT_MLM_PLAN
     hf_twin = transformers.BertForMaskedLM
+    _oslo_context_parallel = True
     pipeline_adapter = BertMLMPipelineAdapter  # pipeline_parallel_size > 1: stages, see pipeline_bert.py
     _decoder_bias_owner = "cls.predictions"
     _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
@@ -388,7 +400,9 @@ class BertForMaskedLM(BertPreTrainedModel):
         decoder = self.cls.predictions.decoder
         loss = None
         if labels is not None:
-            loss = token_loss(local_logits, labels, decoder, num_items_in_batch=num_items_in_batch)
+            num_items_in_batch = context_parallel_loss_items(self, labels, num_items_in_batch, causal=False)
+            loss = context_parallel_loss(self, token_loss(local_logits, labels, decoder,
+                                                          num_items_in_batch=num_items_in_batch))
         return MaskedLMOutput(loss=loss, logits=full_logits(local_logits, decoder, gather_logits),
                               **passed_on(outputs))
 

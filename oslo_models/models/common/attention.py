@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
+from ...parallel_layers.context_parallel import attention_function
 from ...parallel_layers.kv_heads import HeadsLinear
 from ...parallel_layers.layers import Dropout, Linear
 from .rms_norm import RMSNorm
@@ -35,9 +35,10 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     ``module.config._attn_implementation`` picks the kernel (SDPA by default, ``eager_fallback`` for "eager").
     ``dropout`` is the attention-probability dropout module: under TP it draws from the tensor-parallel RNG
     stream, because each rank drops elements of different heads. Extra ``kwargs`` (e.g. T5's ``position_bias``)
-    go to the kernel.
+    go to the kernel. A ``ContextParallelMask`` as ``attention_mask`` runs the context-parallel core instead
+    (``parallel_layers/context_parallel``; ``s_q``/``s_k`` are then this rank's chunks).
     """
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_fallback)
+    interface = attention_function(module, attention_mask, eager_fallback)  # context-parallel for its mask
     with dropout.rng_context():
         out, weights = interface(module, query, key, value, attention_mask,
                                  dropout=dropout.p if module.training else 0.0, scaling=scaling, **kwargs)

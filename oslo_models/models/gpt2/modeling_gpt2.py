@@ -25,14 +25,15 @@ from transformers.modeling_outputs import (
     CausalLMOutputWithCrossAttentions,
     SequenceClassifierOutputWithPast,
 )
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.generic import can_return_tuple
 from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 
 from ...config import ParallelConfig
+from ...parallel_layers.context_parallel import attention_function
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ...parallel_layers.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from ..common import causal_token_loss, full_logits, keep_last_logits
+from ..common.context_parallel import context_parallel_inputs, context_parallel_loss, context_parallel_loss_items
 from ..common.outputs import OutputCollector, passed_on
 from ..heads import (last_token_logits, question_answering_output, sequence_classification_loss,
                      token_classification_output)
@@ -69,7 +70,7 @@ class GPT2Attention(nn.Module):
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
 
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attention = attention_function(self, attention_mask, eager_attention_forward)  # context-parallel for its mask
         with self.attn_dropout.rng_context(sequence_parallel):
             out, weights = attention(self, query, key, value, attention_mask,
                                      dropout=self.attn_dropout.p if self.training else 0.0, scaling=self.scaling,
@@ -145,6 +146,7 @@ class GPT2Model(GPT2PreTrainedModel):
 
     parallel_plan = GPT2_BASE_PLAN
     hf_twin = transformers.GPT2Model
+    _oslo_context_parallel = True
 
     def __init__(self, config: GPT2Config, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)
@@ -193,17 +195,19 @@ class GPT2Model(GPT2PreTrainedModel):
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        if attention_mask is not None and attention_mask.ndim < 4:
+            attention_mask = attention_mask.view(batch_size, -1)
+        cp_mask, position_ids = context_parallel_inputs(self, inputs_embeds, attention_mask, position_ids,
+                                                        past_key_values, causal=True)
         if position_ids is None:
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(seq_len, device=inputs_embeds.device) + past_seen).unsqueeze(0)
         hidden_states = inputs_embeds + self.wpe(position_ids)
         if token_type_ids is not None:
             hidden_states = hidden_states + self.wte(token_type_ids.view(-1, seq_len))
-        if attention_mask is not None and attention_mask.ndim < 4:
-            attention_mask = attention_mask.view(batch_size, -1)
-        causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
-                                         attention_mask=attention_mask, past_key_values=past_key_values,
-                                         position_ids=position_ids)
+        causal_mask = cp_mask if cp_mask is not None else create_causal_mask(
+            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            past_key_values=past_key_values, position_ids=position_ids)
 
         sp = self._use_sequence_parallel(seq_len)
         if sp:
@@ -230,6 +234,7 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
     ``gather_logits=False`` (then they are this rank's ``[b, s, V_padded/tp]`` slice)."""
 
     parallel_plan = GPT2_LM_PLAN
+    _oslo_context_parallel = True
     pipeline_adapter = GPT2LMPipelineAdapter  # pipeline_parallel_size > 1: stages, see pipeline_gpt2.py
     hf_twin = transformers.GPT2LMHeadModel
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
@@ -259,8 +264,11 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
         local_logits = self.lm_head(hidden_states)  # [b, s, V_padded/tp], padded columns = -inf
         loss = None
         if labels is not None:  # as transformers: shift_labels (pre-shifted targets) only alongside labels
+            num_items_in_batch = context_parallel_loss_items(self, labels, num_items_in_batch,
+                                                             shift_labels=shift_labels, causal=True)
             loss = causal_token_loss(local_logits, labels, self.lm_head, num_items_in_batch=num_items_in_batch,
                                      shift_labels=shift_labels)
+            loss = context_parallel_loss(self, loss)  # cp: the mean over the whole sequence
         return CausalLMOutputWithCrossAttentions(loss=loss, logits=full_logits(local_logits, self.lm_head, gather_logits),
                                                  past_key_values=outputs.past_key_values,
                                                  cross_attentions=outputs.cross_attentions, **passed_on(outputs))

@@ -45,7 +45,8 @@ from ..common import (
     leave_sequence_parallel,
     use_sequence_parallel,
 )
-from ..common.causal_masks import SLIDING
+from ..common.causal_masks import FULL, SLIDING
+from ..common.context_parallel import context_parallel_inputs, context_parallel_loss, context_parallel_loss_items
 from ..common.lm_loss import lm_head_loss_and_logits
 from ..common.outputs import OutputCollector, passed_on
 from ..heads import (
@@ -153,6 +154,7 @@ class LlamaModel(LlamaPreTrainedModel):
 
     parallel_plan = LLAMA_BASE_PLAN
     hf_twin = transformers.LlamaModel
+    _oslo_context_parallel = True
     decoder_layer_class = LlamaDecoderLayer  # the MoE decoders (models/mixtral, qwen2_moe) swap in theirs
 
     def __init__(self, config, *, parallel_context=None, submodule: bool = False):
@@ -188,11 +190,16 @@ class LlamaModel(LlamaPreTrainedModel):
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        cp_mask, position_ids = context_parallel_inputs(self, inputs_embeds, attention_mask, position_ids,
+                                                        past_key_values, causal=True)
         if position_ids is None:
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
-        masks = causal_masks(self.config, inputs_embeds, attention_mask, past_key_values, position_ids,
-                             kinds={layer.attention_type for layer in self.layers})
+        if cp_mask is not None:  # one mask for every layer kind: each layer passes its own sliding window
+            masks = {FULL: cp_mask, SLIDING: cp_mask}
+        else:
+            masks = causal_masks(self.config, inputs_embeds, attention_mask, past_key_values, position_ids,
+                                 kinds={layer.attention_type for layer in self.layers})
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)  # full sequence on every rank
 
@@ -242,6 +249,7 @@ class LlamaForCausalLM(_WithBaseModel, GenerationMixin):
     ``[b, s, V]`` unless ``gather_logits=False`` (then this rank's ``[b, s, V_padded/tp]``)."""
 
     parallel_plan = LLAMA_LM_PLAN
+    _oslo_context_parallel = True
     pipeline_adapter = LlamaPipelineAdapter  # pipeline_parallel_size > 1: stages, see pipeline_llama.py
     hf_twin = transformers.LlamaForCausalLM
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -268,9 +276,13 @@ class LlamaForCausalLM(_WithBaseModel, GenerationMixin):
                 num_items_in_batch=None, shift_labels=None, **kwargs) -> CausalLMOutputWithPast:
         outputs = self._base_outputs(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
                                      use_cache, kwargs)
+        if labels is not None:
+            num_items_in_batch = context_parallel_loss_items(self, labels, num_items_in_batch,
+                                                             shift_labels=shift_labels, causal=True)
         loss, logits = lm_head_loss_and_logits(self.lm_head, outputs.last_hidden_state, labels,
                                                logits_to_keep=logits_to_keep, gather_logits=gather_logits,
                                                num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
+        loss = context_parallel_loss(self, loss)  # cp: the mean over the whole sequence
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                       **passed_on(outputs))
 

@@ -1,0 +1,62 @@
+"""Give each context-parallel rank its chunk(s) of every sequence of a batch."""
+from __future__ import annotations
+
+import torch
+
+from ...parallel_layers.context_parallel.chunking import check_sequence_length, split_sequence
+
+_DEFAULT_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "token_type_ids", "attention_mask",
+                 "special_tokens_mask")
+
+
+class ContextParallelSplitter:
+    """Keep cp rank ``r``'s chunk(s) of dim 1 (HF ``[batch, seq, ...]``) of a collated batch.
+
+    The layout follows ``ParallelConfig.context_parallel_mode`` (``parallel_layers/context_parallel/chunking.py``):
+    ``"ring"`` gives rank ``r`` chunks ``r`` and ``2cp-1-r`` of ``2cp`` (causal load balancing), ``"all_to_all"``
+    chunk ``r`` of ``cp``. The model computes the global ``position_ids`` of its tokens itself; ``position_ids``
+    that are in the batch (packed documents) are split like the rest.
+
+    Args:
+        parallel_context: the model's ``ParallelContext`` (``cp_rank``, ``cp_size``, ``config.context_parallel_mode``);
+            explicit ``cp_rank`` / ``cp_size`` / ``mode`` win.
+        shift_labels: causal LMs: add ``shift_labels`` = ``labels`` shifted left on the *full* sequence (last
+            position ``-100``) before splitting, so the target of each chunk's last token (the next chunk's first)
+            is kept; the model's loss reads ``shift_labels`` (``labels`` stay in the batch, split, as
+            ``transformers`` wants both). ``False`` for MLM (no shift).
+        keys: batch entries to split; others pass through whole.
+
+    Raises ``ValueError`` when the sequence length does not split into the layout's chunks, or entries disagree
+    on it.
+    """
+
+    def __init__(self, parallel_context=None, *, cp_rank: int | None = None, cp_size: int | None = None,
+                 mode: str | None = None, shift_labels: bool = True, keys=_DEFAULT_KEYS):
+        if cp_rank is None:
+            cp_rank = getattr(parallel_context, "cp_rank", 0)
+        if cp_size is None:
+            cp_size = getattr(parallel_context, "cp_size", 1)
+        if mode is None:
+            config = getattr(parallel_context, "config", None)
+            mode = getattr(config, "context_parallel_mode", "ring")
+        self.cp_rank, self.cp_size, self.mode = int(cp_rank), int(cp_size), mode
+        if self.cp_size <= 0 or not 0 <= self.cp_rank < self.cp_size:
+            raise ValueError(f"need 0 <= cp_rank < cp_size, got cp_rank={cp_rank}, cp_size={cp_size}")
+        check_sequence_length(0, self.cp_size, mode)  # an unknown mode fails here, not at the first batch
+        self.keys, self.shift_labels = tuple(keys), shift_labels
+
+    def __call__(self, batch: dict) -> dict:
+        present = [k for k in self.keys if isinstance(batch.get(k), torch.Tensor) and batch[k].dim() >= 2]
+        if not present:
+            raise ValueError(f"batch has none of the keys to split {self.keys}")
+        seq_lens = {k: batch[k].shape[1] for k in present}
+        if len(set(seq_lens.values())) != 1:
+            raise ValueError(f"entries disagree on the sequence length (dim 1): {seq_lens}")
+        check_sequence_length(next(iter(seq_lens.values())), self.cp_size, self.mode)
+        out = dict(batch)
+        if self.shift_labels and "labels" in out and "shift_labels" not in out:
+            out["shift_labels"] = torch.nn.functional.pad(out["labels"], (0, 1), value=-100)[:, 1:]
+        for key in self.keys:
+            if isinstance(out.get(key), torch.Tensor) and out[key].dim() >= 2:
+                out[key] = split_sequence(out[key], self.cp_rank, self.cp_size, self.mode).contiguous()
+        return out

@@ -1,0 +1,82 @@
+"""What a model's forward does differently under context parallelism (``ParallelConfig.context_parallel_size``).
+
+Each rank holds its chunk(s) of every sequence (``data/collators/context_parallel.py`` cuts them). Three things
+change in a forward, all of them here so the families call the same code:
+
+- the attention mask: a ``ContextParallelMask`` (global token positions, gathered padding) in place of the
+  ``[b, 1, s, s]`` mask, which routes every attention layer to the context-parallel core;
+- default ``position_ids``: the *global* positions of this rank's tokens (learned position embeddings, rotary);
+- the loss: targets are pre-shifted (``shift_labels``) for causal LMs, since a chunk cannot see the next chunk's
+  first token, and the mean runs over the labelled tokens of the whole sequence (``context_parallel/loss.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...parallel_layers.context_parallel import build_context_parallel_mask, context_num_items, sum_over_context
+
+
+def context_parallel_inputs(model, inputs_embeds: torch.Tensor, attention_mask, position_ids, past_key_values=None,
+                            *, causal: bool, default_positions: bool = True):
+    """``(mask, position_ids)``: ``(None, position_ids)`` at cp=1; else the ``ContextParallelMask`` of this
+    forward (one all-gather over cp) and ``position_ids`` (given, or this rank's global positions ``[1, s_local]``
+    when ``default_positions``; otherwise a missing ``position_ids`` is a ``ValueError``)."""
+    context = model.parallel_context
+    if context.cp_size == 1:
+        return None, position_ids
+    if past_key_values is not None and past_key_values.get_seq_length() > 0:
+        raise NotImplementedError("a key/value cache (generation) under context parallelism is not implemented")
+    if position_ids is None and not default_positions:
+        raise ValueError(f"{type(model).__name__} derives position ids from the whole sequence: under context "
+                         "parallelism pass position_ids computed on the full sequence (split like input_ids)")
+    # transformers looks for packed documents in position_ids only without a padding mask and a cache
+    packed = position_ids if causal and past_key_values is None else None
+    mask = build_context_parallel_mask(context, attention_mask, inputs_embeds, causal=causal, position_ids=packed)
+    if position_ids is None:
+        position_ids = mask.token_index[context.cp_rank][None]
+    return mask, position_ids
+
+
+def context_parallel_loss_items(model, labels, num_items_in_batch, *, shift_labels=None, causal: bool):
+    """At cp=1 ``num_items_in_batch`` unchanged; else the labelled-token count of the whole sequence, to divide this
+    rank's loss sum by. A causal LM needs ``shift_labels`` (``ValueError`` otherwise)."""
+    context = model.parallel_context
+    if context.cp_size == 1:
+        return num_items_in_batch
+    if causal and shift_labels is None:
+        raise ValueError("under context parallelism a causal LM needs shift_labels (the targets shifted on the full "
+                         "sequence before it was split; ContextParallelSplitter(shift_labels=True) makes them): a "
+                         "rank's chunk cannot see the next chunk's first token")
+    return context_num_items(context, shift_labels if causal else labels, num_items_in_batch)
+
+
+def context_parallel_loss(model, loss):
+    """The loss of the whole sequence from this rank's part (all-reduce over cp; backward ``x cp``)."""
+    if loss is None or model.parallel_context.cp_size == 1:
+        return loss
+    return sum_over_context(loss, model.parallel_context)
+
+
+def check_context_parallel(model_class, config, parallel) -> None:
+    """Before any collective: ``NotImplementedError`` for a model class that does not run under context parallelism
+    (``_oslo_context_parallel``, not ``transformers``' own ``_supports_context_parallel``, which is ``True`` on every
+    model: the base models and LM heads of GPT-2, BERT and the Llama family; heads that pool one token or average per
+    chunk do not), ``ValueError`` for heads that all-to-all cannot split."""
+    cp = parallel.context_parallel_size
+    if cp == 1:
+        return
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts or not getattr(model_class, "_oslo_context_parallel", False):  # MoE: the router loss is per chunk
+        raise NotImplementedError(f"{model_class.__name__} under context_parallel_size={cp} is not implemented; "
+                                  f"the base models and LM heads of GPT-2, BERT and the Llama family are")
+    if parallel.context_parallel_mode == "all_to_all":
+        heads = config.num_attention_heads // parallel.tensor_parallel_size
+        if heads % cp:
+            raise ValueError(f"context_parallel_mode='all_to_all' needs the attention heads per tensor-parallel rank "
+                             f"({config.num_attention_heads} / tensor_parallel_size={parallel.tensor_parallel_size} "
+                             f"= {heads}) divisible by context_parallel_size={cp}; use context_parallel_mode='ring'")
+    dropout = max(float(getattr(config, name, 0.0) or 0.0)
+                  for name in ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout"))
+    if dropout:
+        raise NotImplementedError(f"attention-probability dropout ({dropout}) under context parallelism is not "
+                                  f"implemented; load the model with the attention dropout set to 0")

@@ -1,0 +1,76 @@
+"""All-to-all (Ulysses) context parallelism: trade the sequence split for a head split around the attention core.
+
+Before attention each rank holds ``q, k, v [b, n, s/cp, d]`` (all of this tensor-parallel rank's heads, its chunk
+of the sequence); one all-to-all per tensor turns them into ``[b, n/cp, s, d]`` (``n/cp`` heads, the whole
+sequence), local attention runs on those, and one all-to-all turns the output back into ``[b, n, s/cp, d]``.
+The backward of each all-to-all is the opposite all-to-all.
+
+Communication per layer and rank (``e`` bytes per element): forward ``(cp-1)/cp * b*s/cp*d*e * (n + 2*n_kv + n)``
+(q, k, v in, output back); backward the same. Needs ``n`` (heads on this tensor-parallel rank) divisible by ``cp``;
+key/value heads that do not split are repeated to ``n`` first.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .mask import ContextParallelMask
+from .ring import _expand
+
+
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    send = torch.stack([piece.contiguous() for piece in x.chunk(size, dim=scatter_dim)])
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: split ``scatter_dim`` over the group, concatenate what arrives along ``gather_dim`` (in rank
+    order). Backward: the opposite all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim: int, gather_dim: int, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """``[b, n, s/cp, d]`` -> ``[b, n/cp, s, d]`` (the sequence in cp-rank order)."""
+    return _AllToAll.apply(x, 1, 2, group)
+
+
+def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """``[b, n/cp, s, d]`` -> ``[b, n, s/cp, d]``."""
+    return _AllToAll.apply(x, 2, 1, group)
+
+
+def all_to_all_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: ContextParallelMask, *,
+                         scaling: float, window: int | None = None) -> torch.Tensor:
+    """Attention of ``query [b, n, s/cp, d]`` over ``key, value [b, n_kv, s/cp, d]`` of the whole cp group;
+    returns ``[b, n, s/cp, d]``. Collectives: forward 4 all-to-alls (q, k, v, output), backward 4."""
+    size, heads = mask.size, query.shape[1]
+    if heads % size:
+        raise ValueError(f"context_parallel_mode='all_to_all' needs the attention heads on each tensor-parallel "
+                         f"rank ({heads}) divisible by context_parallel_size={size}; use 'ring'")
+    if key.shape[1] % size:  # too few key/value heads to split: give every query head its own copy
+        key, value = (_expand(t, heads // key.shape[1]) for t in (key, value))
+    q, k, v = (sequence_to_heads(t, mask.group) for t in (query, key, value))
+    index = mask.token_index.reshape(-1)  # global position of each gathered token
+    k, v = (_expand(t, q.shape[1] // t.shape[1]) for t in (k, v))
+    if mask.causal and window is None and mask.key_valid is None and mask.document is None:
+        # the gathered tokens are in global order: plain causal attention, no s x s mask (flash kernels)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+    else:
+        valid, document = ((None if t is None else t.permute(1, 0, 2).reshape(q.shape[0], -1))  # [b, s]
+                           for t in (mask.key_valid, mask.document))
+        allowed = mask.allowed(index, index, valid, window, document, document)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
+    return heads_to_sequence(out, mask.group)

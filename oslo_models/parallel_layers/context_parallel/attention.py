@@ -1,0 +1,41 @@
+"""The one context-parallel attention core every family's attention layer calls when it is handed a
+``ContextParallelMask`` (GPT-2, BERT/RoBERTa and the Llama family through ``models/common/attention.py``).
+
+``attention_function(module, attention_mask, eager_fallback)`` picks the kernel: the context-parallel one for a
+``ContextParallelMask``, else ``transformers``' attention interface named by ``config._attn_implementation``. The
+context-parallel kernel has the interface's signature and return layout (``[b, s, n, d]``, no weights).
+"""
+from __future__ import annotations
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .all_to_all import all_to_all_attention
+from .chunking import RING
+from .mask import ContextParallelMask
+from .ring import ring_attention
+
+
+def context_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: ContextParallelMask, dropout: float = 0.0, scaling: float | None = None,
+                               sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """``query [b, n, s_local, d]``, ``key, value [b, n_kv, s_local, d]`` -> ``([b, s_local, n, d], None)``:
+    attention over the whole sequence of the cp group, by ring or all-to-all as the mask says. Attention-
+    probability dropout and additive position biases (T5) are not supported under context parallelism."""
+    if dropout:
+        raise NotImplementedError("attention dropout under context parallelism is not implemented; set the "
+                                  "attention dropout probability to 0 (or call model.eval())")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("an additive position bias (T5) under context parallelism is not implemented")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    core = ring_attention if attention_mask.mode == RING else all_to_all_attention
+    out = core(query, key, value, attention_mask, scaling=scaling, window=sliding_window)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def attention_function(module, attention_mask, eager_fallback):
+    """The attention kernel for this call: context-parallel for a ``ContextParallelMask``, else ``transformers``'
+    interface for ``module.config._attn_implementation`` (``eager_fallback`` for "eager")."""
+    if isinstance(attention_mask, ContextParallelMask):
+        return context_parallel_attention
+    return ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_fallback)

@@ -1,0 +1,113 @@
+"""``ContextParallelMask``: what an attention layer needs to attend across the chunks of a context-parallel group.
+
+The model builds one per forward (``build_context_parallel_mask``) in place of the ``[b, 1, s, s]`` mask of a
+single process, and the attention layers hand it on as their ``attention_mask``; seeing it, they run the
+context-parallel core (``attention.py``) instead of their local kernel. It holds:
+
+- ``token_index [cp, s_local]``: the global position of every token of every rank (``chunking.token_index``), so
+  the causal (and sliding-window) mask between any query block and any key block is exact under any layout;
+- ``key_valid [cp, b, s_local]`` (bool) or ``None``: the 2D padding mask of every rank, gathered once per forward
+  (one small all-gather) so that the ring never has to pass it along with key/value blocks;
+- ``document [cp, b, s_local]`` or ``None``: for packed samples (``position_ids`` that restart at document
+  boundaries, no padding mask) the document of every token, found on the whole sequence exactly as
+  ``transformers``' ``find_packed_sequence_indices`` does; tokens attend within their document only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .chunking import RING, merge_sequence, split_sequence, token_index
+
+
+@dataclass(frozen=True, eq=False)
+class ContextParallelMask:
+    """See the module docstring. ``ranks``: global ranks of the cp group in cp-rank order (ring neighbours)."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    ranks: tuple[int, ...]
+    mode: str
+    causal: bool
+    token_index: torch.Tensor
+    key_valid: torch.Tensor | None
+    document: torch.Tensor | None = None
+
+    def keys_of(self, rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(positions [s], valid [b, s] or None, document [b, s] or None)`` of the tokens of cp rank ``rank``."""
+        pick = (lambda t: None if t is None else t[rank])
+        return self.token_index[rank], pick(self.key_valid), pick(self.document)
+
+    def allowed(self, q_index: torch.Tensor, k_index: torch.Tensor, k_valid: torch.Tensor | None,
+                window: int | None = None, q_document=None, k_document=None) -> torch.Tensor | None:
+        """Which keys each query may see: bool ``[b or 1, 1, s_q, s_k]``, or ``None`` when all of them.
+
+        Causal: key position <= query position; sliding window ``w`` (``transformers``' rule): key position >
+        query position - ``w``; padding: ``k_valid [b, s_k]``; packed documents: ``q_document [b, s_q]`` equal
+        to ``k_document [b, s_k]``."""
+        allowed = None
+        if self.causal:
+            allowed = k_index[None, :] <= q_index[:, None]
+            if window is not None:
+                allowed = allowed & (k_index[None, :] > q_index[:, None] - window)
+            allowed = allowed[None, None]
+        if k_valid is not None:
+            valid = k_valid[:, None, None, :]
+            allowed = valid if allowed is None else allowed & valid
+        if k_document is not None:
+            same = q_document[:, None, :, None] == k_document[:, None, None, :]
+            allowed = same if allowed is None else allowed & same
+        return allowed
+
+
+def _gather(tensor: torch.Tensor, context) -> torch.Tensor:
+    """``[cp, *tensor.shape]``: every cp rank's ``tensor`` (all-gather)."""
+    gathered = [torch.empty_like(tensor) for _ in range(context.cp_size)]
+    dist.all_gather(gathered, tensor.contiguous(), group=context.cp_group)
+    return torch.stack(gathered)
+
+
+def _documents(position_ids: torch.Tensor, context, batch: int) -> torch.Tensor | None:
+    """``[cp, b, s_local]`` document ids of packed samples, or ``None`` for one document per row (one all-gather)."""
+    parts = _gather(position_ids.expand(batch, -1).to(torch.long), context)
+    mode, size = context.config.context_parallel_mode, context.cp_size
+    full = merge_sequence(list(parts), mode)  # [b, s]: the global order
+    diff = torch.diff(full, prepend=full[:, :1] - 1, dim=-1)
+    document = (diff != 1).cumsum(-1)
+    if bool((document[:, -1] == 0).all()):
+        return None
+    return torch.stack([split_sequence(document, r, size, mode) for r in range(size)])
+
+
+def build_context_parallel_mask(context, attention_mask: torch.Tensor | None, inputs_embeds: torch.Tensor, *,
+                                causal: bool, position_ids: torch.Tensor | None = None) -> ContextParallelMask:
+    """The mask of this forward: ``attention_mask`` is this rank's chunk(s) of the HF 2D padding mask ``[b,
+    s_local]`` (1 = token, 0 = padding) or ``None``; ``inputs_embeds`` (or ids) is read for ``[b, s_local]`` and
+    the device. ``position_ids`` (this rank's chunk, given by the caller) mark packed documents when there is no
+    padding mask. Collectives: one all-gather of the padding mask over cp (always, so every rank takes the same path
+    whatever its own chunk holds), one of ``position_ids`` when given without a padding mask."""
+    batch, seq_local = inputs_embeds.shape[:2]
+    mode, size, rank = context.config.context_parallel_mode, context.cp_size, context.cp_rank
+    if mode == RING and seq_local % 2:
+        raise ValueError(f"context_parallel_mode='ring' holds two mirrored chunks per rank: the local sequence "
+                         f"length must be even (the full length divisible by {2 * size}), got {seq_local}")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"context parallelism takes a 2D padding attention_mask [batch, seq_local], got shape "
+                         f"{tuple(attention_mask.shape)}")
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, seq_local):
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match this rank's chunk "
+                         f"{(batch, seq_local)}: split it with the context-parallel splitter like input_ids")
+    device = inputs_embeds.device
+    valid = (torch.ones(batch, seq_local, dtype=torch.uint8, device=device) if attention_mask is None
+             else attention_mask.to(device=device, dtype=torch.uint8))
+    key_valid = _gather(valid, context).bool()
+    document = None
+    if attention_mask is None and position_ids is not None:
+        document = _documents(position_ids.to(device), context, batch)
+    index = torch.stack([token_index(seq_local, r, size, mode, device=device) for r in range(size)])
+    return ContextParallelMask(group=context.cp_group, size=size, rank=rank, ranks=context.axis("cp").ranks,
+                               mode=mode, causal=causal, token_index=index,
+                               key_valid=None if bool(key_valid.all()) else key_valid, document=document)

@@ -1,0 +1,221 @@
+"""Ring attention: each rank keeps its queries and passes key/value blocks around the context-parallel ring.
+
+Forward, on rank ``r`` of ``cp``, step ``j = 0 .. cp-1`` (``src = r - j``): send the key/value block it holds to
+``r + 1`` and receive the next from ``r - 1`` (``batch_isend_irecv``, started before the block's compute so the
+transfer overlaps it), attend its queries to block ``src`` and merge into the running output with the block's
+log-sum-exp (online softmax, fp32). Blocks a causal mask hides completely are skipped. Within a block, when only
+the causal structure masks (no padding, sliding window or packed documents), each (query chunk, key chunk) pair is
+fully visible or plainly causal and runs through torch's CPU flash kernel (``_scaled_dot_product_flash_attention_
+for_cpu``, which returns the log-sum-exp); otherwise (and on GPUs) the block runs as query tiles of masked scores,
+so no ``s x s`` score or mask matrix ever exists.
+
+Backward (recompute, flash-attention style): the same ring again; per block the probabilities are rebuilt from the
+saved log-sum-exp, ``dQ`` accumulates locally and ``dK``/``dV`` accumulators travel *with* their block, so after
+``cp`` hops (one more than the key/value blocks make) every rank holds the full gradient of its own key/value.
+
+Communication per layer and rank (``b`` batch, ``n_kv`` key/value heads on this rank, ``s`` local length, ``d``
+head dim, ``e`` bytes per element): forward ``(cp-1) * 2*b*n_kv*s*d*e``; backward the same for key/value plus
+``cp * 2*b*n_kv*s*d*4`` for the fp32 gradients. Arithmetic in fp32 whatever the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .chunking import chunk_ids
+from .mask import ContextParallelMask
+
+
+def _start_exchange(tensor: torch.Tensor, mask: ContextParallelMask):
+    """Send ``tensor`` to the next rank of the ring, receive the same shape from the previous; returns
+    ``(buffer, requests)``: wait on the requests before reading the buffer."""
+    tensor = tensor.contiguous()
+    buffer = torch.empty_like(tensor)
+    nxt, prev = mask.ranks[(mask.rank + 1) % mask.size], mask.ranks[(mask.rank - 1) % mask.size]
+    ops = [dist.P2POp(dist.isend, tensor, nxt, mask.group), dist.P2POp(dist.irecv, buffer, prev, mask.group)]
+    return buffer, dist.batch_isend_irecv(ops)
+
+
+def _finish(buffer: torch.Tensor, requests) -> torch.Tensor:
+    for request in requests:
+        request.wait()
+    return buffer
+
+
+def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key/value heads ``[b, n_kv, s, d]`` repeated for their ``groups`` query heads (``transformers``' repeat_kv)."""
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The inverse of ``_expand`` for gradients: sum over each key/value head's query heads."""
+    if groups == 1:
+        return grad
+    b, n, s, d = grad.shape
+    return grad.view(b, n // groups, groups, s, d).sum(2)
+
+
+_TILE_ELEMENTS = 2 ** 24  # scores of at most this many elements (64 MiB in fp32) exist at once
+
+
+def _row_tiles(num_rows: int, row_elements: int):
+    """Slices of query rows such that one tile's scores ``[b, n, rows, s_k]`` stay under ``_TILE_ELEMENTS``: the
+    block's full ``s x s`` scores (and mask) never exist, as in flash attention."""
+    step = max(1, _TILE_ELEMENTS // max(1, row_elements))
+    for start in range(0, num_rows, step):
+        yield slice(start, min(num_rows, start + step))
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with ``-inf`` (rows that see no key) replaced by 0, so ``exp(-inf - lse)`` is 0, not NaN."""
+    return lse.masked_fill(torch.isinf(lse), 0.0)
+
+
+class _Block:
+    """One key/value block as seen from this rank's queries: positions, padding and documents of both sides."""
+
+    def __init__(self, mask: ContextParallelMask, src: int, window):
+        self.mask, self.window, self.src = mask, window, src
+        self.q_index, _, self.q_document = mask.keys_of(mask.rank)
+        self.k_index, self.k_valid, self.k_document = mask.keys_of(src)
+
+    def chunk_pairs(self, q: torch.Tensor):
+        """``[(query rows, key rows, causal)]`` covering exactly what the queries see, when only the causal
+        structure masks (no padding, window or documents) and torch's CPU flash kernel can run each pair; else
+        ``None``. A (query chunk, key chunk) pair is fully visible (earlier key chunk), causal (the same chunk) or
+        hidden (a later one): the load-balanced layout cuts no chunk."""
+        mask = self.mask
+        if q.device.type != "cpu" or self.window is not None or self.k_valid is not None or \
+                self.k_document is not None:
+            return None
+        if not mask.causal:
+            return [(slice(None), slice(None), False)]
+        q_ids = chunk_ids(mask.rank, mask.size, mask.mode)
+        k_ids = chunk_ids(self.src, mask.size, mask.mode)
+        size = q.shape[2] // len(q_ids)
+        rows = (lambda i: slice(i * size, (i + 1) * size))
+        return [(rows(a), rows(b), qi == kj) for a, qi in enumerate(q_ids) for b, kj in enumerate(k_ids) if kj <= qi]
+
+    @property
+    def hidden(self) -> bool:
+        """Whether no query sees any key of the block (skipped without computing a mask)."""
+        causal_hidden = self.mask.causal and bool(self.k_index.min() > self.q_index.max())
+        return causal_hidden or (self.k_valid is not None and not bool(self.k_valid.any()))
+
+    def scores(self, q_rows: torch.Tensor, rows: slice, k: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Masked scores ``[b, n, len(rows), s_k]`` of the query rows ``rows``."""
+        doc = None if self.q_document is None else self.q_document[:, rows]
+        allowed = self.mask.allowed(self.q_index[rows], self.k_index, self.k_valid, self.window, doc, self.k_document)
+        scores = torch.matmul(q_rows, k.transpose(-1, -2)) * scaling
+        return scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
+
+
+def _block_forward(block: _Block, q, k, v, scaling):
+    """``(out, lse)`` of the queries ``q`` over one block: chunk pairs through torch's CPU flash kernel where they
+    cover the mask exactly, else tile by tile."""
+    pairs = block.chunk_pairs(q)
+    if pairs is not None:
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        for rows, cols, causal in pairs:
+            pair = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, :, rows].contiguous(), k[:, :, cols].contiguous(), v[:, :, cols].contiguous(), 0.0, causal,
+                scale=scaling)
+            out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], *pair)
+        return out, lse
+    outs, lses = [], []
+    for rows in _row_tiles(q.shape[2], q.shape[0] * q.shape[1] * k.shape[2]):
+        scores = block.scores(q[:, :, rows], rows, k, scaling)
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.matmul(torch.exp(scores - _finite(lse)[..., None]), v))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _block_backward(block: _Block, q, k, v, dout, out, raw_lse, delta, lse, dq, scaling):
+    """Add this block's share to ``dq`` (in place); return its ``(dk, dv)``. ``out``/``raw_lse``: the final
+    attention output and log-sum-exp (the flash backward's inputs); ``lse``/``delta`` ``[b, n, s, 1]``."""
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    pairs = block.chunk_pairs(q)
+    if pairs is not None:
+        for rows, cols, causal in pairs:
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout[:, :, rows].contiguous(), q[:, :, rows].contiguous(), k[:, :, cols].contiguous(),
+                v[:, :, cols].contiguous(), out[:, :, rows].contiguous(), raw_lse[:, :, rows].contiguous(), 0.0,
+                causal, scale=scaling)
+            dq[:, :, rows] += grads[0]
+            dk[:, :, cols] += grads[1]
+            dv[:, :, cols] += grads[2]
+        return dk, dv
+    for rows in _row_tiles(q.shape[2], q.shape[0] * q.shape[1] * k.shape[2]):
+        probs = torch.exp(block.scores(q[:, :, rows], rows, k, scaling) - lse[:, :, rows])
+        dv += torch.matmul(probs.transpose(-1, -2), dout[:, :, rows])
+        dscores = probs * (torch.matmul(dout[:, :, rows], v.transpose(-1, -2)) - delta[:, :, rows]) * scaling
+        dq[:, :, rows] += torch.matmul(dscores, k)
+        dk += torch.matmul(dscores.transpose(-1, -2), q[:, :, rows])
+    return dk, dv
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Online-softmax merge of two partial attentions over disjoint key sets."""
+    new = torch.logaddexp(lse, block_lse)
+    safe = _finite(new)
+    return out * torch.exp(lse - safe)[..., None] + block_out * torch.exp(block_lse - safe)[..., None], new
+
+
+def _blocks(mask: ContextParallelMask, window):
+    """``(step, block)`` for each ring step; the block of step ``j`` came from rank ``rank - j``."""
+    for step in range(mask.size):
+        yield step, _Block(mask, (mask.rank - step) % mask.size, window)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, mask: ContextParallelMask, scaling: float, window):
+        groups = query.shape[1] // key.shape[1]
+        q = query.float()
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([key, value])
+        for step, block in _blocks(mask, window):
+            pending = _start_exchange(kv, mask) if step + 1 < mask.size else None
+            if not block.hidden:
+                k, v = (_expand(t.float(), groups) for t in kv)
+                out, lse = _merge(out, lse, *_block_forward(block, q, k, v, scaling))
+            if pending is not None:
+                kv = _finish(*pending)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.mask, ctx.scaling, ctx.window, ctx.groups = mask, scaling, window, groups
+        return out.to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        mask, scaling, groups = ctx.mask, ctx.scaling, ctx.groups
+        q, dout = query.float(), grad_out.float()
+        delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O): the softmax backward's correction
+        raw_lse, lse = lse, _finite(lse)[..., None]
+        dq = torch.zeros_like(q)
+        kv = torch.stack([key, value])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with its block
+        for step, block in _blocks(mask, ctx.window):
+            pending = _start_exchange(kv, mask) if step + 1 < mask.size else None
+            if not block.hidden:
+                k, v = (_expand(t.float(), groups) for t in kv)
+                dk, dv = _block_backward(block, q, k, v, dout, out, raw_lse, delta, lse, dq, scaling)
+                dkv += torch.stack([_fold(dk, groups), _fold(dv, groups)])
+            if pending is not None:
+                kv = _finish(*pending)
+            if mask.size > 1:  # the gradients follow their block; after the last step this hop brings them home
+                dkv = _finish(*_start_exchange(dkv, mask))
+        return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None
+
+
+def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: ContextParallelMask, *,
+                   scaling: float, window: int | None = None) -> torch.Tensor:
+    """Attention of this rank's ``query [b, n, s, d]`` over the keys/values of every rank of the cp group
+    (``key, value [b, n_kv, s, d]``, ``n`` a multiple of ``n_kv``); returns ``[b, n, s, d]``.
+
+    Forward: ``cp - 1`` ring hops of the key/value blocks. Backward: ``cp - 1`` hops of key/value and ``cp`` hops of
+    their fp32 gradients. See the module docstring."""
+    return _RingAttention.apply(query, key, value, mask, scaling, window)
