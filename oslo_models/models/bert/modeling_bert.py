@@ -33,6 +33,7 @@ from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ..common import attend, enter_sequence_parallel, full_logits, leave_sequence_parallel, split_heads, token_loss
 from ..common import use_sequence_parallel
+from ..common.attention import AttentionModule
 from ..common.legacy_keys import LegacyKeyReader
 from ..common.outputs import OutputCollector, passed_on
 from ..heads import question_answering_output, sequence_classification_loss, token_classification_output
@@ -77,7 +78,7 @@ class BertEmbeddings(nn.Module):
         return self.dropout(self.LayerNorm(embeddings))
 
 
-class BertSelfAttention(nn.Module):
+class BertSelfAttention(AttentionModule):
     """Attention on this rank's heads: input ``[b, s(/tp), h]``, output ``[b, s, (n/tp)*d]``. Bidirectional, or
     causal with a key/value cache when ``config.is_decoder`` (``BertLMHeadModel``, ``RobertaForCausalLM``)."""
 

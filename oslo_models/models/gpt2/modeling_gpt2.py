@@ -25,7 +25,6 @@ from transformers.modeling_outputs import (
     CausalLMOutputWithCrossAttentions,
     SequenceClassifierOutputWithPast,
 )
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.generic import can_return_tuple
 from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 
@@ -33,6 +32,7 @@ from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ...parallel_layers.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from ..common import causal_token_loss, full_logits, keep_last_logits
+from ..common.attention import AttentionModule, attend
 from ..common.outputs import OutputCollector, passed_on
 from ..heads import (last_token_logits, question_answering_output, sequence_classification_loss,
                      token_classification_output)
@@ -44,7 +44,7 @@ from .pipeline_gpt2 import GPT2LMPipelineAdapter
 logger = logging.getLogger(__name__)
 
 
-class GPT2Attention(nn.Module):
+class GPT2Attention(AttentionModule):
     def __init__(self, config: GPT2Config, layer_idx: int):
         super().__init__()
         self.config = config
@@ -69,14 +69,10 @@ class GPT2Attention(nn.Module):
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
 
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        with self.attn_dropout.rng_context(sequence_parallel):
-            out, weights = attention(self, query, key, value, attention_mask,
-                                     dropout=self.attn_dropout.p if self.training else 0.0, scaling=self.scaling,
-                                     **kwargs)
+        out, weights = attend(self, query, key, value, attention_mask, dropout=self.attn_dropout,  # [b, s, h/tp]
+                              scaling=self.scaling, eager_fallback=eager_attention_forward, **kwargs)
         if outputs is not None:
             outputs.attention(weights)  # [b, n/tp, s, s_k] -> all heads
-        out = out.reshape(*out.shape[:-2], -1).contiguous()  # [b, s, h/tp]
         out = self.c_proj(out, sequence_parallel=sequence_parallel)  # [b, s(/tp), h]
         return self.resid_dropout(out, sequence_parallel=sequence_parallel)
 
