@@ -78,7 +78,8 @@ def _build(variant: str, config, device: torch.device, dtype: torch.dtype):
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.device(device):  # random init where it runs (a 1B model initializes slowly on the host)
+        model = transformers.AutoModelForCausalLM.from_config(config)
     if variant.startswith("oslo"):
         import oslo_models as om
 
