@@ -10,7 +10,7 @@ Modes (``ACTIVATION_CHECKPOINTING``):
   helper (``common/attention.py``), so every family gets it from one place. Saves the ``[b, n/tp, s, s]`` tensors
   of eager attention; with a memory-efficient SDPA/flash kernel there is little left to save.
 - ``"offload"``: as ``"full"``, and the input each block keeps (its hidden states) moves to host memory in the
-  forward and back in the backward (``torch.autograd.graph.save_on_cpu``, pinned on CUDA). On a CPU-only run the
+  forward and back in the backward (as ``torch.autograd.graph.save_on_cpu``, pinned on CUDA). On a CPU-only run the
   round trip is a copy: it is exercised for correctness and saves nothing.
 - ``"partitioned"``: as ``"full"``, and each tensor-parallel rank keeps ``1/tp`` of a block's input hidden states
   (the flattened tensor cut in ``tp`` equal pieces, padded); the backward all-gathers it over the TP group before
@@ -90,16 +90,24 @@ class _FirstInputHooks(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack_hook, unpack_hook)
 
 
+class OffloadedActivation:
+    """A saved tensor moved to host memory: ``host`` (pinned when it came from CUDA) and the ``device`` to bring it
+    back to. The copies are asynchronous on CUDA (pinned memory, ``non_blocking``), on the current stream."""
+
+    __slots__ = ("host", "device")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.device = tensor.device
+        pin = tensor.device.type == "cuda"
+        self.host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
+        self.host.copy_(tensor, non_blocking=pin)
+
+    def restore(self) -> torch.Tensor:
+        return self.host.to(self.device, non_blocking=self.host.is_pinned())
+
+
 def _offload_hooks(first: torch.Tensor):
-    pin = first.device.type == "cuda"
-    return _FirstInputHooks(first, lambda t: (t.device, _to_host(t, pin)),
-                            lambda packed: packed[1].to(packed[0], non_blocking=pin))
-
-
-def _to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
-    host.copy_(tensor, non_blocking=pin)
-    return host
+    return _FirstInputHooks(first, OffloadedActivation, OffloadedActivation.restore)
 
 
 def _partition_hooks(first: torch.Tensor, context):
