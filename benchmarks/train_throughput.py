@@ -22,7 +22,9 @@ uses it, since wall time there measures the neighbours' load); MFU on
 CUDA (model FLOPs ``6 N + 6 L s h`` per token, N the matmul parameters, recomputation not counted, over the bf16
 dense peak of the GPU, ``--peak-tflops`` to override); peak memory (CUDA: ``max_memory_allocated`` over the
 training steps, weights included; CPU: growth of the process's peak RSS over the training steps, weights
-excluded, so optimizer state, gradients, activations and, for compile, the compiler's own memory); final loss.
+excluded, so optimizer state, gradients, activations and, for compile, the compiler's own memory, blurred by the
+allocator's caching); the bytes of activations autograd keeps for the backward of one more forward (distinct
+storages, parameters and offloaded host copies not counted; eager variants only); final loss.
 For the offload mode the "expected" saving is the blocks' input hidden states, ``L * b * s * h`` elements.
 CUDA runs in bf16 weights (AdamW on bf16 parameters, the same for every variant); CPU in fp32.
 """
@@ -164,7 +166,30 @@ def run_variant(args) -> dict:
             result["mfu"] = tokens / seconds * flops_per_token / (peak * 1e12)
     else:
         result["peak_memory_bytes"] = rss.growth_bytes
+    if "compile" not in args.variant:
+        result["saved_activation_bytes"] = _saved_activation_bytes(model, data[0].to(device))
     return result
+
+
+def _saved_activation_bytes(model, ids) -> int:
+    """Bytes of the distinct non-parameter tensors autograd keeps for the backward of one forward: what
+    checkpointing shrinks. Block inputs held by the offload mode (host copies) are not counted: they left the
+    device. On CUDA this is what peak memory drops by; on CPU, where host and device are one memory, it is the
+    only place the offload mode's effect shows."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params and tensor.device == ids.device:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values())
 
 
 def _skip_reason(variant: str, model: str) -> str | None:
@@ -195,18 +220,19 @@ def _table(rows: list[dict], device: str) -> str:
     """On CPU the ratio is of tokens per CPU-second of the (single-threaded) worker: on a shared box wall time
     measures the neighbours, CPU time the work. On CUDA it is of wall-clock tokens/s."""
     key = "tokens_per_cpu_s" if device == "cpu" else "tokens_per_s"
-    lines = ["| model | variant | tokens/s | tokens/CPU-s | x transformers | MFU | peak memory MiB | final loss |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | variant | tokens/s | tokens/CPU-s | x transformers | MFU | peak memory MiB | saved activations "
+             "MiB | final loss |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if key not in r:
-            lines.append(f"| {r['model']} | {r['variant']} | skipped: {r.get('skipped') or r.get('error')} ||||||")
+            lines.append(f"| {r['model']} | {r['variant']} | skipped: {r.get('skipped') or r.get('error')} |||||||")
             continue
         base = next((b for b in rows if b["model"] == r["model"] and b["variant"] == "transformers" and key in b),
                     None)
         ratio = f"{r[key] / base[key]:.3f}" if base else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+        saved = f"{r['saved_activation_bytes'] / 2**20:.1f}" if "saved_activation_bytes" in r else "-"
         lines.append(f"| {r['model']} | {r['variant']} | {r['tokens_per_s']:.0f} | {r['tokens_per_cpu_s']:.0f} | "
-                     f"{ratio} | {mfu} | {r['peak_memory_bytes'] / 2**20:.0f} | {r['final_loss']:.4f} |")
+                     f"{ratio} | {mfu} | {r['peak_memory_bytes'] / 2**20:.0f} | {saved} | {r['final_loss']:.4f} |")
     return "\n".join(lines)
 
 
