@@ -1,7 +1,7 @@
 """Activation checkpointing modes (``models/common/checkpointing.py``) equal no checkpointing, dropout on.
 
-For GPT-2, Llama, T5 (encoder-decoder) and Mixtral (MoE) at tp=1, and GPT-2, Llama and T5 at tp=2 (SP off, and
-GPT-2 with SP on): every mode gives the loss and every gradient of the run without checkpointing, from the same
+For GPT-2, Llama, T5 (encoder-decoder), BERT (MLM) and Mixtral (MoE) at tp=1, GPT-2, Llama and T5 at tp=2 (SP off,
+and GPT-2 with SP on), and GPT-2 pipelined (pp=2, 1F1B and zero-bubble): every mode gives the loss and every gradient of the run without checkpointing, from the same
 default and tensor-parallel RNG states. Each mode must also really act, seen through what autograd saves: an
 outer ``saved_tensors_hooks`` counts the bytes saved outside the modes' own hooks, which must drop from none to
 selective to full, and from full to offload/partitioned by exactly the blocks' input hidden states. The
@@ -21,7 +21,7 @@ import transformers
 import oslo_models as om
 from oslo_models.models.common.checkpointing import OffloadedActivation, PartitionedActivation
 from tests.helpers.dist import run_distributed
-from tests.helpers.encoders import seq2seq_batch, tiny_t5_config
+from tests.helpers.encoders import mlm_batch, seq2seq_batch, tiny_bert_config, tiny_t5_config
 from tests.helpers.models import padded_batch, tiny_gpt2_config
 
 MODES = (None, "selective", "full", "offload", "partitioned")
@@ -40,18 +40,20 @@ def _config(family: str):
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=101,
                                           num_local_experts=4, num_experts_per_tok=2, attention_dropout=P,
                                           output_router_logits=True, router_aux_loss_coef=0.3)
+    if family == "bert":
+        return tiny_bert_config(hidden_dropout_prob=P, attention_probs_dropout_prob=P)
     return tiny_t5_config(dropout_rate=P)
 
 
 def _build(family: str, **parallel):
     torch.manual_seed(0)  # every rank builds the same random weights
-    auto = om.AutoModelForSeq2SeqLM if family == "t5" else om.AutoModelForCausalLM
+    auto = {"t5": om.AutoModelForSeq2SeqLM, "bert": om.AutoModelForMaskedLM}.get(family, om.AutoModelForCausalLM)
     return auto.from_config(_config(family), parallel=om.ParallelConfig(**parallel)).train()
 
 
 def _batch(family: str) -> dict:
-    if family == "t5":
-        inputs, labels = seq2seq_batch()
+    if family in ("t5", "bert"):
+        inputs, labels = seq2seq_batch() if family == "t5" else mlm_batch()
         return dict(inputs, labels=labels)
     ids, mask, labels = padded_batch(101, batch=3, seq=8)
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
@@ -128,7 +130,7 @@ def check_modes(family: str, **parallel) -> None:
     model.set_activation_checkpointing(None)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "t5", "mixtral"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "t5", "bert", "mixtral"])
 def test_modes_match_no_checkpointing_tp1(family):
     check_modes(family)
     check_stored(family, "offload")
