@@ -10,6 +10,8 @@
    ``dispatch`` sends each assignment to its expert's rank; the bytes that leave the rank (rows sent to other
    ranks x hidden x 4 bytes) are read from the real split sizes, once for dispatch and once for combine, and set
    against the formula ``tokens x top_k x hidden x bytes x (ep - 1) / ep`` per direction (uniform routing).
+   The same memory measurement for Switch Transformers (d_model 256, 8 experts of d_ff 512, 4 + 4 layers with
+   2 sparse layers per stack, vocab 1024).
 3. Skewed router (one process): top-1 routing with a capacity of ``ceil(cf x tokens / E)`` per expert (Switch
    token dropping) on random inputs (push 0) and on inputs whose expert-0 logit is raised by ``push`` (0.5, about
    1.5 standard deviations of a logit); reports the dropped fraction, max/mean expert load and the
@@ -38,18 +40,37 @@ def _config():
                                       num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
 
 
+def _switch_config():
+    import transformers
+
+    return transformers.SwitchTransformersConfig(vocab_size=1024, d_model=HIDDEN, d_kv=64, d_ff=512, num_heads=4,
+                                                 num_layers=4, num_decoder_layers=4, num_sparse_encoder_layers=2,
+                                                 num_sparse_decoder_layers=2, num_experts=EXPERTS,
+                                                 decoder_start_token_id=0)
+
+
+def _param_bytes(model) -> tuple[int, int]:
+    """(bytes of the parameters split over ep, bytes of all parameters) on this rank."""
+    from oslo_models.distributed.expert_parallel import expert_parameter_names
+
+    params = dict(model.named_parameters())
+    expert_bytes = sum(params[n].numel() * params[n].element_size() for n in expert_parameter_names(model))
+    return expert_bytes, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def _measure(ep: int) -> dict:
     import oslo_models as om
-    from oslo_models.distributed.expert_parallel import expert_parameter_names
     from oslo_models.parallel_layers.moe import dispatch
 
     torch.manual_seed(0)
     model = om.MixtralForCausalLM.from_config(om.MixtralConfig.from_dict(_config().to_dict()),
                                               parallel=om.ParallelConfig(expert_parallel_size=ep))
     ctx = model.parallel_context
-    params = dict(model.named_parameters())
-    expert_bytes = sum(params[n].numel() * params[n].element_size() for n in expert_parameter_names(model))
-    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    expert_bytes, total_bytes = _param_bytes(model)
+    torch.manual_seed(0)
+    switch = om.SwitchTransformersForConditionalGeneration.from_config(
+        om.SwitchTransformersConfig.from_dict(_switch_config().to_dict()), parallel=ctx)
+    switch_expert_bytes, switch_total_bytes = _param_bytes(switch)
     block = model.model.layers[0].mlp
     torch.manual_seed(100 + ctx.rank)  # each data-parallel rank routes its own tokens
     x = torch.randn(TOKENS, HIDDEN)
@@ -61,7 +82,8 @@ def _measure(ep: int) -> dict:
     sent = sum(n for r, n in enumerate(routed.send_splits) if r != me) * row_bytes
     returned = sum(n for r, n in enumerate(routed.recv_splits) if r != me) * row_bytes  # combine sends these back
     return {"ep": ep, "expert_bytes": expert_bytes, "total_bytes": total_bytes, "dispatch_bytes": sent,
-            "combine_bytes": returned, "formula_bytes": TOKENS * TOP_K * row_bytes * (ep - 1) / ep}
+            "combine_bytes": returned, "formula_bytes": TOKENS * TOP_K * row_bytes * (ep - 1) / ep,
+            "switch_expert_bytes": switch_expert_bytes, "switch_total_bytes": switch_total_bytes}
 
 
 def _worker(out_dir: str) -> None:
@@ -118,7 +140,10 @@ def main() -> None:
                      "all_params_MiB_per_rank": max(r["total_bytes"] for r in ranks) / 2**20,
                      "dispatch_KiB_mean": sum(r["dispatch_bytes"] for r in ranks) / len(ranks) / 1024,
                      "combine_KiB_mean": sum(r["combine_bytes"] for r in ranks) / len(ranks) / 1024,
-                     "formula_KiB": ranks[0]["formula_bytes"] / 1024, "per_rank": ranks})
+                     "formula_KiB": ranks[0]["formula_bytes"] / 1024,
+                     "switch_expert_MiB_per_rank": max(r["switch_expert_bytes"] for r in ranks) / 2**20,
+                     "switch_all_params_MiB_per_rank": max(r["switch_total_bytes"] for r in ranks) / 2**20,
+                     "per_rank": ranks})
     base = rows[0]["expert_MiB_per_rank"]
     print(f"{'ep':>3} {'expert MiB/rank':>16} {'x ep / ep=1':>12} {'all MiB/rank':>13} {'dispatch KiB':>13} "
           f"{'combine KiB':>12} {'formula KiB':>12}")
@@ -126,6 +151,12 @@ def main() -> None:
         print(f"{r['ep']:>3} {r['expert_MiB_per_rank']:>16.3f} {r['expert_MiB_per_rank'] * r['ep'] / base:>12.3f} "
               f"{r['all_params_MiB_per_rank']:>13.3f} {r['dispatch_KiB_mean']:>13.1f} {r['combine_KiB_mean']:>12.1f} "
               f"{r['formula_KiB']:>12.1f}")
+    print(f"\n{'ep':>3} {'Switch expert MiB/rank':>23} {'x ep / ep=1':>12} {'all MiB/rank':>13}")
+    switch_base = rows[0]["switch_expert_MiB_per_rank"]
+    for r in rows:
+        print(f"{r['ep']:>3} {r['switch_expert_MiB_per_rank']:>23.3f} "
+              f"{r['switch_expert_MiB_per_rank'] * r['ep'] / switch_base:>12.3f} "
+              f"{r['switch_all_params_MiB_per_rank']:>13.3f}")
     skew = skewed_router()
     print(f"\n{'push':>5} {'cf':>5} {'capacity':>9} {'dropped':>8} {'max/mean load':>14} {'lb loss':>8}  "
           "wanted per expert")

@@ -54,6 +54,8 @@ _LAZY = {
     ".models.qwen3": _family("Qwen3", *_DECODER_HEADS),
     ".models.mixtral": _family("Mixtral", "Config", "Model", "ForCausalLM"),
     ".models.qwen2_moe": _family("Qwen2Moe", "Config", "Model", "ForCausalLM"),
+    ".models.switch_transformers": _family("SwitchTransformers", "Config", "Model", "ForConditionalGeneration",
+                                           "EncoderModel"),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
 __all__ = sorted(_WHERE)

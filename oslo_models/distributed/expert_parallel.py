@@ -75,8 +75,9 @@ class SplitOptimizer(torch.optim.Optimizer):
             optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
-        raise NotImplementedError("checkpointing a ZeRO-1 optimizer with expert_parallel_size > 1 is not "
-                                  "implemented yet; use zero_stage=0")
+        raise NotImplementedError("a ZeRO-1 optimizer with expert_parallel_size > 1 has no single state_dict (each "
+                                  "rank holds a shard of each kind); save it with oslo_models.training."
+                                  "save_checkpoint")
 
 
 def split_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, build) -> torch.optim.Optimizer:

@@ -33,6 +33,7 @@ from .mistral import (
 )
 from .mixtral import MixtralForCausalLM, MixtralModel
 from .qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeModel
+from . import switch_transformers as _switch
 from .qwen2 import (
     Qwen2ForCausalLM,
     Qwen2ForQuestionAnswering,
@@ -103,6 +104,10 @@ for _task, _name in (("base", "Model"), ("masked_lm", "ForMaskedLM"), ("sequence
 MODEL_REGISTRY["base"]["mt5"] = _mt5.MT5Model
 MODEL_REGISTRY["seq2seq_lm"]["mt5"] = _mt5.MT5ForConditionalGeneration
 MODEL_REGISTRY["text_encoding"]["mt5"] = _mt5.MT5EncoderModel
+# Switch Transformers: T5 with sparse (mixture-of-experts) feed-forwards, on the T5 pieces
+MODEL_REGISTRY["base"]["switch_transformers"] = _switch.SwitchTransformersModel
+MODEL_REGISTRY["seq2seq_lm"]["switch_transformers"] = _switch.SwitchTransformersForConditionalGeneration
+MODEL_REGISTRY["text_encoding"]["switch_transformers"] = _switch.SwitchTransformersEncoderModel
 # heads of the transformers model contract (issue 21)
 MODEL_REGISTRY["causal_lm"].update(bert=BertLMHeadModel, roberta=RobertaForCausalLM)
 MODEL_REGISTRY["sequence_classification"].update(t5=T5ForSequenceClassification)

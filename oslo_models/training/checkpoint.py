@@ -9,7 +9,10 @@ Format: a folder written with ``torch.distributed.checkpoint`` (DCP) plus two sm
   is exactly ``Shard(0)``'s uneven chunking; grouped-query key/value heads replicated over tp ranks (``tp >
   num_key_value_heads``) are gathered and stored whole, each head once (they are small). DCP stores each chunk
   once (replicas over dp are de-duplicated) and on load reads, for every rank of the *new* layout, just the slice
-  it owns - so tp=2 x dp=2 resumes at tp=4 or tp=1 x dp=2 with no conversion step.
+  it owns - so tp=2 x dp=2 resumes at tp=4 or tp=1 x dp=2 with no conversion step. Stacked experts split over
+  ``expert_parallel_size`` (``ShardSpec.axis == "ep"``) are ``Shard(0)`` over a one-axis mesh of the rank's ep
+  group (the same on every tp rank), so ep 2 resumes at ep 4 the same way; their ZeRO-1 state lives in the
+  experts' own optimizer (``SplitOptimizer``, sharded over edp), their ZeRO-2/3 shards on the edp mesh.
 - ``trainer_state.pt`` (rank 0): step, scheduler, loader/sampler position, optimizer hyperparameters, loss scaler,
   the layout, user extras. ``rng/rank<k>.pt`` (every rank): torch/CUDA/numpy/python RNG and the tensor-parallel RNG
   tracker. RNG is restored only at the same layout (a rank of another layout has another role).
@@ -59,12 +62,9 @@ def _canonical(local: torch.Tensor, spec, context):
         raise NotImplementedError(f"resumable checkpoints under tensor_parallel_mode="
                                   f"{context.tensor_parallel_mode!r} are not implemented yet; save_pretrained works")
     dim, tp = spec.dim, context.tp_size
-    if spec.axis == "ep" and context.ep_size == 1:
-        return local, tuple(shape), None  # every expert on this rank, the same on every tp rank
-    if spec.axis == "ep":
-        raise NotImplementedError(
-            f"training checkpoints of experts split over expert_parallel_size={context.ep_size} are not implemented "
-            "yet; use save_pretrained (which gathers every expert) to keep the weights")
+    if spec.axis == "ep":  # stacked experts: contiguous blocks over ep, the same on every tp rank
+        ep = context.ep_size
+        return local, tuple(shape[:dim] + [shape[dim] * ep] + shape[dim + 1:]), (dim if ep > 1 else None)
     if spec.replicas(tp) > 1:  # key/value heads replicated over tp ranks: stored whole, each head once
         full = spec.gather(local, context.tp_group)
         return full, tuple(full.shape), None
@@ -79,14 +79,22 @@ def _canonical(local: torch.Tensor, spec, context):
     return view, tuple(full), (dim if tp > 1 else None)
 
 
-def _to_dcp(view: torch.Tensor, full_shape, shard_dim, context):
+def _to_dcp(view: torch.Tensor, full_shape, shard_dim, context, axis: str = "tp"):
+    """The DCP value: ``view`` as the ``Shard(shard_dim)`` piece of a DTensor over ``axis`` (``tp``, or ``ep`` for
+    stacked experts: a one-axis mesh over this rank's expert-parallel group), or itself when not sharded."""
     if shard_dim is None:
         return view
     from torch.distributed.tensor import DTensor, Shard
 
+    if axis == "ep":
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(context.ep_group, context.device.type, mesh=list(context.axis("ep").ranks),
+                                     mesh_dim_names=("ep",))
+    else:
+        mesh = context.mesh["tp"]
     stride = torch.empty(full_shape, device="meta").stride()
-    return DTensor.from_local(view, context.mesh["tp"], [Shard(shard_dim)], run_check=False, shape=full_shape,
-                              stride=stride)
+    return DTensor.from_local(view, mesh, [Shard(shard_dim)], run_check=False, shape=full_shape, stride=stride)
 
 
 def _tp_local(tensor: torch.Tensor) -> torch.Tensor:
@@ -95,19 +103,31 @@ def _tp_local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _set_tp_local(target: torch.Tensor, value: torch.Tensor, context) -> None:
-    """Write a tp-local ``value`` into ``target``; for an FSDP2 DTensor only this dp rank's dim-0 chunk."""
+    """Write a tp-local ``value`` into ``target``; for an FSDP2 DTensor only this rank's dim-0 chunk over the
+    DTensor's own mesh (dp, or edp for experts split over ep)."""
     if hasattr(target, "to_local"):
-        chunks = value.chunk(context.dp_size, dim=0)  # FSDP2's Shard(0) uses torch.chunk's uneven split
-        local = target.to_local()
-        if context.dp_rank < len(chunks):
-            local.copy_(chunks[context.dp_rank])
+        mesh = target.device_mesh
+        chunks = value.chunk(mesh.size(), dim=0)  # FSDP2's Shard(0) uses torch.chunk's uneven split
+        local, rank = target.to_local(), mesh.get_local_rank()
+        if rank < len(chunks):
+            local.copy_(chunks[rank])
         return
     target.copy_(value)
 
 
-def _local_optimizer(optimizer):
-    """The optimizer that holds this rank's state: ZeroRedundancyOptimizer keeps its shard in ``.optim``."""
-    return getattr(optimizer, "optim", optimizer)
+def _local_optimizers(optimizer) -> list:
+    """The optimizers that hold this rank's state: ZeroRedundancyOptimizer keeps its shard in ``.optim``; with
+    experts (``SplitOptimizer``) one per kind (dense over dp, experts over edp)."""
+    parts = [inner for inner, _ in optimizer.inner] if hasattr(optimizer, "inner") else [optimizer]
+    return [getattr(part, "optim", part) for part in parts]
+
+
+def _state_holder(optimizer, param):
+    """The local optimizer whose param groups hold ``param`` (``None``: another dp rank owns its state)."""
+    for holder in _local_optimizers(optimizer):
+        if any(param is p for group in holder.param_groups for p in group["params"]):
+            return holder
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -131,7 +151,10 @@ def _restore_rng(state: dict, context) -> None:
 
 
 def _layout(context) -> dict:
-    return {"tp": context.tp_size, "dp": context.dp_size, "pp": context.pp_size, "world": context.world_size}
+    layout = {"tp": context.tp_size, "dp": context.dp_size, "pp": context.pp_size, "world": context.world_size}
+    if context.ep_size > 1:  # only then: layouts saved without experts compare as before
+        layout["ep"] = context.ep_size
+    return layout
 
 
 def _unwrap_scheduler(scheduler):
@@ -161,16 +184,16 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
     params = dict(inner.named_parameters())
     for name, param in params.items():
         view, full, shard_dim = _canonical(_tp_local(param.detach()), plan.shard_spec(inner, name), context)
-        state[f"model/{name}"] = _to_dcp(view.contiguous(), full, shard_dim, context)
+        state[f"model/{name}"] = _to_dcp(view.contiguous(), full, shard_dim, context, plan.shard_spec(inner, name).axis)
     all_param_names = {name for name, _ in inner.named_parameters(remove_duplicate=False)}
     for name, buffer in inner.state_dict().items():
         if name not in all_param_names:  # persistent buffers: replicated
             state[f"model/{name}"] = buffer.detach()
     opt = unwrap_optimizer(optimizer)
     if opt is not None:
-        holder = _local_optimizer(opt)
         for name, param in params.items():
-            for key, value in holder.state.get(param, {}).items():
+            holder = _state_holder(opt, param)
+            for key, value in (holder.state.get(param, {}) if holder is not None else {}).items():
                 if not isinstance(value, torch.Tensor):
                     raise ValueError(f"optimizer state {name}/{key} is not a tensor ({type(value).__name__}); "
                                      "only tensor optimizer state can be checkpointed")
@@ -178,8 +201,9 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
                 if value.dim() == 0:
                     state[f"optim/{name}/{key}"] = value
                 else:
-                    view, full, shard_dim = _canonical(value, plan.shard_spec(inner, name), context)
-                    state[f"optim/{name}/{key}"] = _to_dcp(view.contiguous(), full, shard_dim, context)
+                    spec = plan.shard_spec(inner, name)
+                    view, full, shard_dim = _canonical(value, spec, context)
+                    state[f"optim/{name}/{key}"] = _to_dcp(view.contiguous(), full, shard_dim, context, spec.axis)
     import torch.distributed.checkpoint as dcp  # here, not at import: it costs ~1 s of `import oslo_models`
 
     dcp.save(state, checkpoint_id=partial)  # DCP reports a failed write on every rank itself
@@ -220,7 +244,7 @@ def _target(shape, dtype, spec, context, key, metadata):
     saved = tuple(metadata[key].size)
     if saved != full:
         raise ValueError(f"{key}: the checkpoint holds shape {saved}, this model needs {full}: another model config")
-    return buffer, view, _to_dcp(view, full, shard_dim, context)
+    return buffer, view, _to_dcp(view, full, shard_dim, context, spec.axis)
 
 
 def _read_back(view: torch.Tensor, loaded) -> None:
@@ -284,10 +308,8 @@ def _load_targets(path, inner, optimizer, context, plan):
     opt = unwrap_optimizer(optimizer)
     restored_optimizer_state = {}
     if opt is not None:
-        holder = _local_optimizer(opt)
-        owned = [p for group in holder.param_groups for p in group["params"]]
         for name, param in params.items():
-            if not any(param is p for p in owned):  # ZeRO-1: another dp rank owns this state
+            if _state_holder(opt, param) is None:  # ZeRO-1: another dp rank owns this state
                 continue
             prefix = f"optim/{name}/"
             for key in (k for k in metadata if k.startswith(prefix)):
@@ -320,7 +342,7 @@ def _apply_loaded(path, state, pending, restored_optimizer_state, trainer_state,
                 else:  # FSDP2: the state is a DTensor sharded like its parameter
                     values[state_key] = torch.zeros_like(param, dtype=buffer.dtype)
                     _set_tp_local(values[state_key], buffer, context)
-            _local_optimizer(opt).state[param] = values
+            _state_holder(opt, param).state[param] = values
 
     if opt is not None and trainer_state["param_groups"] is not None:
         if len(trainer_state["param_groups"]) != len(opt.param_groups):

@@ -89,7 +89,8 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
         _all_reduce(parts, context.dp_group, op)
     # Only the tp-split part is reduced over tp; the replicated part is already the full value on every tp rank.
     split_total = _all_reduce(parts[0].clone(), context.tp_group, op)
-    expert_total = _all_reduce(parts[2].clone(), context.ep_group, op)  # each ep rank holds other experts
+    # each ep rank holds other experts; under FSDP2 the dp all-reduce above already added every (ep, edp) piece
+    expert_total = parts[2] if dp_sharded else _all_reduce(parts[2].clone(), context.ep_group, op)
     total = torch.maximum(torch.maximum(split_total, parts[1]), expert_total) if is_inf else \
         split_total + parts[1] + expert_total
     total = _all_reduce(total, context.pp_group, op)

@@ -27,6 +27,10 @@ stage over its dp group; stages 2/3 raise ``NotImplementedError`` (not built yet
 ``cpu_offload`` (stages 2 and 3) keeps the sharded parameters, gradients and optimizer state in host memory
 (FSDP2 ``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
 
+With experts split over ``expert_parallel_size`` (ep > 1) the stacked expert tensors are their own FSDP2 units,
+sharded over the expert-data-parallel group (``edp``: the dp ranks holding the same experts) instead of dp, their
+reduce-scatter dividing by dp (see ``_fully_shard``); everything else is sharded over dp as usual.
+
 FSDP2 shards each tensor-parallel *local* tensor along its dim 0 over dp, so a weight of a tp x dp layout ends up
 split twice: over tp by the model's plan, over dp by FSDP. Transformer blocks (``model._no_split_modules``, the
 same hint ``transformers`` and Accelerate use for wrapping) each become one FSDP unit, so only one block's
@@ -105,11 +109,38 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
             and not _shares_parameters_outside(prefix, module, model)]
 
 
-def _fully_shard(model: nn.Module, mesh, *, reshard_after_forward: bool, cpu_offload: bool) -> None:
+def expert_units(model: nn.Module) -> list[nn.Module]:
+    """The modules holding stacked experts split over the expert-parallel group (``ShardSpec.axis == "ep"``)."""
+    from ..distributed.expert_parallel import expert_parameter_names
+
+    owners = {name.rpartition(".")[0] for name in expert_parameter_names(model)}
+    return [model.get_submodule(name) for name in sorted(owners)]
+
+
+def _expert_data_parallel_mesh(context):
+    """A one-axis DeviceMesh over this rank's expert-data-parallel group (collective: every rank builds the whole
+    ``(pp, edp, ep, tp)`` mesh, in which ``ep`` is the inner part of ``dp``, as ``ParallelContext`` carves it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes = (context.pp_size, context.dp_size // context.ep_size, context.ep_size, context.tp_size)
+    mesh = init_device_mesh(context.device.type, sizes, mesh_dim_names=("pp", "edp", "ep", "tp"))
+    return mesh["edp"]
+
+
+def _fully_shard(model: nn.Module, mesh, *, reshard_after_forward: bool, cpu_offload: bool,
+                 expert_mesh=None, dp_size: int = 1) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+    if expert_mesh is not None:
+        # Experts: their own units, sharded over edp (the ranks holding the same experts). Their gradient must be
+        # the sum over edp divided by dp (the all-to-all backward already summed the ep ranks' tokens: the same rule
+        # as the DDP path, distributed/expert_parallel.py); FSDP2's reduce-scatter averages over edp, so the
+        # experts scale their gradient by edp / dp = 1 / ep first.
+        for module in expert_units(model):
+            fully_shard(module, **{**options, "mesh": expert_mesh})
+            module.gradient_scale = expert_mesh.size() / dp_size
     for module in fsdp_units(model):
         fully_shard(module, **options)
     # The root keeps what no block owns; its parameters are needed first and last, so never reshard them early.
@@ -186,9 +217,9 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         model._oslo_zero_stage = stage
         return model, optimizer
 
-    if context.ep_size > 1 and (context.pp_size > 1 or stage >= 2):
-        raise NotImplementedError(f"expert_parallel_size > 1 with zero_stage={stage} / pipeline_parallel_size="
-                                  f"{context.pp_size} is not implemented; use zero_stage 0 or 1 without pipelining")
+    if context.ep_size > 1 and context.pp_size > 1:
+        raise NotImplementedError(f"expert_parallel_size > 1 with pipeline_parallel_size={context.pp_size} is not "
+                                  "implemented")
     if context.pp_size > 1:
         return _pipeline_data_parallel(model, optimizer, context, stage, ddp_kwargs)
     if stage <= 1:
@@ -204,7 +235,9 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     if ddp_kwargs:
         raise ValueError(f"DDP options {sorted(ddp_kwargs)} do not apply to zero_stage {stage} (FSDP2)")
     groups = _param_groups_by_name(model, optimizer) if optimizer is not None else None
-    _fully_shard(model, context.mesh["dp"], reshard_after_forward=stage == 3, cpu_offload=cpu_offload)
+    expert_mesh = _expert_data_parallel_mesh(context) if context.ep_size > 1 else None
+    _fully_shard(model, context.mesh["dp"], reshard_after_forward=stage == 3, cpu_offload=cpu_offload,
+                 expert_mesh=expert_mesh, dp_size=context.dp_size)
     model._oslo_zero_stage = stage
     if optimizer is not None:
         params = dict(model.named_parameters())

@@ -37,6 +37,11 @@ def expected_shard(model, name: str, full: torch.Tensor) -> torch.Tensor:
     return spec.read_local(tuple(full.shape), lambda index: full[index], model.parallel_context)
 
 
+def tp_local(tensor: torch.Tensor) -> torch.Tensor:
+    """A ZeRO-2/3 (FSDP2) DTensor gathered to the rank's tensor-parallel-local value (collective); else itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def assert_grads_match(model, reference, atol: float = 1e-5, rtol: float = 1e-4) -> int:
     """Every local gradient equals the matching slice of the reference gradient; returns how many were checked.
 
@@ -47,7 +52,8 @@ def assert_grads_match(model, reference, atol: float = 1e-5, rtol: float = 1e-4)
     for name, param in model.named_parameters():
         assert param.grad is not None, f"{name} has no gradient"
         expected = expected_shard(model, name, reference_params[name].grad)
-        torch.testing.assert_close(param.grad, expected, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(tp_local(param.grad), expected, atol=atol, rtol=rtol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
         checked += 1
     return checked
 
@@ -56,5 +62,19 @@ def assert_params_match(model, reference, atol: float = 1e-5, rtol: float = 1e-4
     reference_params = dict(reference.named_parameters(remove_duplicate=False))
     for name, param in model.named_parameters():
         expected = expected_shard(model, name, reference_params[name].detach())
-        torch.testing.assert_close(param.detach(), expected, atol=atol, rtol=rtol,
+        torch.testing.assert_close(tp_local(param.detach()), expected, atol=atol, rtol=rtol,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+def adamw_pair(model, reference, *, zero_stage: int = 0, accelerator=None, **adamw):
+    """``(wrapped model, its optimizer, reference optimizer)``: AdamW on both; the model made data parallel by
+    ``shard_data_parallel``, or by ``om.training.prepare`` when an ``accelerator`` is given (Accelerate's path)."""
+    from oslo_models.training import prepare, shard_data_parallel
+
+    ref_opt = torch.optim.AdamW(reference.parameters(), **adamw)
+    opt = torch.optim.AdamW(model.parameters(), **adamw)
+    if accelerator is None:
+        wrapped, opt = shard_data_parallel(model, opt, zero_stage=zero_stage)
+    else:
+        wrapped, opt = prepare(accelerator, model, opt, zero_stage=zero_stage)
+    return wrapped, opt, ref_opt

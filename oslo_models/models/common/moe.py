@@ -8,8 +8,9 @@ module names and keys of ``transformers``' ``MixtralSparseMoeBlock`` / ``Qwen2Mo
   shared_expert(x)``.
 
 Input/output ``[b, s, h]``; the router logits ``[b*s, E]`` of each call are appended to ``router_logits`` when a
-list is passed (what ``output_router_logits`` returns and the load-balancing loss reads). Collectives: the
-dispatch/combine all-to-alls over ``ep`` (``parallel_layers/moe/dispatch.py``), and the shared expert's TP ones.
+collector (``RouterLogits``) is passed (what ``output_router_logits`` returns and the load-balancing loss reads).
+Collectives: the dispatch/combine all-to-alls over ``ep`` (``parallel_layers/moe/dispatch.py``), and the shared
+expert's TP ones.
 """
 from __future__ import annotations
 
@@ -20,6 +21,20 @@ from torch import nn
 from ...parallel_layers.layers import Linear
 from ...parallel_layers.moe import StackedExperts, TopKRouter, combine, dispatch, router_jitter
 from .mlp import GatedMLP
+
+
+class RouterLogits:
+    """Collects each sparse layer's router logits during one forward, in call order (``append``; ``.logits``).
+
+    An object, not a list: wrappers that pass the forward's arguments on through pytree maps (FSDP2's root
+    pre-forward under ZeRO-2/3, Accelerate's input casting) rebuild lists, tuples and dicts, so appends to a passed
+    list would be lost; a plain object is a leaf they hand on as is."""
+
+    def __init__(self):
+        self.logits: list = []
+
+    def append(self, logits) -> None:
+        self.logits.append(logits)
 
 
 class SparseMoeBlock(nn.Module):
@@ -35,7 +50,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, act=act)
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor, *, router_logits: list | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *, router_logits: RouterLogits | None = None) -> torch.Tensor:
         shape = hidden_states.shape
         hidden_states = router_jitter(hidden_states, self.jitter_noise, self.training)
         flat = hidden_states.reshape(-1, shape[-1])
@@ -49,3 +64,16 @@ class SparseMoeBlock(nn.Module):
             shared = self.shared_expert(hidden_states).reshape(-1, shape[-1])
             out = out + F.sigmoid(self.shared_expert_gate(flat)) * shared
         return out.reshape(shape)
+
+
+def check_expert_layout(name: str, num_experts: int, parallel) -> None:
+    """The layout checks every mixture-of-experts family shares, before any process group exists: experts split
+    evenly over ``expert_parallel_size``; no sequence parallelism (the router and the capacity rule see whole
+    sequences)."""
+    ep = parallel.expert_parallel_size
+    if num_experts % ep:
+        raise ValueError(f"{name}: the {num_experts} experts of each layer cannot be split over "
+                         f"expert_parallel_size={ep}; use a divisor of {num_experts}")
+    if parallel.sequence_parallel:
+        raise NotImplementedError(f"{name}: sequence_parallel with mixture-of-experts layers is not "
+                                  "implemented; use tensor_parallel_size without sequence_parallel")

@@ -20,9 +20,9 @@ from transformers.utils.generic import can_return_tuple
 
 from ...config import ParallelConfig
 from ...parallel_layers.moe import load_balancing_loss
-from ..common.expert_keys import ExpertKeyLayout, ExpertKeyReader, to_per_expert
+from ..common.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
 from ..common.mlp import GatedMLP
-from ..common.moe import SparseMoeBlock
+from ..common.moe import RouterLogits, SparseMoeBlock, check_expert_layout
 from ..common.outputs import passed_on
 from ..llama import modeling_llama as llama
 from .configuration_mixtral import MixtralConfig
@@ -31,15 +31,15 @@ from .parallel_plan import MOE_BASE_PLAN, MOE_LM_PLAN
 
 class MoeDecoderLayer(llama.LlamaDecoderLayer):
     """``LlamaDecoderLayer`` whose ``mlp`` (``build_mlp``) is a ``SparseMoeBlock`` (or a dense ``GatedMLP`` in the
-    layers the config keeps dense). ``router_logits`` (a list, passed down by the model) collects each sparse
-    layer's logits."""
+    layers the config keeps dense). ``router_logits`` (a ``RouterLogits``, passed down by the model) collects each
+    sparse layer's logits."""
 
     def __init__(self, config, layer_idx: int, **kwargs):
         super().__init__(config, layer_idx, **kwargs)
         self.is_sparse = isinstance(self.mlp, SparseMoeBlock)
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, *,
-                sequence_parallel: bool = False, router_logits: list | None = None, outputs=None, **kwargs):
+                sequence_parallel: bool = False, router_logits: RouterLogits | None = None, outputs=None, **kwargs):
         attn_output, weights = self.self_attn(self.input_layernorm(hidden_states), position_embeddings,
                                               attention_mask, past_key_values, **kwargs)
         if outputs is not None:
@@ -50,21 +50,13 @@ class MoeDecoderLayer(llama.LlamaDecoderLayer):
         return hidden_states + mlp
 
 
-class MixtralPreTrainedModel(llama.LlamaPreTrainedModel):
+class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
     """Checkpoints: read and written in the per-expert Hub layout (``expert_key_layout``, see
     ``common/expert_keys.py``), as ``transformers`` saves them; stacked-layout checkpoints load too."""
 
     config_class = MixtralConfig
     _no_split_modules = ["MoeDecoderLayer"]
     expert_key_layout = ExpertKeyLayout(gate="w1", up="w3", down="w2", hub_block="block_sparse_moe")
-
-    def load_from_reader(self, reader, *, progress: bool = False, **options):
-        return super().load_from_reader(ExpertKeyReader.wrap(reader, self.expert_key_layout), progress=progress,
-                                        **options)
-
-    def full_state_dict(self):
-        full = super().full_state_dict()
-        return None if full is None else to_per_expert(full, self.expert_key_layout)
 
     @classmethod
     def decoder_options(cls, config) -> dict:
@@ -88,13 +80,8 @@ class MixtralPreTrainedModel(llama.LlamaPreTrainedModel):
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
         super().validate_parallel_config(config, parallel)
-        ep, experts, name = parallel.expert_parallel_size, cls.num_experts(config), config.model_type
-        if experts % ep:
-            raise ValueError(f"{name}: the {experts} experts of each layer cannot be split over "
-                             f"expert_parallel_size={ep}; use a divisor of {experts}")
-        if parallel.sequence_parallel:
-            raise NotImplementedError(f"{name}: sequence_parallel with mixture-of-experts layers is not "
-                                      "implemented; use tensor_parallel_size without sequence_parallel")
+        name = config.model_type
+        check_expert_layout(name, cls.num_experts(config), parallel)
         if parallel.pipeline_parallel_size > 1:
             raise NotImplementedError(f"{name}: pipeline_parallel_size > 1 is not implemented for the "
                                       "mixture-of-experts decoders yet; use tensor/expert/data parallelism")
@@ -120,11 +107,12 @@ class MixtralForCausalLM(MixtralPreTrainedModel, llama.LlamaForCausalLM):
                 gather_logits: bool = True, num_items_in_batch=None, **kwargs) -> MoeCausalLMOutputWithPast:
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        router_logits = []
+        collected = RouterLogits()
         out = super().forward(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                               use_cache=use_cache, logits_to_keep=logits_to_keep, gather_logits=gather_logits,
-                              num_items_in_batch=num_items_in_batch, router_logits=router_logits, **kwargs)
+                              num_items_in_batch=num_items_in_batch, router_logits=collected, **kwargs)
+        router_logits = collected.logits
         loss, aux_loss = out.loss, None
         if output_router_logits:
             aux_loss = load_balancing_loss(tuple(router_logits), self.num_experts(self.config),

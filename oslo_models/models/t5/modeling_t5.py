@@ -190,17 +190,23 @@ def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 class T5Block(GradientCheckpointingLayer):
+    """Self-attention, cross-attention (decoder), feed-forward (``build_feed_forward``: the hook Switch
+    Transformers overrides with its sparse layers; ``feed_forward_kwargs`` reach only that sub-layer)."""
+
     def __init__(self, config, has_relative_attention_bias=False, layer_idx=None):
         super().__init__()
         self.is_decoder = config.is_decoder
         self.layer = nn.ModuleList([T5LayerSelfAttention(config, has_relative_attention_bias, layer_idx)])
         if self.is_decoder:
             self.layer.append(T5LayerCrossAttention(config, layer_idx=layer_idx))
-        self.layer.append(T5LayerFF(config))
+        self.layer.append(self.build_feed_forward(config, layer_idx))
+
+    def build_feed_forward(self, config, layer_idx) -> nn.Module:
+        return T5LayerFF(config)
 
     def forward(self, hidden_states, attention_mask=None, position_bias=None, encoder_hidden_states=None,
                 encoder_attention_mask=None, encoder_decoder_position_bias=None, past_key_values=None, *,
-                sequence_parallel=False, **kwargs):
+                sequence_parallel=False, feed_forward_kwargs: dict | None = None, **kwargs):
         sp = sequence_parallel
         hidden_states, position_bias = self.layer[0](hidden_states, attention_mask, position_bias, past_key_values,
                                                      sequence_parallel=sp, **kwargs)
@@ -210,7 +216,8 @@ class T5Block(GradientCheckpointingLayer):
                 hidden_states, encoder_hidden_states, encoder_attention_mask, encoder_decoder_position_bias,
                 past_key_values, sequence_parallel=sp, **kwargs)
             hidden_states = _clamp_fp16(hidden_states)
-        hidden_states = _clamp_fp16(self.layer[-1](hidden_states, sequence_parallel=sp))
+        hidden_states = self.layer[-1](hidden_states, sequence_parallel=sp, **(feed_forward_kwargs or {}))
+        hidden_states = _clamp_fp16(hidden_states)
         return hidden_states, position_bias, encoder_decoder_position_bias
 
 
@@ -298,11 +305,13 @@ class T5Stack(T5PreTrainedModel):
     """Embeddings, ``num_layers`` blocks, final norm and dropout (encoder, or decoder with cross-attention and a
     cache). ``last_hidden_state``: ``[b, s, d]``. Built inside a parent model, never on its own."""
 
+    block_class = T5Block  # Switch Transformers' stack swaps in its block
+
     def __init__(self, config, *, parallel_context=None):
         super().__init__(config, parallel_context=parallel_context)
         self.embed_tokens = Embedding(config.vocab_size, config.d_model)
         self.is_decoder = config.is_decoder
-        self.block = nn.ModuleList([T5Block(config, has_relative_attention_bias=i == 0, layer_idx=i)
+        self.block = nn.ModuleList([self.block_class(config, has_relative_attention_bias=i == 0, layer_idx=i)
                                     for i in range(config.num_layers)])
         self.final_layer_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = Dropout(config.dropout_rate)
@@ -393,14 +402,15 @@ class T5Model(T5PreTrainedModel):
     """Encoder-decoder without a head. ``last_hidden_state``: the decoder's ``[b, s_dec, d]``."""
 
     hf_twin = transformers.T5Model
+    stack_class = T5Stack
     _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight",
                           "decoder.embed_tokens.weight": "shared.weight"}
 
     def __init__(self, config, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)
         self.shared = Embedding(config.vocab_size, config.d_model)
-        self.encoder = T5Stack(_stack_config(config, is_decoder=False), parallel_context=self.parallel_context)
-        self.decoder = T5Stack(_stack_config(config, is_decoder=True), parallel_context=self.parallel_context)
+        self.encoder = self.stack_class(_stack_config(config, is_decoder=False), parallel_context=self.parallel_context)
+        self.decoder = self.stack_class(_stack_config(config, is_decoder=True), parallel_context=self.parallel_context)
         self.post_init()
         if not submodule:  # inside a head model, the head model applies the plan once
             self.finish_init()
@@ -427,6 +437,7 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
     ``[b, s_dec, V]`` unless ``gather_logits=False`` (then ``[b, s_dec, V_padded/tp]``)."""
 
     hf_twin = transformers.T5ForConditionalGeneration
+    stack_class = T5Stack
     pipeline_adapter = T5PipelineAdapter  # pipeline_parallel_size > 1: stages, see pipeline_t5.py
     _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight",
                           "decoder.embed_tokens.weight": "shared.weight",
@@ -437,8 +448,8 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
         self.model_dim = config.d_model
         self._lm_head_tied = True
         self.shared = Embedding(config.vocab_size, config.d_model)
-        self.encoder = T5Stack(_stack_config(config, is_decoder=False), parallel_context=self.parallel_context)
-        self.decoder = T5Stack(_stack_config(config, is_decoder=True), parallel_context=self.parallel_context)
+        self.encoder = self.stack_class(_stack_config(config, is_decoder=False), parallel_context=self.parallel_context)
+        self.decoder = self.stack_class(_stack_config(config, is_decoder=True), parallel_context=self.parallel_context)
         self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
         self.post_init()
         self.finish_init()
@@ -494,8 +505,13 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = token_loss(local_logits, labels, self.lm_head, num_items_in_batch=num_items_in_batch)
-        return Seq2SeqLMOutput(loss=loss, logits=full_logits(local_logits, self.lm_head, gather_logits),
-                               **_seq2seq_outputs(encoder_outputs, decoder_outputs))
+        return self.lm_output(loss, full_logits(local_logits, self.lm_head, gather_logits), encoder_outputs,
+                              decoder_outputs, labels)
+
+    def lm_output(self, loss, logits, encoder_outputs, decoder_outputs, labels) -> ModelOutput:
+        """The returned output from the head's loss and logits and both stacks' outputs (the hook Switch
+        Transformers extends with its router losses)."""
+        return Seq2SeqLMOutput(loss=loss, logits=logits, **_seq2seq_outputs(encoder_outputs, decoder_outputs))
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return self._shift_right(labels)
@@ -505,6 +521,7 @@ class T5EncoderModel(T5PreTrainedModel):
     """The encoder alone. ``last_hidden_state``: ``[b, s, d]``."""
 
     hf_twin = transformers.T5EncoderModel
+    stack_class = T5Stack
     _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
     _keys_to_ignore_on_load_unexpected = ["decoder"]
 
@@ -513,7 +530,7 @@ class T5EncoderModel(T5PreTrainedModel):
         self.shared = Embedding(config.vocab_size, config.d_model)
         encoder_config = _stack_config(config, is_decoder=False)
         encoder_config.is_encoder_decoder = False
-        self.encoder = T5Stack(encoder_config, parallel_context=self.parallel_context)
+        self.encoder = self.stack_class(encoder_config, parallel_context=self.parallel_context)
         self.post_init()
         if not submodule:  # inside a head model, the head model applies the plan once
             self.finish_init()

@@ -54,11 +54,21 @@ class TopKRouter(nn.Module):
         return logits, weights, index
 
 
-def drop_over_capacity(weights: torch.Tensor, index: torch.Tensor, num_experts: int, capacity: int):
+def drop_over_capacity(weights: torch.Tensor, index: torch.Tensor, num_experts: int, capacity: int,
+                       group_size: int | None = None):
     """Keep at most ``capacity`` assignments per expert, first come first served in token order (for top-k, the
-    first choices of all tokens before the second choices, as GShard/Switch). Dropped: index -1, weight 0."""
-    one_hot = F.one_hot(index.t().reshape(-1), num_experts)  # [k*T, E], choice-major
-    position = (torch.cumsum(one_hot, dim=0) * one_hot).sum(-1).view(index.shape[1], -1).t()  # 1-based
+    first choices of all tokens before the second choices, as GShard/Switch). Dropped: index -1, weight 0.
+
+    ``group_size``: the budget holds per group of that many consecutive tokens (``transformers``' Switch router:
+    per sequence); ``None``: one group of all ``T`` tokens. ``weights``/``index``: ``[T, k]``."""
+    top_k = index.shape[1]
+    group_size = group_size or index.shape[0]
+    if index.shape[0] % group_size:
+        raise ValueError(f"{index.shape[0]} tokens do not split into groups of {group_size}")
+    choice_major = index.view(-1, group_size, top_k).transpose(1, 2).reshape(-1, group_size * top_k)  # [G, k*g]
+    one_hot = F.one_hot(choice_major, num_experts)  # [G, k*g, E]
+    position = (torch.cumsum(one_hot, dim=1) * one_hot).sum(-1)  # 1-based place in its expert's queue
+    position = position.view(-1, top_k, group_size).transpose(1, 2).reshape(index.shape)
     keep = position <= capacity
     return weights * keep, torch.where(keep, index, torch.full_like(index, -1))
 

@@ -1,0 +1,26 @@
+"""The parallel plan of Switch Transformers: T5's (``models/t5/parallel_plan.py``: attention heads, embeddings, head,
+norms) plus its feed-forward, which is named ``mlp`` here (``DenseReluDense`` in T5):
+
+- dense layers ``mlp.wi`` column-parallel, ``mlp.wo`` row-parallel (as T5's), their inner dropout on split columns;
+- sparse layers: ``mlp.router.classifier`` replicated; ``mlp.experts`` (stacked ``wi [E, f, d]``, ``wo [E, d, f]``)
+  split over the expert-parallel group in contiguous blocks of ``E/ep`` experts (``ExpertParallel``), not over
+  tensor parallelism; the experts' dropout acts on whole activations that every tp rank holds alike, so it draws
+  from the replicated stream (``TPDropout()``, not ``always_split``).
+
+First match wins, so these patterns come before T5's.
+"""
+from __future__ import annotations
+
+from ...parallel_layers.moe import ExpertParallel
+from ...parallel_layers.plan import Colwise, ParallelPlan, Rowwise, TPDropout
+from ..t5.parallel_plan import T5_STYLES
+
+_LAYER = "*.block.*.layer.*"
+SWITCH_STYLES = {
+    f"{_LAYER}.mlp.experts": ExpertParallel(),
+    f"{_LAYER}.mlp.experts.dropout": TPDropout(),
+    f"{_LAYER}.mlp.wi": Colwise(),
+    f"{_LAYER}.mlp.wo": Rowwise(),
+}
+
+SWITCH_PLAN = ParallelPlan({**SWITCH_STYLES, **T5_STYLES})
