@@ -22,6 +22,7 @@ CONTEXT_PARALLEL_MODES = ("ring", "all_to_all")
 
 _ZERO_STAGES = (0, 1, 2, 3)
 _MAX_SEED = 2**63 - 1
+_ACTIVATION_CHECKPOINTING = ("full", "selective", "offload", "partitioned")  # models/common/checkpointing.py
 
 # What is implemented today. Kept in one place so a feature landing is a one-line change here.
 _IMPLEMENTED_TENSOR_PARALLEL_MODES = ("1d", "2d", "2.5d", "3d")
@@ -68,6 +69,9 @@ class ParallelConfig:
         zero_stage: ZeRO stage (0 = plain data parallel) for the training helpers.
         fused_ops: use the fused Triton kernels where they run (CUDA); the torch reference runs elsewhere.
         seed: base seed of the tensor-parallel RNG tracker (dropout inside split regions).
+        activation_checkpointing: ``None`` (off), ``"full"`` (every block recomputed), ``"selective"`` (the
+            attention core only), ``"offload"`` (full, block inputs kept in host memory) or ``"partitioned"`` (full,
+            each TP rank keeps ``1/tp`` of a block's input). See ``models/common/checkpointing.py``.
     """
 
     tensor_parallel_size: int = 1
@@ -86,6 +90,7 @@ class ParallelConfig:
     zero_stage: int = 0
     fused_ops: bool = True
     seed: int = 1234
+    activation_checkpointing: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "tensor_parallel_depth", "pipeline_parallel_size",
@@ -119,6 +124,9 @@ class ParallelConfig:
             raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must divide "
                              f"data_parallel_size={self.data_parallel_size}")
         self._check_implemented()
+        if self.activation_checkpointing is not None and self.activation_checkpointing not in _ACTIVATION_CHECKPOINTING:
+            raise ValueError(f"ParallelConfig.activation_checkpointing={self.activation_checkpointing!r} is unknown; "
+                             f"choose None or one of {_ACTIVATION_CHECKPOINTING}")
 
     def _check_implemented(self) -> None:
         if self.tensor_parallel_mode not in _IMPLEMENTED_TENSOR_PARALLEL_MODES:

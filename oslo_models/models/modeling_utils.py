@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import tempfile
 from typing import ClassVar
@@ -113,17 +114,32 @@ class OsloPreTrainedModel(PreTrainedModel):
         self.tie_parallel_weights()
         if not any(param.is_meta for param in self.parameters()):
             self.initialize_from_twin()
+        if self.parallel_context.config.activation_checkpointing is not None:
+            self.set_activation_checkpointing(self.parallel_context.config.activation_checkpointing)
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, **kwargs):
-        """``transformers``' hook behind ``gradient_checkpointing_enable``: the checkpoint function is wrapped so
-        that recomputed blocks replay this rank's tensor-parallel dropout stream (see ``RNGTracker.checkpointed``).
+        """``transformers``' hook behind ``gradient_checkpointing_enable`` / ``activation_checkpointing_enable`` and
+        their ``*_disable``: ends in the same ``apply_activation_checkpointing`` as
+        ``ParallelConfig.activation_checkpointing`` (``common/checkpointing.py``), so recomputed blocks replay this
+        rank's tensor-parallel dropout stream. The mode is ``"full"`` unless ``gradient_checkpointing_kwargs`` carry
+        ``{"mode": "selective" | "offload" | "partitioned"}``; the other kwargs go to ``torch.utils.checkpoint``.
         """
-        if gradient_checkpointing_func is None:
-            from torch.utils.checkpoint import checkpoint as gradient_checkpointing_func
-        if enable:
-            gradient_checkpointing_func = self.parallel_context.rng.checkpointed(gradient_checkpointing_func)
-        super()._set_gradient_checkpointing(enable=enable, gradient_checkpointing_func=gradient_checkpointing_func,
-                                            **kwargs)
+        from .common.checkpointing import apply_activation_checkpointing
+
+        mode = "full" if enable else None
+        keywords = getattr(gradient_checkpointing_func, "keywords", None)
+        if enable and keywords and "mode" in keywords:
+            keywords = dict(keywords)
+            mode = keywords.pop("mode")
+            gradient_checkpointing_func = functools.partial(gradient_checkpointing_func.func, **keywords)
+        apply_activation_checkpointing(self, mode, gradient_checkpointing_func, **kwargs)
+
+    def set_activation_checkpointing(self, mode: str | None) -> None:
+        """Switch activation checkpointing to ``mode`` (``None``, ``"full"``, ``"selective"``, ``"offload"``,
+        ``"partitioned"``; see ``ParallelConfig.activation_checkpointing``). Acts in training mode only."""
+        from .common.checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(self, mode)
 
     def tie_parallel_weights(self) -> None:
         """Re-tie the output embedding to the input embedding after the plan replaced the modules."""

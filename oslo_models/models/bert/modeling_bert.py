@@ -34,6 +34,7 @@ from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ..common.context_parallel import context_parallel_inputs, context_parallel_loss, context_parallel_loss_items
 from ..common import attend, enter_sequence_parallel, full_logits, leave_sequence_parallel, split_heads, token_loss
 from ..common import use_sequence_parallel
+from ..common.attention import AttentionModule
 from ..common.legacy_keys import LegacyKeyReader
 from ..common.outputs import OutputCollector, passed_on
 from ..heads import question_answering_output, sequence_classification_loss, token_classification_output
@@ -78,7 +79,7 @@ class BertEmbeddings(nn.Module):
         return self.dropout(self.LayerNorm(embeddings))
 
 
-class BertSelfAttention(nn.Module):
+class BertSelfAttention(AttentionModule):
     """Attention on this rank's heads: input ``[b, s(/tp), h]``, output ``[b, s, (n/tp)*d]``. Bidirectional, or
     causal with a key/value cache when ``config.is_decoder`` (``BertLMHeadModel``, ``RobertaForCausalLM``)."""
 

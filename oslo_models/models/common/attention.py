@@ -39,13 +39,29 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     (``parallel_layers/context_parallel``; ``s_q``/``s_k`` are then this rank's chunks).
     """
     interface = attention_function(module, attention_mask, eager_fallback)  # context-parallel for its mask
-    with dropout.rng_context():
-        out, weights = interface(module, query, key, value, attention_mask,
-                                 dropout=dropout.p if module.training else 0.0, scaling=scaling, **kwargs)
+
+    def core(query, key, value):
+        with dropout.rng_context():
+            return interface(module, query, key, value, attention_mask,
+                             dropout=dropout.p if module.training else 0.0, scaling=scaling, **kwargs)
+
+    checkpoint = getattr(module, "core_checkpoint", None)
+    if checkpoint is not None and module.training and torch.is_grad_enabled():
+        out, weights = checkpoint(core, query, key, value)  # selective recomputation (common/checkpointing.py)
+    else:
+        out, weights = core(query, key, value)
     return out.reshape(*out.shape[:-2], -1).contiguous(), weights
 
 
-class GroupedQueryAttention(nn.Module):
+class AttentionModule(nn.Module):
+    """Base of every family's attention module that runs its kernel through ``attend``. ``core_checkpoint`` is the
+    activation-checkpoint function of the ``"selective"`` mode (set by ``apply_activation_checkpointing``; ``None``:
+    the attention core keeps its activations)."""
+
+    core_checkpoint = None
+
+
+class GroupedQueryAttention(AttentionModule):
     """Causal self-attention with rotary positions and grouped-query heads: the Llama / Mistral / Qwen2 / Qwen3
     attention (module names and keys ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and Qwen3's ``q_norm``,
     ``k_norm``), written single-device.

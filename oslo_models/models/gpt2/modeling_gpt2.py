@@ -29,10 +29,10 @@ from transformers.utils.generic import can_return_tuple
 from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 
 from ...config import ParallelConfig
-from ...parallel_layers.context_parallel import attention_function
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ...parallel_layers.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from ..common import causal_token_loss, full_logits, keep_last_logits
+from ..common.attention import AttentionModule, attend
 from ..common.context_parallel import context_parallel_inputs, context_parallel_loss, context_parallel_loss_items
 from ..common.outputs import OutputCollector, passed_on
 from ..heads import (last_token_logits, question_answering_output, sequence_classification_loss,
@@ -45,7 +45,7 @@ from .pipeline_gpt2 import GPT2LMPipelineAdapter
 logger = logging.getLogger(__name__)
 
 
-class GPT2Attention(nn.Module):
+class GPT2Attention(AttentionModule):
     def __init__(self, config: GPT2Config, layer_idx: int):
         super().__init__()
         self.config = config
@@ -70,14 +70,10 @@ class GPT2Attention(nn.Module):
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
 
-        attention = attention_function(self, attention_mask, eager_attention_forward)  # context-parallel for its mask
-        with self.attn_dropout.rng_context(sequence_parallel):
-            out, weights = attention(self, query, key, value, attention_mask,
-                                     dropout=self.attn_dropout.p if self.training else 0.0, scaling=self.scaling,
-                                     **kwargs)
+        out, weights = attend(self, query, key, value, attention_mask, dropout=self.attn_dropout,  # [b, s, h/tp]
+                              scaling=self.scaling, eager_fallback=eager_attention_forward, **kwargs)
         if outputs is not None:
             outputs.attention(weights)  # [b, n/tp, s, s_k] -> all heads
-        out = out.reshape(*out.shape[:-2], -1).contiguous()  # [b, s, h/tp]
         out = self.c_proj(out, sequence_parallel=sequence_parallel)  # [b, s(/tp), h]
         return self.resid_dropout(out, sequence_parallel=sequence_parallel)
 

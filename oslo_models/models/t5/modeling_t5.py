@@ -51,6 +51,7 @@ from ..common import (
     token_loss,
     use_sequence_parallel,
 )
+from ..common.attention import AttentionModule
 from ..common.outputs import OutputCollector
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_t5 import T5Config
@@ -59,7 +60,7 @@ from .pipeline_t5 import T5PipelineAdapter
 
 
 
-class T5Attention(nn.Module):
+class T5Attention(AttentionModule):
     """Self- or cross-attention on this rank's heads. Input ``[b, s(/tp), d]``; output ``[b, s(/tp), d]``
     (``o`` is row-parallel: all-reduce, or reduce-scatter under SP). Returns ``(output, position_bias)`` with
     ``position_bias [1, n/tp, s_q, s_k]`` for the next blocks to reuse."""
