@@ -157,5 +157,3 @@ def test_clear_errors(checkpoints):
         _load(checkpoints["mixtral"], expert_parallel_size=2)
     with pytest.raises(NotImplementedError, match="sequence_parallel"):
         _load(checkpoints["qwen2_moe"], tensor_parallel_size=2, sequence_parallel=True)
-    with pytest.raises(NotImplementedError, match="pipeline_parallel_size"):
-        _load(checkpoints["mixtral"], pipeline_parallel_size=2)
