@@ -13,7 +13,7 @@ import transformers
 
 import oslo_models as om
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import padded_batch
+from tests.helpers.models import padded_batch, save_seeded
 from tests.helpers.pipeline import assert_pipeline_matches
 
 VOCAB = 61
@@ -59,13 +59,7 @@ def _worker(paths: dict) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_pp")
-    paths = {}
-    for model_type, config in CONFIGS.items():
-        torch.manual_seed(0)
-        HF[model_type](config()).save_pretrained(root / model_type)
-        paths[model_type] = str(root / model_type)
-    return paths
+    return save_seeded(tmp_path_factory.mktemp("moe_pp"), CONFIGS, HF)
 
 
 def test_moe_pipeline_matches_transformers(checkpoints):
