@@ -3,8 +3,8 @@ single-process ``transformers``: loss with the load-balancing loss, every gradie
 parameters after 3 AdamW steps, then ``eval_step`` (fp32, atol 1e-5). The load-balancing statistics cross the
 stage boundary (``models/mixtral/pipeline_mixtral.py``). One microbatch: exactly ``transformers``' loss on the
 batch. Two microbatches: the batch's causal-LM loss + ``router_aux_loss_coef`` x the mean of the microbatches'
-load-balancing losses (Megatron's per-microbatch aux loss). Mixtral (4 sparse layers, 2 per stage) and Qwen2-MoE
-(a dense layer, shared expert) in one spawned group."""
+load-balancing losses (Megatron's per-microbatch aux loss). Mixtral (4 sparse layers, 2 per stage; gpipe and
+1f1b) and Qwen2-MoE (a dense layer, shared expert; zero-bubble, 2 stages per rank) in one spawned group."""
 from __future__ import annotations
 
 import pytest
@@ -46,9 +46,11 @@ def _per_microbatch_loss(num_microbatches: int):
 
 
 def _worker(paths: dict) -> None:
-    for model_type, microbatches in (("mixtral", 1), ("mixtral", 2), ("qwen2_moe", 2)):
-        cfg = om.ParallelConfig(pipeline_parallel_size=2, num_microbatches=microbatches,
-                                pipeline_schedule="gpipe" if microbatches == 1 else "1f1b")
+    # Qwen2-MoE: zero-bubble over 4 stages of one layer; stage 1 (the dense layer) passes the statistics on
+    for model_type, microbatches, schedule, virtual in (("mixtral", 1, "gpipe", 1), ("mixtral", 2, "1f1b", 1),
+                                                        ("qwen2_moe", 2, "zero_bubble", 2)):
+        cfg = om.ParallelConfig(pipeline_parallel_size=2, num_microbatches=microbatches, pipeline_schedule=schedule,
+                                virtual_pipeline_size=virtual)
         model = om.AutoModelForCausalLM.from_pretrained(paths[model_type], parallel=cfg, progress=False).train()
         assert len(model.model.layers) == 2
         reference = HF[model_type].from_pretrained(paths[model_type]).train()
