@@ -27,9 +27,9 @@ def routing_statistics(router_logits, num_experts: int, top_k: int, attention_ma
     """``[2E + 1]`` fp32: per expert the top-k assignment counts, then the router probability sums, then the
     token rows, each summed over ``router_logits`` (``[b*s, E]`` per layer) and weighted by ``attention_mask``
     (``[b, s]``; padding counts 0), as ``transformers``' ``load_balancing_loss_func`` accumulates them."""
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device) if router_logits else None
-    if counts is None:
+    if not router_logits:
         raise ValueError("routing_statistics needs at least one layer's router logits")
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
     probs, rows = torch.zeros_like(counts), counts.new_zeros(1)
     for logits in router_logits:
         weights = torch.softmax(logits, dim=-1)
