@@ -112,6 +112,11 @@ class PipelineAdapter:
         """The loss of one microbatch from the last stage's outputs: its summed token losses / ``num_items``."""
         raise NotImplementedError
 
+    def microbatch_loss(self, model, outputs, labels, num_items_in_batch, num_microbatches: int):
+        """What the schedule's ``loss_fn`` returns for one of ``num_microbatches`` microbatches: ``loss`` here;
+        families with a per-microbatch term (the MoE load-balancing loss) weight it by ``1/num_microbatches``."""
+        return self.loss(model, outputs, labels, num_items_in_batch)
+
     def num_loss_items(self, labels: torch.Tensor) -> int:
         """Tokens the loss averages over in the whole (local) batch."""
         return int((labels != -100).sum())

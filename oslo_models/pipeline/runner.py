@@ -61,11 +61,11 @@ def schedule_class(name: str):
 class _LossFn:
     """``loss(local_logits, labels, num_items_in_batch)`` of one microbatch, on the last stage."""
 
-    def __init__(self, model):
-        self.model, self.adapter = model, adapter_for(model)
+    def __init__(self, model, num_microbatches: int):
+        self.model, self.adapter, self.num_microbatches = model, adapter_for(model), num_microbatches
 
     def __call__(self, outputs, labels, num_items_in_batch=None):
-        return self.adapter.loss(self.model, outputs, labels, num_items_in_batch)
+        return self.adapter.microbatch_loss(self.model, outputs, labels, num_items_in_batch, self.num_microbatches)
 
 
 def _no_weight_step():
@@ -119,7 +119,7 @@ class PipelineRunner:
                                         input_args=meta(inputs), output_args=meta(outputs), group=context.pp_group,
                                         dw_builder=dw_builder))
         cls = schedule_class(self.schedule_name)
-        loss_fn = _LossFn(model)
+        loss_fn = _LossFn(model, self.num_microbatches)
         if self.schedule_name in MULTI_STAGE_SCHEDULES:
             return cls(stages, self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
         return cls(stages[0], self.num_microbatches, loss_fn=loss_fn, scale_grads=False)

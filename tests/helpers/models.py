@@ -18,6 +18,16 @@ def save_tiny_gpt2(path, *, seed: int = 0, cls=transformers.GPT2LMHeadModel, **o
     return str(path)
 
 
+def save_seeded(root, builders: dict, classes: dict) -> dict[str, str]:
+    """Save ``classes[name](builders[name]())`` under ``root/name`` for each name, each initialized from seed 0."""
+    paths = {}
+    for name, config in builders.items():
+        torch.manual_seed(0)
+        classes[name](config()).save_pretrained(root / name)
+        paths[name] = str(root / name)
+    return paths
+
+
 def padded_batch(vocab_size: int, batch: int = 3, seq: int = 8, seed: int = 1):
     """Right-padded batch of unequal lengths: ids, attention_mask, labels (-100 on padding)."""
     gen = torch.Generator().manual_seed(seed)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import oslo_models as om
 from oslo_models.training import clip_grad_norm_, load_checkpoint, save_checkpoint
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import adamw_pair, assert_grads_match, assert_params_match, padded_batch
+from tests.helpers.models import adamw_pair, assert_grads_match, assert_params_match, padded_batch, save_seeded
 
 VOCAB, EXPERTS = 61, 4
 ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-6)
@@ -40,13 +40,7 @@ HF = {"mixtral": transformers.MixtralForCausalLM, "qwen2_moe": transformers.Qwen
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    paths = {}
-    for model_type, config in CONFIGS.items():
-        torch.manual_seed(0)
-        HF[model_type](config()).save_pretrained(root / model_type)
-        paths[model_type] = str(root / model_type)
-    return paths
+    return save_seeded(tmp_path_factory.mktemp("moe"), CONFIGS, HF)
 
 
 def _train_matches(model, reference, *, dp_rank: int, dp_size: int, zero_stage: int = 0, steps: int = 3,
@@ -157,5 +151,3 @@ def test_clear_errors(checkpoints):
         _load(checkpoints["mixtral"], expert_parallel_size=2)
     with pytest.raises(NotImplementedError, match="sequence_parallel"):
         _load(checkpoints["qwen2_moe"], tensor_parallel_size=2, sequence_parallel=True)
-    with pytest.raises(NotImplementedError, match="pipeline_parallel_size"):
-        _load(checkpoints["mixtral"], pipeline_parallel_size=2)

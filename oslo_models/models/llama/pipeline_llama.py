@@ -45,6 +45,10 @@ class LlamaPipelineAdapter(CausalLMPipelineAdapter):
         return use_sequence_parallel(model.model, batch["input_ids"].shape[-1])
 
     def stage_forward(self, stage, x, attention_mask=None, position_ids=None):
+        return self.run_stage(stage, x, attention_mask, position_ids)
+
+    def run_stage(self, stage, x, attention_mask=None, position_ids=None, **layer_kwargs):
+        """The stage's computation; ``layer_kwargs`` go to every layer (the MoE adapter's router-logit collector)."""
         config, context, sp = stage.model_config, stage.parallel_context, stage.sequence_parallel
         if stage.is_first:
             hidden = stage.embed_tokens(x)
@@ -64,7 +68,7 @@ class LlamaPipelineAdapter(CausalLMPipelineAdapter):
         position_embeddings = stage.rotary_emb(shape_only, position_ids)
         for layer in stage.layers:
             hidden = layer(hidden, masks[layer.attention_type], position_embeddings, None, sequence_parallel=sp,
-                           position_ids=position_ids)
+                           position_ids=position_ids, **layer_kwargs)
         if not stage.is_last:
             return hidden
         hidden = stage.norm(hidden, sequence_parallel=sp)

@@ -27,6 +27,7 @@ from ..common.outputs import passed_on
 from ..llama import modeling_llama as llama
 from .configuration_mixtral import MixtralConfig
 from .parallel_plan import MOE_BASE_PLAN, MOE_LM_PLAN
+from .pipeline_mixtral import MixtralPipelineAdapter
 
 
 class MoeDecoderLayer(llama.LlamaDecoderLayer):
@@ -82,9 +83,12 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
         super().validate_parallel_config(config, parallel)
         name = config.model_type
         check_expert_layout(name, cls.num_experts(config), parallel)
-        if parallel.pipeline_parallel_size > 1:
-            raise NotImplementedError(f"{name}: pipeline_parallel_size > 1 is not implemented for the "
-                                      "mixture-of-experts decoders yet; use tensor/expert/data parallelism")
+        if parallel.pipeline_parallel_size > 1 and (parallel.expert_parallel_size > 1
+                                                    or parallel.tensor_parallel_size > 1):
+            raise NotImplementedError(f"{name}: pipeline_parallel_size > 1 together with expert_parallel_size or "
+                                      "tensor_parallel_size > 1 is not implemented (not tested) for the "
+                                      "mixture-of-experts decoders; use pipeline with data parallelism, or "
+                                      "tensor/expert/data parallelism without pipeline")
 
 
 class MixtralModel(MixtralPreTrainedModel, llama.LlamaModel):
@@ -95,10 +99,11 @@ class MixtralModel(MixtralPreTrainedModel, llama.LlamaModel):
 
 class MixtralForCausalLM(MixtralPreTrainedModel, llama.LlamaForCausalLM):
     """``MixtralForCausalLM`` of ``transformers``; outputs ``MoeCausalLMOutputWithPast`` (see the module
-    docstring for the router losses). Pipeline parallelism is not available (clear error)."""
+    docstring for the router losses). Pipeline parallelism: ``pipeline_mixtral.py`` (the load-balancing loss's
+    statistics travel with the hidden states)."""
 
     parallel_plan = MOE_LM_PLAN
-    pipeline_adapter = None
+    pipeline_adapter = MixtralPipelineAdapter
     hf_twin, base_model_class = transformers.MixtralForCausalLM, MixtralModel
 
     @can_return_tuple
