@@ -10,7 +10,10 @@ global batch (or ``num_items_in_batch``) is the one ``transformers`` computes. O
 gathers ``last_hidden_state`` / ``encoder_last_hidden_state`` back to ``[b, s, h]``; LM heads gather their
 logits themselves (``Linear2D.gather``). Inputs are integer tensors: splitting them has no backward.
 
-``install(model, context)`` is called by ``ParallelPlan.apply`` on the outermost model only.
+``install(model, context)`` is called by ``ParallelPlan.apply`` on the outermost model only. A pipelined model
+never runs its own forward: each ``StageModule`` splits its stage's inputs with ``split_stage_inputs`` instead,
+and stages exchange their local blocks (``local_activation_shape``), each rank with the same grid position of
+the neighbouring stage.
 """
 from __future__ import annotations
 
@@ -61,6 +64,30 @@ def _split_inputs(grid: Grid, masks_inner: bool):
         return args, kwargs
 
     return hook
+
+
+def split_stage_inputs(context, names: tuple[str, ...], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A pipeline stage's view of one microbatch: the batch-major tensors among ``args`` (named ``names``: the
+    first stage's inputs, e.g. ``input_ids``) and ``kwargs`` (masks, positions) cut to this rank's batch block,
+    as the model-boundary hook does. ``args`` of other stages are activations already in the grid layout."""
+    grid = Grid.from_context(context)
+    inner = context.tensor_parallel_mode == "3d"
+    args = tuple(_split(name, value, grid, inner) for name, value in zip(names, args)) + args[len(names):]
+    kwargs = {name: _split(name, value, grid, inner) if name in BATCH_MAJOR_INPUTS else value
+              for name, value in kwargs.items()}
+    return args, kwargs
+
+
+def local_activation_shape(context, batch: int, hidden: int) -> tuple[int, int]:
+    """``(batch, hidden)`` of this rank's block of a ``[batch, s, hidden]`` activation: ``batch / (d*q)`` rows
+    and ``hidden / q`` columns on the 2D / 2.5D grid, ``batch / q**2`` and ``hidden / q`` on the 3D cube
+    (both the stream and the inner layout). ``ValueError`` when the batch does not split."""
+    grid = Grid.from_context(context)
+    if batch % grid.batch_parts:
+        raise ValueError(f"A microbatch of {batch} sequences cannot be split over the tensor-parallel grid, which "
+                         f"splits the batch into {grid.batch_parts} blocks; use a batch size divisible by "
+                         f"num_microbatches x {grid.batch_parts}")
+    return batch // grid.batch_parts, hidden // grid.q
 
 
 def _gather_outputs(grid: Grid):

@@ -27,9 +27,10 @@ def test_grid_sizes_are_validated(options, match):
         om.ParallelConfig(**options)
 
 
-def test_unimplemented_combinations_say_so():
-    with pytest.raises(NotImplementedError, match="pipeline_parallel_size"):
-        om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d", pipeline_parallel_size=2)
+def test_pipeline_parallelism_composes():
+    # tests/parallel_layers/test_tp_modes_pipeline.py runs it; expert parallelism is refused (tests/test_config.py)
+    assert om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d",
+                             pipeline_parallel_size=2).model_parallel_size == 8
 
 
 def test_grid_shape():
