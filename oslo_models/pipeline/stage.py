@@ -154,7 +154,7 @@ class StageModule(nn.Module):
             from ..parallel_layers.grid_boundary import split_stage_inputs
 
             names = self.adapter.first_inputs if self.is_first else ()
-            inputs, kwargs = split_stage_inputs(self.parallel_context, names, inputs, kwargs)
+            inputs, kwargs = split_stage_inputs(self.owner, names, inputs, kwargs)
         autocast_dtype = getattr(self.owner, "_oslo_autocast_dtype", None)
         if autocast_dtype is None:
             return self.adapter.stage_forward(self, *inputs, **kwargs)
