@@ -1,8 +1,8 @@
-"""GPT-2, BERT MLM and T5 under the 2D (Optimus/SUMMA, tp=4), 2.5D (Tesseract, tp=8, d=2) and 3D (tp=8)
-tensor-parallel modes equal plain ``transformers``: logits, loss, every gradient, parameters after 3 AdamW steps; per-rank parameter count is the
-mode's formula; save -> plain ``transformers`` load gives the same logits; ``from_config`` equals tp=1 from the
-same seed; 2D x dp2 equals the single-process run on the global batch. One process group per layout runs all
-of them. Negative control: the block of another grid position does not match."""
+"""GPT-2, BERT MLM, T5, Llama and Qwen3 under the 2D (Optimus/SUMMA, tp=4), 2.5D (Tesseract, tp=8, d=2) and 3D
+(tp=8) tensor-parallel modes equal plain ``transformers``: logits, loss, every gradient, parameters after 3 AdamW
+steps; per-rank parameter count is the mode's formula; save -> plain ``transformers`` load gives the same logits;
+``from_config`` equals tp=1 from the same seed; 2D x dp2 equals the single-process run on the global batch. One
+process group per layout runs all of them. Negative control: the block of another grid position does not match."""
 from __future__ import annotations
 
 import os
