@@ -227,6 +227,10 @@ def _layer_worker(tp: int, mode: str, depth: int, shape: dict, target: str, out_
             saved[0] += key[1]
         return tensor
 
+    weight_dims = {dim for p in block.parameters() for dim in p.shape}
+    tokens = local.reshape(-1, local.shape[-1]).shape[0]
+    if tokens in weight_dims:  # an activation block would look like a weight block to the CommCounter
+        raise ValueError(f"{tokens} tokens per rank equals a weight dimension; choose another --batch/--seq")
     run(local).sum().backward()  # warm-up
     dist.barrier()
     start = time.perf_counter()
@@ -274,7 +278,7 @@ def run(shape: dict, layouts, target: str = "block") -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=320)  # 2560 tokens: no token block has a weight's shape
     parser.add_argument("--json", default=None)
     parser.add_argument("--layouts", default=",".join(name for name, *_ in LAYOUTS))
     parser.add_argument("--targets", default="linear,block")
