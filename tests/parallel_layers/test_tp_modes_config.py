@@ -78,12 +78,8 @@ def test_two_dim_blocks_read_only_their_block():
     assert all((index[0].stop or 5) - (index[0].start or 0) <= 3 for index in reads)
 
 
-def test_q1_grid_model_matches_transformers(tmp_path):
-    path = save_tiny_gpt2(tmp_path / "gpt2")
-    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
-    model = om.AutoModelForCausalLM.from_pretrained(
-        path, parallel=om.ParallelConfig(tensor_parallel_mode="2d"), progress=False).train()
-    assert type(model.transformer.h[0].mlp.c_fc).__name__ == "Linear2D"
+def _assert_one_step_matches(model, reference) -> None:
+    """Logits and every gradient of one padded batch equal the reference's (q=1: nothing is split)."""
     ids, mask, labels = padded_batch(101, batch=2, seq=8)
     expected, got = reference(ids, attention_mask=mask, labels=labels), model(ids, attention_mask=mask, labels=labels)
     torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
@@ -92,6 +88,15 @@ def test_q1_grid_model_matches_transformers(tmp_path):
     ref = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, ref[name].grad, atol=1e-5, rtol=1e-4)
+
+
+def test_q1_grid_model_matches_transformers(tmp_path):
+    path = save_tiny_gpt2(tmp_path / "gpt2")
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    model = om.AutoModelForCausalLM.from_pretrained(
+        path, parallel=om.ParallelConfig(tensor_parallel_mode="2d"), progress=False).train()
+    assert type(model.transformer.h[0].mlp.c_fc).__name__ == "Linear2D"
+    _assert_one_step_matches(model, reference)
 
 
 def test_unplanned_module_is_refused_under_a_grid_mode(tmp_path):
@@ -122,14 +127,7 @@ def test_q1_grid_llama_matches_and_experts_are_refused(tmp_path):
     reference = decoders.hf_class("llama").from_pretrained(path).train()
     model = om.LlamaForCausalLM.from_pretrained(path, parallel=grid, progress=False).train()
     assert type(model.model.layers[0].self_attn.k_proj).__name__ == "Linear3D"
-    ids, mask, labels = padded_batch(decoders.VOCAB, batch=2, seq=8)
-    expected, got = reference(ids, attention_mask=mask, labels=labels), model(ids, attention_mask=mask, labels=labels)
-    torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
-    expected.loss.backward()
-    got.loss.backward()
-    ref = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, ref[name].grad, atol=1e-5, rtol=1e-4)
+    _assert_one_step_matches(model, reference)
     mixtral = transformers.MixtralConfig(hidden_size=32, intermediate_size=24, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                          num_experts_per_tok=2, vocab_size=decoders.VOCAB)
