@@ -12,12 +12,22 @@ measures, per rank:
   unique storages);
 - wall time of the forward + backward (CPU, shared box: indicative only).
 
-Volumes are printed in units of the layer's full activation ``b*s*h*4`` bytes next to the papers' per-layer
-costs (Colossal-AI's table: ``2(P-1)/P`` for 1D, ``6(q-1)/q`` for 2D, ``3(q-1)(d+1)/(dq)`` for 2.5D,
-``6(q-1)/q**3`` for 3D), which count
-a different unit per mode (see BENCHMARKS.md), so the ratio column is informative, not a pass/fail.
+Every message is classified as *weight* traffic (its per-rank piece has the shape of one of the measured module's
+parameters: SUMMA's weight-block broadcasts and weight-gradient reduces, 3D's weight all-gathers and gradient
+reduce-scatters, the depth all-reduce of 2.5D, bias and norm-scale gradients) or *activation* traffic (everything
+else: activation blocks, their gradients, norm statistics), and both are reported.
 
-    python benchmarks/tensor_parallel_modes.py --json tensor_parallel_modes.json
+Two measurements:
+
+- ``linear``: one square linear ``Y = X A`` (``[T, h] x [h, h]``, no bias) per mode, fwd + bwd: the setting of the
+  papers' cost table (Colossal-AI's docs: ``2(P-1)/P`` for 1D, ``6(q-1)/q`` for 2D, ``3(q-1)(d+1)/(dq)`` for 2.5D,
+  ``6(q-1)/q**3`` for 3D). Activation traffic is printed in units of ``X`` (``T*h*4`` bytes), weight traffic in
+  units of ``A`` (``h*h*4``), next to the exact count the algorithms imply (``expected_split``) and to the table.
+  The table assumes ``X`` and ``A`` of one size, so it is compared with the sum of the two (see BENCHMARKS.md).
+- ``block``: one GPT-2-medium block (``transformer.h.0``), activation traffic in units of the layer's activation
+  ``b*s*h*4``, weight traffic in units of the block's weights ``12*h*h*4``.
+
+    python benchmarks/tensor_parallel_modes.py --json benchmarks/tensor_parallel_modes.json
 """
 from __future__ import annotations
 
@@ -49,6 +59,26 @@ def paper_cost(mode: str, tp: int, depth: int) -> float:
     return 6 * (q - 1) / q if mode == "2d" else 3 * (q - 1) * (depth + 1) / (depth * q)
 
 
+def expected_split(mode: str, tp: int, depth: int) -> tuple[float, float]:
+    """Per-rank (activation in units of X, weight in units of A) of one square linear, fwd + bwd, as the algorithms
+    run here (ring all-reduce ``2(P-1)/P``, the other collectives ``(P-1)/P`` of the full message):
+
+    - 1D: one all-reduce of X per linear (the row-parallel forward or the column-parallel backward);
+    - 2D / 2.5D (SUMMA, three products of q steps): X blocks move three times (forward broadcast, the reduce of
+      dX, the broadcast for dW), ``(q-1)/(d q**2)`` each; A blocks three times ``(q-1)/q**2`` (two broadcasts, the
+      reduce of dW), plus the depth all-reduce of dW ``2(d-1)/(d q**2)``;
+    - 3D: X moves four times ``(q-1)/q**3`` (gather, reduce-scatter, and their backward mirrors), A twice (the
+      all-gather over z and the reduce-scatter of its gradient).
+    """
+    if mode == "1d":
+        return 2 * (tp - 1) / tp, 0.0
+    if mode == "3d":
+        q = round(tp ** (1 / 3))
+        return 4 * (q - 1) / q ** 3, 2 * (q - 1) / q ** 3
+    q = round((tp // depth) ** 0.5)
+    return 3 * (q - 1) / (depth * q * q), 3 * (q - 1) / (q * q) + 2 * (depth - 1) / (depth * q * q)
+
+
 def _group_size(args, kwargs) -> int:
     import torch.distributed as dist
 
@@ -71,14 +101,27 @@ def _numel(value) -> int:
     return 0
 
 
-class CommCounter:
-    """Counts per-rank bytes sent by the collectives that run inside it (see module docstring)."""
+def _first_tensor(value):
+    if torch.is_tensor(value):
+        return value
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
 
-    def __init__(self):
+
+class CommCounter:
+    """Counts per-rank bytes sent by the collectives that run inside it (see module docstring), split into weight
+    traffic (the per-rank piece has the shape of one of ``weight_shapes``) and activation traffic."""
+
+    def __init__(self, weight_shapes=()):
         from torch.utils._python_dispatch import TorchDispatchMode
 
         counter = self
-        self.bytes, self.calls = 0.0, {}
+        self.bytes, self.weight_bytes, self.calls = 0.0, 0.0, {}
+        self.weight_shapes = {tuple(shape) for shape in weight_shapes}
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -104,8 +147,16 @@ class CommCounter:
             sent = share * _numel(args[0])
         else:
             return
+        # the per-rank piece: an all-gather's input, a reduce-scatter's output, the tensor of the others
+        piece = _first_tensor(args[1] if op.startswith("allgather") else args[0])
+        if piece is not None and tuple(piece.shape) in self.weight_shapes:
+            self.weight_bytes += sent
         self.bytes += sent
         self.calls[op] = self.calls.get(op, 0) + 1
+
+    @property
+    def activation_bytes(self) -> float:
+        return self.bytes - self.weight_bytes
 
     def __enter__(self):
         self.mode.__enter__()
@@ -115,21 +166,50 @@ class CommCounter:
         return self.mode.__exit__(*exc)
 
 
-def _layer_worker(tp: int, mode: str, depth: int, shape: dict, out_file: str) -> None:
+def _square_linear(ctx, h: int) -> torch.nn.Module:
+    """One ``h x h`` linear (no bias, GPT-2's Conv1D layout) at ``ctx``'s mode; 1D: a column + row pair (two)."""
+    from torch import nn
+
+    from oslo_models.parallel_layers.summa import Grid
+    from oslo_models.parallel_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from oslo_models.parallel_layers.tensor_parallel_2d import Linear2D
+    from oslo_models.parallel_layers.tensor_parallel_3d import Linear3D
+
+    options = dict(bias=False, layout="conv1d")
+    mode = ctx.tensor_parallel_mode
+    if mode == "1d":
+        module = nn.Sequential(ColumnParallelLinear(h, h, group=ctx.tp_group, **options),
+                               RowParallelLinear(h, h, group=ctx.tp_group, **options))
+    elif mode == "3d":
+        module = Linear3D(h, h, cube=Grid.from_context(ctx), column=True, **options)
+    else:
+        module = Linear2D(h, h, grid=Grid.from_context(ctx), **options)
+    for param in module.parameters():
+        nn.init.normal_(param, std=0.02)
+    return module
+
+
+def _layer_worker(tp: int, mode: str, depth: int, shape: dict, target: str, out_file: str) -> None:
     import torch.distributed as dist
     import transformers
 
     import oslo_models as om
+    from oslo_models.distributed.context import ParallelContext
     from oslo_models.parallel_layers.summa import Grid
 
     cfg = om.ParallelConfig(tensor_parallel_size=tp, tensor_parallel_mode=mode, tensor_parallel_depth=depth)
-    config = transformers.GPT2Config(n_embd=shape["hidden"], n_head=shape["heads"], n_layer=1, vocab_size=128,
-                                     n_positions=shape["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
-    model = om.GPT2Model.from_config(config, parallel=cfg).train()
-    ctx = model.parallel_context
-    block = model.h[0]
     b, s, h = shape["batch"], shape["seq"], shape["hidden"]
+    if target == "linear":
+        ctx = ParallelContext.from_config(cfg)
+        block = _square_linear(ctx, h)
+        run = lambda x: block(x)  # noqa: E731
+    else:
+        config = transformers.GPT2Config(n_embd=h, n_head=shape["heads"], n_layer=1, vocab_size=128,
+                                         n_positions=s, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = om.GPT2Model.from_config(config, parallel=cfg).train()
+        ctx, block = model.parallel_context, model.h[0]
+        run = lambda x: block(x, None, None)[0]  # noqa: E731
     full = torch.randn(b, s, h, generator=torch.Generator().manual_seed(1))
     if mode == "1d":
         local = full
@@ -147,15 +227,19 @@ def _layer_worker(tp: int, mode: str, depth: int, shape: dict, out_file: str) ->
             saved[0] += key[1]
         return tensor
 
-    block(local, None, None)[0].sum().backward()  # warm-up
+    weight_dims = {dim for p in block.parameters() for dim in p.shape}
+    tokens = local.reshape(-1, local.shape[-1]).shape[0]
+    if tokens in weight_dims:  # an activation block would look like a weight block to the CommCounter
+        raise ValueError(f"{tokens} tokens per rank equals a weight dimension; choose another --batch/--seq")
+    run(local).sum().backward()  # warm-up
     dist.barrier()
     start = time.perf_counter()
-    with CommCounter() as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = block(local, None, None)
-        out = out[0] if isinstance(out, tuple) else out
-        out.sum().backward()
+    weight_shapes = [p.shape for p in block.parameters()] + [p.t().shape for p in block.parameters() if p.ndim == 2]
+    with CommCounter(weight_shapes) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run(local).sum().backward()
     elapsed = time.perf_counter() - start
-    result = dict(rank=ctx.rank, bytes_sent=counter.bytes, calls=counter.calls, seconds=elapsed,
+    result = dict(rank=ctx.rank, bytes_sent=counter.bytes, weight_bytes=counter.weight_bytes,
+                  activation_bytes_sent=counter.activation_bytes, calls=counter.calls, seconds=elapsed,
                   param_bytes=sum(p.numel() * p.element_size() for p in block.parameters()),
                   activation_bytes=saved[0])
     gathered = [None] * ctx.world_size
@@ -164,19 +248,26 @@ def _layer_worker(tp: int, mode: str, depth: int, shape: dict, out_file: str) ->
         Path(out_file).write_text(json.dumps(gathered))
 
 
-def run(shape: dict, layouts) -> list[dict]:
+def run(shape: dict, layouts, target: str = "block") -> list[dict]:
     from tests.helpers.dist import run_distributed
 
     rows = []
-    activation = shape["batch"] * shape["seq"] * shape["hidden"] * 4
+    h = shape["hidden"]
+    activation = shape["batch"] * shape["seq"] * h * 4
+    weights = (12 if target == "block" else 1) * h * h * 4
     for name, tp, mode, depth in layouts:
         with tempfile.NamedTemporaryFile(suffix=".json") as handle:
-            run_distributed(_layer_worker, tp, tp, mode, depth, shape, handle.name, timeout=1200)
+            run_distributed(_layer_worker, tp, tp, mode, depth, shape, target, handle.name, timeout=1200)
             ranks = json.loads(Path(handle.name).read_text())
         mean = lambda key: sum(r[key] for r in ranks) / len(ranks)  # noqa: E731
-        rows.append(dict(layout=name, ranks=tp, mode=mode, depth=depth,
+        linears = 2 if target == "linear" and mode == "1d" else 1  # 1D measures a column + row pair
+        expected_act, expected_weight = expected_split(mode, tp, depth)
+        rows.append(dict(layout=name, target=target, ranks=tp, mode=mode, depth=depth,
                          bytes_sent_per_rank=mean("bytes_sent"),
                          volume_in_activations=mean("bytes_sent") / activation,
+                         activation_traffic=mean("activation_bytes_sent") / activation / linears,
+                         weight_traffic=mean("weight_bytes") / weights / linears,
+                         expected_activation=expected_act, expected_weight=expected_weight,
                          paper_cost=paper_cost(mode, tp, depth),
                          param_mib_per_rank=mean("param_bytes") / 2 ** 20,
                          activation_mib_per_rank=mean("activation_bytes") / 2 ** 20,
@@ -187,21 +278,27 @@ def run(shape: dict, layouts) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=320)  # 2560 tokens: no token block has a weight's shape
     parser.add_argument("--json", default=None)
     parser.add_argument("--layouts", default=",".join(name for name, *_ in LAYOUTS))
+    parser.add_argument("--targets", default="linear,block")
     args = parser.parse_args()
     shape = dict(batch=args.batch, seq=args.seq, hidden=1024, heads=16)
     chosen = [layout for layout in LAYOUTS if layout[0] in args.layouts.split(",")]
-    rows = run(shape, chosen)
-    header = f"{'layout':8} {'sent/rank MiB':>13} {'x activation':>12} {'paper':>7} {'params MiB':>10} " \
-             f"{'saved act MiB':>13} {'fwd+bwd s':>9}"
-    print(f"one GPT-2-medium layer, activation [b={shape['batch']}, s={shape['seq']}, h=1024] fp32, CPU gloo")
-    print(header)
-    for row in rows:
-        print(f"{row['layout']:8} {row['bytes_sent_per_rank'] / 2 ** 20:13.2f} {row['volume_in_activations']:12.3f} "
-              f"{row['paper_cost']:7.3f} {row['param_mib_per_rank']:10.2f} {row['activation_mib_per_rank']:13.2f} "
-              f"{row['seconds']:9.2f}")
+    rows = []
+    for target in args.targets.split(","):
+        found = run(shape, chosen, target)
+        rows += found
+        unit = "per linear: activation in X, weight in A" if target == "linear" else \
+            "per block: activation in b*s*h, weight in 12*h*h"
+        print(f"\n{target}: [b={shape['batch']}, s={shape['seq']}, h=1024] fp32, CPU gloo ({unit})")
+        print(f"{'layout':8} {'sent/rank MiB':>13} {'act':>7} {'(exp.)':>7} {'weight':>7} {'(exp.)':>7} "
+              f"{'act+wt':>7} {'paper':>7} {'params MiB':>10} {'saved act MiB':>13} {'fwd+bwd s':>9}")
+        for row in found:
+            print(f"{row['layout']:8} {row['bytes_sent_per_rank'] / 2 ** 20:13.2f} {row['activation_traffic']:7.3f} "
+                  f"{row['expected_activation']:7.3f} {row['weight_traffic']:7.3f} {row['expected_weight']:7.3f} "
+                  f"{row['activation_traffic'] + row['weight_traffic']:7.3f} {row['paper_cost']:7.3f} "
+                  f"{row['param_mib_per_rank']:10.2f} {row['activation_mib_per_rank']:13.2f} {row['seconds']:9.2f}")
     if args.json:
         meta = dict(shape=shape, machine=platform.platform(), cpu_count=__import__("os").cpu_count(),
                     torch=torch.__version__, date=datetime.date.today().isoformat(), device="cpu (gloo)")

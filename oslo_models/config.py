@@ -164,9 +164,6 @@ class ParallelConfig:
         if self.sequence_parallel:
             raise ValueError(f"sequence_parallel=True is a 1D (Megatron) feature: tensor_parallel_mode={mode!r} "
                              "already splits every activation over batch and hidden; drop sequence_parallel")
-        if self.pipeline_parallel_size > 1:
-            raise NotImplementedError(f"tensor_parallel_mode={mode!r} with pipeline_parallel_size > 1 is not "
-                                      "implemented yet (the stage boundaries exchange full activations)")
         if self.expert_parallel_size > 1:
             raise NotImplementedError(f"tensor_parallel_mode={mode!r} with expert_parallel_size > 1 is not "
                                       "implemented yet (the grid layers do not split mixture-of-experts layers)")

@@ -39,7 +39,6 @@ def test_bad_values_raise_value_error(bad):
 
 @pytest.mark.parametrize("unimplemented,name", [
     ({"tensor_parallel_mode": "2d", "tensor_parallel_size": 4, "expert_parallel_size": 2}, "expert_parallel_size"),
-    ({"tensor_parallel_mode": "2d", "tensor_parallel_size": 4, "pipeline_parallel_size": 2}, "pipeline_parallel_size"),
 ])
 def test_unimplemented_dimensions_say_so(unimplemented, name):
     with pytest.raises(NotImplementedError, match=name):

@@ -17,7 +17,7 @@ from torch import nn
 
 from .layers import Embedding
 from .mappings import group_rank, group_size
-from .plan import ShardSpec, Style
+from .plan import ShardSpec, Style, _axis_info
 from .tensor_parallel import divide, padded_size
 
 
@@ -73,13 +73,12 @@ class VocabBias(Style):
 
     def build(self, module, context):
         bias = module.bias
-        if context.tensor_parallel_mode == "3d":
-            raise NotImplementedError("tensor_parallel_mode='3d': an LM head with a vocabulary bias (BERT/RoBERTa "
-                                      "MLM) is not implemented yet")
-        grid = context.tensor_parallel_mode in ("2d", "2.5d")
-        # 2D/2.5D: split like the decoder's logits, over the grid's row (q ranks); 1D: over the whole group.
-        module.vocab_axis = "tp_row" if grid else "tp"
-        tp = context.axis(module.vocab_axis).size
+        mode = context.tensor_parallel_mode
+        grid = mode in ("2d", "2.5d", "3d")
+        # 2D/2.5D: split like the decoder's logits, over the grid's row (q ranks); 3D: like the decoder's rows, over
+        # (y, z) (see Linear3D); 1D: over the whole group.
+        module.vocab_axis = {"2d": "tp_row", "2.5d": "tp_row", "3d": ("tp_col", "tp_dep")}.get(mode, "tp")
+        tp = _axis_info(context, module.vocab_axis).size
         module.vocab_size = bias.shape[0]
         local = padded_size(module.vocab_size, tp) // tp
         module.bias = nn.Parameter(torch.zeros(local, device=bias.device, dtype=bias.dtype))

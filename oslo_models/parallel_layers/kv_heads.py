@@ -14,6 +14,9 @@ gradient needs nothing extra: the usual all-reduce over the whole TP group alrea
 
 The layout for loading/saving is ``ShardSpec(dim, num_heads=n_kv)``: a checkpoint saved from any tp holds exactly
 the original ``[n_kv * head_dim, hidden]`` tensors.
+
+Under the 2D / 2.5D / 3D modes a key/value projection is a column-parallel grid linear (``Linear2D`` /
+``Linear3D``): ``n_kv/q`` whole heads per hidden block, which needs ``q | n_kv`` (``check_grid_heads``).
 """
 from __future__ import annotations
 
@@ -23,8 +26,21 @@ import torch
 
 from .layers import Linear, linear_forward
 from .mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, group_size
-from .plan import ShardSpec, Style, _weight_out_dim, refuse_grid_mode
+from .plan import ShardSpec, Style, _build_for_mode, _grid_mode, _weight_out_dim
 from .tensor_parallel import ColumnParallelLinear
+
+
+def check_grid_heads(num_heads: int, parallel, what: str = "num_attention_heads") -> None:
+    """Under the 2D / 2.5D / 3D modes the heads follow the ``q`` hidden blocks of the grid (``q = grid_shape[-1]``):
+    ``ValueError`` unless ``q`` divides ``num_heads``. Key/value heads fewer than ``q`` cannot be replicated as at
+    1D: the grid's column blocks are fixed by the weight layout, not chosen per head."""
+    if parallel.tensor_parallel_mode == "1d":
+        return
+    q = parallel.grid_shape[-1]
+    if num_heads % q:
+        raise ValueError(f"tensor_parallel_mode={parallel.tensor_parallel_mode!r} splits the heads into q={q} "
+                         f"blocks (grid {parallel.grid_shape}), but {what}={num_heads} is not divisible by {q}; use a "
+                         "smaller grid or tensor_parallel_mode='1d' (which replicates key/value heads)")
 
 
 class HeadsLinear(Linear):
@@ -86,13 +102,19 @@ class KVHeadColwise(Style):
     hf_style = "colwise"
 
     def build(self, module, context):
-        refuse_grid_mode(context, "grouped-query key/value projections (Llama-family attention)")
+        if _grid_mode(context):
+            # 2D / 2.5D / 3D: a column-parallel linear of the grid, whose output is split over the q hidden blocks;
+            # heads are never cut and never replicated there (``check_grid_heads``).
+            check_grid_heads(module.num_heads, context.config, "num_key_value_heads")
+            return _build_for_mode("Linear2D", module, context, column=True)
         spec = ShardSpec(0, num_heads=module.num_heads)
         replicas = spec.replicas(context.tp_size)
         replica_group = context.tp_subgroup(replicas) if replicas > 1 else None
         return KVHeadColumnParallelLinear.from_plain(module, context.tp_group, replica_group=replica_group)
 
     def shard_specs(self, module):
+        if hasattr(module, "tp_shard_specs"):
+            return module.tp_shard_specs()
         specs = {"weight": ShardSpec(_weight_out_dim(module), num_heads=module.num_heads)}
         if getattr(module, "bias", None) is not None:
             specs["bias"] = ShardSpec(0, num_heads=module.num_heads)

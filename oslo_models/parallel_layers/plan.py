@@ -415,9 +415,8 @@ def _build_for_mode(layer: str, module: nn.Module, context, **options) -> nn.Mod
 
     column = options.pop("column", None)
     if context.tensor_parallel_mode == "3d" and layer == "Linear2D":
-        if column is None:
-            raise NotImplementedError(f"tensor_parallel_mode='3d': a {type(module).__name__} outside the "
-                                      "column/row pairs (a StreamLinear) is not implemented yet")
+        if column is None:  # a StreamLinear: stream -> stream
+            return tensor_parallel_3d.StreamLinear3D.from_plain(module, context)
         options["column"] = column
     if context.tensor_parallel_mode == "3d" and layer in _LAYERS_3D:
         return getattr(tensor_parallel_3d, _LAYERS_3D[layer]).from_plain(module, context, **options)

@@ -205,27 +205,32 @@ class HiddenEmbedding2D(Embedding):
 
 
 class RMSNorm2D(nn.Module):
-    """T5's RMS norm (scale, no bias; statistic in fp32) over a hidden split ``q`` ways: input/output
+    """An RMS norm (scale, no bias; statistic in fp32) over a hidden split ``q`` ways: input/output
     ``[b/(dq), s, h/q]``, weight ``[h/q]``. Forward and backward: one all-reduce over the row (the sum of
-    squares); the weight gradient is summed over the column and depth groups."""
+    squares); the weight gradient is summed over the column and depth groups. ``formula`` as ``RMSNorm``'s:
+    ``"t5"`` rounds to the weight's half dtype after normalizing, ``"llama"`` normalizes in fp32 and rounds to the
+    input's dtype before scaling (the fused kernel is not used: its statistic would cover one block only)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, grid: Grid, device=None, dtype=None):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, grid: Grid, formula: str = "t5", device=None,
+                 dtype=None):
         super().__init__()
-        self.grid, self.full_hidden, self.variance_epsilon = grid, hidden_size, eps
+        self.grid, self.full_hidden, self.variance_epsilon, self.formula = grid, hidden_size, eps, formula
         self.weight = nn.Parameter(torch.ones(divide(hidden_size, grid.q, "hidden size"), device=device,
                                               dtype=dtype))
 
     @classmethod
     def from_plain(cls, module, context) -> "RMSNorm2D":
         weight = module.weight
-        return cls(weight.shape[0], module.variance_epsilon, grid=Grid.from_context(context), device=weight.device,
-                   dtype=weight.dtype)
+        return cls(weight.shape[0], module.variance_epsilon, grid=Grid.from_context(context),
+                   formula=getattr(module, "formula", "t5"), device=weight.device, dtype=weight.dtype)
 
     def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
         squares = x.to(torch.float32).pow(2).sum(-1, keepdim=True)
         variance = sum_over(squares, self.grid.row) / self.full_hidden
-        x = x * torch.rsqrt(variance + self.variance_epsilon)
         weight = _replicated_over_batch(self.weight, self.grid)
+        if self.formula == "llama":
+            return weight * (x.to(torch.float32) * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
+        x = x * torch.rsqrt(variance + self.variance_epsilon)
         if weight.dtype in (torch.float16, torch.bfloat16):
             x = x.to(weight.dtype)
         return weight * x

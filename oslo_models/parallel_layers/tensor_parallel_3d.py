@@ -20,11 +20,14 @@ output's hidden axes, and dim 0 once more over ``z``, so each weight element liv
 
 Norms reduce their statistics over ``x`` (the stream's hidden axis). Parameters that every batch block uses
 (biases, norm scales, position tables) are split over one hidden axis and replicated over the other two, which
-sum their gradients. The vocabulary is padded to a multiple of ``q**2``.
+sum their gradients. The vocabulary is padded to a multiple of ``q**2``; a vocabulary bias (BERT's MLM decoder)
+is split like the head's rows, over ``(y, z)``. A linear that maps the stream to the stream (BERT's MLM
+transform) is a column-parallel one followed by a transpose of the blocks (``StreamLinear3D``).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -116,9 +119,6 @@ class Linear3D(Linear):
         self.in_axis_name, self.out_axis_name = ("tp_row", "tp_col") if column else ("tp_col", "tp_row")
         if num_packed > 1 and layout == "linear":
             raise NotImplementedError("tensor_parallel_mode='3d': packed projections in nn.Linear layout")
-        if vocab_size is not None and bias:
-            raise NotImplementedError("tensor_parallel_mode='3d': an LM head with a vocabulary bias (BERT/RoBERTa "
-                                      "MLM) is not implemented yet")
         out_local = padded_size(out_features, q * q) // q if vocab_size is not None else \
             divide(divide(out_features, num_packed, "packed output size"), q, "output features") * num_packed
         in_local = divide(in_features, q, "input features")
@@ -128,6 +128,10 @@ class Linear3D(Linear):
         rows = self.weight.shape[0]
         shape = (divide(rows, q, "weight rows"), self.weight.shape[1])
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        if vocab_size is not None and bias:
+            # A vocabulary bias (BERT/RoBERTa MLM) is split like the head's rows: block (y, z), padded to q**2
+            # with them, and gathered over z in forward like the weight.
+            self.bias = nn.Parameter(torch.zeros(out_local // q, device=device, dtype=dtype))
 
     @classmethod
     def from_plain(cls, module, context, *, column: bool = True, num_packed: int = 1,
@@ -143,7 +147,9 @@ class Linear3D(Linear):
         flat = x.reshape(-1, x.shape[-1])
         y = _Linear3D.apply(flat, self.weight, cube, in_axis, out_axis, self.layout)
         y = y.view(-1, *x.shape[1:-1], y.shape[-1])
-        if self.bias is not None:
+        if self.bias is not None and self.vocab_size is not None:
+            y = y + _replicated(_GatherWeightRows.apply(self.bias, cube.dep), in_axis)
+        elif self.bias is not None:
             y = y + _replicated(self.bias, in_axis, cube.dep)
         if self.vocab_size is not None:
             y = self.mask_vocab_padding(y)
@@ -180,8 +186,57 @@ class Linear3D(Linear):
                          axis2=axes[1 - out_dim])
         specs = {"weight": spec}
         if self.bias is not None:
-            specs["bias"] = ShardSpec(0, self.num_packed, axis=self.out_axis_name)
+            specs["bias"] = ShardSpec(0, self.num_packed, self.vocab_size, axis=axes[out_dim] if self.vocab_size
+                                      else self.out_axis_name)
         return specs
+
+
+class _SwapBlocks(torch.autograd.Function):
+    """Rank ``(z, y, x)`` and rank ``(z, x, y)`` exchange their blocks (one send and one receive each; the
+    diagonal keeps its own). A permutation that is its own inverse, so backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x, partner):
+        ctx.partner = partner
+        return _swap(x, partner)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _swap(grad, ctx.partner), None
+
+
+def _swap(x: torch.Tensor, partner: int | None) -> torch.Tensor:
+    if partner is None:
+        return x
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, partner), dist.P2POp(dist.irecv, out, partner)]):
+        request.wait()
+    return out
+
+
+class StreamLinear3D(Linear3D):
+    """A hidden -> hidden linear that stays on the residual stream (BERT's MLM transform): stream ``S`` in,
+    stream ``S`` out. It is the column-parallel ``Linear3D`` (``S -> I``, same weight blocks and collectives),
+    then a transpose of the inner layout back to the stream: the inner block of rank ``(z, y, x)`` (batch block
+    ``(z, x)``, hidden block ``y``) is the stream block of rank ``(z, x, y)``, so the two swap blocks
+    (``_SwapBlocks``: one point-to-point exchange of ``[b/q**2, s, h/q]`` per rank, forward and backward)."""
+
+    def __init__(self, *args, partner: int | None = None, **kwargs):
+        super().__init__(*args, column=True, **kwargs)
+        self.partner = partner
+
+    @classmethod
+    def from_plain(cls, module, context, **options) -> "StreamLinear3D":
+        cube = _cube(context)
+        x, y, z = cube.row.rank, cube.col.rank, cube.dep.rank
+        partner = None if x == y else context.axis("tp").ranks[(z * cube.q + x) * cube.q + y]
+        return cls(module.in_features, module.out_features, cube=cube, bias=module.bias is not None,
+                   layout=getattr(module, "layout", "linear"), partner=partner, device=module.weight.device,
+                   dtype=module.weight.dtype)
+
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        return _SwapBlocks.apply(super().forward(x), self.partner)
 
 
 class _GatherWeightRows(torch.autograd.Function):

@@ -32,6 +32,8 @@ class PipelineAdapter:
     batch_keys: tuple[str, ...] = ("input_ids", "labels", "attention_mask")
     #: batch keys fed positionally to the first stage
     first_inputs: tuple[str, ...] = ("input_ids",)
+    #: whether stages run under the 2D / 2.5D / 3D tensor-parallel modes (their ``stage_io`` gives grid blocks)
+    grid_modes: bool = False
 
     # ------------------------------------------------------------------ structure
     def layer_counts(self, model) -> tuple[int, ...]:
@@ -83,16 +85,24 @@ class PipelineAdapter:
     def hidden_state_io(self, model, layout, stage: int, microbatch: Mapping[str, torch.Tensor],
                         sequence_parallel: bool, head_shape: Callable[[], tuple[int, ...]]):
         """``stage_io`` of a decoder- or encoder-only family: ``input_ids [mb, s]`` into the first stage, hidden
-        states ``[mb, s(/tp), h]`` between stages (split by sequence under SP), a tensor of ``head_shape()`` out of
-        the last (called there only: the head exists on the last stage only)."""
+        states ``[mb, s(/tp), h]`` between stages (split by sequence under SP; ``[mb/(dq), s, h/q]`` under the grid
+        modes), a tensor of ``head_shape()`` out of the last (called there only: the head exists on the last stage
+        only; its batch dim is replaced by the local one)."""
         mb, seq_len = microbatch["input_ids"].shape
         dtype = next(model.parameters()).dtype
-        tp = model.parallel_context.tp_size if sequence_parallel else 1
-        hidden = torch.empty(mb, seq_len // tp, model.config.hidden_size, dtype=dtype, device="meta")
+        context = model.parallel_context
+        tp = context.tp_size if sequence_parallel else 1
+        local_mb, width = mb, model.config.hidden_size
+        if context.tensor_parallel_mode != "1d":  # 2D/2.5D/3D: this rank's block of batch and hidden
+            from ..parallel_layers.grid_boundary import local_activation_shape
+
+            local_mb, width = local_activation_shape(context, mb, width)
+        hidden = torch.empty(local_mb, seq_len // tp, width, dtype=dtype, device="meta")
         inputs = (microbatch["input_ids"],) if stage == 0 else (hidden,)
         if stage < layout.num_stages - 1:
             return inputs, (hidden,)
-        return inputs, (torch.empty(head_shape(), dtype=dtype, device="meta"),)
+        head = head_shape()  # batch-major; the grid modes' heads keep this rank's batch block too
+        return inputs, (torch.empty((local_mb, *head[1:]), dtype=dtype, device="meta"),)
 
     def whole_backward_stages(self, model, layout) -> set[int]:
         """Stages whose backward computes input and weight gradients in one pass, also under zero-bubble schedules.
@@ -151,7 +161,7 @@ class CausalLMPipelineAdapter(PipelineAdapter):
     def stage_io(self, model, layout, stage, microbatch, sequence_parallel):
         mb, seq_len = microbatch["input_ids"].shape
         return self.hidden_state_io(model, layout, stage, microbatch, sequence_parallel,
-                                    lambda: (mb, seq_len, model.lm_head.weight.shape[0]))
+                                    lambda: (mb, seq_len, model.lm_head.out_features))
 
     def loss(self, model, local_logits, labels, num_items_in_batch):
         from ..parallel_layers.cross_entropy import causal_lm_loss

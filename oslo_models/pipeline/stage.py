@@ -17,7 +17,8 @@ optimizer they stay equal and equal the single-process tied weight.
 
 A ``StageModule`` is the ``nn.Module`` handed to ``torch.distributed.pipelining.PipelineStage`` for one stage: it
 registers only that stage's modules (shared with the model, not copied), so the stage's ``parameters()`` — which
-torch uses for the zero-bubble weight-gradient pass — are exactly the stage's own.
+torch uses for the zero-bubble weight-gradient pass — are exactly the stage's own. Under the 2D / 2.5D / 3D
+tensor-parallel modes it first cuts the microbatch to this rank's batch block (``grid_boundary``).
 """
 from __future__ import annotations
 
@@ -99,6 +100,11 @@ def _set_module(model, path: str, module) -> None:
 def keep_stage_modules(model, context) -> PipelineLayout:
     """Drop every module this rank's stages do not run (call on the meta device, before allocation)."""
     adapter = adapter_for(model)
+    mode = context.tensor_parallel_mode
+    if mode != "1d" and not adapter.grid_modes:
+        raise NotImplementedError(f"pipeline_parallel_size > 1 with tensor_parallel_mode={mode!r} is not "
+                                  f"implemented for {type(model).__name__}; use tensor_parallel_mode='1d' or no "
+                                  "pipeline parallelism for it")
     layout = build_layout(model, context)
     layer_ids = adapter.layer_ids(model)
     local = [layer_ids[i] for i in layout.local_layers()]
@@ -143,6 +149,12 @@ class StageModule(nn.Module):
             setattr(self, attribute, model.get_submodule(path))
 
     def forward(self, *inputs, **kwargs):
+        if self.parallel_context.tensor_parallel_mode != "1d":
+            # 2D / 2.5D / 3D: the schedule hands every rank the whole microbatch; keep this rank's batch block.
+            from ..parallel_layers.grid_boundary import split_stage_inputs
+
+            names = self.adapter.first_inputs if self.is_first else ()
+            inputs, kwargs = split_stage_inputs(self.owner, names, inputs, kwargs)
         autocast_dtype = getattr(self.owner, "_oslo_autocast_dtype", None)
         if autocast_dtype is None:
             return self.adapter.stage_forward(self, *inputs, **kwargs)
@@ -181,7 +193,8 @@ class TiedCopies:
     def __init__(self, model, layout: PipelineLayout, context):
         self.groups: list[tuple[nn.Parameter, object]] = []
         local = dict(model.named_parameters(remove_duplicate=False))
-        mesh = context.mesh.mesh.reshape(context.pp_size, -1, context.tp_size)  # [pp, dp (x cp), tp] global ranks
+        # [pp, dp (x cp), tp] global ranks; 2D/2.5D/3D: tp's grid sub-axes flattened into the last dim
+        mesh = context.mesh.mesh.reshape(context.pp_size, -1, context.tp_size)
         for names in adapter_for(model).tied_groups(model):
             pp_ranks = ranks_holding(model, layout, names)
             if len(pp_ranks) < 2:

@@ -10,6 +10,7 @@ import transformers
 
 import oslo_models as om
 from oslo_models.parallel_layers.plan import ShardSpec
+from tests.helpers import decoders
 from tests.helpers.models import padded_batch, save_tiny_gpt2
 
 
@@ -27,9 +28,10 @@ def test_grid_sizes_are_validated(options, match):
         om.ParallelConfig(**options)
 
 
-def test_unimplemented_combinations_say_so():
-    with pytest.raises(NotImplementedError, match="pipeline_parallel_size"):
-        om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d", pipeline_parallel_size=2)
+def test_pipeline_parallelism_composes():
+    # tests/parallel_layers/test_tp_modes_pipeline.py runs it; expert parallelism is refused (tests/test_config.py)
+    assert om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d",
+                             pipeline_parallel_size=2).model_parallel_size == 8
 
 
 def test_grid_shape():
@@ -76,12 +78,8 @@ def test_two_dim_blocks_read_only_their_block():
     assert all((index[0].stop or 5) - (index[0].start or 0) <= 3 for index in reads)
 
 
-def test_q1_grid_model_matches_transformers(tmp_path):
-    path = save_tiny_gpt2(tmp_path / "gpt2")
-    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
-    model = om.AutoModelForCausalLM.from_pretrained(
-        path, parallel=om.ParallelConfig(tensor_parallel_mode="2d"), progress=False).train()
-    assert type(model.transformer.h[0].mlp.c_fc).__name__ == "Linear2D"
+def _assert_one_step_matches(model, reference) -> None:
+    """Logits and every gradient of one padded batch equal the reference's (q=1: nothing is split)."""
     ids, mask, labels = padded_batch(101, batch=2, seq=8)
     expected, got = reference(ids, attention_mask=mask, labels=labels), model(ids, attention_mask=mask, labels=labels)
     torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
@@ -92,8 +90,46 @@ def test_q1_grid_model_matches_transformers(tmp_path):
         torch.testing.assert_close(param.grad, ref[name].grad, atol=1e-5, rtol=1e-4)
 
 
+def test_q1_grid_model_matches_transformers(tmp_path):
+    path = save_tiny_gpt2(tmp_path / "gpt2")
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    model = om.AutoModelForCausalLM.from_pretrained(
+        path, parallel=om.ParallelConfig(tensor_parallel_mode="2d"), progress=False).train()
+    assert type(model.transformer.h[0].mlp.c_fc).__name__ == "Linear2D"
+    _assert_one_step_matches(model, reference)
+
+
 def test_unplanned_module_is_refused_under_a_grid_mode(tmp_path):
     path = save_tiny_gpt2(tmp_path / "cls", cls=transformers.GPT2ForSequenceClassification)
     with pytest.raises(NotImplementedError, match="score"):
         om.AutoModelForSequenceClassification.from_pretrained(
             path, parallel=om.ParallelConfig(tensor_parallel_mode="2d"), progress=False)
+
+
+def test_llama_heads_must_split_over_the_grid():
+    """Key/value heads follow the grid's q hidden blocks: fewer than q is a ValueError before any process group
+    (1D replicates them instead)."""
+    config = decoders.tiny_config("llama", num_key_value_heads=1)
+    om.LlamaForCausalLM.validate_parallel_config(config, om.ParallelConfig(tensor_parallel_size=4))
+    with pytest.raises(ValueError, match="num_key_value_heads=1 is not divisible by 2"):
+        om.LlamaForCausalLM.validate_parallel_config(
+            config, om.ParallelConfig(tensor_parallel_size=8, tensor_parallel_mode="3d"))
+    with pytest.raises(ValueError, match="num_attention_heads=8 is not divisible by 3"):
+        om.LlamaForCausalLM.validate_parallel_config(
+            decoders.tiny_config("llama"), om.ParallelConfig(tensor_parallel_size=9, tensor_parallel_mode="2d"))
+
+
+def test_q1_grid_llama_matches_and_experts_are_refused(tmp_path):
+    """A q=1 grid Llama (RMSNorm2D with Llama's rounding, KV heads as a grid linear) equals ``transformers``;
+    mixture-of-experts layers have no grid layout and say so while the model is built."""
+    path = decoders.save_tiny(tmp_path / "llama", "llama")
+    grid = om.ParallelConfig(tensor_parallel_mode="3d")
+    reference = decoders.hf_class("llama").from_pretrained(path).train()
+    model = om.LlamaForCausalLM.from_pretrained(path, parallel=grid, progress=False).train()
+    assert type(model.model.layers[0].self_attn.k_proj).__name__ == "Linear3D"
+    _assert_one_step_matches(model, reference)
+    mixtral = transformers.MixtralConfig(hidden_size=32, intermediate_size=24, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                         num_experts_per_tok=2, vocab_size=decoders.VOCAB)
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+        om.MixtralForCausalLM.from_config(mixtral, parallel=grid)

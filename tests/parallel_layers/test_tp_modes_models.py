@@ -1,8 +1,8 @@
-"""GPT-2, BERT MLM and T5 under the 2D (Optimus/SUMMA, tp=4), 2.5D (Tesseract, tp=8, d=2) and 3D (tp=8)
-tensor-parallel modes equal plain ``transformers``: logits, loss, every gradient, parameters after 3 AdamW steps; per-rank parameter count is the
-mode's formula; save -> plain ``transformers`` load gives the same logits; ``from_config`` equals tp=1 from the
-same seed; 2D x dp2 equals the single-process run on the global batch. One process group per layout runs all
-of them. Negative control: the block of another grid position does not match."""
+"""GPT-2, BERT MLM, T5, Llama and Qwen3 under the 2D (Optimus/SUMMA, tp=4), 2.5D (Tesseract, tp=8, d=2) and 3D
+(tp=8) tensor-parallel modes equal plain ``transformers``: logits, loss, every gradient, parameters after 3 AdamW
+steps; per-rank parameter count is the mode's formula; save -> plain ``transformers`` load gives the same logits;
+``from_config`` equals tp=1 from the same seed; 2D x dp2 equals the single-process run on the global batch. One
+process group per layout runs all of them. Negative control: the block of another grid position does not match."""
 from __future__ import annotations
 
 import os
@@ -13,6 +13,7 @@ import transformers
 
 import oslo_models as om
 from oslo_models.parallel_layers.plan import ShardSpec
+from tests.helpers import decoders
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import VOCAB, assert_steps_match, save_tiny, tiny_bert_config, tiny_t5_config
 from tests.helpers.models import assert_params_match, padded_batch, save_tiny_gpt2, tiny_gpt2_config
@@ -30,6 +31,13 @@ def checkpoint(tmp_path_factory):
 def bert_checkpoint(tmp_path_factory):
     config = tiny_bert_config(num_attention_heads=8)
     return save_tiny(tmp_path_factory.mktemp("bert_modes") / "mlm", transformers.BertForMaskedLM, config)
+
+
+@pytest.fixture(scope="module")
+def decoder_checkpoints(tmp_path_factory):
+    """Llama (GQA 8/2 heads, biases on q/k/v/o and the MLP, untied) and Qwen3 (q/k RMS norms, head_dim 12)."""
+    root = tmp_path_factory.mktemp("decoders_modes")
+    return {name: decoders.save_tiny(root / name, name) for name in ("llama", "qwen3")}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +95,20 @@ def _t5(path: str, ctx) -> None:
     assert_steps_match(model, reference, inputs, labels)
 
 
-def _modes_worker(path: str, bert_path: str, t5_path: str, tp: int, mode: str, depth: int, out_dir: str) -> None:
+def _decoders(paths: dict, ctx) -> None:
+    """The Llama family: gated MLP, RMS norms (Llama's rounding), rotary attention over GQA key/value heads split
+    with the grid's hidden blocks, Qwen3's q/k norms on whole heads; per-row position ids (left padding)."""
+    ids, mask, labels = padded_batch(decoders.VOCAB, batch=4, seq=8)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    for name, path in paths.items():
+        reference = decoders.hf_class(name).from_pretrained(path).train()
+        model = decoders.om_class(name).from_pretrained(path, parallel=ctx, progress=False).train()
+        assert_steps_match(model, reference, dict(input_ids=ids, attention_mask=mask, position_ids=position_ids),
+                           labels)
+
+
+def _modes_worker(path: str, bert_path: str, t5_path: str, decoder_paths: dict, tp: int, mode: str, depth: int,
+                  out_dir: str) -> None:
     cfg = om.ParallelConfig(tensor_parallel_size=tp, tensor_parallel_mode=mode, tensor_parallel_depth=depth)
     reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
     model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
@@ -134,21 +155,20 @@ def _modes_worker(path: str, bert_path: str, t5_path: str, tp: int, mode: str, d
     torch.manual_seed(7)
     assert_params_match(fresh, transformers.GPT2LMHeadModel(config), atol=0, rtol=0)
 
-    if mode == "3d":
-        with pytest.raises(NotImplementedError, match="vocabulary bias"):
-            om.AutoModelForMaskedLM.from_pretrained(bert_path, parallel=ctx, progress=False)
-    else:
-        _bert_mlm(bert_path, ctx, out_dir + "_bert")
+    _bert_mlm(bert_path, ctx, out_dir + "_bert")
     _t5(t5_path, ctx)
+    _decoders(decoder_paths, ctx)
 
 
 @pytest.mark.parametrize("tp,mode,depth", [(4, "2d", 1), (8, "2.5d", 2), (8, "3d", 1)])
-def test_grid_modes_match_transformers(checkpoint, bert_checkpoint, t5_checkpoint, tmp_path, tp, mode, depth):
-    run_distributed(_modes_worker, tp, checkpoint, bert_checkpoint, t5_checkpoint, tp, mode, depth,
+def test_grid_modes_match_transformers(checkpoint, bert_checkpoint, t5_checkpoint, decoder_checkpoints, tmp_path,
+                                       tp, mode, depth):
+    run_distributed(_modes_worker, tp, checkpoint, bert_checkpoint, t5_checkpoint, decoder_checkpoints, tp, mode,
+                    depth,
                     str(tmp_path / "saved"),
                     timeout=400)
     assert os.path.exists(tmp_path / "saved" / "model.safetensors")
-    assert mode == "3d" or os.path.exists(tmp_path / "saved_bert" / "model.safetensors")
+    assert os.path.exists(tmp_path / "saved_bert" / "model.safetensors")
 
 
 def _dp_worker(path: str) -> None:

@@ -91,8 +91,15 @@ class SequenceParallelRMSNormStyle(Style):
         return "replicated_with_grad_allreduce" if self.always_reduce else "sequence_parallel"
 
     def build(self, module, context):
-        if context.tensor_parallel_mode in ("2d", "2.5d", "3d"):  # the mode decides how: an RMS norm over split hidden
-            from ...parallel_layers.tensor_parallel_2d import RMSNorm2D
+        if context.tensor_parallel_mode in ("2d", "2.5d", "3d"):
+            if self.always_reduce:
+                # Qwen3's q/k norms over a whole head_dim: replicated weight, and every grid rank normalizes other
+                # tokens or heads, so the gradient is summed over the whole tensor-parallel group.
+                norm = SequenceParallelRMSNorm.from_plain(module, context.tp_group, always_reduce=True,
+                                                          fused=context.config.fused_ops)
+                norm.grid_planned = True  # laid out for the grid (see grid_boundary.check_fully_planned)
+                return norm
+            from ...parallel_layers.tensor_parallel_2d import RMSNorm2D  # an RMS norm over the split hidden
 
             return RMSNorm2D.from_plain(module, context)
         return SequenceParallelRMSNorm.from_plain(module, context.tp_group, always_reduce=self.always_reduce,

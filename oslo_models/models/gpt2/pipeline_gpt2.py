@@ -24,6 +24,7 @@ class GPT2LMPipelineAdapter(CausalLMPipelineAdapter):
     layer_paths = ("transformer.h",)
     batch_keys = ("input_ids", "labels", "attention_mask", "position_ids")
     first_modules, last_modules, tied_embedding = FIRST, LAST, "transformer.wte.weight"
+    grid_modes = True
 
     def layer_counts(self, model) -> tuple[int, ...]:
         return (model.config.num_hidden_layers,)

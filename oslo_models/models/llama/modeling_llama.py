@@ -33,6 +33,7 @@ from transformers.modeling_outputs import (
 from transformers.utils.generic import can_return_tuple
 
 from ...config import ParallelConfig
+from ...parallel_layers.kv_heads import check_grid_heads
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ..common import (
     GatedMLP,
@@ -105,6 +106,8 @@ class LlamaPreTrainedModel(OsloPreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _keys_to_ignore_on_load_unexpected = ["rotary_emb.inv_freq"]  # persisted by some old Llama conversions
+    # 3D tensor parallelism: position ids feed only the rotary attention, which runs in the inner layout
+    grid_inner_inputs = ("attention_mask", "position_ids")
 
     @classmethod
     def decoder_options(cls, config) -> dict:
@@ -119,6 +122,14 @@ class LlamaPreTrainedModel(OsloPreTrainedModel):
         if heads % kv_heads:
             raise ValueError(f"{name}: num_attention_heads={heads} is not a multiple of num_key_value_heads="
                              f"{kv_heads}")
+        if parallel.tensor_parallel_mode != "1d":  # 2D/2.5D/3D: heads and FFN split over the grid's q blocks
+            check_grid_heads(heads, parallel)
+            check_grid_heads(kv_heads, parallel, f"{name}: num_key_value_heads")
+            q = parallel.grid_shape[-1]
+            if config.intermediate_size % q:
+                raise ValueError(f"{name}: intermediate_size={config.intermediate_size} is not divisible by the "
+                                 f"grid's q={q}")
+            return
         if heads % tp:
             raise ValueError(f"{name}: num_attention_heads={heads} is not divisible by tensor_parallel_size={tp}")
         if tp <= kv_heads and kv_heads % tp:
