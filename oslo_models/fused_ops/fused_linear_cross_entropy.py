@@ -97,8 +97,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         dhidden = dhidden * grad_loss.to(dhidden.dtype)  # a new tensor: safe to reduce in place
         if _vocab_parallel(ctx.group):
             dist.all_reduce(dhidden, op=dist.ReduceOp.SUM, group=ctx.group)
-        dweight = (dweight * grad_loss).to(ctx.dtypes[0])
-        dbias = None if dbias is None else (dbias * grad_loss).to(ctx.dtypes[1])
+        # In place: a second [V, H] fp32 buffer would double this op's largest allocation (Liger does the same).
+        # A second backward (retain_graph=True) then fails loudly: autograd sees the saved tensor was modified.
+        dweight = dweight.mul_(grad_loss).to(ctx.dtypes[0])
+        dbias = None if dbias is None else dbias.mul_(grad_loss).to(ctx.dtypes[1])
         return dhidden, dweight, dbias, None, None, None, None, None, None, None, None
 
 

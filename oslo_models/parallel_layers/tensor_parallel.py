@@ -252,7 +252,9 @@ class ParallelDropout(Dropout):
         return cls(module.p, rng=rng, always_split=always_split)
 
     def rng_context(self, sequence_parallel: bool = False):
-        if self.rng is None:
+        # No draw, no fork: swapping generator states is opaque to torch.compile (a graph break in every
+        # attention block), so evaluation and p=0 must not pay for it.
+        if self.rng is None or not self.training or self.p == 0.0:
             return contextlib.nullcontext()
         return self.rng.fork(enabled=self.always_split or sequence_parallel)
 
