@@ -25,6 +25,11 @@ collective a column-parallel linear's input does. Callers therefore pass the rep
 without their own copy-to-tensor-parallel-region mapping. ``dweight``/``dbias`` are local (no collective).
 
 The default ``chunk_size`` makes one chunk of logits about as large as ``hidden`` (``rows * H / V_local``).
+
+``linear_cross_entropy_loss`` is the form the models' LM/MLM heads call (``skip_logits=True``): always chunked,
+on any device (the Triton kernels where the dispatcher picks them, the torch stats/grad functions elsewhere), fp32
+loss, and a vocabulary padded to a multiple of the group size (``vocab_size``: padding rows are cut off, so each
+rank passes its own first id and the real total; the last rank's slice may be shorter or empty).
 """
 from __future__ import annotations
 
