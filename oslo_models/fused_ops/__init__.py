@@ -11,7 +11,8 @@ from oslo_models.fused_ops.bias_gelu import bias_gelu, bias_gelu_reference
 from oslo_models.fused_ops.cross_entropy import cross_entropy, cross_entropy_reference
 from oslo_models.fused_ops.dispatch import ENV_VAR, env_enabled, triton_available, use_triton
 from oslo_models.fused_ops.fused_linear_cross_entropy import (fused_linear_cross_entropy,
-                                                              fused_linear_cross_entropy_reference)
+                                                              fused_linear_cross_entropy_reference,
+                                                              linear_cross_entropy_loss)
 from oslo_models.fused_ops.layer_norm import FusedLayerNorm, layer_norm, layer_norm_reference
 from oslo_models.fused_ops.rms_norm import FusedRMSNorm, rms_norm, rms_norm_reference
 from oslo_models.fused_ops.rotary_embedding import rotary_embedding, rotary_embedding_reference
@@ -22,7 +23,7 @@ __all__ = [
     "bias_dropout_add", "bias_dropout_add_reference", "bias_gelu", "bias_gelu_reference",
     "cross_entropy", "cross_entropy_reference", "env_enabled",
     "fused_linear_cross_entropy", "fused_linear_cross_entropy_reference",
-    "layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference",
+    "layer_norm", "layer_norm_reference", "linear_cross_entropy_loss", "rms_norm", "rms_norm_reference",
     "rotary_embedding", "rotary_embedding_reference", "softmax", "softmax_reference",
     "triton_available", "use_triton",
 ]

@@ -126,6 +126,9 @@ def _(logits, labels, lse, grad_rows, vocab_start, vocab_total, label_smoothing,
 def _stats_torch(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, ignore_index: int) -> torch.Tensor:
     """The stats kernel's output, in plain torch (the reference path of the vocab-parallel form)."""
     x = logits.float()
+    if x.shape[1] == 0:  # a rank whose vocabulary slice is all padding: no mass, no target
+        zeros = x.new_zeros(x.shape[0])
+        return torch.stack([torch.full_like(zeros, float("-inf")), zeros, zeros, zeros])
     row_max = x.max(-1).values
     sum_exp = torch.exp(x - row_max.where(torch.isfinite(row_max), 0.0)[:, None]).sum(-1)
     local = labels - vocab_start

@@ -25,6 +25,11 @@ collective a column-parallel linear's input does. Callers therefore pass the rep
 without their own copy-to-tensor-parallel-region mapping. ``dweight``/``dbias`` are local (no collective).
 
 The default ``chunk_size`` makes one chunk of logits about as large as ``hidden`` (``rows * H / V_local``).
+
+``linear_cross_entropy_loss`` is the form the models' LM/MLM heads call (``skip_logits=True``): always chunked,
+on any device (the Triton kernels where the dispatcher picks them, the torch stats/grad functions elsewhere), fp32
+loss, and a vocabulary padded to a multiple of the group size (``vocab_size``: padding rows are cut off, so each
+rank passes its own first id and the real total; the last rank's slice may be shorter or empty).
 """
 from __future__ import annotations
 
@@ -52,9 +57,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, label_smoothing, reduction, group, chunk_size,
-                use_kernel):
+                use_kernel, vocab=None):
         n_rows = hidden.shape[0]
-        vocab_start, vocab_total = vocab_range(weight.shape[0], group)
+        # ``vocab``: (first id of this rank's columns, full vocab size) when the caller passes a weight with the
+        # vocabulary padding rows already cut off (unequal slices); equal slices otherwise.
+        vocab_start, vocab_total = vocab if vocab is not None else vocab_range(weight.shape[0], group)
         count = (labels != ignore_index).sum()
         row_scale = torch.ones(n_rows, dtype=torch.float32, device=hidden.device)
         if reduction == "mean":
@@ -95,9 +102,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         dhidden = dhidden * grad_loss.to(dhidden.dtype)  # a new tensor: safe to reduce in place
         if _vocab_parallel(ctx.group):
             dist.all_reduce(dhidden, op=dist.ReduceOp.SUM, group=ctx.group)
-        dweight = (dweight * grad_loss).to(ctx.dtypes[0])
-        dbias = None if dbias is None else (dbias * grad_loss).to(ctx.dtypes[1])
-        return dhidden, dweight, dbias, None, None, None, None, None, None, None
+        # In place: a second [V, H] fp32 buffer would double this op's largest allocation (Liger does the same).
+        # A second backward (retain_graph=True) then fails loudly: autograd sees the saved tensor was modified.
+        dweight = dweight.mul_(grad_loss).to(ctx.dtypes[0])
+        dbias = None if dbias is None else dbias.mul_(grad_loss).to(ctx.dtypes[1])
+        return dhidden, dweight, dbias, None, None, None, None, None, None, None, None
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -113,6 +122,42 @@ class _CopyToGroup(torch.autograd.Function):
         grad = grad.clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad, None
+
+
+def linear_cross_entropy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                              bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                              reduction: str = "mean", group: Optional[dist.ProcessGroup] = None,
+                              vocab_size: Optional[int] = None, chunk_size: Optional[int] = None,
+                              enabled: bool = True, force_triton: bool = False) -> torch.Tensor:
+    """The LM-head loss the models use: always chunked (no ``[rows, V]`` logits, on any device), with the Triton
+    stats/grad kernels where the dispatcher picks them and the same math in torch elsewhere. Returns the fp32
+    loss (as ``transformers``, which upcasts the logits before its cross-entropy).
+
+    ``weight`` is this rank's ``[V_padded/tp, H]`` slice of a vocabulary padded up to a multiple of the group
+    size; ``vocab_size`` (the real size) cuts the padding rows off, so they get no probability mass and no
+    gradient (without it every row is a real id). Collectives as ``FusedLinearCrossEntropyFunction``: forward
+    all-reduce MAX and SUM per chunk, backward one all-reduce SUM of the hidden grad.
+    """
+    check_args(hidden.shape, labels, 0.0, reduction, "linear_cross_entropy_loss")
+    if reduction == "none":
+        raise ValueError("linear_cross_entropy_loss: reduction must be 'mean' or 'sum'")
+    local = weight.shape[0]
+    vocab_start, vocab_total = vocab_range(local, group)
+    if vocab_size is not None:
+        if not vocab_total - local < vocab_size <= vocab_total:
+            raise ValueError(f"linear_cross_entropy_loss: vocab_size={vocab_size} does not fit {local} rows "
+                             f"per rank")
+        num_real = max(0, min(local, vocab_size - vocab_start))
+        if num_real < local:  # a view: the padding rows' grads are zero, as when masked to -inf
+            weight = weight[:num_real]
+            bias = None if bias is None else bias[:num_real]
+        vocab_total = vocab_size
+    hidden2 = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    labels1 = labels.reshape(-1).long()
+    chunk = chunk_size or default_chunk_size(hidden2.shape[0], hidden2.shape[1], max(local, 1))
+    use_kernel = use_triton(hidden, weight, bias, labels, enabled=enabled, force_triton=force_triton)
+    return FusedLinearCrossEntropyFunction.apply(hidden2, weight, bias, labels1, ignore_index, 0.0, reduction,
+                                                 group, chunk, use_kernel, (vocab_start, vocab_total))
 
 
 def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,

@@ -32,6 +32,7 @@ from ..distributed.agreement import all_or_none
 from ..distributed.context import ParallelContext, _world_from_environment
 from ..parallel_layers.plan import ParallelPlan
 from .common.context_parallel import check_context_parallel
+from .common.bias_act import configure_fused_ops
 from .common.pretrained_options import parse_load_options
 
 
@@ -104,6 +105,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         type(self).validate_parallel_config(self.config, self.parallel_context.config)  # direct construction too
         check_context_parallel(type(self), self.config, self.parallel_context.config)
         self.parallel_plan.apply(self, self.parallel_context)
+        configure_fused_ops(self, self.parallel_context.config.fused_ops)  # e.g. bias-GELU on the planned layers
         if self.parallel_context.pp_size > 1:
             # Pipeline parallelism: keep only this rank's stages (layers, and embeddings/head on the first/last
             # stage) before anything is allocated; names stay the Hub names. See oslo_models/pipeline/stage.py.

@@ -66,7 +66,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, 
     this rank's tokens is computed over the row (the vocabulary group) and all-gathered over the batch groups
     (backward: split), so callers reduce the global batch exactly as at 1D.
     """
-    if hasattr(group, "vocab_group"):
+    # the isinstance test first: torch.compile refuses attribute probes on a ProcessGroup (an opaque object)
+    if group is not None and not isinstance(group, dist.ProcessGroup) and hasattr(group, "vocab_group"):
         local = _VocabParallelCrossEntropy.apply(logits, group.local_rows(labels), vocab_start, group.vocab_group,
                                                  ignore_index)
         return group.gather_rows(local)

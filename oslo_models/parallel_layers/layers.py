@@ -59,8 +59,13 @@ class Linear(nn.Linear):
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
 
-    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False, skip_bias_add: bool = False):
+        """``y``, or ``(x W^T, bias)`` with the bias left for the caller to fuse (``skip_bias_add=True``)."""
+        if skip_bias_add:
+            return linear_forward(x, self.weight, None, self.layout), self.bias
         return linear_forward(x, self.weight, self.bias, self.layout)
+
+    forward.takes_skip_bias_add = True  # see models/common/bias_act.py
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, layout={self.layout}"

@@ -64,9 +64,11 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         return x
     if x.shape[dim] % world:
         raise ValueError(f"Cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {world} ranks")
-    inputs = [chunk.contiguous() for chunk in x.chunk(world, dim=dim)]
-    out = torch.empty_like(inputs[0])
-    dist.reduce_scatter(out, inputs, group=group)
+    # The chunks concatenated along dim 0 and the *_tensor collective: torch.compile traces it (as a functional
+    # collective); the list form of reduce_scatter is a graph break.
+    chunks = x.chunk(world, dim=dim)
+    out = torch.empty(chunks[0].shape, dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, torch.cat(chunks, dim=0), group=group)
     return out
 
 

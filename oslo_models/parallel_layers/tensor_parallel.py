@@ -95,17 +95,26 @@ class ColumnParallelLinear(Linear):
         return cls(module.in_features, module.out_features, group=group, bias=module.bias is not None,
                    layout=layout, device=module.weight.device, dtype=module.weight.dtype, **options)
 
-    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False, skip_bias_add: bool = False):
+        """``y``; with ``skip_bias_add=True`` (Megatron's option) ``(x A, b)``: this rank's unbiased output
+        ``[b, s, out/tp]`` and bias ``[out/tp]`` (or ``None``), for a caller that fuses the add with what follows
+        (``fused_ops.bias_gelu``). Not for a vocab or gathered output (``ValueError``)."""
         if sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group, grad_is_partial=True)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)
+        if skip_bias_add:
+            if self.vocab_size is not None or self.gather_output:
+                raise ValueError("skip_bias_add=True is for a split hidden output, not an LM head or a gathered one")
+            return linear_forward(x, self.weight, None, self.layout), self.bias
         y = linear_forward(x, self.weight, self.bias, self.layout)
         if self.vocab_size is not None and self.tp_size > 1:
             y = self.mask_vocab_padding(y)
         if self.gather_output:
             y = self.gather(y)
         return y
+
+    forward.takes_skip_bias_add = True  # see models/common/bias_act.py
 
     def mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
         return mask_vocab_padding(logits, self.tp_rank * self.out_features, self.vocab_size)
@@ -243,7 +252,9 @@ class ParallelDropout(Dropout):
         return cls(module.p, rng=rng, always_split=always_split)
 
     def rng_context(self, sequence_parallel: bool = False):
-        if self.rng is None:
+        # No draw, no fork: swapping generator states is opaque to torch.compile (a graph break in every
+        # attention block), so evaluation and p=0 must not pay for it.
+        if self.rng is None or not self.training or self.p == 0.0:
             return contextlib.nullcontext()
         return self.rng.fork(enabled=self.always_split or sequence_parallel)
 

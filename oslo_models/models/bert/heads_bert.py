@@ -18,7 +18,8 @@ from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions, Nex
 from transformers.utils.generic import can_return_tuple
 
 from ...parallel_layers.layers import Dropout, Linear
-from ..common import causal_token_loss, full_logits, keep_last_logits
+from ..common import keep_last_logits
+from ..common.lm_loss import head_loss_and_logits
 from ..common.outputs import passed_on
 from ..heads import flatten_choices, multiple_choice_output
 from .modeling_bert import BertForMaskedLM, BertModel, BertOnlyMLMHead, BertPreTrainedModel, _base_kwargs
@@ -55,20 +56,21 @@ class BertLMHeadModel(BertPreTrainedModel, GenerationMixin):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, past_key_values=None, use_cache=None, logits_to_keep=0,
-                gather_logits: bool = True, num_items_in_batch=None, shift_labels=None, **kwargs):
+                gather_logits: bool = True, num_items_in_batch=None, shift_labels=None, skip_logits: bool = False,
+                **kwargs):
         if labels is not None:
             use_cache = False
         outputs = self.base_model(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
                                                  inputs_embeds, kwargs), past_key_values=past_key_values,
                                   use_cache=use_cache)
-        hidden_states = keep_last_logits(outputs.last_hidden_state, logits_to_keep)
-        local_logits = getattr(self, self.head_name)(hidden_states)  # [b, s, V_padded/tp]
-        decoder = self.get_output_embeddings()
-        loss = None
-        if labels is not None:  # as transformers: shift_labels (pre-shifted targets) only alongside labels
-            loss = causal_token_loss(local_logits, labels, decoder, num_items_in_batch=num_items_in_batch,
-                                     shift_labels=shift_labels)
-        return CausalLMOutputWithCrossAttentions(loss=loss, logits=full_logits(local_logits, decoder, gather_logits),
+        features = getattr(self, self.head_name).features(keep_last_logits(outputs.last_hidden_state, logits_to_keep))
+        # logits [b, s, V] ([b, s, V_padded/tp] with gather_logits=False; None with skip_logits, see lm_loss.py).
+        # As transformers: shift_labels (pre-shifted targets) only alongside labels.
+        loss, logits = head_loss_and_logits(self.get_output_embeddings(), features, labels, causal=True,
+                                            skip_logits=skip_logits, fused=self.parallel_context.config.fused_ops,
+                                            gather_logits=gather_logits, num_items_in_batch=num_items_in_batch,
+                                            shift_labels=shift_labels)
+        return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits,
                                                  past_key_values=outputs.past_key_values,
                                                  cross_attentions=outputs.cross_attentions, **passed_on(outputs))
 

@@ -32,6 +32,8 @@ from transformers.utils.generic import can_return_tuple
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ..common.context_parallel import context_parallel_inputs, context_parallel_loss, context_parallel_loss_items
+from ..common.bias_act import fused_gelu_approximation, linear_act
+from ..common.lm_loss import head_loss_and_logits
 from ..common import attend, enter_sequence_parallel, full_logits, leave_sequence_parallel, split_heads, token_loss
 from ..common import use_sequence_parallel
 from ..common.attention import AttentionModule
@@ -142,10 +144,16 @@ class BertIntermediate(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.dense = Linear(config.hidden_size, config.intermediate_size)
+        self.hidden_act = config.hidden_act if isinstance(config.hidden_act, str) else None
         self.intermediate_act_fn = _activation(config.hidden_act)
+        self.fused_gelu = None  # bias_gelu's ``approximate`` when the fused bias-GELU runs (configure_fused_ops)
+
+    def configure_fused_ops(self, enabled: bool) -> None:
+        self.fused_gelu = fused_gelu_approximation(enabled, self.hidden_act, self.dense)
 
     def forward(self, hidden_states, *, sequence_parallel=False):
-        return self.intermediate_act_fn(self.dense(hidden_states, sequence_parallel=sequence_parallel))
+        return linear_act(self.dense, self.intermediate_act_fn, hidden_states, approximate=self.fused_gelu,
+                          sequence_parallel=sequence_parallel)
 
 
 class BertOutput(BertSelfOutput):
@@ -217,6 +225,10 @@ class BertLMPredictionHead(nn.Module):
         self.decoder = Linear(config.hidden_size, config.vocab_size, bias=True)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
+    def features(self, hidden_states):
+        """The replicated transform before the decoder: ``[b, s, h] -> [b, s, h]``."""
+        return self.transform(hidden_states)
+
     def forward(self, hidden_states):
         return self.decoder(self.transform(hidden_states))
 
@@ -225,6 +237,9 @@ class BertOnlyMLMHead(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.predictions = BertLMPredictionHead(config)
+
+    def features(self, sequence_output):
+        return self.predictions.features(sequence_output)
 
     def forward(self, sequence_output):
         return self.predictions(sequence_output)
@@ -394,18 +409,19 @@ class BertForMaskedLM(BertPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, gather_logits: bool = True, num_items_in_batch=None, **kwargs):
+                inputs_embeds=None, labels=None, gather_logits: bool = True, num_items_in_batch=None,
+                skip_logits: bool = False, **kwargs):
         outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                            kwargs))
-        local_logits = self.cls(outputs.last_hidden_state)  # [b, s, V_padded/tp]
-        decoder = self.cls.predictions.decoder
-        loss = None
+        # logits [b, s, V] ([b, s, V_padded/tp] with gather_logits=False; None with skip_logits, see lm_loss.py)
         if labels is not None:
             num_items_in_batch = context_parallel_loss_items(self, labels, num_items_in_batch, causal=False)
-            loss = context_parallel_loss(self, token_loss(local_logits, labels, decoder,
-                                                          num_items_in_batch=num_items_in_batch))
-        return MaskedLMOutput(loss=loss, logits=full_logits(local_logits, decoder, gather_logits),
-                              **passed_on(outputs))
+        loss, logits = head_loss_and_logits(self.cls.predictions.decoder, self.cls.features(outputs.last_hidden_state),
+                                            labels, causal=False, skip_logits=skip_logits,
+                                            fused=self.parallel_context.config.fused_ops, gather_logits=gather_logits,
+                                            num_items_in_batch=num_items_in_batch)
+        loss = context_parallel_loss(self, loss)  # cp: the mean over the whole sequence
+        return MaskedLMOutput(loss=loss, logits=logits, **passed_on(outputs))
 
 
 class BertForPreTraining(BertPreTrainedModel):

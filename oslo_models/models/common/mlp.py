@@ -13,6 +13,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ...parallel_layers.layers import Dropout, Linear
+from .bias_act import fused_gelu_approximation, linear_act
 
 
 class DenseActDense(nn.Module):
@@ -23,10 +24,15 @@ class DenseActDense(nn.Module):
         self.wi = Linear(d_model, d_ff, bias=False)
         self.wo = Linear(d_ff, d_model, bias=False)
         self.dropout = Dropout(dropout)
-        self.act = ACT2FN[act]
+        self.act_name, self.act = act, ACT2FN[act]
+        self.fused_gelu = None  # bias_gelu's ``approximate`` for GELU variants when fused (configure_fused_ops)
+
+    def configure_fused_ops(self, enabled: bool) -> None:
+        self.fused_gelu = fused_gelu_approximation(enabled, self.act_name, self.wi)
 
     def forward(self, hidden_states: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
-        hidden_states = self.act(self.wi(hidden_states, sequence_parallel=sequence_parallel))  # [b, s, d_ff/tp]
+        hidden_states = linear_act(self.wi, self.act, hidden_states, approximate=self.fused_gelu,
+                                   sequence_parallel=sequence_parallel)  # [b, s, d_ff/tp]
         hidden_states = self.dropout(hidden_states)
         return self.wo(hidden_states.to(self.wo.weight.dtype), sequence_parallel=sequence_parallel)
 
@@ -41,10 +47,15 @@ class DenseGatedActDense(nn.Module):
         self.wi_1 = Linear(d_model, d_ff, bias=False)
         self.wo = Linear(d_ff, d_model, bias=False)
         self.dropout = Dropout(dropout)
-        self.act = ACT2FN[act]
+        self.act_name, self.act = act, ACT2FN[act]
+        self.fused_gelu = None  # bias_gelu's ``approximate`` for GELU variants when fused (configure_fused_ops)
+
+    def configure_fused_ops(self, enabled: bool) -> None:
+        self.fused_gelu = fused_gelu_approximation(enabled, self.act_name, self.wi_0)
 
     def forward(self, hidden_states: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
-        gate = self.act(self.wi_0(hidden_states, sequence_parallel=sequence_parallel))
+        gate = linear_act(self.wi_0, self.act, hidden_states, approximate=self.fused_gelu,
+                          sequence_parallel=sequence_parallel)
         hidden_states = self.dropout(gate * self.wi_1(hidden_states, sequence_parallel=sequence_parallel))
         # the cast keeps a fp32 ``wo`` (Flan-T5 in 8-bit setups) working, as transformers does
         return self.wo(hidden_states.to(self.wo.weight.dtype), sequence_parallel=sequence_parallel)

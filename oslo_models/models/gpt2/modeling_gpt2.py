@@ -31,9 +31,10 @@ from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ...parallel_layers.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
-from ..common import causal_token_loss, full_logits, keep_last_logits
 from ..common.attention import AttentionModule, attend
+from ..common.bias_act import fused_gelu_approximation, linear_act
 from ..common.context_parallel import context_parallel_inputs, context_parallel_loss, context_parallel_loss_items
+from ..common.lm_loss import lm_head_loss_and_logits
 from ..common.outputs import OutputCollector, passed_on
 from ..heads import (last_token_logits, question_answering_output, sequence_classification_loss,
                      token_classification_output)
@@ -83,11 +84,17 @@ class GPT2MLP(nn.Module):
         super().__init__()
         self.c_fc = Linear(config.hidden_size, intermediate_size, layout="conv1d")
         self.c_proj = Linear(intermediate_size, config.hidden_size, layout="conv1d")
+        self.config_act = config.activation_function
         self.act = ACT2FN[config.activation_function]
         self.dropout = Dropout(config.resid_pdrop)
+        self.fused_gelu = None  # bias_gelu's ``approximate`` when the fused bias-GELU runs (configure_fused_ops)
+
+    def configure_fused_ops(self, enabled: bool) -> None:
+        self.fused_gelu = fused_gelu_approximation(enabled, self.config_act, self.c_fc)
 
     def forward(self, hidden_states, *, sequence_parallel=False):
-        hidden_states = self.act(self.c_fc(hidden_states, sequence_parallel=sequence_parallel))  # [b, s, i/tp]
+        hidden_states = linear_act(self.c_fc, self.act, hidden_states, approximate=self.fused_gelu,
+                                   sequence_parallel=sequence_parallel)  # [b, s, i/tp]
         hidden_states = self.c_proj(hidden_states, sequence_parallel=sequence_parallel)
         return self.dropout(hidden_states, sequence_parallel=sequence_parallel)
 
@@ -252,20 +259,24 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
     @can_return_tuple
     def forward(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
                 position_ids=None, inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
-                gather_logits: bool = True, num_items_in_batch=None, shift_labels=None, **kwargs):
+                gather_logits: bool = True, num_items_in_batch=None, shift_labels=None, skip_logits: bool = False,
+                **kwargs):
         outputs = self.transformer(input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
                                    token_type_ids=token_type_ids, position_ids=position_ids,
                                    inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True, **kwargs)
-        hidden_states = keep_last_logits(outputs.last_hidden_state, logits_to_keep)
-        local_logits = self.lm_head(hidden_states)  # [b, s, V_padded/tp], padded columns = -inf
-        loss = None
-        if labels is not None:  # as transformers: shift_labels (pre-shifted targets) only alongside labels
+        # logits [b, s, V] (this rank's [b, s, V_padded/tp] with gather_logits=False; None with skip_logits=True:
+        # then the loss runs fused and chunked, see common/lm_loss.py). As transformers: shift_labels (pre-shifted
+        # targets) only alongside labels.
+        if labels is not None:
             num_items_in_batch = context_parallel_loss_items(self, labels, num_items_in_batch,
                                                              shift_labels=shift_labels, causal=True)
-            loss = causal_token_loss(local_logits, labels, self.lm_head, num_items_in_batch=num_items_in_batch,
-                                     shift_labels=shift_labels)
-            loss = context_parallel_loss(self, loss)  # cp: the mean over the whole sequence
-        return CausalLMOutputWithCrossAttentions(loss=loss, logits=full_logits(local_logits, self.lm_head, gather_logits),
+        loss, logits = lm_head_loss_and_logits(self.lm_head, outputs.last_hidden_state, labels,
+                                               logits_to_keep=logits_to_keep, gather_logits=gather_logits,
+                                               num_items_in_batch=num_items_in_batch, shift_labels=shift_labels,
+                                               skip_logits=skip_logits,
+                                               fused=self.parallel_context.config.fused_ops)
+        loss = context_parallel_loss(self, loss)  # cp: the mean over the whole sequence
+        return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits,
                                                  past_key_values=outputs.past_key_values,
                                                  cross_attentions=outputs.cross_attentions, **passed_on(outputs))
 

@@ -284,7 +284,8 @@ class LlamaForCausalLM(_WithBaseModel, GenerationMixin):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, gather_logits: bool = True,
-                num_items_in_batch=None, shift_labels=None, **kwargs) -> CausalLMOutputWithPast:
+                num_items_in_batch=None, shift_labels=None, skip_logits: bool = False,
+                **kwargs) -> CausalLMOutputWithPast:
         outputs = self._base_outputs(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
                                      use_cache, kwargs)
         if labels is not None:
@@ -292,7 +293,9 @@ class LlamaForCausalLM(_WithBaseModel, GenerationMixin):
                                                              shift_labels=shift_labels, causal=True)
         loss, logits = lm_head_loss_and_logits(self.lm_head, outputs.last_hidden_state, labels,
                                                logits_to_keep=logits_to_keep, gather_logits=gather_logits,
-                                               num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
+                                               num_items_in_batch=num_items_in_batch, shift_labels=shift_labels,
+                                               skip_logits=skip_logits,
+                                               fused=self.parallel_context.config.fused_ops)
         loss = context_parallel_loss(self, loss)  # cp: the mean over the whole sequence
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                       **passed_on(outputs))

@@ -24,7 +24,7 @@ from ..bert.modeling_bert import (
     BertPreTrainedModel,
     _base_kwargs,
 )
-from ..common import full_logits, token_loss
+from ..common.lm_loss import head_loss_and_logits
 from ..common.outputs import passed_on
 from ..heads import sequence_classification_loss
 from .configuration_roberta import RobertaConfig
@@ -74,8 +74,12 @@ class RobertaLMHead(nn.Module):
         self.decoder = Linear(config.hidden_size, config.vocab_size)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
+    def features(self, features):
+        """The replicated transform before the decoder: ``[b, s, h] -> [b, s, h]``."""
+        return self.layer_norm(gelu(self.dense(features)))
+
     def forward(self, features):
-        return self.decoder(self.layer_norm(gelu(self.dense(features))))
+        return self.decoder(self.features(features))
 
 
 class RobertaForMaskedLM(RobertaPreTrainedModel):
@@ -104,15 +108,16 @@ class RobertaForMaskedLM(RobertaPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, gather_logits: bool = True, num_items_in_batch=None, **kwargs):
+                inputs_embeds=None, labels=None, gather_logits: bool = True, num_items_in_batch=None,
+                skip_logits: bool = False, **kwargs):
         outputs = self.roberta(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
                                               inputs_embeds, kwargs))
-        local_logits = self.lm_head(outputs.last_hidden_state)  # [b, s, V_padded/tp]
-        loss = None
-        if labels is not None:
-            loss = token_loss(local_logits, labels, self.lm_head.decoder, num_items_in_batch=num_items_in_batch)
-        return MaskedLMOutput(loss=loss, logits=full_logits(local_logits, self.lm_head.decoder, gather_logits),
-                              **passed_on(outputs))
+        # logits [b, s, V] ([b, s, V_padded/tp] with gather_logits=False; None with skip_logits, see lm_loss.py)
+        loss, logits = head_loss_and_logits(self.lm_head.decoder, self.lm_head.features(outputs.last_hidden_state),
+                                            labels, causal=False, skip_logits=skip_logits,
+                                            fused=self.parallel_context.config.fused_ops, gather_logits=gather_logits,
+                                            num_items_in_batch=num_items_in_batch)
+        return MaskedLMOutput(loss=loss, logits=logits, **passed_on(outputs))
 
 
 class RobertaClassificationHead(nn.Module):

@@ -45,13 +45,12 @@ from ..common import (
     RMSNorm,
     attend,
     enter_sequence_parallel,
-    full_logits,
     leave_sequence_parallel,
     split_heads,
-    token_loss,
     use_sequence_parallel,
 )
 from ..common.attention import AttentionModule
+from ..common.lm_loss import head_loss_and_logits
 from ..common.outputs import OutputCollector
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_t5 import T5Config
@@ -492,7 +491,8 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
-                labels=None, use_cache=None, gather_logits: bool = True, num_items_in_batch=None, **kwargs):
+                labels=None, use_cache=None, gather_logits: bool = True, num_items_in_batch=None,
+                skip_logits: bool = False, **kwargs):
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self._shift_right(labels)
         encoder_outputs, decoder_outputs = self.run_stacks(
@@ -501,12 +501,12 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
         sequence_output = decoder_outputs.last_hidden_state
         if self.config.scale_decoder_outputs:  # original T5 (tied head) rescales before the projection
             sequence_output = sequence_output * (self.model_dim ** -0.5)
-        local_logits = self.lm_head(sequence_output)  # [b, s_dec, V_padded/tp], padding columns -inf
-        loss = None
-        if labels is not None:
-            loss = token_loss(local_logits, labels, self.lm_head, num_items_in_batch=num_items_in_batch)
-        return self.lm_output(loss, full_logits(local_logits, self.lm_head, gather_logits), encoder_outputs,
-                              decoder_outputs, labels)
+        # logits [b, s_dec, V] ([b, s_dec, V_padded/tp] with gather_logits=False, padding columns -inf; None with
+        # skip_logits: the loss then runs fused and chunked, see common/lm_loss.py)
+        loss, logits = head_loss_and_logits(self.lm_head, sequence_output, labels, causal=False,
+                                            skip_logits=skip_logits, fused=self.parallel_context.config.fused_ops,
+                                            gather_logits=gather_logits, num_items_in_batch=num_items_in_batch)
+        return self.lm_output(loss, logits, encoder_outputs, decoder_outputs, labels)
 
     def lm_output(self, loss, logits, encoder_outputs, decoder_outputs, labels) -> ModelOutput:
         """The returned output from the head's loss and logits and both stacks' outputs (the hook Switch
