@@ -80,3 +80,22 @@ def check_context_parallel(model_class, config, parallel) -> None:
     if dropout:
         raise NotImplementedError(f"attention-probability dropout ({dropout}) under context parallelism is not "
                                   f"implemented; load the model with the attention dropout set to 0")
+
+
+def causal_lm_head_outputs(model, hidden_states: torch.Tensor, labels=None, *, logits_to_keep=0,
+                           gather_logits: bool = True, num_items_in_batch=None, shift_labels=None,
+                           skip_logits: bool = False):
+    """``(loss, logits)`` of a causal LM's ``model.lm_head`` on the last hidden states ``[b, s(/cp), h]``:
+    ``lm_head_loss_and_logits`` (fused and chunked with ``skip_logits``, then ``logits`` is ``None``) with the
+    model's ``fused_ops`` switch; under context parallelism the loss is the mean over the whole sequence (token count
+    and loss sum all-reduced over cp)."""
+    from .lm_loss import lm_head_loss_and_logits
+
+    if labels is not None:
+        num_items_in_batch = context_parallel_loss_items(model, labels, num_items_in_batch,
+                                                         shift_labels=shift_labels, causal=True)
+    loss, logits = lm_head_loss_and_logits(model.lm_head, hidden_states, labels, logits_to_keep=logits_to_keep,
+                                           gather_logits=gather_logits, num_items_in_batch=num_items_in_batch,
+                                           shift_labels=shift_labels, skip_logits=skip_logits,
+                                           fused=model.parallel_context.config.fused_ops)
+    return context_parallel_loss(model, loss), logits

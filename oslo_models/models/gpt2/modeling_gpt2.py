@@ -33,8 +33,7 @@ from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ...parallel_layers.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from ..common.attention import AttentionModule, attend
 from ..common.bias_act import fused_gelu_approximation, linear_act
-from ..common.context_parallel import context_parallel_inputs, context_parallel_loss, context_parallel_loss_items
-from ..common.lm_loss import lm_head_loss_and_logits
+from ..common.context_parallel import causal_lm_head_outputs, context_parallel_inputs
 from ..common.outputs import OutputCollector, passed_on
 from ..heads import (last_token_logits, question_answering_output, sequence_classification_loss,
                      token_classification_output)
@@ -267,15 +266,9 @@ class GPT2LMHeadModel(GPT2PreTrainedModel, GenerationMixin):
         # logits [b, s, V] (this rank's [b, s, V_padded/tp] with gather_logits=False; None with skip_logits=True:
         # then the loss runs fused and chunked, see common/lm_loss.py). As transformers: shift_labels (pre-shifted
         # targets) only alongside labels.
-        if labels is not None:
-            num_items_in_batch = context_parallel_loss_items(self, labels, num_items_in_batch,
-                                                             shift_labels=shift_labels, causal=True)
-        loss, logits = lm_head_loss_and_logits(self.lm_head, outputs.last_hidden_state, labels,
-                                               logits_to_keep=logits_to_keep, gather_logits=gather_logits,
-                                               num_items_in_batch=num_items_in_batch, shift_labels=shift_labels,
-                                               skip_logits=skip_logits,
-                                               fused=self.parallel_context.config.fused_ops)
-        loss = context_parallel_loss(self, loss)  # cp: the mean over the whole sequence
+        loss, logits = causal_lm_head_outputs(self, outputs.last_hidden_state, labels, logits_to_keep=logits_to_keep,
+                                              gather_logits=gather_logits, num_items_in_batch=num_items_in_batch,
+                                              shift_labels=shift_labels, skip_logits=skip_logits)
         return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits,
                                                  past_key_values=outputs.past_key_values,
                                                  cross_attentions=outputs.cross_attentions, **passed_on(outputs))

@@ -47,8 +47,7 @@ from ..common import (
     use_sequence_parallel,
 )
 from ..common.causal_masks import FULL, SLIDING
-from ..common.context_parallel import context_parallel_inputs, context_parallel_loss, context_parallel_loss_items
-from ..common.lm_loss import lm_head_loss_and_logits
+from ..common.context_parallel import causal_lm_head_outputs, context_parallel_inputs
 from ..common.outputs import OutputCollector, passed_on
 from ..heads import (
     last_token_logits,
@@ -288,15 +287,9 @@ class LlamaForCausalLM(_WithBaseModel, GenerationMixin):
                 **kwargs) -> CausalLMOutputWithPast:
         outputs = self._base_outputs(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
                                      use_cache, kwargs)
-        if labels is not None:
-            num_items_in_batch = context_parallel_loss_items(self, labels, num_items_in_batch,
-                                                             shift_labels=shift_labels, causal=True)
-        loss, logits = lm_head_loss_and_logits(self.lm_head, outputs.last_hidden_state, labels,
-                                               logits_to_keep=logits_to_keep, gather_logits=gather_logits,
-                                               num_items_in_batch=num_items_in_batch, shift_labels=shift_labels,
-                                               skip_logits=skip_logits,
-                                               fused=self.parallel_context.config.fused_ops)
-        loss = context_parallel_loss(self, loss)  # cp: the mean over the whole sequence
+        loss, logits = causal_lm_head_outputs(self, outputs.last_hidden_state, labels, logits_to_keep=logits_to_keep,
+                                              gather_logits=gather_logits, num_items_in_batch=num_items_in_batch,
+                                              shift_labels=shift_labels, skip_logits=skip_logits)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                       **passed_on(outputs))
 
