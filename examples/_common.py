@@ -319,7 +319,8 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler, reporter:
             if pipelined:  # the schedule runs forward and backward of every microbatch; loss on every rank
                 loss = model.train_step(batch)
             else:
-                loss = model(**batch).loss
+                # only the loss is needed: the head's fused, chunked loss never builds [tokens, vocab] logits
+                loss = model(**batch, skip_logits=True).loss
                 accelerator.backward(loss)
             running += loss.detach() / args.grad_accum
             if accelerator.sync_gradients and args.max_grad_norm > 0:

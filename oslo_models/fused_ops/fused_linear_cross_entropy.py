@@ -52,6 +52,20 @@ def _vocab_parallel(group: Optional[dist.ProcessGroup]) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
 
+def _apply_outside_autocast(hidden2, weight, bias, *args):
+    """``FusedLinearCrossEntropyFunction.apply`` with autocast's semantics for the head matmul: under autocast the
+    hidden states, weight and bias are cast to the autocast dtype first (as ``nn.Linear`` would be, so the fp32
+    master weight gets its gradient through the cast) and the chunks run with autocast off, so every chunk tensor
+    has one dtype (autocast would otherwise give bf16 logits against an fp32 hidden-grad buffer)."""
+    device_type = hidden2.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return FusedLinearCrossEntropyFunction.apply(hidden2, weight, bias, *args)
+    dtype = torch.get_autocast_dtype(device_type)
+    hidden2, weight, bias = (None if t is None else t.to(dtype) for t in (hidden2, weight, bias))
+    with torch.autocast(device_type, enabled=False):
+        return FusedLinearCrossEntropyFunction.apply(hidden2, weight, bias, *args)
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Chunked LM head + cross-entropy; returns the reduced fp32 loss. Grads are formed in the forward."""
 
@@ -156,8 +170,8 @@ def linear_cross_entropy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels
     labels1 = labels.reshape(-1).long()
     chunk = chunk_size or default_chunk_size(hidden2.shape[0], hidden2.shape[1], max(local, 1))
     use_kernel = use_triton(hidden, weight, bias, labels, enabled=enabled, force_triton=force_triton)
-    return FusedLinearCrossEntropyFunction.apply(hidden2, weight, bias, labels1, ignore_index, 0.0, reduction,
-                                                 group, chunk, use_kernel, (vocab_start, vocab_total))
+    return _apply_outside_autocast(hidden2, weight, bias, labels1, ignore_index, 0.0, reduction, group, chunk,
+                                   use_kernel, (vocab_start, vocab_total))
 
 
 def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -196,6 +210,6 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     hidden2 = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     labels1 = labels.reshape(-1).long()
     chunk = chunk_size or default_chunk_size(hidden2.shape[0], hidden2.shape[1], weight.shape[0])
-    loss = FusedLinearCrossEntropyFunction.apply(hidden2, weight, bias, labels1, ignore_index,
-                                                 float(label_smoothing), reduction, group, chunk, True)
+    loss = _apply_outside_autocast(hidden2, weight, bias, labels1, ignore_index, float(label_smoothing), reduction,
+                                   group, chunk, True)
     return loss.to(hidden.dtype)

@@ -84,3 +84,29 @@ def test_flce_rejects_bad_input():
         fused_linear_cross_entropy(h, w.t(), labels)
     with pytest.raises(ValueError, match="chunk_size"):
         fused_linear_cross_entropy(h, w, labels, chunk_size=0)
+
+
+def test_model_head_loss_under_bf16_autocast_matches_autocast_linear():
+    """What a mixed-precision training step runs (accelerate's bf16 autocast, fp32 weights, fp32 hidden states out
+    of the final norm): the chunked head loss equals F.linear + cross-entropy under the same autocast, gradients
+    reaching the fp32 weight and hidden states through the cast."""
+    from oslo_models.fused_ops import linear_cross_entropy_loss
+
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 7, 16, requires_grad=True)
+    weight = torch.randn(37, 16, requires_grad=True)
+    labels = torch.randint(0, 37, (2, 7))
+    labels[0, :2] = -100
+    results = []
+    for fused in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fused:
+                loss = linear_cross_entropy_loss(hidden, weight, labels, chunk_size=3)
+            else:
+                logits = torch.nn.functional.linear(hidden, weight)
+                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        grads = torch.autograd.grad(loss, (hidden, weight))
+        assert all(g.dtype == torch.float32 for g in grads)
+        results.append((loss.detach(), *grads))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)

@@ -8,7 +8,6 @@ context-parallel kernel has the interface's signature and return layout (``[b, s
 from __future__ import annotations
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .all_to_all import all_to_all_attention
 from .chunking import RING
@@ -38,4 +37,7 @@ def attention_function(module, attention_mask, eager_fallback):
     interface for ``module.config._attn_implementation`` (``eager_fallback`` for "eager")."""
     if isinstance(attention_mask, ContextParallelMask):
         return context_parallel_attention
+    # imported here: the data collators import this package, and om.data must not pull in transformers' model code
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     return ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_fallback)
