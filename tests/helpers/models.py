@@ -88,3 +88,33 @@ def adamw_pair(model, reference, *, zero_stage: int = 0, accelerator=None, **ada
     else:
         wrapped, opt = prepare(accelerator, model, opt, zero_stage=zero_stage)
     return wrapped, opt, ref_opt
+
+
+def assert_gpt2_data_parallel_steps_match(path: str, parallel, global_ids: torch.Tensor, layout: tuple[int, int],
+                                          steps: int = 3) -> None:
+    """GPT-2 from ``path`` at ``parallel`` wrapped by ``om.data_parallel``, each dp rank training on its slice of
+    ``global_ids`` (the same slice within a TP group, disjoint across dp), against plain ``transformers`` on the
+    whole batch: the dp-mean loss of every step and the parameters after ``steps`` AdamW steps.
+    ``layout``: the expected ``(dp_size, tp_size)``."""
+    import oslo_models as om
+    import transformers
+
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=parallel, progress=False).train()
+    ctx = model.parallel_context
+    assert (ctx.dp_size, ctx.tp_size) == layout
+    ddp = om.data_parallel(model, ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    local_ids = global_ids.chunk(ctx.dp_size)[ctx.dp_rank]
+    for _ in range(steps):
+        expected = reference(global_ids, labels=global_ids)
+        expected.loss.backward()
+        ref_opt.step(), ref_opt.zero_grad()
+        loss = ddp(local_ids, labels=local_ids).loss
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        mean_loss = loss.detach().clone()
+        torch.distributed.all_reduce(mean_loss, group=ctx.dp_group)
+        torch.testing.assert_close(mean_loss / ctx.dp_size, expected.loss.detach(), atol=1e-5, rtol=1e-5)
+    assert_params_match(model, reference)

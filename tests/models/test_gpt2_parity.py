@@ -8,7 +8,8 @@ import transformers
 
 import oslo_models as om
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import assert_grads_match, assert_params_match, padded_batch, save_tiny_gpt2
+from tests.helpers.models import (assert_gpt2_data_parallel_steps_match, assert_grads_match, assert_params_match,
+                                  padded_batch, save_tiny_gpt2)
 
 
 @pytest.fixture(scope="module")
@@ -56,26 +57,8 @@ def test_tensor_parallel_matches_transformers(checkpoint, tp, sp):
 
 def _tp_dp_worker(path: str) -> None:
     global_ids = torch.randint(1, 101, (4, 8), generator=torch.Generator().manual_seed(3))
-    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
     cfg = om.ParallelConfig(tensor_parallel_size=2, sequence_parallel=True)
-    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
-    ctx = model.parallel_context
-    assert (ctx.dp_size, ctx.tp_size) == (2, 2)
-    ddp = om.data_parallel(model, ctx)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    local_ids = global_ids.chunk(ctx.dp_size)[ctx.dp_rank]  # same batch within a TP group, disjoint across dp
-    for _ in range(3):
-        expected = reference(global_ids, labels=global_ids)
-        expected.loss.backward()
-        ref_opt.step(), ref_opt.zero_grad()
-        loss = ddp(local_ids, labels=local_ids).loss
-        loss.backward()
-        opt.step(), opt.zero_grad()
-        mean_loss = loss.detach().clone()
-        torch.distributed.all_reduce(mean_loss, group=ctx.dp_group)
-        torch.testing.assert_close(mean_loss / ctx.dp_size, expected.loss.detach(), atol=1e-5, rtol=1e-5)
-    assert_params_match(model, reference)
+    assert_gpt2_data_parallel_steps_match(path, cfg, global_ids, layout=(2, 2))
 
 
 def test_tp2_dp2_matches_single_process(checkpoint):

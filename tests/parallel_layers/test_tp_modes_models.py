@@ -16,7 +16,8 @@ from oslo_models.parallel_layers.plan import ShardSpec
 from tests.helpers import decoders
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import VOCAB, assert_steps_match, save_tiny, tiny_bert_config, tiny_t5_config
-from tests.helpers.models import assert_params_match, padded_batch, save_tiny_gpt2, tiny_gpt2_config
+from tests.helpers.models import (assert_gpt2_data_parallel_steps_match, assert_params_match, padded_batch,
+                                  save_tiny_gpt2, tiny_gpt2_config)
 
 # 8 heads so that the family's divisibility check (heads % tensor_parallel_size) passes at tp=8 too.
 MODEL = dict(n_head=8, n_embd=32, n_layer=2, vocab_size=101, n_positions=64)
@@ -173,26 +174,8 @@ def test_grid_modes_match_transformers(checkpoint, bert_checkpoint, t5_checkpoin
 
 def _dp_worker(path: str) -> None:
     global_ids = torch.randint(1, 101, (8, 8), generator=torch.Generator().manual_seed(3))
-    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
     cfg = om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d")
-    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
-    ctx = model.parallel_context
-    assert (ctx.dp_size, ctx.tp_size) == (2, 4)
-    ddp = om.data_parallel(model, ctx)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    local_ids = global_ids.chunk(ctx.dp_size)[ctx.dp_rank]
-    for _ in range(3):
-        expected = reference(global_ids, labels=global_ids)
-        expected.loss.backward()
-        ref_opt.step(), ref_opt.zero_grad()
-        loss = ddp(local_ids, labels=local_ids).loss
-        loss.backward()
-        opt.step(), opt.zero_grad()
-        mean_loss = loss.detach().clone()
-        torch.distributed.all_reduce(mean_loss, group=ctx.dp_group)
-        torch.testing.assert_close(mean_loss / ctx.dp_size, expected.loss.detach(), atol=1e-5, rtol=1e-5)
-    assert_params_match(model, reference)
+    assert_gpt2_data_parallel_steps_match(path, cfg, global_ids, layout=(2, 4))
 
 
 def test_2d_with_data_parallel_matches_single_process(checkpoint):
