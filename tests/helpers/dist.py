@@ -102,7 +102,19 @@ def _hang_report(fn, world_size: int, timeout: float, ctx, report_dir: str) -> s
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Run ``fn(*args)`` on ``world_size`` spawned processes; raise if any rank fails or time runs out."""
+    """Run ``fn(*args)`` on ``world_size`` spawned processes; raise if any rank fails or time runs out.
+
+    A free port can be taken by another test process between ``free_port`` and rank 0's listen (pytest-xdist runs
+    two at once): that one failure, before any test code ran, is retried once on a new port."""
+    try:
+        _run_distributed(fn, world_size, args, timeout)
+    except Exception as error:  # noqa: BLE001 - only the port race is retried
+        if "EADDRINUSE" not in str(error):
+            raise
+        _run_distributed(fn, world_size, args, timeout)
+
+
+def _run_distributed(fn, world_size: int, args: tuple, timeout: float) -> None:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="oslo_dist_") as report_dir:
         ctx = mp.start_processes(_child, args=(fn, world_size, port, args, report_dir), nprocs=world_size,
