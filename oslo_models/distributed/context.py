@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..config import ParallelConfig
 from ..parallel_layers.random import RNGTracker
+from ..parallel_layers.sequence_parallel import SequenceParallelRegion
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 TP_SUB_AXES = {"1d": (), "2d": ("tp_col", "tp_row"), "2.5d": ("tp_dep", "tp_col", "tp_row"),
@@ -90,6 +91,8 @@ class ParallelContext:
         self.device = device
         self.mesh = mesh
         self._axes = axes
+        # whether the forward now running is sequence-parallel: set by the model's stack, read by the TP layers
+        self.sequence_parallel_region = SequenceParallelRegion()
         self.rng = RNGTracker(config.seed, tp_rank=axes["tp"].rank, tp_size=axes["tp"].size, pp_rank=axes["pp"].rank,
                               device=device)
 
@@ -115,9 +118,7 @@ class ParallelContext:
 
         if world_size == 1 and not dist.is_initialized():
             # Single process, not launched by torchrun: no process group is needed for anything.
-            device = torch.device(device_type)
-            axes = {name: AxisInfo(None, 1, 0, (0,)) for name in MESH_AXES + sub_axes + EXPERT_AXES + ("dp_cp",)}
-            return cls(config, world_size=1, rank=0, device=device, axes=axes)
+            return cls.single_process(config, device=torch.device(device_type))
 
         if not dist.is_initialized():
             _init_process_group_from_environment(device_type)
@@ -150,6 +151,16 @@ class ParallelContext:
         grid = mesh.mesh.reshape(sizes["pp"], sizes["dp"] * sizes["cp"], sizes["tp"])  # tp sub-axes flattened
         axes.update(_expert_axes(grid, rank, config.expert_parallel_size, axes["dp"]))
         return cls(config, world_size=world_size, rank=rank, device=device, mesh=mesh, axes=axes)
+
+    @classmethod
+    def single_process(cls, config: ParallelConfig | None = None, *, device=None) -> "ParallelContext":
+        """A context of one rank and no process group, whatever was launched (every axis has size 1). Used to
+        build a model's plain (unsplit) twin on the meta device, e.g. to count a layer's parameters, without any
+        collective."""
+        config = config or ParallelConfig()
+        sub_axes = TP_SUB_AXES[config.tensor_parallel_mode]
+        axes = {name: AxisInfo(None, 1, 0, (0,)) for name in MESH_AXES + sub_axes + EXPERT_AXES + ("dp_cp",)}
+        return cls(config, world_size=1, rank=0, device=torch.device(device or "cpu"), axes=axes)
 
     # ------------------------------------------------------------------ accessors
     def axis(self, name: str) -> AxisInfo:

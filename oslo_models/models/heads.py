@@ -1,16 +1,26 @@
-"""Outputs and loss rules shared by the classification heads of every family (the same rules as
-``transformers``). The heads themselves are replicated (never split): their inputs are full ``[b, s, h]``."""
+"""Task heads, written once: the generic heads of the stack families (``ForCausalLM``, ``ForSequenceClassification``,
+``ForTokenClassification``, ``ForQuestionAnswering``; a family's head is a one-line declaration, as ``transformers``
+v5 writes ``GenericFor*``), and the outputs and loss rules every family's heads share (the same rules as
+``transformers``). Classification heads are replicated (never split): their inputs are full ``[b, s, h]``."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import (
+    CausalLMOutputWithPast,
     MultipleChoiceModelOutput,
     QuestionAnsweringModelOutput,
+    SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
+from transformers.generation import GenerationMixin
+from transformers.utils.generic import can_return_tuple
 
+from ..parallel_layers.layers import Dropout, Linear
+from ..parallel_layers.plan import Colwise
+from .common.context_parallel import causal_lm_head_outputs
 from .common.outputs import passed_on
+from .common.pipeline_stack import StackPipelineAdapter
 
 
 def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
@@ -89,3 +99,171 @@ def multiple_choice_output(logits, labels, num_choices: int, base_outputs=None) 
 def flatten_choices(*tensors):
     """``[b, c, ...]`` inputs of a multiple-choice head -> ``[b*c, ...]`` (``None`` stays ``None``)."""
     return tuple(None if t is None else t.reshape(-1, *t.shape[2:]) for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------- generic heads
+class _DerivedPlan:
+    """``parallel_plan`` of a stack family's class, derived from its ``stack_spec`` (base model: the spec's plan;
+    a head: the spec's plan under ``base_model_prefix`` plus the head's ``head_styles``). Computed once per class."""
+
+    def __get__(self, obj, cls):
+        plan = cls.__dict__.get("_derived_plan")
+        if plan is None:
+            prefix = "" if getattr(cls, "is_base_model", False) else cls.base_model_prefix
+            plan = cls.stack_spec.plan(prefix, **getattr(cls, "head_styles", {}))
+            setattr(cls, "_derived_plan", plan)
+        return plan
+
+
+class _DerivedPipelineAdapter:
+    """``pipeline_adapter`` of a causal LM head over a stack: ``pipeline_adapter_class.of(base, prefix)``."""
+
+    def __get__(self, obj, cls):
+        adapter = cls.__dict__.get("_derived_adapter")
+        if adapter is None:
+            adapter = cls.pipeline_adapter_class.of(cls.base_model_class, cls.base_model_prefix,
+                                                    grid_modes=cls.pipeline_grid_modes)
+            setattr(cls, "_derived_adapter", adapter)
+        return adapter
+
+
+class StackFamilyModel:
+    """Mixin of a stack family's ``PreTrainedModel``: the plan derived from ``stack_spec``. The family declares
+    ``stack_spec`` and, once its base model class exists, ``base_model_class``."""
+
+    parallel_plan = _DerivedPlan()
+    head_styles: dict = {}
+    #: ``base_model_class``: the family's base model, declared by the family's ``PreTrainedModel`` (not here: this
+    #: mixin precedes it in the method resolution order)
+
+
+class HeadModel(StackFamilyModel):
+    """A head on ``base_model_class``, registered under ``base_model_prefix`` as ``transformers``' generic heads do
+    (``GenericFor*`` in ``transformers.modeling_layers``). Subclasses build their head modules in
+    ``build_head(config)`` and compute their output from ``base_outputs``."""
+
+    def __init__(self, config, *, parallel_context=None):
+        super().__init__(config, parallel_context=parallel_context)
+        setattr(self, self.base_model_prefix,
+                self.base_model_class(config, parallel_context=self.parallel_context, submodule=True))
+        self.build_head(config)
+        self.post_init()
+        self.finish_init()
+
+    def build_head(self, config) -> None:
+        raise NotImplementedError
+
+    def get_input_embeddings(self):
+        return self.base_model.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.base_model.set_input_embeddings(value)
+
+    def base_outputs(self, input_ids=None, **kwargs):
+        kwargs.pop("return_dict", None)  # the head decides (``can_return_tuple``); the base answers a dict
+        return self.base_model(input_ids, return_dict=True, **kwargs)
+
+
+class ForCausalLM(HeadModel, GenerationMixin):
+    """The stack with an LM head (tied to the input embedding when ``tie_word_embeddings``). Under TP the head is
+    vocab-parallel and the loss runs on the vocab-split logits (``causal_lm_loss``); ``logits`` are gathered to
+    ``[b, s, V]`` unless ``gather_logits=False`` (then this rank's ``[b, s, V_padded/tp]``), and are ``None`` with
+    ``skip_logits=True`` (the fused, chunked loss: ``common/lm_loss.py``). Pipeline stages: derived from the spec
+    (``common/pipeline_stack.py``)."""
+
+    head_styles = {"lm_head": Colwise(vocab=True)}
+    pipeline_adapter = _DerivedPipelineAdapter()
+    pipeline_adapter_class = StackPipelineAdapter
+    output_class = CausalLMOutputWithPast
+    _oslo_context_parallel = True
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    #: whether its pipeline stages run under the 2D / 2.5D / 3D tensor-parallel modes (tested for GPT-2)
+    pipeline_grid_modes = False
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        """``True``: ``transformers`` looks for ``GenerationMixin`` among a class's direct bases only."""
+        return True
+
+    def build_head(self, config) -> None:
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, gather_logits: bool = True,
+                num_items_in_batch=None, shift_labels=None, skip_logits: bool = False, **kwargs):
+        outputs = self.base_outputs(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                                    use_cache=use_cache, **kwargs)
+        loss, logits = causal_lm_head_outputs(self, outputs.last_hidden_state, labels, logits_to_keep=logits_to_keep,
+                                              gather_logits=gather_logits, num_items_in_batch=num_items_in_batch,
+                                              shift_labels=shift_labels, skip_logits=skip_logits)
+        return self.output_class(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                 **passed_on(outputs))
+
+
+class ForSequenceClassification(HeadModel):
+    """Replicated ``score`` read at each row's last non-padding token (as ``transformers``): ``[b, num_labels]``."""
+
+    def build_head(self, config) -> None:
+        self.num_labels = config.num_labels
+        self.score = Linear(config.hidden_size, config.num_labels, bias=False)
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, **kwargs) -> SequenceClassifierOutputWithPast:
+        outputs = self.base_outputs(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                                    use_cache=use_cache, **kwargs)
+        logits = last_token_logits(self.score(outputs.last_hidden_state), input_ids, self.config.pad_token_id)
+        loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
+        return SequenceClassifierOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                                **passed_on(outputs))
+
+
+class ForTokenClassification(HeadModel):
+    """Replicated classifier (after ``dropout``) on every token: ``logits [b, s, num_labels]``. ``classifier_name``
+    is ``transformers``' attribute (``score``; GPT-2: ``classifier``)."""
+
+    classifier_name = "score"
+
+    def build_head(self, config) -> None:
+        self.num_labels = config.num_labels
+        dropout = next((value for value in (getattr(config, "classifier_dropout", None),
+                                            getattr(config, "hidden_dropout", None)) if value is not None), 0.1)
+        self.dropout = Dropout(dropout)
+        setattr(self, self.classifier_name, Linear(config.hidden_size, config.num_labels,
+                                                   bias=getattr(config, "token_classification_bias", True)))
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, **kwargs) -> TokenClassifierOutput:
+        outputs = self.base_outputs(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                                    use_cache=use_cache, **kwargs)
+        classifier = getattr(self, self.classifier_name)
+        return token_classification_output(classifier(self.dropout(outputs.last_hidden_state)), labels, outputs)
+
+
+class ForQuestionAnswering(HeadModel):
+    """Replicated span head ``qa_outputs``: ``start_logits, end_logits [b, s]``."""
+
+    def build_head(self, config) -> None:
+        self.qa_outputs = Linear(config.hidden_size, 2)
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, start_positions=None, end_positions=None, **kwargs):
+        kwargs.pop("use_cache", None)
+        outputs = self.base_outputs(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=False,
+                                    **kwargs)
+        return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions,
+                                         outputs)

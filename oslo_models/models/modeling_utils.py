@@ -31,7 +31,9 @@ from ..conversion.saving import gather_full_state_dict, run_on_main_process, wri
 from ..distributed.agreement import all_or_none
 from ..distributed.context import ParallelContext, _world_from_environment
 from ..parallel_layers.plan import ParallelPlan
+from ..parallel_layers.sequence_parallel import bind_sequence_parallel_region
 from .common.context_parallel import check_context_parallel
+from .common.parallel_rules import check_rules, spec_rules
 from .common.bias_act import configure_fused_ops
 from .common.pretrained_options import parse_load_options
 
@@ -86,8 +88,12 @@ class OsloPreTrainedModel(PreTrainedModel):
     # ------------------------------------------------------------------ construction
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
-        """Raise ``ValueError`` for sizes the family cannot split (override per family). Runs before any
-        process group exists, so a bad layout never turns into a hang."""
+        """Raise ``ValueError`` for sizes the family cannot split. Runs before any process group exists, so a bad
+        layout never turns into a hang. A stack family's checks are its components' rules (``stack_spec``; see
+        ``common/parallel_rules.py``); a family adds its own by overriding and calling ``super()``."""
+        spec = getattr(cls, "stack_spec", None)
+        if spec is not None:
+            check_rules(spec_rules(spec, config), config, parallel)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -105,6 +111,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         type(self).validate_parallel_config(self.config, self.parallel_context.config)  # direct construction too
         check_context_parallel(type(self), self.config, self.parallel_context.config)
         self.parallel_plan.apply(self, self.parallel_context)
+        bind_sequence_parallel_region(self, self.parallel_context.sequence_parallel_region)
         configure_fused_ops(self, self.parallel_context.config.fused_ops)  # e.g. bias-GELU on the planned layers
         if self.parallel_context.pp_size > 1:
             # Pipeline parallelism: keep only this rank's stages (layers, and embeddings/head on the first/last

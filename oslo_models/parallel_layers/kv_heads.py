@@ -80,10 +80,10 @@ class KVHeadColumnParallelLinear(ColumnParallelLinear):
                    layout=getattr(module, "layout", "linear"), device=module.weight.device,
                    dtype=module.weight.dtype)
 
-    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
         if self.replica_group is None:
             return super().forward(x, sequence_parallel=sequence_parallel)
-        if sequence_parallel:
+        if self.sequence_parallel_active(sequence_parallel):
             x = gather_from_sequence_parallel_region(x, self.group, grad_is_partial=True)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)

@@ -4,8 +4,9 @@ They behave exactly like their ``torch``/``transformers`` twins and keep the sam
 Two small additions let a parallel plan swap them for the tensor-parallel layers in ``tensor_parallel.py``
 without the model code changing:
 
-- ``forward(x, *, sequence_parallel=False)``: whether this call runs Megatron sequence parallelism. A plain layer
-  has nothing to do with it; its parallel replacement gathers / reduce-scatters along the sequence.
+- ``forward(x, *, sequence_parallel=None)``: accepted and ignored. The parallel replacement gathers /
+  reduce-scatters along the sequence when the forward is sequence-parallel (the model's
+  ``SequenceParallelRegion``, see ``sequence_parallel.py``, or an explicit ``True``).
 - ``Dropout.rng_context()``: the RNG stream dropout inside this module draws from (the default one here).
 
 Layouts: activations ``[batch, seq, hidden]``; ``Linear(layout="linear")`` stores ``weight`` as ``[out, in]``
@@ -59,7 +60,7 @@ class Linear(nn.Linear):
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
 
-    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False, skip_bias_add: bool = False):
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None, skip_bias_add: bool = False):
         """``y``, or ``(x W^T, bias)`` with the bias left for the caller to fuse (``skip_bias_add=True``)."""
         if skip_bias_add:
             return linear_forward(x, self.weight, None, self.layout), self.bias
@@ -74,21 +75,21 @@ class Linear(nn.Linear):
 class Embedding(nn.Embedding):
     """``nn.Embedding``: ``[batch, seq]`` ids -> ``[batch, seq, dim]``."""
 
-    def forward(self, ids: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
         return super().forward(ids)
 
 
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` over the last dim."""
 
-    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
         return super().forward(x)
 
 
 class Dropout(nn.Dropout):
     """``nn.Dropout`` drawing from torch's default generator."""
 
-    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
         return super().forward(x)
 
     def rng_context(self, sequence_parallel: bool = False):

@@ -5,8 +5,9 @@ only the split dimension is ``1/tp`` of the full size. They are built by ``from_
 (on the meta device while a model loads, so nothing is allocated twice) and called with the plain layer's
 signature. ``group`` is the tensor-parallel group; ``None`` means one rank and no communication.
 
-Activations: ``[batch, seq, hidden]``; with ``sequence_parallel=True`` the tensors outside the TP regions are
-``[batch, seq/tp, hidden]`` (this rank's contiguous slice of the sequence).
+Activations: ``[batch, seq, hidden]``; in a sequence-parallel forward (the model's ``SequenceParallelRegion`` is
+active, or a call passes ``sequence_parallel=True``) the tensors outside the TP regions are ``[batch, seq/tp,
+hidden]`` (this rank's contiguous slice of the sequence).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from .. import fused_ops
 from .layers import Dropout, Embedding, LayerNorm, Linear, linear_forward
+from .sequence_parallel import SequenceParallelAware
 from .mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -64,7 +66,7 @@ def strip_padding_and_unpack(full: torch.Tensor, vocab_size: int | None, num_pac
     return full
 
 
-class ColumnParallelLinear(Linear):
+class ColumnParallelLinear(SequenceParallelAware, Linear):
     """``Y = X A + b`` with ``A`` split by output columns: rank ``r`` computes ``Y[..., r-th block]``.
 
     Input ``[b, s, in]`` replicated (or ``[b, s/tp, in]`` under sequence parallelism); output ``[b, s, out/tp]``.
@@ -95,11 +97,11 @@ class ColumnParallelLinear(Linear):
         return cls(module.in_features, module.out_features, group=group, bias=module.bias is not None,
                    layout=layout, device=module.weight.device, dtype=module.weight.dtype, **options)
 
-    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False, skip_bias_add: bool = False):
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None, skip_bias_add: bool = False):
         """``y``; with ``skip_bias_add=True`` (Megatron's option) ``(x A, b)``: this rank's unbiased output
         ``[b, s, out/tp]`` and bias ``[out/tp]`` (or ``None``), for a caller that fuses the add with what follows
         (``fused_ops.bias_gelu``). Not for a vocab or gathered output (``ValueError``)."""
-        if sequence_parallel:
+        if self.sequence_parallel_active(sequence_parallel):
             x = gather_from_sequence_parallel_region(x, self.group, grad_is_partial=True)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)
@@ -133,7 +135,7 @@ class ColumnParallelLinear(Linear):
         return self.tp_rank * self.out_features
 
 
-class RowParallelLinear(Linear):
+class RowParallelLinear(SequenceParallelAware, Linear):
     """``Y = X A + b`` with ``A`` split by input rows: rank ``r`` holds ``X[..., r-th block]`` and ``A[r-th rows]``.
 
     Input ``[b, s, in/tp]`` (the output of a column-parallel layer); output ``[b, s, out]`` replicated, or
@@ -155,11 +157,11 @@ class RowParallelLinear(Linear):
         return cls(module.in_features, module.out_features, group=group, bias=module.bias is not None,
                    layout=layout, device=module.weight.device, dtype=module.weight.dtype, **options)
 
-    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
         if self.tp_size == 1:
             return linear_forward(x, self.weight, self.bias, self.layout)
         y = linear_forward(x, self.weight, None, self.layout)
-        if sequence_parallel:
+        if self.sequence_parallel_active(sequence_parallel):
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
             bias = copy_to_tensor_parallel_region(self.bias, self.group) if self.bias is not None else None
         else:
@@ -203,7 +205,7 @@ class VocabParallelEmbedding(Embedding):
         return reduce_from_tensor_parallel_region(out, self.group)
 
 
-class SequenceParallelLayerNorm(LayerNorm):
+class SequenceParallelLayerNorm(SequenceParallelAware, LayerNorm):
     """LayerNorm whose replicated weight and bias see only this rank's tokens under sequence parallelism.
 
     Forward: none. Backward: all-reduce of the weight and bias gradients over the TP group when the call was
@@ -225,9 +227,9 @@ class SequenceParallelLayerNorm(LayerNorm):
                    device=weight.device if weight is not None else None,
                    dtype=weight.dtype if weight is not None else None)
 
-    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
         weight, bias = self.weight, self.bias
-        if sequence_parallel:
+        if self.sequence_parallel_active(sequence_parallel):
             weight = copy_to_tensor_parallel_region(weight, self.group) if weight is not None else None
             bias = copy_to_tensor_parallel_region(bias, self.group) if bias is not None else None
         if self.fused and weight is not None and len(self.normalized_shape) == 1:
@@ -235,7 +237,7 @@ class SequenceParallelLayerNorm(LayerNorm):
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
-class ParallelDropout(Dropout):
+class ParallelDropout(SequenceParallelAware, Dropout):
     """Dropout that draws from the tensor-parallel RNG stream when its activations differ across TP ranks.
 
     ``always_split=True``: activations inside a TP region (this rank's attention heads). Otherwise the stream is
@@ -251,14 +253,14 @@ class ParallelDropout(Dropout):
     def from_plain(cls, module: nn.Dropout, group, *, rng, always_split: bool = False) -> "ParallelDropout":
         return cls(module.p, rng=rng, always_split=always_split)
 
-    def rng_context(self, sequence_parallel: bool = False):
+    def rng_context(self, sequence_parallel: bool | None = None):
         # No draw, no fork: swapping generator states is opaque to torch.compile (a graph break in every
         # attention block), so evaluation and p=0 must not pay for it.
         if self.rng is None or not self.training or self.p == 0.0:
             return contextlib.nullcontext()
-        return self.rng.fork(enabled=self.always_split or sequence_parallel)
+        return self.rng.fork(enabled=self.always_split or self.sequence_parallel_active(sequence_parallel))
 
-    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
         with self.rng_context(sequence_parallel):

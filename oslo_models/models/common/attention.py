@@ -16,9 +16,11 @@ from torch import nn
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
 from ...parallel_layers.context_parallel import attention_function
-from ...parallel_layers.kv_heads import HeadsLinear
+from ...parallel_layers.kv_heads import HeadsLinear, KVHeadColwise
+from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
 from ...parallel_layers.layers import Dropout, Linear
-from .rms_norm import RMSNorm
+from .parallel_rules import Heads, KeyValueHeads
+from .rms_norm import RMSNorm, SequenceParallelRMSNormStyle
 from .rotary import apply_rotary
 
 
@@ -80,6 +82,18 @@ class GroupedQueryAttention(AttentionModule):
     output like the input.
     """
 
+    # the plan fragment: q by heads, k/v by key/value heads (replicated when tp > n_kv), o by rows; Qwen3's q/k
+    # norms act on this rank's heads, so their gradients are always summed over TP
+    tp_plan = {"q_proj": Colwise(), "k_proj": KVHeadColwise(), "v_proj": KVHeadColwise(),
+               "q_norm": SequenceParallelRMSNormStyle(always_reduce=True),
+               "k_norm": SequenceParallelRMSNormStyle(always_reduce=True),
+               "o_proj": Rowwise(), "attn_dropout": TPDropout(always_split=True)}
+
+    @classmethod
+    def parallel_rules(cls, config) -> list:
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        return [Heads("num_attention_heads", heads), KeyValueHeads("num_key_value_heads", kv_heads, heads)]
+
     def __init__(self, config, layer_idx: int, *, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: bool = False, sliding_window: int | None = None, fused: bool = False, eager_fallback=None):
         super().__init__()
@@ -105,11 +119,10 @@ class GroupedQueryAttention(AttentionModule):
         return self.q_proj.out_features // self.k_proj.out_features
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask=None, past_key_values=None, *, sequence_parallel: bool = False, **kwargs):
-        sp = sequence_parallel
-        query = split_heads(self.q_proj(hidden_states, sequence_parallel=sp), self.head_dim)  # [b, n/tp, s, d]
-        key = split_heads(self.k_proj(hidden_states, sequence_parallel=sp), self.head_dim)  # [b, n_kv/tp, s, d]
-        value = split_heads(self.v_proj(hidden_states, sequence_parallel=sp), self.head_dim)
+                attention_mask=None, past_key_values=None, **kwargs):
+        query = split_heads(self.q_proj(hidden_states), self.head_dim)  # [b, n/tp, s, d]
+        key = split_heads(self.k_proj(hidden_states), self.head_dim)  # [b, n_kv/tp, s, d]
+        value = split_heads(self.v_proj(hidden_states), self.head_dim)
         if hasattr(self, "q_norm"):
             query, key = self.q_norm(query), self.k_norm(key)
         cos, sin = position_embeddings
@@ -119,4 +132,4 @@ class GroupedQueryAttention(AttentionModule):
         out, weights = attend(self, query, key, value, attention_mask, dropout=self.attn_dropout,
                               scaling=self.scaling, eager_fallback=self._eager_fallback,
                               sliding_window=self.sliding_window, **kwargs)
-        return self.o_proj(out, sequence_parallel=sp), weights
+        return self.o_proj(out), weights

@@ -40,7 +40,7 @@ def fused_gelu_approximation(enabled: bool, hidden_act, linear: nn.Module) -> st
 
 
 def linear_act(linear: nn.Module, act, x: torch.Tensor, *, approximate: str | None,
-               sequence_parallel: bool = False) -> torch.Tensor:
+               sequence_parallel: bool | None = None) -> torch.Tensor:
     """``act(linear(x))``; with ``approximate`` set and the kernel running on ``x``, ``bias_gelu`` on the
     unbiased output instead (same function, one fused pass)."""
     if approximate is not None and fused_ops.use_triton(x):

@@ -126,7 +126,7 @@ def checkpoint_function(context, mode: str = "full", base: Callable | None = Non
     check_mode(mode)
     if base is None:
         base = functools.partial(_torch_checkpoint, use_reentrant=False)
-    replaying = context.rng.checkpointed(base)
+    replaying = _keeping_sequence_parallel(context.rng.checkpointed(base), context.sequence_parallel_region)
     if mode in ("full", "selective"):
         return replaying
     if mode == "partitioned" and context.tensor_parallel_mode != "1d":
@@ -139,7 +139,7 @@ def checkpoint_function(context, mode: str = "full", base: Callable | None = Non
             return replaying(function, *args, **kwargs)
         if mode == "offload":
             hooks = _offload_hooks(first)
-        elif context.tp_size > 1 and not _sequence_parallel_call(function):
+        elif context.tp_size > 1 and not context.sequence_parallel_region.active:
             hooks = _partition_hooks(first, context)
         else:  # one TP rank, or sequence parallelism: the input is already this rank's only copy
             return replaying(function, *args, **kwargs)
@@ -149,10 +149,15 @@ def checkpoint_function(context, mode: str = "full", base: Callable | None = Non
     return checkpoint_block
 
 
-def _sequence_parallel_call(function) -> bool:
-    """Whether the block runs sequence-parallel (its hidden states are then split, not replicated, over TP):
-    ``GradientCheckpointingLayer`` hands the block's keyword arguments over as a ``functools.partial``."""
-    return bool(getattr(function, "keywords", {}).get("sequence_parallel", False))
+def _keeping_sequence_parallel(checkpoint: Callable, region) -> Callable:
+    """``checkpoint`` whose recompute sees the sequence-parallel switch the forward saw: the backward runs after the
+    stack left its region, so the recomputed function re-enters the value captured here."""
+
+    def checkpoint_in_region(function, *args, **kwargs):
+        active = region.active
+        return checkpoint(functools.partial(region.run, active, function), *args, **kwargs)
+
+    return checkpoint_in_region
 
 
 def apply_activation_checkpointing(model, mode: str | None, base: Callable | None = None, **layer_kwargs) -> None:

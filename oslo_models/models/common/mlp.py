@@ -13,7 +13,9 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ...parallel_layers.layers import Dropout, Linear
+from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
 from .bias_act import fused_gelu_approximation, linear_act
+from .parallel_rules import Features
 
 
 class DenseActDense(nn.Module):
@@ -70,6 +72,12 @@ class GatedMLP(nn.Module):
     Input/output ``[b, s, h]`` (``[b, s/tp, h]`` under sequence parallelism).
     """
 
+    tp_plan = {"gate_proj": Colwise(), "up_proj": Colwise(), "down_proj": Rowwise()}
+
+    @classmethod
+    def parallel_rules(cls, config) -> list:
+        return [Features("intermediate_size", config.intermediate_size)]
+
     def __init__(self, hidden_size: int, intermediate_size: int, *, act: str = "silu", bias: bool = False):
         super().__init__()
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
@@ -77,7 +85,6 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = ACT2FN[act]
 
-    def forward(self, hidden_states: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
-        sp = sequence_parallel
-        gate = self.act_fn(self.gate_proj(hidden_states, sequence_parallel=sp))  # [b, s, i/tp]
-        return self.down_proj(gate * self.up_proj(hidden_states, sequence_parallel=sp), sequence_parallel=sp)
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gate = self.act_fn(self.gate_proj(hidden_states))  # [b, s, i/tp]
+        return self.down_proj(gate * self.up_proj(hidden_states))

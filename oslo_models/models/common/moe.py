@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...parallel_layers.layers import Linear
-from ...parallel_layers.moe import StackedExperts, TopKRouter, combine, dispatch, router_jitter
+from ...parallel_layers.plan import Colwise, Rowwise
+from .parallel_rules import Features
+from ...parallel_layers.moe import ExpertParallel, StackedExperts, TopKRouter, combine, dispatch, router_jitter
 from .mlp import GatedMLP
 
 
@@ -38,6 +40,17 @@ class RouterLogits:
 
 
 class SparseMoeBlock(nn.Module):
+    # the plan fragment: stacked experts split over the expert-parallel group (contiguous blocks of E/ep; not over
+    # tensor parallelism, see parallel_layers/moe/experts.py); the router and the shared expert's gate replicated;
+    # the shared expert (Qwen2-MoE) column-/row-parallel like a dense MLP
+    tp_plan = {"experts": ExpertParallel(), "shared_expert.gate_proj": Colwise(), "shared_expert.up_proj": Colwise(),
+               "shared_expert.down_proj": Rowwise()}
+
+    @classmethod
+    def parallel_rules(cls, config) -> list:
+        shared = getattr(config, "shared_expert_intermediate_size", None)
+        return [Features("shared_expert_intermediate_size", shared)] if shared else []
+
     def __init__(self, hidden_size: int, *, num_experts: int, top_k: int, intermediate_size: int, act: str,
                  normalize: bool, weights_in_logits_dtype: bool = False, jitter_noise: float = 0.0,
                  shared_expert_intermediate_size: int | None = None):

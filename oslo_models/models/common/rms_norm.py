@@ -18,6 +18,7 @@ from torch import nn
 from ... import fused_ops
 from ...parallel_layers.mappings import copy_to_tensor_parallel_region
 from ...parallel_layers.plan import Style
+from ...parallel_layers.sequence_parallel import SequenceParallelAware
 
 FORMULAS = ("t5", "llama")
 
@@ -43,14 +44,14 @@ class RMSNorm(nn.Module):
             x = x.to(weight.dtype)
         return weight * x
 
-    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
         return self._norm(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, formula={self.formula}"
 
 
-class SequenceParallelRMSNorm(RMSNorm):
+class SequenceParallelRMSNorm(SequenceParallelAware, RMSNorm):
     """``RMSNorm`` whose replicated weight sees only part of what it normalizes on each tensor-parallel rank.
 
     - Residual-stream norms (default): under sequence parallelism each rank normalizes its slice of the tokens.
@@ -73,8 +74,8 @@ class SequenceParallelRMSNorm(RMSNorm):
                    formula=getattr(module, "formula", "t5"), fused=module.fused if fused is None else fused,
                    device=weight.device, dtype=weight.dtype)
 
-    def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
-        partial = sequence_parallel or self.always_reduce
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
+        partial = self.always_reduce or self.sequence_parallel_active(sequence_parallel)
         weight = copy_to_tensor_parallel_region(self.weight, self.group) if partial else self.weight
         return self._norm(x, weight)
 
@@ -107,3 +108,7 @@ class SequenceParallelRMSNormStyle(Style):
 
     def shard_specs(self, module):
         return module.tp_shard_specs() if hasattr(module, "tp_shard_specs") else {}
+
+
+# the plan fragment of a residual-stream RMS norm (the component carries it; see models/common/blocks.py)
+RMSNorm.tp_plan = {"": SequenceParallelRMSNormStyle()}

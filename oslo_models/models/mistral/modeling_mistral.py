@@ -42,4 +42,4 @@ class MistralForTokenClassification(MistralPreTrainedModel, llama.LlamaForTokenC
 
 class MistralForQuestionAnswering(MistralPreTrainedModel, llama.LlamaForQuestionAnswering):
     hf_twin, base_model_class = transformers.MistralForQuestionAnswering, MistralModel
-    base_model_prefix, parallel_plan = "model", llama.LLAMA_HEAD_PLAN
+    base_model_prefix = "model"

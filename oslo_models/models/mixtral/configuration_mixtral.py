@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import transformers
 
-from .parallel_plan import MOE_BASE_PLAN
+from .parallel_plan import published_tp_plan
 
 
 class MixtralConfig(transformers.MixtralConfig):
-    base_model_tp_plan = MOE_BASE_PLAN.hf_tp_plan()
+    base_model_tp_plan = published_tp_plan()
 
 
 class Qwen2MoeConfig(transformers.Qwen2MoeConfig):
-    base_model_tp_plan = MOE_BASE_PLAN.hf_tp_plan()
+    base_model_tp_plan = published_tp_plan()

@@ -13,6 +13,8 @@ over this rank's tokens), and, when ``labels`` are given, ``loss = lm_loss + rou
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import transformers
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
@@ -26,29 +28,26 @@ from ..common.moe import RouterLogits, SparseMoeBlock, check_expert_layout
 from ..common.outputs import passed_on
 from ..llama import modeling_llama as llama
 from .configuration_mixtral import MixtralConfig
-from .parallel_plan import MOE_BASE_PLAN, MOE_LM_PLAN
 from .pipeline_mixtral import MixtralPipelineAdapter
 
 
 class MoeDecoderLayer(llama.LlamaDecoderLayer):
     """``LlamaDecoderLayer`` whose ``mlp`` (``build_mlp``) is a ``SparseMoeBlock`` (or a dense ``GatedMLP`` in the
-    layers the config keeps dense). ``router_logits`` (a ``RouterLogits``, passed down by the model) collects each
+    layers the config keeps dense). ``router_logits`` (a ``RouterLogits``, passed down by the stack) collects each
     sparse layer's logits."""
+
+    mlp_kwargs = ("router_logits",)
 
     def __init__(self, config, layer_idx: int, **kwargs):
         super().__init__(config, layer_idx, **kwargs)
         self.is_sparse = isinstance(self.mlp, SparseMoeBlock)
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, *,
-                sequence_parallel: bool = False, router_logits: RouterLogits | None = None, outputs=None, **kwargs):
-        attn_output, weights = self.self_attn(self.input_layernorm(hidden_states), position_embeddings,
-                                              attention_mask, past_key_values, **kwargs)
-        if outputs is not None:
-            outputs.attention(weights)
-        hidden_states = hidden_states + attn_output
-        normed = self.post_attention_layernorm(hidden_states)
-        mlp = self.mlp(normed, router_logits=router_logits) if self.is_sparse else self.mlp(normed)
-        return hidden_states + mlp
+    def mlp_forward(self, x: torch.Tensor, router_logits: RouterLogits | None = None) -> torch.Tensor:
+        return self.mlp(x, router_logits=router_logits) if self.is_sparse else self.mlp(x)
+
+
+MOE_SPEC = dataclasses.replace(llama.LLAMA_SPEC, block=MoeDecoderLayer,
+                               components={**llama.LLAMA_SPEC.components, "mlp": (SparseMoeBlock, GatedMLP)})
 
 
 class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
@@ -56,6 +55,7 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
     ``common/expert_keys.py``), as ``transformers`` saves them; stacked-layout checkpoints load too."""
 
     config_class = MixtralConfig
+    stack_spec = MOE_SPEC
     _no_split_modules = ["MoeDecoderLayer"]
     expert_key_layout = ExpertKeyLayout(gate="w1", up="w3", down="w2", hub_block="block_sparse_moe")
 
@@ -92,9 +92,11 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
 
 
 class MixtralModel(MixtralPreTrainedModel, llama.LlamaModel):
-    parallel_plan = MOE_BASE_PLAN
     hf_twin = transformers.MixtralModel
     decoder_layer_class = MoeDecoderLayer
+
+
+MixtralPreTrainedModel.base_model_class = MixtralModel
 
 
 class MixtralForCausalLM(MixtralPreTrainedModel, llama.LlamaForCausalLM):
@@ -102,9 +104,8 @@ class MixtralForCausalLM(MixtralPreTrainedModel, llama.LlamaForCausalLM):
     docstring for the router losses). Pipeline parallelism: ``pipeline_mixtral.py`` (the load-balancing loss's
     statistics travel with the hidden states)."""
 
-    parallel_plan = MOE_LM_PLAN
-    pipeline_adapter = MixtralPipelineAdapter
-    hf_twin, base_model_class = transformers.MixtralForCausalLM, MixtralModel
+    pipeline_adapter_class = MixtralPipelineAdapter
+    hf_twin = transformers.MixtralForCausalLM
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,

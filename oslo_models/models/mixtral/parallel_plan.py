@@ -1,5 +1,5 @@
-"""The parallel plan of the Llama-family mixture-of-experts decoders (Mixtral, Qwen2-MoE): the Llama decoder's plan
-(attention, dense MLPs, embeddings, head: ``models/llama/parallel_plan.py``) plus
+"""The parallel plan of the Llama-family mixture-of-experts decoders (Mixtral, Qwen2-MoE) is derived from
+``MOE_SPEC`` (``modeling_mixtral.py``): the Llama decoder's components, with ``SparseMoeBlock`` carrying its fragment
 
 - ``mlp.experts`` (``gate_up_proj``, ``down_proj``): stacked experts split over the expert-parallel group
   (``ExpertParallel``: contiguous blocks of ``E/ep`` experts; not split over tensor parallelism, see
@@ -12,22 +12,9 @@ Gradient reduction follows from the same data (``distributed/expert_parallel.py`
 """
 from __future__ import annotations
 
-from ...parallel_layers.moe import ExpertParallel
-from ...parallel_layers.plan import Colwise, Rowwise
-from ..llama.parallel_plan import decoder_plan
-
-MOE_STYLES = {
-    "layers.*.mlp.experts": ExpertParallel(),
-    "layers.*.mlp.shared_expert.gate_proj": Colwise(),
-    "layers.*.mlp.shared_expert.up_proj": Colwise(),
-    "layers.*.mlp.shared_expert.down_proj": Rowwise(),
-}
+from ..common.published_plan import PublishedTPPlan
 
 
-def moe_decoder_plan(prefix: str = "", **head_styles):
-    styles = {(f"{prefix}.{pattern}" if prefix else pattern): style for pattern, style in MOE_STYLES.items()}
-    return decoder_plan(prefix, **styles, **head_styles)
-
-
-MOE_BASE_PLAN = moe_decoder_plan()
-MOE_LM_PLAN = moe_decoder_plan("model", lm_head=Colwise(vocab=True))
+def published_tp_plan() -> PublishedTPPlan:
+    return PublishedTPPlan("oslo_models.models.mixtral.modeling_mixtral", "MOE_SPEC",
+                           drop=("layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm"))

@@ -1,4 +1,4 @@
-"""Mixtral / Qwen2-MoE as pipeline stages: the Llama stages (``models/llama/pipeline_llama.py``) plus the
+"""Mixtral / Qwen2-MoE as pipeline stages: the shared stack's stages (``models/common/pipeline_stack.py``) plus the
 load-balancing loss carried across the cut.
 
 ``transformers``' load-balancing loss is ``E * sum_e f_e * P_e`` over *all* sparse layers' router outputs:
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..common.moe import RouterLogits
-from ..llama.pipeline_llama import LlamaPipelineAdapter
+from ..common.pipeline_stack import StackPipelineAdapter
 
 
 def routing_statistics(router_logits, num_experts: int, top_k: int, attention_mask=None) -> torch.Tensor:
@@ -48,25 +48,12 @@ def aux_loss_from_statistics(statistics: torch.Tensor, num_experts: int) -> torc
     return num_experts * torch.sum((counts / rows) * (probs / rows))
 
 
-class MixtralPipelineAdapter(LlamaPipelineAdapter):
-    """Stage forward: the Llama stage with a ``RouterLogits`` collector passed to every layer. Between stages:
-    ``(hidden [mb, s, h], statistics [2E + 1] fp32)``; out of the last stage ``(local logits, statistics)``.
+class MixtralPipelineAdapter(StackPipelineAdapter):
+    """Stage forward: the shared stack's stage with a ``RouterLogits`` collector passed to every layer. Between
+    stages: ``(hidden [mb, s, h], statistics [2E + 1] fp32)``; out of the last stage ``(local logits, statistics)``.
     Loss of microbatch ``i`` of ``M``: its causal-LM token losses / tokens of the batch +
-    ``router_aux_loss_coef * aux_i / M`` (with ``output_router_logits``, as ``transformers`` adds the term)."""
-
-    def layer_parameter_counts(self, model):
-        """Llama's counts with each layer's feed-forward replaced by its router + experts (+ shared expert) or
-        its dense MLP."""
-        config, options = model.config, type(model).decoder_options(model.config)
-        costs, first, last = super().layer_parameter_counts(model)
-        h, moe = config.hidden_size, options["moe"]
-        sparse = h * moe["num_experts"] * (1 + 3 * moe["intermediate_size"])
-        if moe.get("shared_expert_intermediate_size"):
-            sparse += 3 * h * moe["shared_expert_intermediate_size"] + h
-        dense = 3 * h * (options["dense_intermediate_size"] or 0)
-        llama_mlp = 3 * h * config.intermediate_size
-        return ([cost - llama_mlp + (sparse if i in options["sparse_layers"] else dense)
-                 for i, cost in enumerate(costs)], first, last)
+    ``router_aux_loss_coef * aux_i / M`` (with ``output_router_logits``, as ``transformers`` adds the term).
+    Per-layer parameter counts (sparse or dense feed-forward) come from the meta-built layers."""
 
     def _num_statistics(self, model) -> int:
         return 2 * type(model).num_experts(model.config) + 1

@@ -31,14 +31,6 @@ class Qwen2MoePreTrainedModel(mixtral.MixtralPreTrainedModel):
     def num_experts(cls, config) -> int:
         return config.num_experts
 
-    @classmethod
-    def validate_parallel_config(cls, config, parallel) -> None:
-        super().validate_parallel_config(config, parallel)
-        tp, shared = parallel.tensor_parallel_size, config.shared_expert_intermediate_size
-        if shared % tp:
-            raise ValueError(f"qwen2_moe: shared_expert_intermediate_size={shared} is not divisible by "
-                             f"tensor_parallel_size={tp}")
-
 
 class Qwen2MoeModel(Qwen2MoePreTrainedModel, mixtral.MixtralModel):
     hf_twin = transformers.Qwen2MoeModel

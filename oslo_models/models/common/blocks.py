@@ -1,0 +1,136 @@
+"""Block templates: the few shapes a Hub decoder or encoder layer takes, written once.
+
+A family names its layer class after ``transformers``' (``LlamaDecoderLayer``, ``GPT2Block``) by subclassing a
+template and giving ``names``, the ``transformers`` attribute of each role, so the module tree and the state-dict
+keys stay exactly ``transformers``'::
+
+    class GPT2Block(PreNormBlock):
+        names = dict(attn_norm="ln_1", attn="attn", mlp_norm="ln_2", mlp="mlp")
+
+The family builds the components (``attn``: an attention module returning ``(output, weights)``; ``mlp``; the
+norms) and hands them to the template's ``__init__`` by role. Templates:
+
+- ``PreNormBlock``: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))`` (GPT-2, Llama, Mistral, Qwen, Mixtral);
+- ``ParallelResidualBlock``: ``x + attn(norm1(x)) + mlp(norm2(x))``, ``mlp_norm`` optional (one shared norm:
+  GPT-J, Falcon-7B, Phi; two: GPT-NeoX);
+- ``PostNormBlock``: ``norm1(x + attn(x))``, then ``norm2(x + mlp(x))`` (OPT with ``do_layer_norm_before=False``,
+  the BERT-style post-norm encoders);
+- ``SandwichNormBlock``: ``x + post_attn_norm(attn(pre_attn_norm(x)))``, same around the MLP (Gemma 2/3; OLMo 2
+  has only the post norms: leave ``attn_norm``/``mlp_norm`` out).
+
+Every template is a ``GradientCheckpointingLayer`` (activation checkpointing), runs single-device code (parallelism
+enters through the layers the plan swapped in and the stack's sequence-parallel region) and takes one signature:
+``block(hidden_states [b, s(/tp), h], attention_mask, position_embeddings, past_key_values, **kwargs)`` ->
+``hidden_states``. The attention module is called as ``attn(x, attention_mask=..., position_embeddings=...,
+past_key_values=..., **kwargs)``; ``mlp_forward`` is the one hook (the MoE decoders pass a router-logit collector).
+
+``tp_plan(components)`` is a block's plan fragment: each component class's own ``tp_plan`` (module pattern relative
+to the component -> style) under the attribute that holds it.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Mapping
+
+import torch
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+
+class BlockTemplate(GradientCheckpointingLayer):
+    """Base of the templates: registers the components under ``names`` (in ``roles`` order, as ``transformers``
+    registers them, so ``named_parameters`` order matches too) and gives the plan fragment."""
+
+    roles: ClassVar[tuple[str, ...]] = ()
+    optional_roles: ClassVar[tuple[str, ...]] = ()
+    names: ClassVar[Mapping[str, str]] = {}
+    #: keyword arguments of the stack meant for the feed-forward, not the attention (the MoE router-logit collector)
+    mlp_kwargs: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, *, order: tuple[str, ...] | None = None, **components: nn.Module | None):
+        super().__init__()
+        unknown = set(components) - set(self.roles)
+        missing = set(self.roles) - set(self.optional_roles) - {r for r, m in components.items() if m is not None}
+        if unknown or missing:
+            raise TypeError(f"{type(self).__name__}: unknown roles {sorted(unknown)}, missing roles {sorted(missing)}")
+        for role in order or self.roles:  # ``order``: the family's registration order when it differs
+            module = components.get(role)
+            if module is not None:
+                self.add_module(self.names[role], module)
+
+    def part(self, role: str) -> nn.Module | None:
+        return self._modules.get(self.names.get(role, ""), None)
+
+    def split_kwargs(self, kwargs: dict) -> tuple[dict, dict]:
+        """``(attention kwargs, feed-forward kwargs)`` of a block call."""
+        mlp = {key: kwargs.pop(key) for key in self.mlp_kwargs if key in kwargs}
+        return kwargs, mlp
+
+    def attend(self, x, attention_mask, position_embeddings, past_key_values, **kwargs) -> torch.Tensor:
+        out, _weights = self.part("attn")(x, attention_mask=attention_mask, position_embeddings=position_embeddings,
+                                          past_key_values=past_key_values, **kwargs)
+        return out
+
+    def mlp_forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The feed-forward on ``x``; ``kwargs``: the call's ``mlp_kwargs``."""
+        return self.part("mlp")(x, **kwargs)
+
+    @classmethod
+    def tp_plan(cls, components: Mapping[str, type | tuple[type, ...]]) -> dict:
+        """``{pattern relative to the block: style}`` from each role's component class(es) ``tp_plan``."""
+        plan = {}
+        for role, classes in components.items():
+            for component in classes if isinstance(classes, tuple) else (classes,):
+                for pattern, style in getattr(component, "tp_plan", {}).items():
+                    name = cls.names[role]
+                    plan[f"{name}.{pattern}" if pattern else name] = style
+        return plan
+
+
+class PreNormBlock(BlockTemplate):
+    roles = ("attn_norm", "attn", "mlp_norm", "mlp")
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
+        kwargs, mlp_kwargs = self.split_kwargs(kwargs)
+        hidden_states = hidden_states + self.attend(self.part("attn_norm")(hidden_states), attention_mask,
+                                                    position_embeddings, past_key_values, **kwargs)
+        return hidden_states + self.mlp_forward(self.part("mlp_norm")(hidden_states), **mlp_kwargs)
+
+
+class ParallelResidualBlock(BlockTemplate):
+    roles = ("attn_norm", "attn", "mlp_norm", "mlp")
+    optional_roles = ("mlp_norm",)
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
+        kwargs, mlp_kwargs = self.split_kwargs(kwargs)
+        attn_in = self.part("attn_norm")(hidden_states)
+        mlp_norm = self.part("mlp_norm")
+        mlp_in = mlp_norm(hidden_states) if mlp_norm is not None else attn_in
+        attn_out = self.attend(attn_in, attention_mask, position_embeddings, past_key_values, **kwargs)
+        return hidden_states + attn_out + self.mlp_forward(mlp_in, **mlp_kwargs)
+
+
+class PostNormBlock(BlockTemplate):
+    roles = ("attn", "attn_norm", "mlp", "mlp_norm")
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
+        kwargs, mlp_kwargs = self.split_kwargs(kwargs)
+        attn_out = self.attend(hidden_states, attention_mask, position_embeddings, past_key_values, **kwargs)
+        hidden_states = self.part("attn_norm")(hidden_states + attn_out)
+        return self.part("mlp_norm")(hidden_states + self.mlp_forward(hidden_states, **mlp_kwargs))
+
+
+class SandwichNormBlock(BlockTemplate):
+    roles = ("attn_norm", "attn", "post_attn_norm", "mlp_norm", "mlp", "post_mlp_norm")
+    optional_roles = ("attn_norm", "mlp_norm")
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
+        kwargs, mlp_kwargs = self.split_kwargs(kwargs)
+        def pre(role, x):
+            norm = self.part(role)
+            return norm(x) if norm is not None else x
+
+        attn_out = self.attend(pre("attn_norm", hidden_states), attention_mask, position_embeddings,
+                               past_key_values, **kwargs)
+        hidden_states = hidden_states + self.part("post_attn_norm")(attn_out)
+        mlp_out = self.mlp_forward(pre("mlp_norm", hidden_states), **mlp_kwargs)
+        return hidden_states + self.part("post_mlp_norm")(mlp_out)

@@ -1,0 +1,96 @@
+"""Pipeline stages of a ``TransformerStack`` model with a causal LM head, derived from its ``StackSpec``: no
+per-family adapter and no second forward.
+
+The cut is ``transformers``' ``base_model_pp_plan``: the first stage holds the token (and learned position)
+embeddings and the embedding dropout, every stage holds the parameter-free rotary embedding, the last stage holds
+the final norm and ``lm_head`` (a copy of the input embedding when they are tied). A stage runs the base model's
+own phases (``stack_inputs`` and ``run_stack`` with ``first``/``last`` set and its own layers), so a stage computes
+exactly what the same layers compute inside ``forward``. Between stages flows the hidden states ``[mb, s, h]``
+(``[mb, s/tp, h]`` under sequence parallelism; grid blocks under 2D/2.5D/3D).
+
+Parameter counts per layer, for the partitioner, come from the layers themselves (the base model built on the
+meta device with no parallelism), not from formulas.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...distributed.context import ParallelContext
+from ...pipeline.adapter import CausalLMPipelineAdapter
+
+
+class StackPipelineAdapter(CausalLMPipelineAdapter):
+    """A causal LM over a ``TransformerStack`` base model; ``of(base_class, prefix)`` makes the subclass for one
+    family (``base_class``: the base model class, ``prefix``: its attribute in the head model)."""
+
+    base_class: type = None
+    prefix: str = ""
+    batch_keys = ("input_ids", "labels", "attention_mask", "position_ids")
+
+    @classmethod
+    def of(cls, base_class: type, prefix: str, **attributes) -> type:
+        spec = base_class.stack_spec
+        first = {spec.embed_tokens: f"{prefix}.{spec.embed_tokens}"}
+        for name in (spec.position_embedding, spec.embedding_dropout):
+            if name:
+                first[name] = f"{prefix}.{name}"
+        every = {spec.rotary: f"{prefix}.{spec.rotary}"} if spec.rotary else {}
+        last = {"lm_head": "lm_head"}
+        if spec.final_norm:
+            last[spec.final_norm] = f"{prefix}.{spec.final_norm}"
+        body = dict(base_class=base_class, prefix=prefix, layer_paths=(f"{prefix}.{spec.layers}",),
+                    first_modules=first, every_stage_modules=every, last_modules=last,
+                    tied_embedding=f"{prefix}.{spec.embed_tokens}.weight", **attributes)
+        return type(f"{base_class.__name__}PipelineAdapter", (cls,), body)
+
+    def layer_counts(self, model) -> tuple[int, ...]:
+        return (model.config.num_hidden_layers,)
+
+    def _plain_base(self, config):
+        with torch.device("meta"):
+            return self.base_class(config, parallel_context=ParallelContext.single_process(), submodule=True)
+
+    def layer_parameter_counts(self, model) -> tuple[list[float], float, float]:
+        """Each layer's parameters, the first stage's extra (embeddings) and the last stage's (final norm and the
+        head, a full ``vocab x h`` even when tied: the last stage holds a copy), counted on the meta-built model."""
+        base = self._plain_base(model.config)
+        spec = base.stack_spec
+
+        def count(module) -> float:
+            return float(sum(p.numel() for p in module.parameters())) if module is not None else 0.0
+
+        costs = [count(layer) for layer in getattr(base, spec.layers)]
+        first = sum(count(getattr(base, name)) for name in self.first_modules)
+        embed = getattr(base, spec.embed_tokens).weight
+        last = (count(getattr(base, spec.final_norm)) if spec.final_norm else 0.0) + float(embed.numel())
+        return costs, first, last
+
+    def use_sequence_parallel(self, model, batch) -> bool:
+        from .sequence_parallel import use_sequence_parallel
+
+        return use_sequence_parallel(getattr(model, self.prefix), batch["input_ids"].shape[-1])
+
+    def stage_forward(self, stage, x, attention_mask=None, position_ids=None):
+        return self.run_stage(stage, x, attention_mask, position_ids)
+
+    def run_stage(self, stage, x, attention_mask=None, position_ids=None, **layer_kwargs):
+        """The stage's computation; ``layer_kwargs`` go to every layer (the MoE adapter's router-logit collector).
+        First stage: ``x`` is ``input_ids [mb, s]``; last stage returns the local logits ``[mb, s, V_padded/tp]``
+        (the loss runs on the split vocabulary; no gather)."""
+        base = getattr(stage.owner, self.prefix)
+        context, sp = stage.parallel_context, stage.sequence_parallel
+        seq_len = x.shape[-1] if stage.is_first else x.shape[1] * (context.tp_size if sp else 1)
+        # Masks and rotary read only the batch size, length, dtype and device: a zero-size expanded view stands in
+        # for the full [mb, s, h] activations that only the first stage ever has.
+        dtype = next(stage.parameters()).dtype if not x.is_floating_point() else x.dtype
+        shape_like = torch.zeros((), dtype=dtype, device=x.device).expand(x.shape[0], seq_len,
+                                                                          model_hidden(stage))
+        inputs = base.stack_inputs(shape_like, attention_mask, position_ids, None, layers=stage.layers,
+                                   sequence_parallel=sp)
+        hidden = base.run_stack(x, inputs, layers=stage.layers, first=stage.is_first, last=stage.is_last,
+                                **layer_kwargs)
+        return stage.lm_head(hidden) if stage.is_last else hidden
+
+
+def model_hidden(stage) -> int:
+    return stage.model_config.hidden_size

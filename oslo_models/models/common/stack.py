@@ -1,0 +1,202 @@
+"""The stack every decoder-only (and, with its own mask hook, encoder-only) base model runs: written once, in three
+phases that the model's ``forward`` and every pipeline stage both call, so there is no second forward anywhere.
+
+- ``stack_inputs``: what every layer of one forward reads, computed once: the position ids (given; the global
+  positions of this rank's chunk under context parallelism; else ``arange(s)`` after the cached length, so a cached
+  decode step called without ``position_ids`` gets the right positions), the mask of each attention type, the rotary
+  ``(cos, sin)``, the cache, and whether this forward runs sequence parallelism;
+- ``run_stack(x, inputs, layers, first, last)``: embeddings (``first``: token and learned position embeddings, the
+  scatter to ``[b, s/tp, h]`` under sequence parallelism, the embedding dropout), the layers, and the final norm and
+  the gather back to ``[b, s, h]`` (``last``). The sequence-parallel switch of the model's context is on for exactly
+  this call (``parallel_layers/sequence_parallel.py``): no layer takes a ``sequence_parallel`` argument;
+- ``forward``: the ``transformers`` signature around the two, with ``output_hidden_states`` /
+  ``output_attentions`` recorded by ``transformers``' own hooks (``common/outputs.py``).
+
+A family's base model subclasses ``TransformerStack``, builds its modules in ``__init__`` with ``transformers``'
+names, and declares a ``StackSpec`` (which attribute is what, the block template and its components); its parallel
+plan and its divisibility checks are derived from the spec (``stack_plan``, ``components.check_components``).
+
+Shapes: b batch, s sequence (this rank's chunk under cp), h hidden.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from ...parallel_layers.plan import ParallelPlan, PositionEmbedding, TPDropout, VocabEmbedding
+from .causal_masks import FULL, SLIDING, causal_masks
+from .context_parallel import context_parallel_inputs
+from .outputs import capture_parallel_outputs
+from .sequence_parallel import enter_sequence_parallel, leave_sequence_parallel, use_sequence_parallel
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """Where a base model keeps each part (``transformers``' attribute names) and what its blocks are made of.
+
+    ``block``: the family's layer class (a ``blocks`` template subclass); ``components``: role -> component
+    class(es) that can fill it (each carries ``tp_plan`` and ``parallel_rules``); ``norm``: the final norm's
+    component (default: the block's ``mlp_norm`` or ``attn_norm`` class)."""
+
+    block: type
+    components: Mapping[str, Any]
+    embed_tokens: str = "embed_tokens"
+    position_embedding: str | None = None
+    embedding_dropout: str | None = None
+    layers: str = "layers"
+    final_norm: str | None = "norm"
+    rotary: str | None = None
+    norm: type | None = None
+    extra_plan: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def final_norm_component(self):
+        if self.norm is not None:
+            return self.norm
+        found = self.components.get("mlp_norm") or self.components.get("attn_norm")
+        return found[0] if isinstance(found, tuple) else found
+
+    def plan(self, prefix: str = "", **head_styles) -> ParallelPlan:
+        """The base model's plan with its module names under ``prefix`` plus the heads' styles."""
+        styles = {self.embed_tokens: VocabEmbedding()}
+        if self.position_embedding:
+            styles[self.position_embedding] = PositionEmbedding()
+        if self.embedding_dropout:
+            styles[self.embedding_dropout] = TPDropout()
+        styles.update({f"{self.layers}.*.{pattern}": style
+                       for pattern, style in self.block.tp_plan(self.components).items()})
+        if self.final_norm:
+            styles.update({f"{self.final_norm}.{p}" if p else self.final_norm: s
+                           for p, s in getattr(self.final_norm_component, "tp_plan", {}).items()})
+        styles.update(self.extra_plan)
+        return ParallelPlan({**{(f"{prefix}.{p}" if prefix else p): s for p, s in styles.items()}, **head_styles})
+
+
+@dataclass
+class StackInputs:
+    """What each layer of one forward reads. ``masks``: attention type -> mask (a ``ContextParallelMask`` under
+    cp); ``position_embeddings``: rotary ``(cos, sin)`` ``[b, s, d]`` or ``None``; ``seq_len``: the full length of
+    this rank's sequence (before any sequence-parallel split)."""
+
+    position_ids: torch.Tensor
+    masks: dict
+    position_embeddings: Any
+    past_key_values: Any
+    sequence_parallel: bool
+    seq_len: int
+
+
+class TransformerStack:
+    """Mixin of a base model (with ``OsloPreTrainedModel``): the shared forward. See the module docstring."""
+
+    stack_spec: ClassVar[StackSpec]
+    #: masks are causal (decoders); an encoder overrides ``layer_masks``
+    causal: ClassVar[bool] = True
+    #: ``transformers``' output class of the base model (GPT-2: ``BaseModelOutputWithPastAndCrossAttentions``)
+    output_class: ClassVar[type] = BaseModelOutputWithPast
+
+    # ------------------------------------------------------------------ hooks
+    def embed(self, input_ids, inputs_embeds, position_ids, token_type_ids=None) -> torch.Tensor:
+        """``[b, s, h]`` on every TP rank: token embeddings (vocab-parallel: all-reduce over TP) plus learned
+        position embeddings when the spec has them (GPT-2 also adds token-type ids through the token table)."""
+        spec = self.stack_spec
+        if inputs_embeds is None:
+            inputs_embeds = getattr(self, spec.embed_tokens)(input_ids)
+        hidden = inputs_embeds
+        if spec.position_embedding:
+            hidden = hidden + getattr(self, spec.position_embedding)(position_ids)
+        return hidden
+
+    def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
+        """``{attention type: mask}`` for ``kinds`` (``transformers``' causal / sliding-window masks)."""
+        return causal_masks(self.config, shape_like, attention_mask, past_key_values, position_ids, kinds=kinds)
+
+    # ------------------------------------------------------------------ phases
+    def stack_inputs(self, shape_like: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
+                     *, layers=None, sequence_parallel: bool | None = None) -> StackInputs:
+        """``shape_like``: ``[b, s, ...]`` (only its batch, length, dtype and device are read: a pipeline stage
+        passes a zero-size expanded view)."""
+        layers = self._layers() if layers is None else layers
+        seq_len = shape_like.shape[1]
+        if attention_mask is not None and not isinstance(attention_mask, dict) and attention_mask.ndim < 4:
+            attention_mask = attention_mask.view(shape_like.shape[0], -1)
+        cp_mask, position_ids = context_parallel_inputs(self, shape_like, attention_mask, position_ids,
+                                                        past_key_values, causal=self.causal)
+        if position_ids is None:
+            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(seq_len, device=shape_like.device) + past_seen)[None]
+        kinds = {getattr(layer, "attention_type", FULL) for layer in layers} or {FULL}
+        if cp_mask is not None:  # one mask for every layer kind: each layer passes its own sliding window
+            masks = {kind: cp_mask for kind in (FULL, SLIDING)}
+        else:
+            masks = self.layer_masks(shape_like, attention_mask, past_key_values, position_ids, kinds)
+        rotary = getattr(self, self.stack_spec.rotary) if self.stack_spec.rotary else None
+        position_embeddings = rotary(shape_like, position_ids) if rotary is not None else None
+        if sequence_parallel is None:
+            sequence_parallel = use_sequence_parallel(self, seq_len)
+        return StackInputs(position_ids, masks, position_embeddings, past_key_values, sequence_parallel, seq_len)
+
+    def run_stack(self, x: torch.Tensor, inputs: StackInputs, *, layers=None, first: bool = True,
+                  last: bool = True, inputs_embeds=None, token_type_ids=None, **layer_kwargs) -> torch.Tensor:
+        """``first``: ``x`` is ``input_ids [b, s]`` (or ``None`` with ``inputs_embeds``); else hidden states
+        ``[b, s(/tp), h]``. Returns hidden states, ``[b, s, h]`` when ``last``. ``layer_kwargs`` go to every layer."""
+        region = self.parallel_context.sequence_parallel_region
+        previous = region.enter(inputs.sequence_parallel)
+        try:
+            hidden = self._embed_phase(x, inputs, inputs_embeds, token_type_ids) if first else x
+            for layer in self._layers() if layers is None else layers:
+                hidden = layer(hidden, inputs.masks[getattr(layer, "attention_type", FULL)],
+                               inputs.position_embeddings, inputs.past_key_values,
+                               position_ids=inputs.position_ids, **layer_kwargs)
+            if last:
+                hidden = self._finish_phase(hidden, inputs)
+        finally:
+            region.leave(previous)
+        return hidden
+
+    def _embed_phase(self, input_ids, inputs: StackInputs, inputs_embeds, token_type_ids) -> torch.Tensor:
+        hidden = self.embed(input_ids, inputs_embeds, inputs.position_ids, token_type_ids)
+        if inputs.sequence_parallel:  # [b, s, h] -> [b, s/tp, h]
+            hidden = enter_sequence_parallel(hidden, self.parallel_context)
+        dropout = self.stack_spec.embedding_dropout
+        return getattr(self, dropout)(hidden) if dropout else hidden
+
+    def _finish_phase(self, hidden: torch.Tensor, inputs: StackInputs) -> torch.Tensor:
+        norm = self.stack_spec.final_norm
+        if norm:
+            hidden = getattr(self, norm)(hidden)
+        if inputs.sequence_parallel:  # [b, s/tp, h] -> [b, s, h]
+            hidden = leave_sequence_parallel(hidden, self.parallel_context)
+        return hidden
+
+    def _layers(self) -> nn.ModuleList:
+        return getattr(self, self.stack_spec.layers)
+
+    # ------------------------------------------------------------------ forward
+    @capture_parallel_outputs
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, token_type_ids=None, **kwargs) -> BaseModelOutputWithPast:
+        """``last_hidden_state [b, s, h]``; ``past_key_values`` when caching; ``hidden_states`` / ``attentions``
+        when asked for (gathered over TP heads / SP chunks, as ``transformers`` returns them)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if input_ids is not None:
+            input_ids = input_ids.view(-1, input_ids.shape[-1])
+        shape_like = inputs_embeds if inputs_embeds is not None else input_ids[..., None]
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        inputs = self.stack_inputs(self._shape_only(shape_like), attention_mask, position_ids, past_key_values)
+        hidden = self.run_stack(input_ids, inputs, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
+                                **kwargs)
+        return self.output_class(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None)
+
+    def _shape_only(self, like: torch.Tensor) -> torch.Tensor:
+        """A zero-storage ``[b, s, h]`` view in the model's dtype (masks and rotary read only shape/dtype/device)."""
+        dtype = self.dtype if not like.is_floating_point() else like.dtype
+        return torch.zeros((), dtype=dtype, device=like.device).expand(*like.shape[:2], self.config.hidden_size)
