@@ -1,17 +1,38 @@
-from .configuration_llama import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-from .modeling_llama import (
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaForQuestionAnswering,
-    LlamaForSequenceClassification,
-    LlamaForTokenClassification,
-    LlamaModel,
-    LlamaPreTrainedModel,
-)
-from .parallel_plan import LLAMA_BASE_PLAN, LLAMA_HEAD_PLAN, LLAMA_LM_PLAN, LLAMA_QA_PLAN, decoder_plan
-from .pipeline_llama import LlamaPipelineAdapter
+"""Llama and the Llama-shaped decoders' shared code (Mistral, Qwen2 and Qwen3 are thin classes over it, in their own
+folders; their config classes live in ``configuration_llama``).
 
-__all__ = ["LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config", "LlamaDecoderLayer", "LlamaForCausalLM",
-           "LlamaForQuestionAnswering", "LlamaForSequenceClassification", "LlamaForTokenClassification", "LlamaModel",
-           "LlamaPreTrainedModel", "LLAMA_BASE_PLAN", "LLAMA_HEAD_PLAN", "LLAMA_LM_PLAN", "LLAMA_QA_PLAN",
-           "decoder_plan", "LlamaPipelineAdapter"]
+Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
+``FAMILIES``, imports no model code."""
+from ..family import FamilyRecord, lazy_exports
+
+_EXPORTS = {
+    ".configuration_llama": ["LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config"],
+    ".modeling_llama": ["LlamaDecoderLayer", "LlamaForCausalLM", "LlamaForQuestionAnswering",
+                        "LlamaForSequenceClassification", "LlamaForTokenClassification", "LlamaModel",
+                        "LlamaPreTrainedModel"],
+    ".parallel_plan": ["LLAMA_BASE_PLAN", "LLAMA_HEAD_PLAN", "LLAMA_LM_PLAN", "LLAMA_QA_PLAN", "decoder_plan"],
+    ".pipeline_llama": ["LlamaPipelineAdapter"],
+}
+# The tiny Llama-shaped decoders of the tests share these sizes: grouped-query attention with 8 query / 2 key-value
+# heads (tp=4 replicates key/value heads), vocab 101 (odd: the vocab-parallel layers pad it).
+TINY_DECODER = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                    num_key_value_heads=2, vocab_size=101, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                    eos_token_id=2, rms_norm_eps=1e-6)
+
+
+def decoder_record(model_type: str, package: str, prefix: str, **switches) -> FamilyRecord:
+    """The record of a Llama-shaped decoder: ``{prefix}Config`` and the five classes ``{prefix}Model``,
+    ``{prefix}ForCausalLM``, ...; its tiny config is :data:`TINY_DECODER` with the family's ``switches``."""
+    return FamilyRecord(
+        model_type=model_type, package=package, config=f"{prefix}Config", tiny_config={**TINY_DECODER, **switches},
+        classes={"base": f"{prefix}Model", "causal_lm": f"{prefix}ForCausalLM",
+                 "sequence_classification": f"{prefix}ForSequenceClassification",
+                 "token_classification": f"{prefix}ForTokenClassification",
+                 "question_answering": f"{prefix}ForQuestionAnswering"})
+
+
+# Llama's tiny model: biases on q/k/v/o and the MLP, untied embeddings
+FAMILIES = (decoder_record("llama", __name__, "Llama", attention_bias=True, mlp_bias=True),)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = [name for names in _EXPORTS.values() for name in names]
