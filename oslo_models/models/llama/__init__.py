@@ -20,15 +20,26 @@ TINY_DECODER = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, n
                     eos_token_id=2, rms_norm_eps=1e-6)
 
 
+_HEADS = ("Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+_TASKS = ("base", "causal_lm", "sequence_classification", "token_classification", "question_answering")
+
+
 def decoder_record(model_type: str, package: str, prefix: str, **switches) -> FamilyRecord:
     """The record of a Llama-shaped decoder: ``{prefix}Config`` and the five classes ``{prefix}Model``,
     ``{prefix}ForCausalLM``, ...; its tiny config is :data:`TINY_DECODER` with the family's ``switches``."""
-    return FamilyRecord(
-        model_type=model_type, package=package, config=f"{prefix}Config", tiny_config={**TINY_DECODER, **switches},
-        classes={"base": f"{prefix}Model", "causal_lm": f"{prefix}ForCausalLM",
-                 "sequence_classification": f"{prefix}ForSequenceClassification",
-                 "token_classification": f"{prefix}ForTokenClassification",
-                 "question_answering": f"{prefix}ForQuestionAnswering"})
+    return FamilyRecord(model_type=model_type, package=package, config=f"{prefix}Config",
+                        classes={task: prefix + head for task, head in zip(_TASKS, _HEADS)},
+                        tiny_config={**TINY_DECODER, **switches})
+
+
+def thin_decoder_package(package: str, model_type: str, prefix: str, **switches):
+    """``(FAMILIES, __getattr__, __dir__, __all__)`` of a thin decoder folder (Mistral, Qwen2, Qwen3): its config
+    class from ``llama/configuration_llama.py``, its classes from ``modeling_<model_type>.py`` (the five heads and
+    ``{prefix}PreTrainedModel``), exported lazily."""
+    exports = {"..llama.configuration_llama": [f"{prefix}Config"],
+               f".modeling_{model_type}": [prefix + head for head in (*_HEADS, "PreTrainedModel")]}
+    return ((decoder_record(model_type, package, prefix, **switches),), *lazy_exports(package, exports),
+            [name for names in exports.values() for name in names])
 
 
 # Llama's tiny model: biases on q/k/v/o and the MLP, untied embeddings
