@@ -5,23 +5,19 @@
 
 Names are imported on first use (PEP 562), as ``transformers`` does: ``import oslo_models`` costs about what
 ``import transformers`` costs, and a script (or ``python -m oslo_models --help``) pays for torch, the model code and
-``torch.distributed.pipelining`` only when it touches them. ``_LAZY`` is the one list of public names.
+``torch.distributed.pipelining`` only when it touches them. ``_LAZY`` lists the public names outside the model
+families; each family's names (its config and model classes) come from its record (``models/<family>/__init__.py``,
+``FAMILIES``), read on the first lookup of a name that is not in ``_LAZY``.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 
 __version__ = "0.1.0"
 
-
-def _family(prefix: str, *suffixes: str) -> list[str]:
-    return [prefix + suffix for suffix in suffixes]
-
-
-_DECODER_HEADS = ("Config", "Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification",
-                  "ForQuestionAnswering")
-
-# submodule -> the public names it defines (a name listed under its own subpackage is that subpackage)
+# submodule -> the public names it defines, besides the families' (a name listed under its own subpackage is that
+# subpackage)
 _LAZY = {
     ".data": ["data"],
     ".training": ["training"],
@@ -32,44 +28,34 @@ _LAZY = {
                      "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
                      "AutoModelForTextEncoding", "AutoModelForTokenClassification", "AutoModelForMultipleChoice",
                      "AutoModelForNextSentencePrediction"],
-    ".models.bert": _family("Bert", "Config", "Model", "ForMaskedLM", "ForPreTraining", "ForQuestionAnswering",
-                            "ForSequenceClassification", "ForTokenClassification", "ForMultipleChoice",
-                            "ForNextSentencePrediction", "LMHeadModel"),
-    ".models.gpt2": _family("GPT2", "Config", "Model", "LMHeadModel", "ForSequenceClassification",
-                            "ForTokenClassification", "ForQuestionAnswering"),
-    ".models.roberta": [*_family("Roberta", "Config", "Model", "ForMaskedLM", "ForQuestionAnswering",
-                                 "ForSequenceClassification", "ForTokenClassification", "ForCausalLM",
-                                 "ForMultipleChoice"),
-                        # same architecture, own model_type: see models/roberta/variants.py
-                        *_family("XLMRoberta", "Config", "Model", "ForMaskedLM", "ForSequenceClassification",
-                                 "ForTokenClassification", "ForQuestionAnswering"),
-                        *_family("Camembert", "Config", "Model", "ForMaskedLM", "ForSequenceClassification",
-                                 "ForTokenClassification", "ForQuestionAnswering")],
-    ".models.t5": [*_family("T5", "Config", "Model", "EncoderModel", "ForConditionalGeneration",
-                            "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"),
-                   *_family("MT5", "Config", "Model", "EncoderModel", "ForConditionalGeneration")],
-    ".models.llama": _family("Llama", *_DECODER_HEADS),
-    ".models.mistral": _family("Mistral", *_DECODER_HEADS),
-    ".models.qwen2": _family("Qwen2", *_DECODER_HEADS),
-    ".models.qwen3": _family("Qwen3", *_DECODER_HEADS),
-    ".models.mixtral": _family("Mixtral", "Config", "Model", "ForCausalLM"),
-    ".models.qwen2_moe": _family("Qwen2Moe", "Config", "Model", "ForCausalLM"),
-    ".models.switch_transformers": _family("SwitchTransformers", "Config", "Model", "ForConditionalGeneration",
-                                           "EncoderModel"),
+    ".models.family": ["FamilyRecord"],
+    ".models.registry": ["register_family"],
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
-__all__ = sorted(_WHERE)
+
+
+@functools.cache
+def _family_names() -> dict[str, str]:
+    """Each in-tree family's public name -> the absolute path of the package that exports it."""
+    from .models.registry import in_tree_families
+
+    return {name: record.package for record in in_tree_families() for name in record.public_names()}
 
 
 def __getattr__(name: str):
-    module = _WHERE.get(name)
-    if module is None:
+    if name == "__all__":
+        value = sorted({*_WHERE, *_family_names()})
+    elif name in _WHERE:
+        module = _WHERE[name]
+        imported = importlib.import_module(module, __name__)
+        value = imported if module == "." + name else getattr(imported, name)
+    elif name in _family_names():
+        value = getattr(importlib.import_module(_family_names()[name]), name)
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    imported = importlib.import_module(module, __name__)
-    value = imported if module == "." + name else getattr(imported, name)
     globals()[name] = value  # later lookups are plain attribute reads
     return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_WHERE))
+    return sorted(set(globals()) | set(_WHERE) | set(_family_names()))

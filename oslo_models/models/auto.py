@@ -1,6 +1,8 @@
 """Auto classes: dispatch on ``config.model_type`` to this project's model classes.
 
-``MODEL_REGISTRY[task][model_type]`` is the one table; families add their classes here.
+Each Auto class has a task (``AutoModelForCausalLM.task == "causal_lm"``); the class for a model type is the one
+its family record names for that task (``models/registry.py``: the records of the family folders, plus those added
+with ``oslo_models.register_family``). A family's model code is imported when one of its models is first built.
 """
 from __future__ import annotations
 
@@ -8,113 +10,7 @@ import os
 
 from transformers import AutoConfig, PretrainedConfig
 
-from .bert import (
-    BertForMaskedLM,
-    BertForPreTraining,
-    BertForQuestionAnswering,
-    BertForSequenceClassification,
-    BertForTokenClassification,
-    BertModel,
-)
-from .gpt2 import GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
-from .llama import (
-    LlamaForCausalLM,
-    LlamaForQuestionAnswering,
-    LlamaForSequenceClassification,
-    LlamaForTokenClassification,
-    LlamaModel,
-)
-from .mistral import (
-    MistralForCausalLM,
-    MistralForQuestionAnswering,
-    MistralForSequenceClassification,
-    MistralForTokenClassification,
-    MistralModel,
-)
-from .mixtral import MixtralForCausalLM, MixtralModel
-from .qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeModel
-from . import switch_transformers as _switch
-from .qwen2 import (
-    Qwen2ForCausalLM,
-    Qwen2ForQuestionAnswering,
-    Qwen2ForSequenceClassification,
-    Qwen2ForTokenClassification,
-    Qwen2Model,
-)
-from .qwen3 import (
-    Qwen3ForCausalLM,
-    Qwen3ForQuestionAnswering,
-    Qwen3ForSequenceClassification,
-    Qwen3ForTokenClassification,
-    Qwen3Model,
-)
-from .roberta import (
-    RobertaForMaskedLM,
-    RobertaForQuestionAnswering,
-    RobertaForSequenceClassification,
-    RobertaForTokenClassification,
-    RobertaModel,
-)
-from .t5 import T5EncoderModel, T5ForConditionalGeneration, T5Model
-from .roberta import variants as _roberta_variants
-from .t5 import mt5 as _mt5
-from .bert import BertForMultipleChoice, BertForNextSentencePrediction, BertLMHeadModel
-from .gpt2 import GPT2ForQuestionAnswering, GPT2ForTokenClassification
-from .roberta import RobertaForCausalLM, RobertaForMultipleChoice
-from .t5 import T5ForQuestionAnswering, T5ForSequenceClassification, T5ForTokenClassification
-
-MODEL_REGISTRY: dict[str, dict[str, type]] = {
-    "base": {"gpt2": GPT2Model, "bert": BertModel, "roberta": RobertaModel, "t5": T5Model},
-    "causal_lm": {"gpt2": GPT2LMHeadModel},
-    "sequence_classification": {"gpt2": GPT2ForSequenceClassification, "bert": BertForSequenceClassification,
-                                "roberta": RobertaForSequenceClassification},
-    "masked_lm": {"bert": BertForMaskedLM, "roberta": RobertaForMaskedLM},
-    "pretraining": {"bert": BertForPreTraining},
-    "seq2seq_lm": {"t5": T5ForConditionalGeneration},
-    "token_classification": {"bert": BertForTokenClassification, "roberta": RobertaForTokenClassification},
-    "question_answering": {"bert": BertForQuestionAnswering, "roberta": RobertaForQuestionAnswering},
-    "text_encoding": {"t5": T5EncoderModel},
-}
-# The Llama-shaped decoders (models/llama; Mistral, Qwen2, Qwen3 are thin classes over it).
-for _type, _classes in {
-    "llama": (LlamaModel, LlamaForCausalLM, LlamaForSequenceClassification, LlamaForTokenClassification,
-              LlamaForQuestionAnswering),
-    "mistral": (MistralModel, MistralForCausalLM, MistralForSequenceClassification, MistralForTokenClassification,
-                MistralForQuestionAnswering),
-    "qwen2": (Qwen2Model, Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen2ForTokenClassification,
-              Qwen2ForQuestionAnswering),
-    "qwen3": (Qwen3Model, Qwen3ForCausalLM, Qwen3ForSequenceClassification, Qwen3ForTokenClassification,
-              Qwen3ForQuestionAnswering),
-}.items():
-    for _task, _class in zip(("base", "causal_lm", "sequence_classification", "token_classification",
-                              "question_answering"), _classes):
-        MODEL_REGISTRY[_task][_type] = _class
-
-# Mixture-of-experts decoders on the Llama pieces (models/mixtral; Qwen2-MoE is a thin class over it).
-for _type, (_base, _lm) in {"mixtral": (MixtralModel, MixtralForCausalLM),
-                            "qwen2_moe": (Qwen2MoeModel, Qwen2MoeForCausalLM)}.items():
-    MODEL_REGISTRY["base"][_type], MODEL_REGISTRY["causal_lm"][_type] = _base, _lm
-
-# Same architecture as a family above, under the Hub's own model_type, config class and class names.
-for _task, _name in (("base", "Model"), ("masked_lm", "ForMaskedLM"), ("sequence_classification",
-                     "ForSequenceClassification"), ("token_classification", "ForTokenClassification"),
-                    ("question_answering", "ForQuestionAnswering")):
-    MODEL_REGISTRY[_task]["xlm-roberta"] = getattr(_roberta_variants, f"XLMRoberta{_name}")
-    MODEL_REGISTRY[_task]["camembert"] = getattr(_roberta_variants, f"Camembert{_name}")
-MODEL_REGISTRY["base"]["mt5"] = _mt5.MT5Model
-MODEL_REGISTRY["seq2seq_lm"]["mt5"] = _mt5.MT5ForConditionalGeneration
-MODEL_REGISTRY["text_encoding"]["mt5"] = _mt5.MT5EncoderModel
-# Switch Transformers: T5 with sparse (mixture-of-experts) feed-forwards, on the T5 pieces
-MODEL_REGISTRY["base"]["switch_transformers"] = _switch.SwitchTransformersModel
-MODEL_REGISTRY["seq2seq_lm"]["switch_transformers"] = _switch.SwitchTransformersForConditionalGeneration
-MODEL_REGISTRY["text_encoding"]["switch_transformers"] = _switch.SwitchTransformersEncoderModel
-# heads of the transformers model contract (issue 21)
-MODEL_REGISTRY["causal_lm"].update(bert=BertLMHeadModel, roberta=RobertaForCausalLM)
-MODEL_REGISTRY["sequence_classification"].update(t5=T5ForSequenceClassification)
-MODEL_REGISTRY["token_classification"].update(gpt2=GPT2ForTokenClassification, t5=T5ForTokenClassification)
-MODEL_REGISTRY["question_answering"].update(gpt2=GPT2ForQuestionAnswering, t5=T5ForQuestionAnswering)
-MODEL_REGISTRY["multiple_choice"] = {"bert": BertForMultipleChoice, "roberta": RobertaForMultipleChoice}
-MODEL_REGISTRY["next_sentence_prediction"] = {"bert": BertForNextSentencePrediction}
+from . import registry
 
 
 class _AutoModel:
@@ -125,11 +21,9 @@ class _AutoModel:
 
     @classmethod
     def model_class_for(cls, config: PretrainedConfig) -> type:
-        table = MODEL_REGISTRY[cls.task]
-        if config.model_type not in table:
-            raise ValueError(f"Unsupported model type {config.model_type!r} for {cls.__name__}; supported: "
-                             f"{sorted(table)}")
-        return table[config.model_type]
+        """The class for ``config.model_type`` and this Auto class's task; ``ValueError`` ("Unsupported model
+        type ...", with the supported types) if no family record has one."""
+        return registry.model_class(cls.task, config.model_type, owner=cls.__name__)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *, parallel=None, revision=None,

@@ -1,5 +1,7 @@
 """Tiny Llama-shaped decoders (Llama, Mistral, Qwen2, Qwen3) for parity tests, built with ``transformers`` from a
-fixed seed and saved in Hub format. Every switch the family code has is on in at least one of them:
+fixed seed and saved in Hub format. Their sizes and switches are the family records' tiny configs
+(``tests/helpers/zoo.py``; ``TINY_DECODER`` and ``decoder_record`` in ``oslo_models/models/llama/__init__.py``).
+Every switch the family code has is on in at least one of them:
 
 - all: grouped-query attention with 8 query / 2 key-value heads (so tp=4 replicates key/value heads);
 - llama: ``attention_bias`` and ``mlp_bias`` (biases on q/k/v/o and the MLP), untied embeddings;
@@ -13,33 +15,24 @@ import torch
 import transformers
 
 import oslo_models as om
+from tests.helpers import zoo
 
-VOCAB = 101
 TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-             vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-             rms_norm_eps=1e-6)
-_SWITCHES = {
-    "llama": dict(attention_bias=True, mlp_bias=True),
-    "mistral": dict(sliding_window=3),
-    "qwen2": dict(use_sliding_window=True, sliding_window=3, max_window_layers=1, tie_word_embeddings=True),
-    "qwen3": dict(head_dim=12),
-}
-_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+VOCAB = zoo.tiny_kwargs("llama")["vocab_size"]  # 101, the same for the four
+assert {zoo.tiny_kwargs(t)["vocab_size"] for t in TYPES} == {VOCAB} and VOCAB % 2 == 1
 
 
 def tiny_config(model_type: str, **overrides):
-    values = {**_BASE, **_SWITCHES[model_type], **overrides}
-    return getattr(transformers, f"{_PREFIX[model_type]}Config")(**values)
+    return zoo.tiny_config(model_type, **overrides)
 
 
 def hf_class(model_type: str, head: str = "ForCausalLM"):
     """``transformers``' class, e.g. ``hf_class("qwen2", "ForSequenceClassification")``."""
-    return getattr(transformers, f"{_PREFIX[model_type]}{head}")
+    return getattr(transformers, f"{zoo.class_prefix(model_type)}{head}")
 
 
 def om_class(model_type: str, head: str = "ForCausalLM"):
-    return getattr(om, f"{_PREFIX[model_type]}{head}")
+    return getattr(om, f"{zoo.class_prefix(model_type)}{head}")
 
 
 def save_tiny(path, model_type: str, head: str = "ForCausalLM", *, seed: int = 0, **overrides) -> str:

@@ -8,27 +8,22 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from tests.helpers import zoo
 from tests.helpers.models import assert_grads_match, assert_params_match, padded_batch
 
-VOCAB = 101  # not divisible by 2 or 4: the vocab-parallel layers pad it
+VOCAB = zoo.tiny_kwargs("bert")["vocab_size"]  # 101, not divisible by 2 or 4: the vocab-parallel layers pad it
+assert {zoo.tiny_kwargs(t)["vocab_size"] for t in ("bert", "roberta", "t5")} == {VOCAB} and VOCAB % 2 == 1
 
 
 def tiny_bert_config(cls=transformers.BertConfig, **overrides):
-    values = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
-                  max_position_embeddings=64, type_vocab_size=2, hidden_dropout_prob=0.0,
-                  attention_probs_dropout_prob=0.0, pad_token_id=0)
-    if cls is transformers.RobertaConfig:
-        values.update(pad_token_id=1, bos_token_id=0, eos_token_id=2)
-    values.update(overrides)
-    return cls(**values)
+    """The zoo's tiny model of ``cls``' model type (``BertConfig``, ``RobertaConfig``, ``XLMRobertaConfig``, ...:
+    the BERT sizes, with RoBERTa's special tokens for the RoBERTa types), with ``overrides``."""
+    return zoo.tiny_config(cls.model_type, **overrides)
 
 
 def tiny_t5_config(feed_forward_proj: str = "relu", **overrides) -> transformers.T5Config:
-    values = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=VOCAB, dropout_rate=0.0,
-                  relative_attention_num_buckets=8, relative_attention_max_distance=16, decoder_start_token_id=0,
-                  pad_token_id=0, eos_token_id=1, feed_forward_proj=feed_forward_proj)
-    values.update(overrides)
-    return transformers.T5Config(**values)
+    """The zoo's tiny T5 with ``feed_forward_proj`` and ``overrides``."""
+    return zoo.tiny_config("t5", feed_forward_proj=feed_forward_proj, **overrides)
 
 
 def save_tiny(path, model_cls, config, *, seed: int = 0) -> str:

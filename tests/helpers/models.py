@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 import transformers
 
+from tests.helpers import zoo
+
 
 def tiny_gpt2_config(**overrides) -> transformers.GPT2Config:
-    values = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=101, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                  attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    values.update(overrides)
-    return transformers.GPT2Config(**values)
+    """The zoo's tiny GPT-2 (its record in ``oslo_models/models/gpt2/__init__.py``), with ``overrides``."""
+    return zoo.tiny_config("gpt2", **overrides)
 
 
 def save_tiny_gpt2(path, *, seed: int = 0, cls=transformers.GPT2LMHeadModel, **overrides) -> str:

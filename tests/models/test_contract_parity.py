@@ -17,26 +17,34 @@ import torch.distributed as dist
 import transformers
 
 import oslo_models as om
+from tests.helpers import zoo
 from tests.helpers.decoders import tiny_config
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import expected_shard, tiny_gpt2_config
 
 ATOL = dict(atol=1e-5, rtol=1e-5)
-_BERT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-_T5 = dict(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
-           decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)
+# The zoo's tiny models (tests/helpers/zoo.py) with this test's own sizes: vocab 99 (odd, and not the zoo's 101),
+# BERT / RoBERTa with 512 positions, T5 with transformers' default 32 relative-position buckets up to distance 128.
+_BERT = dict(vocab_size=99, max_position_embeddings=512)
+_T5 = dict(vocab_size=99, relative_attention_num_buckets=32, relative_attention_max_distance=128)
+
+
+def _bert(model_type: str = "bert", **overrides):
+    return zoo.tiny_config(model_type, **_BERT, **overrides)
+
+
+def _t5(**overrides):
+    return zoo.tiny_config("t5", **_T5, **overrides)
+
 
 # name -> (transformers class, config, our class name, extra forward inputs: "decoder" = decoder ids)
 LM_FAMILIES = {
     "gpt2": (transformers.GPT2LMHeadModel, lambda: tiny_gpt2_config(), "GPT2LMHeadModel", ()),
-    "bert": (transformers.BertForMaskedLM, lambda: transformers.BertConfig(**_BERT), "BertForMaskedLM", ()),
-    "roberta": (transformers.RobertaForMaskedLM, lambda: transformers.RobertaConfig(pad_token_id=1, **_BERT),
-                "RobertaForMaskedLM", ()),
-    "t5": (transformers.T5ForConditionalGeneration, lambda: transformers.T5Config(**_T5),
-           "T5ForConditionalGeneration", ("decoder",)),
+    "bert": (transformers.BertForMaskedLM, lambda: _bert(), "BertForMaskedLM", ()),
+    "roberta": (transformers.RobertaForMaskedLM, lambda: _bert("roberta"), "RobertaForMaskedLM", ()),
+    "t5": (transformers.T5ForConditionalGeneration, lambda: _t5(), "T5ForConditionalGeneration", ("decoder",)),
     "t5_untied": (transformers.T5ForConditionalGeneration,
-                  lambda: transformers.T5Config(tie_word_embeddings=False, feed_forward_proj="gated-gelu", **_T5),
+                  lambda: _t5(tie_word_embeddings=False, feed_forward_proj="gated-gelu"),
                   "T5ForConditionalGeneration", ("decoder",)),
     # the Llama-shaped decoders: untied Llama with biases, tied Qwen2 with a sliding window past layer 1
     "llama": (transformers.LlamaForCausalLM, lambda: tiny_config("llama"), "LlamaForCausalLM", ()),
@@ -49,14 +57,14 @@ RESIZE_CASES = [("gpt2", 121, None, True), ("gpt2", 110, 16, False), ("bert", 12
 HEADS = {
     "GPT2ForTokenClassification": (lambda: tiny_gpt2_config(num_labels=3), "token"),
     "GPT2ForQuestionAnswering": (lambda: tiny_gpt2_config(), "span"),
-    "BertLMHeadModel": (lambda: transformers.BertConfig(is_decoder=True, **_BERT), "causal"),
-    "BertForMultipleChoice": (lambda: transformers.BertConfig(**_BERT), "choice"),
-    "BertForNextSentencePrediction": (lambda: transformers.BertConfig(**_BERT), "nsp"),
-    "RobertaForCausalLM": (lambda: transformers.RobertaConfig(is_decoder=True, pad_token_id=1, **_BERT), "causal"),
-    "RobertaForMultipleChoice": (lambda: transformers.RobertaConfig(pad_token_id=1, **_BERT), "choice"),
-    "T5ForSequenceClassification": (lambda: transformers.T5Config(num_labels=3, **_T5), "t5_sequence"),
-    "T5ForTokenClassification": (lambda: transformers.T5Config(num_labels=3, **_T5), "token"),
-    "T5ForQuestionAnswering": (lambda: transformers.T5Config(num_labels=2, **_T5), "span"),
+    "BertLMHeadModel": (lambda: _bert(is_decoder=True), "causal"),
+    "BertForMultipleChoice": (lambda: _bert(), "choice"),
+    "BertForNextSentencePrediction": (lambda: _bert(), "nsp"),
+    "RobertaForCausalLM": (lambda: _bert("roberta", is_decoder=True), "causal"),
+    "RobertaForMultipleChoice": (lambda: _bert("roberta"), "choice"),
+    "T5ForSequenceClassification": (lambda: _t5(num_labels=3), "t5_sequence"),
+    "T5ForTokenClassification": (lambda: _t5(num_labels=3), "token"),
+    "T5ForQuestionAnswering": (lambda: _t5(num_labels=2), "span"),
 }
 
 

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 import oslo_models as om
 from tests.helpers.dist import run_distributed
-from tests.helpers.encoders import VOCAB, save_tiny, tiny_bert_config
+from tests.helpers import zoo
+from tests.helpers.encoders import VOCAB, save_tiny
 
 CASES = {  # model_type -> (transformers class, oslo auto class, oslo class name)
     "xlm-roberta": (transformers.XLMRobertaForMaskedLM, om.AutoModelForMaskedLM, "XLMRobertaForMaskedLM"),
@@ -65,15 +66,11 @@ def _worker(paths: dict[str, str], out_root: str) -> None:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("variants")
-    xlmr = save_tiny(root / "xlm-roberta", transformers.XLMRobertaForMaskedLM,
-                     tiny_bert_config(transformers.XLMRobertaConfig, pad_token_id=1, bos_token_id=0, eos_token_id=2))
+    # the zoo's tiny models (RoBERTa's special tokens; mT5's gated-GELU feed-forward and untied head)
+    xlmr = save_tiny(root / "xlm-roberta", transformers.XLMRobertaForMaskedLM, zoo.tiny_config("xlm-roberta"))
     camembert = save_tiny(root / "camembert", transformers.CamembertForSequenceClassification,
-                          tiny_bert_config(transformers.CamembertConfig, pad_token_id=1, bos_token_id=0,
-                                           eos_token_id=2, num_labels=2))
-    mt5_config = transformers.MT5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=VOCAB,
-                                        dropout_rate=0.0, relative_attention_num_buckets=8,
-                                        relative_attention_max_distance=16)
-    mt5 = save_tiny(root / "mt5", transformers.MT5ForConditionalGeneration, mt5_config)
+                          zoo.tiny_config("camembert", num_labels=2))
+    mt5 = save_tiny(root / "mt5", transformers.MT5ForConditionalGeneration, zoo.tiny_config("mt5"))
     file = os.path.join(mt5, "model.safetensors")
     state = load_file(file)  # the Hub's mT5 checkpoints carry their own lm_head
     state["lm_head.weight"] = torch.randn(VOCAB, 32, generator=torch.Generator().manual_seed(1))

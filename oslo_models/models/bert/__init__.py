@@ -1,17 +1,28 @@
-from .configuration_bert import BertConfig
-from .modeling_bert import (
-    BertForMaskedLM,
-    BertForPreTraining,
-    BertForQuestionAnswering,
-    BertForSequenceClassification,
-    BertForTokenClassification,
-    BertModel,
-    BertPreTrainedModel,
-)
-from .heads_bert import BertForMultipleChoice, BertForNextSentencePrediction, BertLMHeadModel
-from .parallel_plan import BERT_BASE_PLAN, BERT_HEAD_PLAN, BERT_MLM_PLAN
+"""BERT: the encoder, its masked-LM / pre-training heads and the heads of the ``transformers`` contract.
 
-__all__ = ["BertConfig", "BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification",
-           "BertForTokenClassification", "BertForQuestionAnswering", "BertPreTrainedModel", "BERT_BASE_PLAN",
-           "BERT_MLM_PLAN", "BERT_HEAD_PLAN"]
-__all__ += ["BertLMHeadModel", "BertForMultipleChoice", "BertForNextSentencePrediction"]
+Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
+``FAMILIES``, imports no model code."""
+from ..family import FamilyRecord, lazy_exports
+
+_EXPORTS = {
+    ".configuration_bert": ["BertConfig"],
+    ".modeling_bert": ["BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification",
+                       "BertForTokenClassification", "BertForQuestionAnswering", "BertPreTrainedModel"],
+    ".heads_bert": ["BertLMHeadModel", "BertForMultipleChoice", "BertForNextSentencePrediction"],
+    ".parallel_plan": ["BERT_BASE_PLAN", "BERT_MLM_PLAN", "BERT_HEAD_PLAN"],
+}
+# the tiny BERT of the tests: vocab 101 is not divisible by 2 or 4, so the vocab-parallel layers pad it
+TINY_ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=101,
+                    max_position_embeddings=64, type_vocab_size=2, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0, pad_token_id=0)
+FAMILIES = (
+    FamilyRecord(model_type="bert", package=__name__, config="BertConfig", tiny_config=TINY_ENCODER, classes={
+        "base": "BertModel", "masked_lm": "BertForMaskedLM", "pretraining": "BertForPreTraining",
+        "sequence_classification": "BertForSequenceClassification",
+        "token_classification": "BertForTokenClassification", "question_answering": "BertForQuestionAnswering",
+        "causal_lm": "BertLMHeadModel", "multiple_choice": "BertForMultipleChoice",
+        "next_sentence_prediction": "BertForNextSentencePrediction"}),
+)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = [name for names in _EXPORTS.values() for name in names]

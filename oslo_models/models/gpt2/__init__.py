@@ -1,13 +1,26 @@
-from .configuration_gpt2 import GPT2Config
-from .modeling_gpt2 import (
-    GPT2_SPEC,
-    GPT2ForQuestionAnswering,
-    GPT2ForSequenceClassification,
-    GPT2ForTokenClassification,
-    GPT2LMHeadModel,
-    GPT2Model,
-    GPT2PreTrainedModel,
+"""GPT-2: the decoder, its LM head and the heads of the ``transformers`` contract.
+
+Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
+``FAMILIES``, imports no model code."""
+from ..family import FamilyRecord, lazy_exports
+
+_EXPORTS = {
+    ".configuration_gpt2": ["GPT2Config"],
+    ".modeling_gpt2": ["GPT2Model", "GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPT2ForTokenClassification",
+                       "GPT2ForQuestionAnswering", "GPT2PreTrainedModel", "GPT2_SPEC"],
+}
+FAMILIES = (
+    FamilyRecord(
+        model_type="gpt2", package=__name__, config="GPT2Config",
+        classes={"base": "GPT2Model", "causal_lm": "GPT2LMHeadModel",
+                 "sequence_classification": "GPT2ForSequenceClassification",
+                 "token_classification": "GPT2ForTokenClassification",
+                 "question_answering": "GPT2ForQuestionAnswering"},
+        # vocab 101: not divisible by 2 or 4, so the vocab-parallel layers pad it; no dropout (parity tests)
+        tiny_config=dict(n_embd=32, n_layer=2, n_head=4, vocab_size=101, n_positions=64, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+        spec="GPT2_SPEC"),
 )
 
-__all__ = ["GPT2Config", "GPT2Model", "GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPT2PreTrainedModel",
-           "GPT2ForTokenClassification", "GPT2ForQuestionAnswering", "GPT2_SPEC"]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = [name for names in _EXPORTS.values() for name in names]

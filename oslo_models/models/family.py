@@ -1,0 +1,103 @@
+"""One record per model type: what the Auto classes, ``oslo_models``' public names and the test zoo read.
+
+A family folder (``models/llama``, ``models/roberta``, ...) declares its model types in its ``__init__.py``::
+
+    FAMILIES = (
+        FamilyRecord(model_type="llama", package=__name__, config="LlamaConfig",
+                     classes={"base": "LlamaModel", "causal_lm": "LlamaForCausalLM", ...},
+                     tiny_config=dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, ...)),
+    )
+    __getattr__, __dir__ = lazy_exports(__name__, {".modeling_llama": [...], ".configuration_llama": [...]})
+
+The record names classes by string and the package exports them lazily (PEP 562), so collecting the records
+(``models.registry``) imports no model code and no torch; the classes are imported when first asked for. Adding a
+family touches only its own folder. Out-of-tree model types are added at run time with
+``oslo_models.register_family(record)``.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+# the Auto classes' tasks (``AutoModelForCausalLM.task == "causal_lm"``, ...), in the order the Auto classes appear
+TASKS = ("base", "causal_lm", "sequence_classification", "masked_lm", "pretraining", "seq2seq_lm",
+         "token_classification", "question_answering", "text_encoding", "multiple_choice", "next_sentence_prediction")
+
+
+@dataclass(frozen=True)
+class FamilyRecord:
+    """What this project knows about one ``config.model_type``.
+
+    Args:
+        model_type: the Hugging Face ``config.model_type`` (``"llama"``, ``"xlm-roberta"``).
+        package: absolute module path whose attributes are the names below (``"oslo_models.models.llama"``).
+        config: name of the config class in ``package``.
+        classes: task (one of :data:`TASKS`) -> model class name in ``package``.
+        tiny_config: config keyword arguments of the tiny model the test zoo builds (``tests/helpers/zoo.py``):
+            small (hidden 16-64, 2-4 layers, vocab about 60-101), head counts divisible by 4 so tp 2 and 4 work.
+        spec: name of the family's block spec object in ``package``; ``None`` while the family has none.
+    """
+
+    model_type: str
+    package: str
+    config: str
+    classes: Mapping[str, str] = field(hash=False)
+    tiny_config: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    spec: str | None = None
+
+    def __post_init__(self):
+        unknown = sorted(set(self.classes) - set(TASKS))
+        if unknown:
+            raise ValueError(f"{self.model_type!r}: unknown task(s) {unknown}; tasks are {list(TASKS)}")
+        # read-only views, so a record cannot change after it is registered
+        object.__setattr__(self, "classes", MappingProxyType(dict(self.classes)))
+        object.__setattr__(self, "tiny_config", MappingProxyType(dict(self.tiny_config)))
+
+    def _resolve(self, name: str):
+        return getattr(importlib.import_module(self.package), name)
+
+    def config_class(self) -> type:
+        """The config class (imports the family's configuration module)."""
+        return self._resolve(self.config)
+
+    def model_class(self, task: str) -> type:
+        """The model class for ``task`` (imports the family's model code); ``KeyError`` if it has none."""
+        return self._resolve(self.classes[task])
+
+    def stack_spec(self):
+        """The family's ``StackSpec`` (``models/common/stack.py``), or ``None`` for a family without one."""
+        return self._resolve(self.spec) if self.spec else None
+
+    def public_names(self) -> tuple[str, ...]:
+        """The names ``oslo_models`` exports for this model type: the config class, then the model classes."""
+        return tuple(dict.fromkeys((self.config, *self.classes.values())))
+
+
+def lazy_exports(package: str, table: Mapping[str, list[str]]) -> tuple[Callable, Callable]:
+    """``(__getattr__, __dir__)`` for a package whose public names are imported on first use (PEP 562).
+
+    ``table`` maps a module path relative to ``package`` (``".modeling_llama"``, ``"..llama.configuration_llama"``)
+    to the names it defines; a name equal to the module's own last component (``".data": ["data"]``) is the module
+    itself. The package's submodules resolve too (``package.modeling_llama`` without importing it first), as they
+    did when the ``__init__`` imported them. A name is looked up once, then cached in the package's namespace."""
+    where = {name: module for module, names in table.items() for name in names}
+    namespace = importlib.import_module(package).__dict__
+
+    def __getattr__(name: str):
+        module = where.get(name)
+        if module is None:
+            if name.startswith("__") or importlib.util.find_spec(f"{package}.{name}") is None:
+                raise AttributeError(f"module {package!r} has no attribute {name!r}")
+            return importlib.import_module(f"{package}.{name}")  # the import binds it in the package
+        imported = importlib.import_module(module, package)
+        value = imported if module.rsplit(".", 1)[-1] == name else getattr(imported, name)
+        namespace[name] = value  # later lookups are plain attribute reads
+        return value
+
+    def __dir__():
+        return sorted(set(namespace) | set(where))
+
+    return __getattr__, __dir__
