@@ -13,7 +13,6 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
-from transformers.generation import GenerationMixin
 from transformers.utils.generic import can_return_tuple
 
 from ..parallel_layers.layers import Dropout, Linear
@@ -127,6 +126,13 @@ class _DerivedPipelineAdapter:
         return adapter
 
 
+class _DerivedTiedKeys:
+    """``_tied_weights_keys`` of a causal LM head over a stack: ``lm_head.weight`` is the input embedding."""
+
+    def __get__(self, obj, cls):
+        return {"lm_head.weight": f"{cls.base_model_prefix}.{cls.stack_spec.embed_tokens}.weight"}
+
+
 class StackFamilyModel:
     """Mixin of a stack family's ``PreTrainedModel``: the plan derived from ``stack_spec``. The family declares
     ``stack_spec`` and, once its base model class exists, ``base_model_class``."""
@@ -164,27 +170,25 @@ class HeadModel(StackFamilyModel):
         return self.base_model(input_ids, return_dict=True, **kwargs)
 
 
-class ForCausalLM(HeadModel, GenerationMixin):
+class ForCausalLM(HeadModel):
     """The stack with an LM head (tied to the input embedding when ``tie_word_embeddings``). Under TP the head is
     vocab-parallel and the loss runs on the vocab-split logits (``causal_lm_loss``); ``logits`` are gathered to
     ``[b, s, V]`` unless ``gather_logits=False`` (then this rank's ``[b, s, V_padded/tp]``), and are ``None`` with
     ``skip_logits=True`` (the fused, chunked loss: ``common/lm_loss.py``). Pipeline stages: derived from the spec
-    (``common/pipeline_stack.py``)."""
+    (``common/pipeline_stack.py``). A family declares ``class XForCausalLM(ForCausalLM, XPreTrainedModel,
+    GenerationMixin)``: ``GenerationMixin`` after the ``PreTrainedModel``, as ``transformers`` requires, so
+    ``OsloPreTrainedModel.generate`` (the tensor-parallel sampling RNG) wraps its ``generate``."""
 
     head_styles = {"lm_head": Colwise(vocab=True)}
     pipeline_adapter = _DerivedPipelineAdapter()
     pipeline_adapter_class = StackPipelineAdapter
     output_class = CausalLMOutputWithPast
     _oslo_context_parallel = True
+    _tied_weights_keys = _DerivedTiedKeys()
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
     #: whether its pipeline stages run under the 2D / 2.5D / 3D tensor-parallel modes (tested for GPT-2)
     pipeline_grid_modes = False
-
-    @classmethod
-    def can_generate(cls) -> bool:
-        """``True``: ``transformers`` looks for ``GenerationMixin`` among a class's direct bases only."""
-        return True
 
     def build_head(self, config) -> None:
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)

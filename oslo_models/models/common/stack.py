@@ -180,9 +180,13 @@ class TransformerStack:
     # ------------------------------------------------------------------ forward
     @capture_parallel_outputs
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, token_type_ids=None, **kwargs) -> BaseModelOutputWithPast:
+                inputs_embeds=None, use_cache=None, token_type_ids=None, cache=None,
+                **kwargs) -> BaseModelOutputWithPast:
         """``last_hidden_state [b, s, h]``; ``past_key_values`` when caching; ``hidden_states`` / ``attentions``
-        when asked for (gathered over TP heads / SP chunks, as ``transformers`` returns them)."""
+        when asked for (gathered over TP heads / SP chunks, as ``transformers`` returns them). ``cache``: the newer
+        ``transformers`` name of ``past_key_values`` (its ``generate`` passes it), accepted as an alias."""
+        if past_key_values is None:
+            past_key_values = cache
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if input_ids is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import transformers
 from torch import nn
 from transformers.activations import ACT2FN
+from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
 from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 
@@ -184,13 +185,12 @@ class GPT2Model(TransformerStack, GPT2PreTrainedModel):
 GPT2PreTrainedModel.base_model_class = GPT2Model
 
 
-class GPT2LMHeadModel(ForCausalLM, GPT2PreTrainedModel):
+class GPT2LMHeadModel(ForCausalLM, GPT2PreTrainedModel, GenerationMixin):
     """GPT-2 with the LM head tied to ``wte`` (see ``ForCausalLM``); pipeline stages also under the grid modes."""
 
     hf_twin = transformers.GPT2LMHeadModel
     output_class = CausalLMOutputWithCrossAttentions
     pipeline_grid_modes = True
-    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
 
 
 class GPT2ForSequenceClassification(ForSequenceClassification, GPT2PreTrainedModel):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import transformers
 from torch import nn
+from transformers.generation import GenerationMixin
 
 from ...parallel_layers.layers import Embedding
 from ..common import GatedMLP, GroupedQueryAttention, RMSNorm, RotaryEmbedding, layer_types
@@ -142,9 +143,8 @@ class LlamaModel(TransformerStack, LlamaPreTrainedModel):
 LlamaPreTrainedModel.base_model_class = LlamaModel
 
 
-class LlamaForCausalLM(ForCausalLM, LlamaPreTrainedModel):
+class LlamaForCausalLM(ForCausalLM, LlamaPreTrainedModel, GenerationMixin):
     hf_twin = transformers.LlamaForCausalLM
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
 
 class LlamaForSequenceClassification(ForSequenceClassification, LlamaPreTrainedModel):
