@@ -1,7 +1,7 @@
 """Fill a (tensor-parallel) model from a checkpoint, each rank reading only the slices it owns.
 
 The model arrives with parameters already allocated at their local shapes (``to_empty`` after a meta build).
-For every parameter the model's ``ParallelPlan`` gives the ``ShardSpec``; the spec cuts this rank's piece out of
+For every parameter the model's ``ParallelPlan`` gives its ``Layout`` (``parallel_layers/sharding.py``); the layout cuts this rank's piece out of
 the checkpoint through ``CheckpointReader.read`` (a safetensors slice), so peak host memory is the local shard
 plus one tensor piece, never the full model.
 
@@ -118,8 +118,8 @@ def _check_stored_shape(name: str, key: str, stored: tuple[int, ...], expected: 
     hint = ""
     if len(stored) == 2 and stored[::-1] == expected:
         hint = " (transposed: was it saved with another layout, nn.Linear vs Conv1D?)"
-    elif spec.num_packed > 1:
-        hint = f" (it packs {spec.num_packed} blocks, q|k|v, along dim {spec.dim})"
+    else:
+        hint = spec.describe()
     raise MismatchedSizeError(f"Checkpoint tensor {key!r} has shape {stored}, but the model config needs {expected} "
                               f"for {name!r}{hint}: the checkpoint does not match the config (vocab_size, hidden "
                               "size, heads...; ignore_mismatched_sizes=True initializes such tensors anew, e.g. a "

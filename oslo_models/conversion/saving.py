@@ -1,7 +1,7 @@
 """Gather a tensor-parallel model into the plain Hub layout and write it atomically; push from rank 0.
 
 ``gather_full_state_dict``: every parameter is reassembled over its tensor-parallel group with the plan's
-``ShardSpec.gather`` (all-gather; padding stripped; packed q|k|v re-interleaved). Only the data-parallel replica
+``Layout.gather_local`` (all-gather; padding stripped; packed q|k|v re-interleaved). Only the data-parallel replica
 0 gathers (the other replicas hold the same values), and only global rank 0 keeps the result, on CPU.
 
 ``write_hub_folder``: rank 0 writes safetensors shards (``huggingface_hub.split_torch_state_dict_into_shards``),

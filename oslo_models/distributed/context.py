@@ -173,6 +173,11 @@ class ParallelContext:
         return self.config.tensor_parallel_mode
 
     @property
+    def is_grid(self) -> bool:
+        """A grid tensor-parallel mode (2D / 2.5D / 3D), even with one rank."""
+        return self.config.tensor_parallel_mode != "1d"
+
+    @property
     def tp_group(self):
         return self._axes["tp"].group
 

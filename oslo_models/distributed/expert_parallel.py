@@ -2,7 +2,7 @@
 
 Expert parallelism (``ParallelConfig.expert_parallel_size = ep``) is carved out of the data-parallel ranks: the
 ``dp`` ranks of one replica group are cut into ``dp/ep`` expert-parallel groups. Every rank still sees its own
-batch; the stacked expert weights (``ShardSpec.axis == "ep"`` in the model's parallel plan, the one place that
+batch; the stacked expert weights (layout axis ``"ep"`` in the model's parallel plan, the one place that
 says it) are split over ``ep``, everything else is replicated over ``dp`` as before. So:
 
 ==========================  =====================================  ==============================================

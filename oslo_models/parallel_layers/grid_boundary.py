@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from . import tensor_parallel_2d as tp2d
+from . import tensor_parallel_3d as tp3d
 from .mappings import gather_from_tensor_parallel_region
 from .summa import Grid
 
@@ -115,11 +117,8 @@ def install(model: torch.nn.Module, context) -> None:
 def check_fully_planned(model: torch.nn.Module, mode: str) -> None:
     """Every module that owns parameters must be a grid layer: a plain one would see split activations and
     fail deep inside a matmul. Raised while the model is built, before any collective."""
-    from . import tensor_parallel_2d as layers
-    from . import tensor_parallel_3d as cube
-
-    grid_layers = (layers.Linear2D, layers.LayerNorm2D, layers.VocabEmbedding2D, layers.HiddenEmbedding2D,
-                   layers.RMSNorm2D, cube.Linear3D, cube.VocabEmbedding3D, cube.HiddenEmbedding3D)
+    grid_layers = (tp2d.Linear2D, tp2d.LayerNorm2D, tp2d.VocabEmbedding2D, tp2d.HiddenEmbedding2D,
+                   tp2d.RMSNorm2D, tp3d.Linear3D, tp3d.VocabEmbedding3D, tp3d.HiddenEmbedding3D)
     for name, module in model.named_modules():
         if isinstance(module, grid_layers) or getattr(module, "grid_planned", False) \
                 or not any(True for _ in module.parameters(recurse=False)):

@@ -17,7 +17,8 @@ from torch import nn
 
 from .layers import Embedding
 from .mappings import group_rank, group_size
-from .plan import ShardSpec, Style, _axis_info
+from .plan import Style
+from .sharding import EvenSplit, VocabSplit, axis_position
 from .tensor_parallel import divide, padded_size
 
 
@@ -43,22 +44,13 @@ class HeadParallelEmbedding(Embedding):
 @dataclass(frozen=True)
 class HeadwiseEmbedding(Style):
     hf_style = "colwise"  # transformers' colwise on an nn.Embedding shards the last (here: heads) dim
+    grid_layer = "head_embedding"  # 2D/2.5D: the grid's column blocks; 3D: the inner layout (over y)
 
-    def build(self, module, context):
-        if context.tensor_parallel_mode in ("2d", "2.5d"):  # heads follow the grid's column blocks
-            from .tensor_parallel_2d import HiddenEmbedding2D
-
-            return HiddenEmbedding2D.from_plain(module, context)
-        if context.tensor_parallel_mode == "3d":  # heads live in the inner layout: split over y (tp_col)
-            from .tensor_parallel_3d import HiddenEmbedding3D
-
-            return HiddenEmbedding3D.from_plain(module, context, axis="tp_col")
+    def build_1d(self, module, context):
         return HeadParallelEmbedding.from_plain(module, context.tp_group)
 
-    def shard_specs(self, module):
-        if hasattr(module, "tp_shard_specs"):
-            return module.tp_shard_specs()
-        return {"weight": ShardSpec(1)}
+    def layouts(self, module):
+        return {"weight": EvenSplit(1)}
 
 
 @dataclass(frozen=True)
@@ -74,16 +66,15 @@ class VocabBias(Style):
     def build(self, module, context):
         bias = module.bias
         mode = context.tensor_parallel_mode
-        grid = mode in ("2d", "2.5d", "3d")
         # 2D/2.5D: split like the decoder's logits, over the grid's row (q ranks); 3D: like the decoder's rows, over
         # (y, z) (see Linear3D); 1D: over the whole group.
         module.vocab_axis = {"2d": "tp_row", "2.5d": "tp_row", "3d": ("tp_col", "tp_dep")}.get(mode, "tp")
-        tp = _axis_info(context, module.vocab_axis).size
+        tp = axis_position(context, module.vocab_axis).size
         module.vocab_size = bias.shape[0]
         local = padded_size(module.vocab_size, tp) // tp
         module.bias = nn.Parameter(torch.zeros(local, device=bias.device, dtype=bias.dtype))
-        module.grid_planned = grid  # its one parameter is laid out for the grid (see grid_boundary)
+        module.grid_planned = context.is_grid  # its one parameter is laid out for the grid (see grid_boundary)
         return module
 
-    def shard_specs(self, module):
-        return {"bias": ShardSpec(0, vocab_size=module.vocab_size, axis=getattr(module, "vocab_axis", "tp"))}
+    def layouts(self, module):
+        return {"bias": VocabSplit(0, module.vocab_size, axis=getattr(module, "vocab_axis", "tp"))}

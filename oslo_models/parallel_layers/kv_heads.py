@@ -12,7 +12,7 @@ the copies are summed over the ranks that share a head (the *replica group*, ``t
 every copy then holds the full gradient and, with the same optimizer, the copies stay identical. The input
 gradient needs nothing extra: the usual all-reduce over the whole TP group already sums every query head's part.
 
-The layout for loading/saving is ``ShardSpec(dim, num_heads=n_kv)``: a checkpoint saved from any tp holds exactly
+The layout for loading/saving is ``HeadSplit(dim, n_kv)``: a checkpoint saved from any tp holds exactly
 the original ``[n_kv * head_dim, hidden]`` tensors.
 
 Under the 2D / 2.5D / 3D modes a key/value projection is a column-parallel grid linear (``Linear2D`` /
@@ -26,7 +26,8 @@ import torch
 
 from .layers import Linear, linear_forward
 from .mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, group_size
-from .plan import ShardSpec, Style, _build_for_mode, _grid_mode, _weight_out_dim
+from .plan import Style, _weight_out_dim
+from .sharding import HeadSplit
 from .tensor_parallel import ColumnParallelLinear
 
 
@@ -64,7 +65,7 @@ class KVHeadColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, *, num_heads: int, group, replica_group,
                  bias: bool = True, layout: str = "linear", device=None, dtype=None):
-        spec = ShardSpec(0, num_heads=num_heads)
+        spec = HeadSplit(0, num_heads)
         tp = group_size(group)
         self.num_heads, self.replicas = num_heads, spec.replicas(tp)
         local = spec.local_shape((out_features,), tp)[0]
@@ -100,22 +101,22 @@ class KVHeadColwise(Style):
     """Plan style of a GQA key/value projection (a ``HeadsLinear``): see the module docstring."""
 
     hf_style = "colwise"
+    # 2D / 2.5D / 3D: a column-parallel linear of the grid, whose output is split over the q hidden blocks; heads
+    # are never cut and never replicated there (``check_grid_heads``).
+    grid_layer = "colwise"
 
     def build(self, module, context):
-        if _grid_mode(context):
-            # 2D / 2.5D / 3D: a column-parallel linear of the grid, whose output is split over the q hidden blocks;
-            # heads are never cut and never replicated there (``check_grid_heads``).
+        if context.is_grid:
             check_grid_heads(module.num_heads, context.config, "num_key_value_heads")
-            return _build_for_mode("Linear2D", module, context, column=True)
-        spec = ShardSpec(0, num_heads=module.num_heads)
-        replicas = spec.replicas(context.tp_size)
+        return super().build(module, context)
+
+    def build_1d(self, module, context):
+        replicas = HeadSplit(0, module.num_heads).replicas(context.tp_size)
         replica_group = context.tp_subgroup(replicas) if replicas > 1 else None
         return KVHeadColumnParallelLinear.from_plain(module, context.tp_group, replica_group=replica_group)
 
-    def shard_specs(self, module):
-        if hasattr(module, "tp_shard_specs"):
-            return module.tp_shard_specs()
-        specs = {"weight": ShardSpec(_weight_out_dim(module), num_heads=module.num_heads)}
+    def layouts(self, module):
+        specs = {"weight": HeadSplit(_weight_out_dim(module), module.num_heads)}
         if getattr(module, "bias", None) is not None:
-            specs["bias"] = ShardSpec(0, num_heads=module.num_heads)
+            specs["bias"] = HeadSplit(0, module.num_heads)
         return specs

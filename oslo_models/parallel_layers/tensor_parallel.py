@@ -29,16 +29,7 @@ from .mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-
-
-def divide(numerator: int, denominator: int, what: str) -> int:
-    if numerator % denominator:
-        raise ValueError(f"{what} = {numerator} is not divisible by tensor_parallel_size = {denominator}")
-    return numerator // denominator
-
-
-def padded_size(size: int, multiple: int) -> int:
-    return -(-size // multiple) * multiple
+from .sharding import divide, padded_size, split_layout
 
 
 def mask_vocab_padding(logits: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
@@ -60,9 +51,8 @@ def strip_padding_and_unpack(full: torch.Tensor, vocab_size: int | None, num_pac
         # slice only real padding: a no-op slice would still return a view, which FSDP2 warns about for every
         # model output
         return full[..., :vocab_size] if full.shape[-1] != vocab_size else full
-    if num_packed > 1 and parts > 1:
-        blocks = [part.chunk(num_packed, dim=-1) for part in full.chunk(parts, dim=-1)]
-        return torch.cat([blocks[r][p] for p in range(num_packed) for r in range(parts)], dim=-1)
+    if num_packed > 1 and parts > 1:  # the packed layout's own join of the ranks' pieces
+        return split_layout(-1, num_packed=num_packed).join(list(full.chunk(parts, dim=-1)))
     return full
 
 

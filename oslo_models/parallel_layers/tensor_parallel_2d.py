@@ -19,7 +19,7 @@ from torch import nn
 
 from .layers import Embedding, LayerNorm, Linear
 from .mappings import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region
-from .plan import ShardSpec
+from .sharding import EvenSplit, GridBlock, Layout, split_layout
 from .summa import Grid, gather_ids, reduce_scatter_rows, sum_over, summa_linear
 from .tensor_parallel import divide, mask_vocab_padding, padded_size, strip_padding_and_unpack
 
@@ -32,8 +32,9 @@ def _replicated_over_batch(param: torch.Tensor, grid: Grid) -> torch.Tensor:
     return copy_to_tensor_parallel_region(copy_to_tensor_parallel_region(param, grid.col.group), grid.dep.group)
 
 
-def _hidden_spec() -> ShardSpec:
-    return ShardSpec(0, axis="tp_row")
+def _hidden_spec() -> Layout:
+    """A vector along the hidden: block ``j`` (the row axis), replicated over ``i`` and ``k``."""
+    return EvenSplit(0, axis="tp_row")
 
 
 class Linear2D(Linear):
@@ -96,12 +97,12 @@ class Linear2D(Linear):
         full = strip_padding_and_unpack(full, self.vocab_size, self.num_packed, self.grid.q)
         return self.grid.gather_rows(full)
 
-    def tp_shard_specs(self) -> dict[str, ShardSpec]:
+    def tp_shard_specs(self) -> dict[str, Layout]:
         out_dim = 0 if self.layout == "linear" else 1
-        specs = {"weight": ShardSpec(out_dim, self.num_packed, self.vocab_size, axis=_AXIS_OF_DIM[out_dim],
-                                     dim2=1 - out_dim, axis2=_AXIS_OF_DIM[1 - out_dim])}
+        out = split_layout(out_dim, num_packed=self.num_packed, vocab_size=self.vocab_size, axis=_AXIS_OF_DIM[out_dim])
+        specs = {"weight": GridBlock(out, EvenSplit(1 - out_dim, _AXIS_OF_DIM[1 - out_dim]))}
         if self.bias is not None:
-            specs["bias"] = ShardSpec(0, self.num_packed, self.vocab_size, axis="tp_row")
+            specs["bias"] = split_layout(0, num_packed=self.num_packed, vocab_size=self.vocab_size, axis="tp_row")
         return specs
 
 
@@ -139,7 +140,7 @@ class LayerNorm2D(LayerNorm):
             y = y + _replicated_over_batch(self.bias, self.grid)
         return y
 
-    def tp_shard_specs(self) -> dict[str, ShardSpec]:
+    def tp_shard_specs(self) -> dict[str, Layout]:
         return {name: _hidden_spec() for name, p in self.named_parameters(recurse=False)}
 
 
@@ -177,8 +178,8 @@ class VocabEmbedding2D(Embedding):
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_scatter_rows(out, grid.col)
 
-    def tp_shard_specs(self) -> dict[str, ShardSpec]:
-        return {"weight": ShardSpec(0, vocab_size=self.vocab_size, axis="tp_col", dim2=1, axis2="tp_row")}
+    def tp_shard_specs(self) -> dict[str, Layout]:
+        return {"weight": GridBlock(split_layout(0, vocab_size=self.vocab_size, axis="tp_col"), EvenSplit(1, "tp_row"))}
 
 
 class HiddenEmbedding2D(Embedding):
@@ -200,8 +201,8 @@ class HiddenEmbedding2D(Embedding):
     def forward(self, ids: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
         return F.embedding(ids, _replicated_over_batch(self.weight, self.grid), padding_idx=self.padding_idx)
 
-    def tp_shard_specs(self) -> dict[str, ShardSpec]:
-        return {"weight": ShardSpec(1, axis="tp_row")}
+    def tp_shard_specs(self) -> dict[str, Layout]:
+        return {"weight": EvenSplit(1, axis="tp_row")}
 
 
 class RMSNorm2D(nn.Module):
@@ -235,5 +236,5 @@ class RMSNorm2D(nn.Module):
             x = x.to(weight.dtype)
         return weight * x
 
-    def tp_shard_specs(self) -> dict[str, ShardSpec]:
+    def tp_shard_specs(self) -> dict[str, Layout]:
         return {"weight": _hidden_spec()}

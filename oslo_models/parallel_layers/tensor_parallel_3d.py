@@ -33,7 +33,7 @@ from torch import nn
 
 from .layers import Embedding, Linear, linear_forward
 from .mappings import _all_gather, _reduce_scatter, copy_to_tensor_parallel_region, gather_from_tensor_parallel_region
-from .plan import ShardSpec
+from .sharding import EvenSplit, GridBlock, Layout, split_layout
 from .summa import Grid, _Axis, gather_ids, reduce_scatter_rows
 from .tensor_parallel import divide, mask_vocab_padding, padded_size, strip_padding_and_unpack
 
@@ -177,17 +177,16 @@ class Linear3D(Linear):
         full = gather_from_tensor_parallel_region(full, rows_axis.group, dim=0)
         return gather_from_tensor_parallel_region(full, cube.dep.group, dim=0)
 
-    def tp_shard_specs(self) -> dict[str, ShardSpec]:
+    def tp_shard_specs(self) -> dict[str, Layout]:
         axis_of = {"in": self.in_axis_name, "out": self.out_axis_name}
         out_dim = _WEIGHT_DIM_OF[(self.layout, "out")]
         axes = {dim: axis_of[kind] for (layout, kind), dim in _WEIGHT_DIM_OF.items() if layout == self.layout}
         axes[0] = (axes[0], "tp_dep")
-        spec = ShardSpec(out_dim, self.num_packed, self.vocab_size, axis=axes[out_dim], dim2=1 - out_dim,
-                         axis2=axes[1 - out_dim])
-        specs = {"weight": spec}
+        out = split_layout(out_dim, num_packed=self.num_packed, vocab_size=self.vocab_size, axis=axes[out_dim])
+        specs = {"weight": GridBlock(out, EvenSplit(1 - out_dim, axes[1 - out_dim]))}
         if self.bias is not None:
-            specs["bias"] = ShardSpec(0, self.num_packed, self.vocab_size, axis=axes[out_dim] if self.vocab_size
-                                      else self.out_axis_name)
+            specs["bias"] = split_layout(0, num_packed=self.num_packed, vocab_size=self.vocab_size,
+                                         axis=axes[out_dim] if self.vocab_size else self.out_axis_name)
         return specs
 
 
@@ -281,8 +280,9 @@ class VocabEmbedding3D(Embedding):
         out = F.embedding(local_ids.masked_fill(outside, 0), weight, padding_idx=self.local_padding_idx)
         return reduce_scatter_rows(out.masked_fill(outside.unsqueeze(-1), 0.0), cube.col)
 
-    def tp_shard_specs(self) -> dict[str, ShardSpec]:
-        return {"weight": ShardSpec(0, vocab_size=self.vocab_size, axis=("tp_col", "tp_dep"), dim2=1, axis2="tp_row")}
+    def tp_shard_specs(self) -> dict[str, Layout]:
+        vocab = split_layout(0, vocab_size=self.vocab_size, axis=("tp_col", "tp_dep"))
+        return {"weight": GridBlock(vocab, EvenSplit(1, "tp_row"))}
 
 
 class HiddenEmbedding3D(Embedding):
@@ -305,5 +305,5 @@ class HiddenEmbedding3D(Embedding):
                                           ("tp_dep", self.cube.dep)) if name != self.axis_name]
         return F.embedding(ids, _replicated(self.weight, *others), padding_idx=self.padding_idx)
 
-    def tp_shard_specs(self) -> dict[str, ShardSpec]:
-        return {"weight": ShardSpec(1, axis=self.axis_name)}
+    def tp_shard_specs(self) -> dict[str, Layout]:
+        return {"weight": EvenSplit(1, axis=self.axis_name)}

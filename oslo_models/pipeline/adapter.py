@@ -93,7 +93,7 @@ class PipelineAdapter:
         context = model.parallel_context
         tp = context.tp_size if sequence_parallel else 1
         local_mb, width = mb, model.config.hidden_size
-        if context.tensor_parallel_mode != "1d":  # 2D/2.5D/3D: this rank's block of batch and hidden
+        if context.is_grid:  # 2D/2.5D/3D: this rank's block of batch and hidden
             from ..parallel_layers.grid_boundary import local_activation_shape
 
             local_mb, width = local_activation_shape(context, mb, width)

@@ -4,7 +4,7 @@ Loading: ``StageReader`` wraps a ``CheckpointReader`` so that the loader sees on
 parameters (no "unexpected key" noise for the other stages' layers, and nothing else is read), plus one alias:
 a stage holding a copy of a tied tensor under a name the checkpoint lacks (a last stage's ``lm_head.weight``, absent
 from tied Hub checkpoints) reads it from a name of the same tied group that is stored (``transformer.wte.weight``),
-sliced by its own ``ShardSpec``.
+sliced by its own ``Layout``.
 
 Saving: after the tensor-parallel gather inside each stage, the stage leaders (``dp_rank == tp_rank == 0``:
 exactly the pipeline group of global rank 0) send their CPU state dicts to global rank 0 with one

@@ -101,7 +101,7 @@ def keep_stage_modules(model, context) -> PipelineLayout:
     """Drop every module this rank's stages do not run (call on the meta device, before allocation)."""
     adapter = adapter_for(model)
     mode = context.tensor_parallel_mode
-    if mode != "1d" and not adapter.grid_modes:
+    if context.is_grid and not adapter.grid_modes:
         raise NotImplementedError(f"pipeline_parallel_size > 1 with tensor_parallel_mode={mode!r} is not "
                                   f"implemented for {type(model).__name__}; use tensor_parallel_mode='1d' or no "
                                   "pipeline parallelism for it")
@@ -149,7 +149,7 @@ class StageModule(nn.Module):
             setattr(self, attribute, model.get_submodule(path))
 
     def forward(self, *inputs, **kwargs):
-        if self.parallel_context.tensor_parallel_mode != "1d":
+        if self.parallel_context.is_grid:
             # 2D / 2.5D / 3D: the schedule hands every rank the whole microbatch; keep this rank's batch block.
             from ..parallel_layers.grid_boundary import split_stage_inputs
 

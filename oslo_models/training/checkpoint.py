@@ -4,13 +4,14 @@ Format: a folder written with ``torch.distributed.checkpoint`` (DCP) plus two sm
 
 - DCP entries ``model/<param name>`` and ``optim/<param name>/<state key>`` hold every tensor in a *canonical*,
   layout-independent shape, as a DTensor sharded over the tensor-parallel mesh axis (plain tensor at tp=1). The
-  model's plan (``ShardSpec``) says how: a column/row split is ``Shard(dim)``; packed q|k|v blocks are viewed as
-  ``[..., num_packed, block, ...]`` and sharded on the block dim; a padded vocabulary drops its padding rows, which
-  is exactly ``Shard(0)``'s uneven chunking; grouped-query key/value heads replicated over tp ranks (``tp >
-  num_key_value_heads``) are gathered and stored whole, each head once (they are small). DCP stores each chunk
+  model's plan (each parameter's ``Layout``, ``dcp_view``) says how: a column/row split is ``Shard(dim)``; equal
+  packed q|k|v blocks are viewed as ``[..., num_packed, block, ...]`` and sharded on the block dim; a padded
+  vocabulary drops its padding rows, which is exactly ``Shard(0)``'s uneven chunking; what no single ``Shard(dim)``
+  expresses (grouped-query key/value heads replicated over tp ranks at ``tp > num_key_value_heads``, unequal packed
+  blocks) is gathered and stored whole, each element once. DCP stores each chunk
   once (replicas over dp are de-duplicated) and on load reads, for every rank of the *new* layout, just the slice
   it owns - so tp=2 x dp=2 resumes at tp=4 or tp=1 x dp=2 with no conversion step. Stacked experts split over
-  ``expert_parallel_size`` (``ShardSpec.axis == "ep"``) are ``Shard(0)`` over a one-axis mesh of the rank's ep
+  ``expert_parallel_size`` (layout axis ``"ep"``) are ``Shard(0)`` over a one-axis mesh of the rank's ep
   group (the same on every tp rank), so ep 2 resumes at ep 4 the same way; their ZeRO-1 state lives in the
   experts' own optimizer (``SplitOptimizer``, sharded over edp), their ZeRO-2/3 shards on the edp mesh.
 - ``trainer_state.pt`` (rank 0): step, scheduler, loader/sampler position, optimizer hyperparameters, loss scaler,
@@ -54,29 +55,14 @@ def _save_synced(obj, path: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- canonical form
 def _canonical(local: torch.Tensor, spec, context):
-    """``(view, global_shape, shard_dim)``: ``local`` (a tp-local tensor) in the layout-independent shape."""
-    shape = list(local.shape)
-    if spec.dim is None:
-        return local, tuple(shape), None
-    if spec.dim2 is not None or spec.axis not in ("tp", "ep"):  # 2D/2.5D/3D blocks: not expressible as one Shard(dim)
-        raise NotImplementedError(f"resumable checkpoints under tensor_parallel_mode="
-                                  f"{context.tensor_parallel_mode!r} are not implemented yet; save_pretrained works")
-    dim, tp = spec.dim, context.tp_size
-    if spec.axis == "ep":  # stacked experts: contiguous blocks over ep, the same on every tp rank
-        ep = context.ep_size
-        return local, tuple(shape[:dim] + [shape[dim] * ep] + shape[dim + 1:]), (dim if ep > 1 else None)
-    if spec.replicas(tp) > 1:  # key/value heads replicated over tp ranks: stored whole, each head once
-        full = spec.gather(local, context.tp_group)
+    """``(view, global_shape, shard_dim)``: ``local`` (a tp-local tensor) in the layout-independent shape. A layout
+    that no single ``Shard(dim)`` expresses (replicated key/value heads, unequal packed blocks) is gathered and
+    stored whole."""
+    canonical = spec.dcp_view(local, context)
+    if canonical is None:
+        full = spec.gather_local(local, context)
         return full, tuple(full.shape), None
-    if spec.padded_vocab:
-        real = max(0, min(shape[dim], spec.vocab_size - context.tp_rank * shape[dim]))
-        view, full = local.narrow(dim, 0, real), shape[:dim] + [spec.vocab_size] + shape[dim + 1:]
-    elif spec.num_packed > 1:
-        packed = shape[:dim] + [spec.num_packed, shape[dim] // spec.num_packed] + shape[dim + 1:]
-        view, full, dim = local.view(packed), packed[:dim + 1] + [packed[dim + 1] * tp] + packed[dim + 2:], dim + 1
-    else:
-        view, full = local, shape[:dim] + [shape[dim] * tp] + shape[dim + 1:]
-    return view, tuple(full), (dim if tp > 1 else None)
+    return canonical
 
 
 def _to_dcp(view: torch.Tensor, full_shape, shard_dim, context, axis: str = "tp"):
@@ -236,24 +222,25 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
 
 # ---------------------------------------------------------------------------------------------- load
 def _target(shape, dtype, spec, context, key, metadata):
-    """A zero tp-local buffer, its canonical DCP value and a check of the saved global shape."""
-    if spec.replicas(context.tp_size) > 1:
-        # Replicated key/value heads are stored whole (see ``_canonical``): read the full tensor; the tp-local buffer
-        # is this rank's head inside it (a view), so reading back fills it.
-        full_shape = list(shape)
-        full_shape[spec.dim] *= spec.num_heads
-        view = torch.zeros(full_shape, dtype=dtype)
-        buffer = spec.read_shard(tuple(full_shape), view.__getitem__, context.tp_rank, context.tp_size)
-        full, shard_dim = tuple(full_shape), None
+    """``(buffer, view, dcp value, cut)``: a zero tp-local buffer, its canonical view (what DCP loads into) after a
+    check of the saved global shape, and for a tensor stored whole (see ``_canonical``) ``cut()``, which copies this
+    rank's piece out of the loaded full view into the buffer (``None`` when the view is the buffer's own)."""
+    buffer = torch.zeros(shape, dtype=dtype)
+    canonical, cut = spec.dcp_view(buffer, context), None
+    if canonical is None:
+        full = spec.full_shape_of(tuple(shape), context)
+        view, shard_dim = torch.zeros(full, dtype=dtype), None
+
+        def cut():
+            buffer.copy_(spec.read_local(full, view.__getitem__, context))
     else:
-        buffer = torch.zeros(shape, dtype=dtype)
-        view, full, shard_dim = _canonical(buffer, spec, context)
+        view, full, shard_dim = canonical
     if key not in metadata:
         raise ValueError(f"the checkpoint has no entry {key!r}: it was saved from another model")
     saved = tuple(metadata[key].size)
     if saved != full:
         raise ValueError(f"{key}: the checkpoint holds shape {saved}, this model needs {full}: another model config")
-    return buffer, view, _to_dcp(view, full, shard_dim, context, spec.axis)
+    return buffer, view, _to_dcp(view, full, shard_dim, context, spec.axis), cut
 
 
 def _read_back(view: torch.Tensor, loaded) -> None:
@@ -302,18 +289,18 @@ def _load_targets(path, inner, optimizer, context, plan):
 
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
 
-    state, pending = {}, []  # pending: (key, tp-local buffer, canonical view, apply(buffer))
+    state, pending = {}, []  # pending: (key, tp-local buffer, canonical view, cut(), apply(buffer))
     params = dict(inner.named_parameters())
     for name, param in params.items():
         key = f"model/{name}"
-        buffer, view, state[key] = _target(param.shape, param.dtype, plan.shard_spec(inner, name), context, key,
-                                           metadata)
-        pending.append((key, buffer, view, lambda b, p=param: _set_tp_local(p.data, b, context)))
+        buffer, view, state[key], cut = _target(param.shape, param.dtype, plan.shard_spec(inner, name), context, key,
+                                                metadata)
+        pending.append((key, buffer, view, cut, lambda b, p=param: _set_tp_local(p.data, b, context)))
     all_param_names = {name for name, _ in inner.named_parameters(remove_duplicate=False)}
     for name, buffer in inner.state_dict().items():
         if name not in all_param_names and f"model/{name}" in metadata:
             state[f"model/{name}"] = target = torch.empty_like(buffer)
-            pending.append((f"model/{name}", target, target, lambda b, t=buffer: t.copy_(b)))
+            pending.append((f"model/{name}", target, target, None, lambda b, t=buffer: t.copy_(b)))
 
     opt = unwrap_optimizer(optimizer)
     restored_optimizer_state = {}
@@ -327,11 +314,11 @@ def _load_targets(path, inner, optimizer, context, plan):
                 dtype = entry.properties.dtype
                 if len(entry.size) == 0:
                     state[key] = buffer = torch.zeros((), dtype=dtype)
-                    pending.append((key, buffer, buffer, None))
+                    pending.append((key, buffer, buffer, None, None))
                 else:
-                    buffer, view, state[key] = _target(param.shape, dtype, plan.shard_spec(inner, name), context,
-                                                       key, metadata)
-                    pending.append((key, buffer, view, None))
+                    buffer, view, state[key], cut = _target(param.shape, dtype, plan.shard_spec(inner, name),
+                                                            context, key, metadata)
+                    pending.append((key, buffer, view, cut, None))
                 restored_optimizer_state.setdefault(param, {})[key[len(prefix):]] = buffer
     return state, pending, restored_optimizer_state, trainer_state
 
@@ -340,8 +327,10 @@ def _apply_loaded(path, state, pending, restored_optimizer_state, trainer_state,
                   scaler, context) -> dict:
     opt = unwrap_optimizer(optimizer)
     with torch.no_grad():
-        for key, buffer, view, apply in pending:
+        for key, buffer, view, cut, apply in pending:
             _read_back(view, state[key])
+            if cut is not None:
+                cut()
             if apply is not None:
                 apply(buffer)
         for param, entries in restored_optimizer_state.items():

@@ -5,13 +5,13 @@ clip each rank by a different norm; Accelerate's ``clip_grad_norm_`` does the sa
 the *whole* model's gradient is assembled from the pieces each rank holds, using the model's parallel plan (the one
 place that says which parameter is split):
 
-- a parameter split over the tensor-parallel group (``ShardSpec.dim is not None``) contributes once per shard: its
+- a parameter split over the tensor-parallel group (its layout's ``split``) contributes once per shard: its
   partial sums are added over the tp group;
 - a replicated parameter (norms, biases of row-parallel layers) holds the same gradient on every tp rank and is
   counted once: no reduction over tp;
 - under ZeRO-2/3 (FSDP2) every gradient is additionally split over the dp group (a DTensor): partial sums are added
   over dp as well; under DDP/ZeRO-1 gradients are already identical over dp and are not reduced again;
-- stacked expert weights split over the expert-parallel group (``ShardSpec.axis == "ep"``) hold different experts
+- stacked expert weights split over the expert-parallel group (layout axis ``"ep"``) hold different experts
   on each ep rank and the same on every tp rank: their partial sums are added over ep only;
 - pipeline stages hold different parameters: partial sums are added over pp; a tied tensor with copies on several
   stages (input and output embedding) is counted once, on the lowest pipeline rank holding it.
@@ -69,10 +69,10 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
         value = torch.linalg.vector_norm(local.detach().float(), norm_type)
         value = value if is_inf else value.pow(norm_type)
         spec = plan.shard_spec(inner, name)
-        if spec.axis == "ep" and spec.dim is not None:
+        if spec.axis == "ep" and spec.split:
             experts.append(value)
             continue
-        sharded = context.tp_size > 1 and spec.dim is not None
+        sharded = context.tp_size > 1 and spec.split
         if sharded and not is_inf:  # a piece held by several tp ranks (a replicated key/value head, a 2D bias)
             value = value / spec.num_replicas(context)  # is counted once
         (split if sharded else replicated).append(value)

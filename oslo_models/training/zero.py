@@ -110,7 +110,7 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
 
 
 def expert_units(model: nn.Module) -> list[nn.Module]:
-    """The modules holding stacked experts split over the expert-parallel group (``ShardSpec.axis == "ep"``)."""
+    """The modules holding stacked experts split over the expert-parallel group (layout axis ``"ep"``)."""
     from ..distributed.expert_parallel import expert_parameter_names
 
     owners = {name.rpartition(".")[0] for name in expert_parameter_names(model)}

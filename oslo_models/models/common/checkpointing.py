@@ -129,7 +129,7 @@ def checkpoint_function(context, mode: str = "full", base: Callable | None = Non
     replaying = _keeping_sequence_parallel(context.rng.checkpointed(base), context.sequence_parallel_region)
     if mode in ("full", "selective"):
         return replaying
-    if mode == "partitioned" and context.tensor_parallel_mode != "1d":
+    if mode == "partitioned" and context.is_grid:
         raise ValueError(f"activation_checkpointing='partitioned' needs tensor_parallel_mode='1d', got "
                          f"{context.tensor_parallel_mode!r} (grid modes already split the hidden states)")
 

@@ -104,7 +104,7 @@ def _gather_heads(weights, group):
 def gather_recorded_outputs(model, outputs) -> None:
     """Gather, in place, what ``capture_outputs`` recorded on this rank (see the module docstring)."""
     context = model.parallel_context
-    if context.tp_size == 1 or context.tensor_parallel_mode != "1d":  # grid modes: hidden states stay blocks
+    if context.tp_size == 1 or context.is_grid:  # grid modes: hidden states stay blocks
         return
     group = context.tp_group
     recorded = getattr(outputs, "hidden_states", None)

@@ -17,7 +17,7 @@ from torch import nn
 
 from ... import fused_ops
 from ...parallel_layers.mappings import copy_to_tensor_parallel_region
-from ...parallel_layers.plan import Style
+from ...parallel_layers.plan import Style, build_grid_layer
 from ...parallel_layers.sequence_parallel import SequenceParallelAware
 
 FORMULAS = ("t5", "llama")
@@ -92,22 +92,15 @@ class SequenceParallelRMSNormStyle(Style):
         return "replicated_with_grad_allreduce" if self.always_reduce else "sequence_parallel"
 
     def build(self, module, context):
-        if context.tensor_parallel_mode in ("2d", "2.5d", "3d"):
-            if self.always_reduce:
-                # Qwen3's q/k norms over a whole head_dim: replicated weight, and every grid rank normalizes other
-                # tokens or heads, so the gradient is summed over the whole tensor-parallel group.
-                norm = SequenceParallelRMSNorm.from_plain(module, context.tp_group, always_reduce=True,
-                                                          fused=context.config.fused_ops)
-                norm.grid_planned = True  # laid out for the grid (see grid_boundary.check_fully_planned)
-                return norm
-            from ...parallel_layers.tensor_parallel_2d import RMSNorm2D  # an RMS norm over the split hidden
-
-            return RMSNorm2D.from_plain(module, context)
-        return SequenceParallelRMSNorm.from_plain(module, context.tp_group, always_reduce=self.always_reduce,
+        if context.is_grid and not self.always_reduce:  # an RMS norm over the split hidden
+            return build_grid_layer("rms_norm", module, context)
+        norm = SequenceParallelRMSNorm.from_plain(module, context.tp_group, always_reduce=self.always_reduce,
                                                   fused=context.config.fused_ops)
-
-    def shard_specs(self, module):
-        return module.tp_shard_specs() if hasattr(module, "tp_shard_specs") else {}
+        if context.is_grid:
+            # Qwen3's q/k norms over a whole head_dim: replicated weight, and every grid rank normalizes other
+            # tokens or heads, so the gradient is summed over the whole tensor-parallel group.
+            norm.grid_planned = True  # laid out for the grid (see grid_boundary.check_fully_planned)
+        return norm
 
 
 # the plan fragment of a residual-stream RMS norm (the component carries it; see models/common/blocks.py)

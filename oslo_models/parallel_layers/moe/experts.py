@@ -8,7 +8,7 @@ Two expert shapes:
   ``wo`` ``[E, d, f]``, with a dropout between them; ``transformers`` keeps these as one module per expert
   (``experts.expert_{i}.wi``), which ``models/common/expert_keys.py`` maps to and from the stacked tensors.
 
-Under expert parallelism each rank holds its contiguous block of ``E/ep`` experts (``ShardSpec(0, axis="ep")``, so
+Under expert parallelism each rank holds its contiguous block of ``E/ep`` experts (``EvenSplit(0, axis="ep")``, so
 the loader reads only those rows and the saver all-gathers them over ``ep``). Experts are not split over tensor
 parallelism: every tp rank of an ep rank holds the same experts and runs the same tokens (the residual stream is
 replicated over tp outside sequence parallelism), so expert gradients are equal over tp and counted once by the
@@ -27,7 +27,8 @@ from transformers.activations import ACT2FN
 
 from ..layers import Dropout
 from ..mappings import group_rank, group_size
-from ..plan import ShardSpec, Style, refuse_grid_mode
+from ..plan import Style, refuse_grid_mode
+from ..sharding import EvenSplit
 from ..tensor_parallel import divide
 
 
@@ -140,5 +141,5 @@ class ExpertParallel(Style):
         refuse_grid_mode(context, "mixture-of-experts layers")
         return module.shard(context.ep_group)
 
-    def shard_specs(self, module):
-        return {name: ShardSpec(0, axis="ep") for name in module.weight_names}
+    def layouts(self, module):
+        return {name: EvenSplit(0, axis="ep") for name in module.weight_names}
