@@ -296,8 +296,11 @@ class T5PreTrainedModel(OsloPreTrainedModel):
 
     def run_stacks(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
                    past_key_values, inputs_embeds, decoder_inputs_embeds, use_cache, **kwargs):
-        """Encoder (unless ``encoder_outputs`` are given), then the decoder over its output: both output objects."""
+        """Encoder (unless ``encoder_outputs`` are given), then the decoder over its output: both output objects.
+        ``cache``: ``transformers``' new name of ``past_key_values`` (what ``generate`` passes in this version)."""
         kwargs.pop("return_dict", None)
+        cache = kwargs.pop("cache", None)
+        past_key_values = cache if past_key_values is None else past_key_values
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
                                            inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
@@ -427,9 +430,11 @@ class T5Stack(T5PreTrainedModel):
     @capture_parallel_outputs
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 inputs_embeds=None, past_key_values=None, use_cache=None, output_attentions=None,
-                output_hidden_states=None, **kwargs):
+                output_hidden_states=None, cache=None, **kwargs):
         """``output_hidden_states`` / ``output_attentions`` (with cross-attentions) are recorded by
-        ``transformers``' hooks (``_can_record_outputs``), gathered over TP heads / SP chunks."""
+        ``transformers``' hooks (``_can_record_outputs``), gathered over TP heads / SP chunks. ``cache``:
+        ``transformers``' new name of ``past_key_values``."""
+        past_key_values = cache if past_key_values is None else past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if use_cache and not self.is_decoder:
