@@ -3,7 +3,7 @@ modules mT5, UMT5 and LongT5 use) and the Llama family's SwiGLU ``GatedMLP``, wr
 Megatron split.
 
 ``wi`` (and ``wi_0``/``wi_1``) are column-parallel: input ``[b, s, d_model]`` (``[b, s/tp, d_model]`` under
-sequence parallelism: each gathers the sequence), output ``[b, s, d_ff/tp]``. ``wo`` is row-parallel: it
+sequence parallelism, read from the context's region: each gathers the sequence), output ``[b, s, d_ff/tp]``. ``wo`` is row-parallel: it
 all-reduces (or reduce-scatters) back to ``d_model``. The dropout between them acts on TP-split activations.
 """
 from __future__ import annotations
@@ -21,6 +21,12 @@ from .parallel_rules import Features
 class DenseActDense(nn.Module):
     """``wo(dropout(act(wi(x))))`` (original T5: ReLU)."""
 
+    tp_plan = {"wi": Colwise(), "wo": Rowwise(), "dropout": TPDropout(always_split=True)}
+
+    @classmethod
+    def parallel_rules(cls, config) -> list:
+        return [Features("d_ff", config.d_ff)]
+
     def __init__(self, d_model: int, d_ff: int, *, act: str, dropout: float):
         super().__init__()
         self.wi = Linear(d_model, d_ff, bias=False)
@@ -32,16 +38,18 @@ class DenseActDense(nn.Module):
     def configure_fused_ops(self, enabled: bool) -> None:
         self.fused_gelu = fused_gelu_approximation(enabled, self.act_name, self.wi)
 
-    def forward(self, hidden_states: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
-        hidden_states = linear_act(self.wi, self.act, hidden_states, approximate=self.fused_gelu,
-                                   sequence_parallel=sequence_parallel)  # [b, s, d_ff/tp]
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = linear_act(self.wi, self.act, hidden_states, approximate=self.fused_gelu)  # [b, s, d_ff/tp]
         hidden_states = self.dropout(hidden_states)
-        return self.wo(hidden_states.to(self.wo.weight.dtype), sequence_parallel=sequence_parallel)
+        return self.wo(hidden_states.to(self.wo.weight.dtype))
 
 
 class DenseGatedActDense(nn.Module):
     """``wo(dropout(act(wi_0(x)) * wi_1(x)))`` (T5 v1.1 / Flan-T5: gated GELU). Each rank gates its own
     ``d_ff/tp`` columns of both branches, so the product needs no communication."""
+
+    tp_plan = {"wi_0": Colwise(), "wi_1": Colwise(), "wo": Rowwise(), "dropout": TPDropout(always_split=True)}
+    parallel_rules = DenseActDense.parallel_rules
 
     def __init__(self, d_model: int, d_ff: int, *, act: str, dropout: float):
         super().__init__()
@@ -55,12 +63,11 @@ class DenseGatedActDense(nn.Module):
     def configure_fused_ops(self, enabled: bool) -> None:
         self.fused_gelu = fused_gelu_approximation(enabled, self.act_name, self.wi_0)
 
-    def forward(self, hidden_states: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
-        gate = linear_act(self.wi_0, self.act, hidden_states, approximate=self.fused_gelu,
-                          sequence_parallel=sequence_parallel)
-        hidden_states = self.dropout(gate * self.wi_1(hidden_states, sequence_parallel=sequence_parallel))
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gate = linear_act(self.wi_0, self.act, hidden_states, approximate=self.fused_gelu)
+        hidden_states = self.dropout(gate * self.wi_1(hidden_states))
         # the cast keeps a fp32 ``wo`` (Flan-T5 in 8-bit setups) working, as transformers does
-        return self.wo(hidden_states.to(self.wo.weight.dtype), sequence_parallel=sequence_parallel)
+        return self.wo(hidden_states.to(self.wo.weight.dtype))
 
 
 class GatedMLP(nn.Module):

@@ -49,7 +49,7 @@ from ..common.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
 from ..common.moe import RouterLogits, check_expert_layout
 from ..t5 import modeling_t5 as t5
 from .configuration_switch_transformers import SwitchTransformersConfig
-from .parallel_plan import SWITCH_PLAN
+from .parallel_plan import SPARSE_MLP_PLAN, SWITCH_PLAN
 
 
 def sparse_layers(num_layers: int, sparse_step: int) -> set[int]:
@@ -86,6 +86,8 @@ class SwitchTransformersSparseMLP(nn.Module):
     """Router, then the kept tokens to their experts and back (``dispatch``/``combine``: all-to-all over ``ep``).
     Input/output ``[b, s, d]``; appends the router logits to ``router_logits`` (a ``RouterLogits``) when given."""
 
+    tp_plan = SPARSE_MLP_PLAN
+
     def __init__(self, config):
         super().__init__()
         self.router = SwitchTransformersTop1Router(config)
@@ -116,7 +118,7 @@ class SwitchTransformersLayerFF(nn.Module):
         self.layer_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, *, sequence_parallel: bool = False, router_logits: RouterLogits | None = None):
+    def forward(self, hidden_states, *, router_logits: RouterLogits | None = None):
         normed = self.layer_norm(hidden_states)
         out = self.mlp(normed, router_logits=router_logits) if self.is_sparse else self.mlp(normed)
         return hidden_states + self.dropout(out)

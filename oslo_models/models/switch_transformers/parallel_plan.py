@@ -12,15 +12,13 @@ First match wins, so these patterns come before T5's.
 from __future__ import annotations
 
 from ...parallel_layers.moe import ExpertParallel
-from ...parallel_layers.plan import Colwise, ParallelPlan, Rowwise, TPDropout
-from ..t5.parallel_plan import T5_STYLES
+from ...parallel_layers.plan import ParallelPlan, TPDropout
+from ..common import DenseActDense
+from ..t5.parallel_plan import T5_STYLES, feed_forward_styles
 
-_LAYER = "*.block.*.layer.*"
-SWITCH_STYLES = {
-    f"{_LAYER}.mlp.experts": ExpertParallel(),
-    f"{_LAYER}.mlp.experts.dropout": TPDropout(),
-    f"{_LAYER}.mlp.wi": Colwise(),
-    f"{_LAYER}.mlp.wo": Rowwise(),
-}
+#: ``SwitchTransformersSparseMLP.tp_plan`` (defined here, where the config can import it without a cycle)
+SPARSE_MLP_PLAN = {"experts": ExpertParallel(), "experts.dropout": TPDropout()}
+
+SWITCH_STYLES = feed_forward_styles("mlp", SPARSE_MLP_PLAN, DenseActDense.tp_plan)
 
 SWITCH_PLAN = ParallelPlan({**SWITCH_STYLES, **T5_STYLES})

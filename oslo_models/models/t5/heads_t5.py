@@ -13,14 +13,13 @@ from torch import nn
 from transformers.modeling_outputs import (
     Seq2SeqQuestionAnsweringModelOutput,
     Seq2SeqSequenceClassifierOutput,
-    TokenClassifierOutput,
 )
 from transformers.utils.generic import can_return_tuple
 
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ...parallel_layers.plan import ParallelPlan
 from ..bert.parallel_plan import prefixed
-from ..heads import sequence_classification_loss, span_logits_and_loss, token_classification_output
+from ..heads import ForTokenClassification, sequence_classification_loss, span_logits_and_loss
 from .modeling_t5 import (
     T5EncoderModel,
     T5Model,
@@ -100,28 +99,19 @@ class T5ForSequenceClassification(T5PreTrainedModel):
         return Seq2SeqSequenceClassifierOutput(loss=loss, logits=logits, **fields)
 
 
-class T5ForTokenClassification(T5PreTrainedModel):
-    """The encoder and a replicated ``classifier`` on every token: ``logits [b, s, num_labels]``."""
+class T5ForTokenClassification(ForTokenClassification, T5PreTrainedModel):
+    """The generic token-classification head (``models/heads.py``: ``classifier`` after ``dropout``, replicated,
+    ``logits [b, s, num_labels]``) on the encoder (``T5EncoderModel`` under ``transformer``, as ``transformers``)."""
 
     parallel_plan = T5_NESTED_PLAN
     hf_twin = transformers.T5ForTokenClassification
+    base_model_class = T5EncoderModel
+    classifier_name = "classifier"
 
-    def __init__(self, config, *, parallel_context=None):
-        super().__init__(config, parallel_context=parallel_context)
-        self.num_labels = config.num_labels
-        self.transformer = T5EncoderModel(config, parallel_context=self.parallel_context, submodule=True)
-        self.dropout = Dropout(config.classifier_dropout)
-        self.classifier = Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-        self.finish_init()
-
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
-                **kwargs) -> TokenClassifierOutput:
-        outputs = self.transformer(input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                                   return_dict=True, **kwargs)
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))
-        return token_classification_output(logits, labels, outputs)
+    def base_outputs(self, input_ids=None, *, position_ids=None, past_key_values=None, use_cache=None, **kwargs):
+        """T5's encoder has relative positions and no cache: the generic head's ``position_ids`` /
+        ``past_key_values`` / ``use_cache`` do not reach it."""
+        return super().base_outputs(input_ids, **kwargs)
 
 
 class T5ForQuestionAnswering(T5PreTrainedModel):

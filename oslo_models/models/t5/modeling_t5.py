@@ -1,11 +1,17 @@
 """T5 (and T5 v1.1 / Flan-T5), written single-device with the module tree and state-dict keys of
 ``transformers``' T5.
 
-Parallelism enters through the layers the plan (``parallel_plan.py``) swaps in and through the explicit
-sequence-parallel boundaries of each ``T5Stack``: after the token embeddings the residual stream is scattered
-along the sequence (``[b, s, d] -> [b, s/tp, d]``), after the final norm and dropout it is gathered back. The
-encoder output is therefore full and replicated, which is what the decoder's cross-attention k/v (column-parallel,
-``sequence_parallel=False``) consume.
+Parallelism enters through the layers the plan (``parallel_plan.py``, from the components' ``tp_plan``) swaps in
+and through the explicit sequence-parallel boundaries of each ``T5Stack``: after the token embeddings the residual
+stream is scattered along the sequence (``[b, s, d] -> [b, s/tp, d]``), after the final norm and dropout it is
+gathered back. Each stack switches the context's ``SequenceParallelRegion`` on for its own forward (the encoder and
+the decoder decide on their own lengths), and the TP layers read it: no layer takes a ``sequence_parallel``
+argument. The encoder output is therefore full and replicated, which is what the decoder's cross-attention k/v
+(column-parallel) consume: they pass the explicit ``sequence_parallel=False`` override.
+
+Hidden states, attentions and cross-attentions are recorded by ``transformers``' own hooks on each stack
+(``_can_record_outputs``, as ``transformers``' T5), gathered over TP / SP (``common/outputs.py``); the divisibility
+checks are the components' rules (attention: ``num_heads``; feed-forward: ``d_ff``).
 
 T5 specifics kept exactly: attention is unscaled (``scaling=1``) with a learned relative position bias computed
 once per stack by block 0 (this rank's heads only) and reused by every block; RMS norms without bias; ReLU or
@@ -17,6 +23,8 @@ Shapes: b batch, s sequence, d d_model, n heads (n/tp per rank), d_kv head dim, 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +43,7 @@ from transformers.modeling_outputs import (
 from transformers.models.t5.modeling_t5 import T5Attention as _HFT5Attention
 from transformers.models.t5.modeling_t5 import eager_attention_forward
 from transformers.utils.generic import ModelOutput, can_return_tuple
+from transformers.utils.output_capturing import OutputRecorder
 
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, Linear
@@ -51,18 +60,26 @@ from ..common import (
 )
 from ..common.attention import AttentionModule
 from ..common.lm_loss import head_loss_and_logits
-from ..common.outputs import OutputCollector
+from ..common.outputs import capture_parallel_outputs
+from ..common.parallel_rules import Heads, check_rules
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_t5 import T5Config
-from .parallel_plan import T5_PLAN
+from .parallel_plan import T5_ATTENTION_PLAN, T5_PLAN
 from .pipeline_t5 import T5PipelineAdapter
 
 
 
 class T5Attention(AttentionModule):
     """Self- or cross-attention on this rank's heads. Input ``[b, s(/tp), d]``; output ``[b, s(/tp), d]``
-    (``o`` is row-parallel: all-reduce, or reduce-scatter under SP). Returns ``(output, position_bias)`` with
-    ``position_bias [1, n/tp, s_q, s_k]`` for the next blocks to reuse."""
+    (``o`` is row-parallel: all-reduce, or reduce-scatter under SP). Returns ``(output, position_bias, weights)``
+    with ``position_bias [1, n/tp, s_q, s_k]`` for the next blocks to reuse and ``weights [b, n/tp, s_q, s_k]``
+    (eager attention only, else ``None``)."""
+
+    tp_plan = T5_ATTENTION_PLAN
+
+    @classmethod
+    def parallel_rules(cls, config) -> list:
+        return [Heads("num_heads", config.num_heads)]
 
     def __init__(self, config, has_relative_attention_bias: bool = False, layer_idx: int | None = None,
                  is_causal: bool = False):
@@ -95,11 +112,10 @@ class T5Attention(AttentionModule):
         return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
 
     def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, past_key_values=None,
-                *, sequence_parallel: bool = False, outputs=None, **kwargs):
-        sp = sequence_parallel
+                **kwargs):
         past_seen = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
         is_cross_attention = key_value_states is not None
-        query = split_heads(self.q(hidden_states, sequence_parallel=sp), self.key_value_proj_dim)  # [b, n/tp, s, d_kv]
+        query = split_heads(self.q(hidden_states), self.key_value_proj_dim)  # [b, n/tp, s, d_kv]
 
         cache, is_updated = past_key_values, False
         if isinstance(past_key_values, EncoderDecoderCache):
@@ -109,8 +125,9 @@ class T5Attention(AttentionModule):
         if is_cross_attention and past_key_values is not None and is_updated:  # encoder k/v computed at step one
             key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
         else:
-            # cross-attention reads the encoder output: full sequence and replicated, so never sequence-parallel
-            source, source_sp = (key_value_states, False) if is_cross_attention else (hidden_states, sp)
+            # cross-attention reads the encoder output, full and replicated: never sequence-parallel, also inside a
+            # sequence-parallel decoder (the explicit override); self-attention follows the stack's region
+            source, source_sp = (key_value_states, False) if is_cross_attention else (hidden_states, None)
             key = split_heads(self.k(source, sequence_parallel=source_sp), self.key_value_proj_dim)
             value = split_heads(self.v(source, sequence_parallel=source_sp), self.key_value_proj_dim)
             if past_key_values is not None:
@@ -127,28 +144,29 @@ class T5Attention(AttentionModule):
                                             dtype=query.dtype)
         out, weights = attend(self, query, key, value, mask, dropout=self.dropout, scaling=1.0,
                               eager_fallback=eager_attention_forward, position_bias=position_bias, **kwargs)
-        if outputs is not None:
-            outputs.attention(weights, cross=is_cross_attention)  # [b, n/tp, s_q, s_k] -> all heads
-        return self.o(out, sequence_parallel=sp), position_bias
+        return self.o(out), position_bias, weights
 
 
 class T5LayerSelfAttention(nn.Module):
+    """``(x + dropout(SelfAttention(layer_norm(x))), position_bias, weights)``, as ``transformers`` (the output
+    recorder reads the weights, index -1)."""
+
     def __init__(self, config, has_relative_attention_bias=False, layer_idx=None):
         super().__init__()
         self.SelfAttention = T5Attention(config, has_relative_attention_bias, layer_idx, is_causal=config.is_decoder)
         self.layer_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, attention_mask=None, position_bias=None, past_key_values=None, *,
-                sequence_parallel=False, **kwargs):
-        sp = sequence_parallel
-        out, position_bias = self.SelfAttention(self.layer_norm(hidden_states, sequence_parallel=sp),
-                                                mask=attention_mask, position_bias=position_bias,
-                                                past_key_values=past_key_values, sequence_parallel=sp, **kwargs)
-        return hidden_states + self.dropout(out, sequence_parallel=sp), position_bias
+    def forward(self, hidden_states, attention_mask=None, position_bias=None, past_key_values=None, **kwargs):
+        out, position_bias, weights = self.SelfAttention(self.layer_norm(hidden_states), mask=attention_mask,
+                                                         position_bias=position_bias,
+                                                         past_key_values=past_key_values, **kwargs)
+        return hidden_states + self.dropout(out), position_bias, weights
 
 
 class T5LayerCrossAttention(nn.Module):
+    """``(x + dropout(EncDecAttention(layer_norm(x), encoder output)), position_bias, weights)``."""
+
     def __init__(self, config, layer_idx=None):
         super().__init__()
         self.EncDecAttention = T5Attention(config, has_relative_attention_bias=False, layer_idx=layer_idx)
@@ -156,13 +174,12 @@ class T5LayerCrossAttention(nn.Module):
         self.dropout = Dropout(config.dropout_rate)
 
     def forward(self, hidden_states, key_value_states, attention_mask=None, position_bias=None,
-                past_key_values=None, *, sequence_parallel=False, **kwargs):
-        sp = sequence_parallel
-        out, position_bias = self.EncDecAttention(self.layer_norm(hidden_states, sequence_parallel=sp),
-                                                  mask=attention_mask, key_value_states=key_value_states,
-                                                  position_bias=position_bias, past_key_values=past_key_values,
-                                                  sequence_parallel=sp, **kwargs)
-        return hidden_states + self.dropout(out, sequence_parallel=sp), position_bias
+                past_key_values=None, **kwargs):
+        out, position_bias, weights = self.EncDecAttention(self.layer_norm(hidden_states), mask=attention_mask,
+                                                           key_value_states=key_value_states,
+                                                           position_bias=position_bias,
+                                                           past_key_values=past_key_values, **kwargs)
+        return hidden_states + self.dropout(out), position_bias, weights
 
 
 class T5LayerFF(nn.Module):
@@ -173,10 +190,8 @@ class T5LayerFF(nn.Module):
         self.layer_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, *, sequence_parallel=False):
-        sp = sequence_parallel
-        out = self.DenseReluDense(self.layer_norm(hidden_states, sequence_parallel=sp), sequence_parallel=sp)
-        return hidden_states + self.dropout(out, sequence_parallel=sp)
+    def forward(self, hidden_states):
+        return hidden_states + self.dropout(self.DenseReluDense(self.layer_norm(hidden_states)))
 
 
 def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
@@ -190,7 +205,8 @@ def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
 
 class T5Block(GradientCheckpointingLayer):
     """Self-attention, cross-attention (decoder), feed-forward (``build_feed_forward``: the hook Switch
-    Transformers overrides with its sparse layers; ``feed_forward_kwargs`` reach only that sub-layer)."""
+    Transformers overrides with its sparse layers; ``feed_forward_kwargs`` reach only that sub-layer). Returns
+    ``(hidden_states, position_bias, encoder_decoder_position_bias)``."""
 
     def __init__(self, config, has_relative_attention_bias=False, layer_idx=None):
         super().__init__()
@@ -205,17 +221,16 @@ class T5Block(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, attention_mask=None, position_bias=None, encoder_hidden_states=None,
                 encoder_attention_mask=None, encoder_decoder_position_bias=None, past_key_values=None, *,
-                sequence_parallel=False, feed_forward_kwargs: dict | None = None, **kwargs):
-        sp = sequence_parallel
-        hidden_states, position_bias = self.layer[0](hidden_states, attention_mask, position_bias, past_key_values,
-                                                     sequence_parallel=sp, **kwargs)
+                feed_forward_kwargs: dict | None = None, **kwargs):
+        hidden_states, position_bias, _ = self.layer[0](hidden_states, attention_mask, position_bias,
+                                                        past_key_values, **kwargs)
         hidden_states = _clamp_fp16(hidden_states)
         if self.is_decoder and encoder_hidden_states is not None:
-            hidden_states, encoder_decoder_position_bias = self.layer[1](
+            hidden_states, encoder_decoder_position_bias, _ = self.layer[1](
                 hidden_states, encoder_hidden_states, encoder_attention_mask, encoder_decoder_position_bias,
-                past_key_values, sequence_parallel=sp, **kwargs)
+                past_key_values, **kwargs)
             hidden_states = _clamp_fp16(hidden_states)
-        hidden_states = self.layer[-1](hidden_states, sequence_parallel=sp, **(feed_forward_kwargs or {}))
+        hidden_states = self.layer[-1](hidden_states, **(feed_forward_kwargs or {}))
         hidden_states = _clamp_fp16(hidden_states)
         return hidden_states, position_bias, encoder_decoder_position_bias
 
@@ -233,13 +248,18 @@ class T5PreTrainedModel(OsloPreTrainedModel):
     _supports_flex_attn = True
     _keys_to_ignore_on_load_unexpected = ["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"]
 
+    _can_record_outputs = {  # transformers' own recorders (common/outputs.py gathers them over TP / SP)
+        "hidden_states": OutputRecorder(T5Block, index=0),
+        "attentions": OutputRecorder(T5LayerSelfAttention, index=-1),
+        "cross_attentions": OutputRecorder(T5LayerCrossAttention, index=-1),
+    }
+    #: the components whose divisibility rules ``validate_parallel_config`` checks (``common/parallel_rules.py``)
+    parallel_components = (T5Attention, DenseActDense, DenseGatedActDense)
+
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
-        tp = parallel.tensor_parallel_size
-        for what, size in (("num_heads", config.num_heads), ("d_kv*num_heads", config.d_kv * config.num_heads),
-                           ("d_ff", config.d_ff)):
-            if size % tp:
-                raise ValueError(f"T5 {what}={size} is not divisible by tensor_parallel_size={tp}")
+        rules = [rule for component in cls.parallel_components for rule in component.parallel_rules(config)]
+        check_rules(dict.fromkeys(rules), config, parallel)
 
     def tie_parallel_weights(self) -> None:
         """The stacks' ``embed_tokens`` always share ``shared``; ``lm_head`` does too unless the checkpoint
@@ -276,8 +296,11 @@ class T5PreTrainedModel(OsloPreTrainedModel):
 
     def run_stacks(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
                    past_key_values, inputs_embeds, decoder_inputs_embeds, use_cache, **kwargs):
-        """Encoder (unless ``encoder_outputs`` are given), then the decoder over its output: both output objects."""
+        """Encoder (unless ``encoder_outputs`` are given), then the decoder over its output: both output objects.
+        ``cache``: ``transformers``' new name of ``past_key_values`` (what ``generate`` passes in this version)."""
         kwargs.pop("return_dict", None)
+        cache = kwargs.pop("cache", None)
+        past_key_values = cache if past_key_values is None else past_key_values
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
                                            inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
@@ -300,9 +323,27 @@ class T5PreTrainedModel(OsloPreTrainedModel):
         return shifted.masked_fill_(shifted == -100, pad)
 
 
+@dataclass
+class T5StackInputs:
+    """What each block of one stack forward reads: the self-attention mask (causal in the decoder), the
+    cross-attention mask, the cache, whether this stack runs sequence-parallel, and its full length."""
+
+    mask: Any
+    encoder_mask: Any
+    past_key_values: Any
+    sequence_parallel: bool
+    seq_len: int
+
+
 class T5Stack(T5PreTrainedModel):
     """Embeddings, ``num_layers`` blocks, final norm and dropout (encoder, or decoder with cross-attention and a
-    cache). ``last_hidden_state``: ``[b, s, d]``. Built inside a parent model, never on its own."""
+    cache). ``last_hidden_state``: ``[b, s, d]``. Built inside a parent model, never on its own.
+
+    The forward is four phases that the pipeline stages (``pipeline_t5.py``) call too, so there is no second
+    forward: ``stack_inputs`` (masks, cache, the sequence-parallel decision), then ``run_stack`` with the
+    sequence-parallel region of the model's context switched on for exactly that call: ``embed`` (tokens, the
+    scatter to ``[b, s/tp, d]``, the input dropout), ``run_blocks`` (block 0 computes the position biases, the
+    others reuse them), ``finish`` (final norm, dropout, the gather back to ``[b, s, d]``)."""
 
     block_class = T5Block  # Switch Transformers' stack swaps in its block
 
@@ -320,14 +361,82 @@ class T5Stack(T5PreTrainedModel):
     def set_input_embeddings(self, new_embeddings):
         self.embed_tokens = new_embeddings
 
-    @can_return_tuple
+    # ------------------------------------------------------------------ phases
+    def stack_inputs(self, shape_like, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
+                     past_key_values=None, *, sequence_parallel: bool | None = None) -> T5StackInputs:
+        """``shape_like``: ``[b, s, d]`` (the masks read only its batch, length, dtype and device: a pipeline stage
+        passes a zero-size expanded view). ``sequence_parallel``: the stage's decision; else this call's."""
+        if self.is_decoder:
+            self_cache = (past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache)
+                          else past_key_values)
+            mask = create_causal_mask(config=self.config, inputs_embeds=shape_like, attention_mask=attention_mask,
+                                      past_key_values=self_cache)
+        else:
+            mask = create_bidirectional_mask(config=self.config, inputs_embeds=shape_like,
+                                             attention_mask=attention_mask)
+        encoder_mask = None
+        if self.is_decoder and encoder_hidden_states is not None:
+            encoder_mask = create_bidirectional_mask(config=self.config, inputs_embeds=shape_like,
+                                                     attention_mask=encoder_attention_mask,
+                                                     encoder_hidden_states=encoder_hidden_states)
+        seq_len = shape_like.shape[1]
+        if sequence_parallel is None:
+            sequence_parallel = use_sequence_parallel(self, seq_len)
+        return T5StackInputs(mask, encoder_mask, past_key_values, sequence_parallel, seq_len)
+
+    def run_stack(self, x, inputs: T5StackInputs, *, blocks=None, first: bool = True, last: bool = True,
+                  position_bias=None, encoder_hidden_states=None, inputs_embeds=None, **block_kwargs):
+        """``first``: ``x`` is ``input_ids [b, s]`` (or ``None`` with ``inputs_embeds``), else hidden states
+        ``[b, s(/tp), d]`` and the stack's ``position_bias`` so far. Returns ``(hidden, position_bias)``, hidden
+        ``[b, s, d]`` when ``last``. The sequence-parallel region is on for exactly this call."""
+        region = self.parallel_context.sequence_parallel_region
+        previous = region.enter(inputs.sequence_parallel)
+        try:
+            hidden = self.embed(inputs, x, inputs_embeds) if first else x
+            hidden, position_bias = self.run_blocks(hidden, inputs, blocks, position_bias, encoder_hidden_states,
+                                                    **block_kwargs)
+            if last:
+                hidden = self.finish(hidden, inputs)
+        finally:
+            region.leave(previous)
+        return hidden, position_bias
+
+    def embed(self, inputs: T5StackInputs, input_ids=None, inputs_embeds=None) -> torch.Tensor:
+        """Token embeddings (vocab-parallel: all-reduce over TP; a pipeline stage passes ``inputs_embeds`` from
+        ``shared``), the scatter to ``[b, s/tp, d]`` under sequence parallelism, the input dropout."""
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        hidden = enter_sequence_parallel(inputs_embeds, self.parallel_context) if inputs.sequence_parallel \
+            else inputs_embeds
+        return self.dropout(hidden)
+
+    def run_blocks(self, hidden, inputs: T5StackInputs, blocks=None, position_bias=None, encoder_hidden_states=None,
+                   **block_kwargs):
+        """``blocks`` (default: all) in order; block 0 computes the self-attention position bias (passed on as
+        ``position_bias``), the first block run computes the cross-attention one (zeros, no parameters)."""
+        encoder_decoder_position_bias = None
+        for block in self.block if blocks is None else blocks:
+            hidden, position_bias, encoder_decoder_position_bias = block(
+                hidden, inputs.mask, position_bias, encoder_hidden_states, inputs.encoder_mask,
+                encoder_decoder_position_bias, past_key_values=inputs.past_key_values, **block_kwargs)
+        return hidden, position_bias
+
+    def finish(self, hidden, inputs: T5StackInputs) -> torch.Tensor:
+        """Final norm and dropout, then ``[b, s/tp, d] -> [b, s, d]`` under sequence parallelism."""
+        hidden = self.dropout(self.final_layer_norm(hidden))
+        return leave_sequence_parallel(hidden, self.parallel_context) if inputs.sequence_parallel else hidden
+
+    # ------------------------------------------------------------------ forward
+    @capture_parallel_outputs
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 inputs_embeds=None, past_key_values=None, use_cache=None, output_attentions=None,
-                output_hidden_states=None, **kwargs):
+                output_hidden_states=None, cache=None, **kwargs):
+        """``output_hidden_states`` / ``output_attentions`` (with cross-attentions) are recorded by
+        ``transformers``' hooks (``_can_record_outputs``), gathered over TP heads / SP chunks. ``cache``:
+        ``transformers``' new name of ``past_key_values``."""
+        past_key_values = cache if past_key_values is None else past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)  # vocab-parallel: all-reduce over TP
         if use_cache and not self.is_decoder:
             raise ValueError(f"`use_cache` can only be set to `True` if {type(self).__name__} is used as a decoder")
         if self.is_decoder:
@@ -336,37 +445,16 @@ class T5Stack(T5PreTrainedModel):
                 past_key_values = DynamicCache(config=self.config)
                 if self.config.is_encoder_decoder:
                     past_key_values = EncoderDecoderCache(past_key_values, DynamicCache(config=self.config))
-            self_cache = (past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache)
-                          else past_key_values)
-            mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                      past_key_values=self_cache)
         else:
             past_key_values = None
-            mask = create_bidirectional_mask(config=self.config, inputs_embeds=inputs_embeds,
-                                             attention_mask=attention_mask)
-        encoder_mask = None
-        if self.is_decoder and encoder_hidden_states is not None:
-            encoder_mask = create_bidirectional_mask(config=self.config, inputs_embeds=inputs_embeds,
-                                                     attention_mask=encoder_attention_mask,
-                                                     encoder_hidden_states=encoder_hidden_states)
-
-        sp = use_sequence_parallel(self, inputs_embeds.shape[1])
-        hidden_states = enter_sequence_parallel(inputs_embeds, self.parallel_context) if sp else inputs_embeds
-        hidden_states = self.dropout(hidden_states, sequence_parallel=sp)
-        position_bias = encoder_decoder_position_bias = None
-        outputs = OutputCollector(self, output_attentions, output_hidden_states)
-        for block in self.block:  # block 0 computes the position biases, the others reuse them
-            outputs.hidden(hidden_states, sequence_parallel=sp)
-            hidden_states, position_bias, encoder_decoder_position_bias = block(
-                hidden_states, mask, position_bias, encoder_hidden_states, encoder_mask,
-                encoder_decoder_position_bias, past_key_values=past_key_values, sequence_parallel=sp,
-                outputs=outputs if outputs.active else None, **kwargs)
-        hidden_states = self.dropout(self.final_layer_norm(hidden_states, sequence_parallel=sp), sequence_parallel=sp)
-        if sp:
-            hidden_states = leave_sequence_parallel(hidden_states, self.parallel_context)
-        outputs.hidden(hidden_states)  # transformers' last hidden state is the normalized one
-        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states,
-                                                         past_key_values=past_key_values, **outputs.result())
+        like = inputs_embeds if inputs_embeds is not None else input_ids
+        dtype = like.dtype if like.is_floating_point() else self.embed_tokens.weight.dtype
+        shape_like = torch.zeros((), dtype=dtype, device=like.device).expand(*like.shape[:2], self.config.d_model)
+        inputs = self.stack_inputs(shape_like, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                                   past_key_values)
+        hidden, _ = self.run_stack(input_ids, inputs, inputs_embeds=inputs_embeds,
+                                   encoder_hidden_states=encoder_hidden_states, **kwargs)
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden, past_key_values=past_key_values)
 
 
 def _stack_config(config, *, is_decoder: bool):

@@ -30,14 +30,19 @@ Each stack's relative position bias is computed by its block 0 and travels as an
 reuse it and its gradient flows back to block 0's ``relative_attention_bias``; the cross-attention bias (zeros,
 no parameters) is recomputed by each stage. ``attention_mask``, ``decoder_input_ids`` (shifted labels unless given)
 and ``decoder_attention_mask`` are keywords to every stage; each stage rebuilds its masks from them.
+
+A stage computes with the stacks' own phases (``T5Stack.stack_inputs`` and ``run_stack`` with ``first``/``last``
+and the stage's blocks; the sequence-parallel region on for each stack's part), so it computes exactly what the
+same blocks compute inside ``forward``. Parameter counts per layer come from the stacks built on the meta device
+with no parallelism, not from formulas.
 """
 from __future__ import annotations
 
 import torch
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
+from ...distributed.context import ParallelContext
 from ...pipeline.adapter import PipelineAdapter
-from ..common import enter_sequence_parallel, leave_sequence_parallel, token_loss, use_sequence_parallel
+from ..common import token_loss, use_sequence_parallel
 
 ENCODER, DECODER = "encoder.block", "decoder.block"
 EMBEDDINGS = ("encoder.embed_tokens", "decoder.embed_tokens")  # aliases of ``shared``: never run, always dropped
@@ -52,17 +57,25 @@ class T5PipelineAdapter(PipelineAdapter):
 
     def layer_parameter_counts(self, model) -> tuple[list[float], float, float]:
         """Blocks (decoder blocks with cross-attention, blocks 0 with the position bias; the last encoder layer
-        also counts the encoder's final norm); ``shared`` on the first stage; the head and final norm on the last."""
-        config = model.config
-        h, inner = config.d_model, config.num_heads * config.d_kv
-        attention = 4 * h * inner + h  # q, k, v, o and the sub-layer's norm
-        ff = (3 if config.is_gated_act else 2) * h * config.d_ff + h
-        bias = config.relative_attention_num_buckets * config.num_heads
-        encoder = [float(attention + ff + (bias if i == 0 else 0)) for i in range(config.num_layers)]
-        decoder = [float(2 * attention + ff + (bias if i == 0 else 0)) for i in range(config.num_decoder_layers)]
-        encoder[-1] += h
-        embedding = float(config.vocab_size * h)
-        return encoder + decoder, embedding, embedding + h
+        also counts the encoder's final norm); ``shared`` on the first stage; the head (a full ``V x d`` even when
+        tied: the last stage holds a copy) and the decoder's final norm on the last. Counted on the model's own
+        stacks built on the meta device without parallelism."""
+        from .modeling_t5 import T5Stack, _stack_config
+
+        stack_class = getattr(model, "stack_class", T5Stack)  # ``model`` may be transformers' own (tests)
+        with torch.device("meta"):
+            context = ParallelContext.single_process()
+            encoder, decoder = (stack_class(_stack_config(model.config, is_decoder=is_decoder),
+                                            parallel_context=context) for is_decoder in (False, True))
+
+        def count(module) -> float:
+            return float(sum(p.numel() for p in module.parameters()))
+
+        encoder_costs = [count(block) for block in encoder.block]
+        encoder_costs[-1] += count(encoder.final_layer_norm)
+        embedding = count(encoder.embed_tokens)
+        return (encoder_costs + [count(block) for block in decoder.block], embedding,
+                embedding + count(decoder.final_layer_norm))
 
     def stage_modules(self, model, layout, stage: int) -> dict[str, str]:
         layers, num_encoder = layout.ranges[stage], model.config.num_layers
@@ -132,6 +145,7 @@ class T5PipelineAdapter(PipelineAdapter):
     # ------------------------------------------------------------------ compute
     def stage_forward(self, stage, *inputs, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
         config, context = stage.model_config, stage.parallel_context
+        encoder, decoder = stage.owner.encoder, stage.owner.decoder
         layers, num_encoder = stage.layout.ranges[stage.stage_index], config.num_layers
         blocks = {ENCODER: [], DECODER: []}
         for (path, _), block in zip(stage.layer_ids, stage.layers):
@@ -144,24 +158,34 @@ class T5PipelineAdapter(PipelineAdapter):
             enc_len = inputs[-1].shape[1]  # the encoder output: full length
         dec_len = decoder_input_ids.shape[-1]
         enc_sp, dec_sp = _stack_sequence_parallel(stage.sequence_parallel, context.tp_size, enc_len, dec_len)
+        mb, device = decoder_input_ids.shape[0], decoder_input_ids.device
 
-        # ---- encoder blocks (and, on the first stage, both stacks' embeddings)
+        def decoder_inputs(encoder_output, dtype):
+            return decoder.stack_inputs(_shape_only(mb, dec_len, config.d_model, dtype, device),
+                                        decoder_attention_mask, encoder_output, attention_mask,
+                                        sequence_parallel=dec_sp)
+
+        # ---- encoder blocks (and, on the first stage, both stacks' embeddings, the encoder's first)
+        encoder_ends = num_encoder - 1 in layers
         if stage.is_first:
-            hidden, position_bias = _embed(stage, inputs[0], stage.encoder_dropout, enc_sp), None
-            decoder_hidden = _embed(stage, decoder_input_ids, stage.decoder_dropout, dec_sp)
+            inputs_embeds = stage.shared(inputs[0])  # the stacks' embed_tokens are ``shared``: dropped on stages
+            enc_inputs = encoder.stack_inputs(_shape_only(mb, enc_len, config.d_model, inputs_embeds.dtype, device),
+                                              attention_mask, sequence_parallel=enc_sp)
+            hidden, position_bias = encoder.run_stack(None, enc_inputs, blocks=(), last=False,
+                                                      inputs_embeds=inputs_embeds)
+            # the decoder's embedded inputs [mb, s_dec(/tp), h] ride along through the encoder stages
+            decoder_hidden, _ = decoder.run_stack(None, decoder_inputs(None, inputs_embeds.dtype), blocks=(),
+                                                  last=False, inputs_embeds=stage.shared(decoder_input_ids))
         elif layers.start < num_encoder:
             hidden, position_bias, decoder_hidden = inputs
-        if blocks[ENCODER]:
-            mask = create_bidirectional_mask(config=_block_config(blocks[ENCODER][0]),
-                                             inputs_embeds=_shape_only(hidden, enc_len), attention_mask=attention_mask)
-            for block in blocks[ENCODER]:
-                hidden, position_bias, _ = block(hidden, mask, position_bias, sequence_parallel=enc_sp)
-            if num_encoder - 1 not in layers:
+            enc_inputs = encoder.stack_inputs(_shape_only(mb, enc_len, config.d_model, hidden.dtype, device),
+                                              attention_mask, sequence_parallel=enc_sp)
+        if layers.start < num_encoder:
+            hidden, position_bias = encoder.run_stack(hidden, enc_inputs, blocks=blocks[ENCODER], first=False,
+                                                      last=encoder_ends, position_bias=position_bias)
+            if not encoder_ends:
                 return _activations(hidden, position_bias, decoder_hidden)
-            encoder_output = stage.encoder_dropout(stage.encoder_final_layer_norm(hidden, sequence_parallel=enc_sp),
-                                                   sequence_parallel=enc_sp)
-            if enc_sp:
-                encoder_output = leave_sequence_parallel(encoder_output, context)
+            encoder_output = hidden  # after the final norm, dropout and SP gather
             if not blocks[DECODER]:
                 return _activations(decoder_hidden, encoder_output)
 
@@ -172,21 +196,12 @@ class T5PipelineAdapter(PipelineAdapter):
             if layers.start == num_encoder:
                 decoder_hidden, encoder_output = inputs
             hidden, position_bias = decoder_hidden, None
-        decoder_config, shape_only = _block_config(blocks[DECODER][0]), _shape_only(hidden, dec_len)
-        mask = create_causal_mask(config=decoder_config, inputs_embeds=shape_only,
-                                  attention_mask=decoder_attention_mask, past_key_values=None)
-        encoder_mask = create_bidirectional_mask(config=decoder_config, inputs_embeds=shape_only,
-                                                 attention_mask=attention_mask, encoder_hidden_states=encoder_output)
-        cross_bias = None  # zeros, recomputed by the stage's first block: no parameters, nothing to send
-        for block in blocks[DECODER]:
-            hidden, position_bias, cross_bias = block(hidden, mask, position_bias, encoder_output, encoder_mask,
-                                                      cross_bias, sequence_parallel=dec_sp)
+        hidden, position_bias = decoder.run_stack(hidden, decoder_inputs(encoder_output, hidden.dtype),
+                                                  blocks=blocks[DECODER],
+                                                  first=False, last=stage.is_last, position_bias=position_bias,
+                                                  encoder_hidden_states=encoder_output)
         if not stage.is_last:
             return _activations(hidden, position_bias, encoder_output)
-        hidden = stage.decoder_dropout(stage.decoder_final_layer_norm(hidden, sequence_parallel=dec_sp),
-                                       sequence_parallel=dec_sp)
-        if dec_sp:
-            hidden = leave_sequence_parallel(hidden, context)
         if config.scale_decoder_outputs:  # original T5 (tied head) rescales before the projection
             hidden = hidden * (config.d_model ** -0.5)
         return stage.lm_head(hidden)  # [mb, s_dec, V_padded/tp]
@@ -205,21 +220,7 @@ def _activations(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(tensor.contiguous() for tensor in tensors)
 
 
-def _embed(stage, ids, dropout, sp: bool) -> torch.Tensor:
-    """Token embeddings (vocab-parallel: all-reduce over TP), the SP scatter, the stack's input dropout."""
-    hidden = stage.shared(ids)
-    if sp:
-        hidden = enter_sequence_parallel(hidden, stage.parallel_context)
-    return dropout(hidden, sequence_parallel=sp)
-
-
-def _block_config(block):
-    """The stack's config (``is_decoder`` set), as the stack itself passes it to the masks."""
-    return block.layer[0].SelfAttention.config
-
-
-def _shape_only(hidden: torch.Tensor, seq_len: int) -> torch.Tensor:
+def _shape_only(batch: int, seq_len: int, hidden: int, dtype, device) -> torch.Tensor:
     """The masks read only the batch size, length, dtype and device of ``inputs_embeds``: a zero-size expanded
     view stands in for the full ``[mb, s, h]`` activations (a stage holds ``[mb, s/tp, h]`` under SP)."""
-    return hidden.new_zeros(()).expand(hidden.shape[0], seq_len, hidden.shape[-1])
-
+    return torch.zeros((), dtype=dtype, device=device).expand(batch, seq_len, hidden)
