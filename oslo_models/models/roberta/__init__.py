@@ -8,7 +8,6 @@ from .modeling_roberta import (
     RobertaPreTrainedModel,
 )
 from .modeling_roberta import RobertaForCausalLM, RobertaForMultipleChoice
-from .parallel_plan import ROBERTA_BASE_PLAN, ROBERTA_HEAD_PLAN, ROBERTA_MLM_PLAN
 from .variants import (
     CamembertConfig,
     CamembertForMaskedLM,
@@ -25,8 +24,7 @@ from .variants import (
 )
 
 __all__ = ["RobertaConfig", "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
-           "RobertaForTokenClassification", "RobertaForQuestionAnswering", "RobertaPreTrainedModel",
-           "ROBERTA_BASE_PLAN", "ROBERTA_MLM_PLAN", "ROBERTA_HEAD_PLAN"]
+           "RobertaForTokenClassification", "RobertaForQuestionAnswering", "RobertaPreTrainedModel"]
 __all__ += ["XLMRobertaConfig", "XLMRobertaModel", "XLMRobertaForMaskedLM", "XLMRobertaForSequenceClassification",
             "XLMRobertaForTokenClassification", "XLMRobertaForQuestionAnswering", "CamembertConfig", "CamembertModel",
             "CamembertForMaskedLM", "CamembertForSequenceClassification", "CamembertForTokenClassification",
