@@ -31,6 +31,7 @@ from transformers.masking_utils import create_bidirectional_mask, create_causal_
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, eager_attention_forward
 from transformers.utils.generic import can_return_tuple
+from transformers.utils.output_capturing import OutputRecorder
 
 from ...config import ParallelConfig
 from ...parallel_layers.head_parallel import VocabBias
@@ -65,15 +66,12 @@ from ..encoder_heads import (
 from ..heads import StackFamilyModel
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_bert import BertConfig
+from .parallel_plan import prefixed
 from .pipeline_bert import MaskedLMPipelineAdapter, SequenceClassificationPipelineAdapter
 
 
 def _activation(hidden_act):
     return ACT2FN[hidden_act] if isinstance(hidden_act, str) else hidden_act
-
-
-def _prefixed(prefix: str, plan: dict) -> dict:
-    return {f"{prefix}.{pattern}" if pattern else prefix: style for pattern, style in plan.items()}
 
 
 class BertEmbeddings(nn.Module):
@@ -162,7 +160,7 @@ class BertAttention(nn.Module):
     projection, residual, LayerNorm). Returns ``(output [b, s(/tp), h], weights)``."""
 
     tp_plan = {"self.query": Colwise(), "self.key": Colwise(), "self.value": Colwise(),
-               "self.dropout": TPDropout(always_split=True), **_prefixed("output", BertSelfOutput.tp_plan)}
+               "self.dropout": TPDropout(always_split=True), **prefixed("output", BertSelfOutput.tp_plan)}
 
     @classmethod
     def parallel_rules(cls, config) -> list:
@@ -239,7 +237,7 @@ class BertEncoder(nn.Module):
 BERT_SPEC = StackSpec(block=BertLayer,
                       components=dict(attn=BertAttention, intermediate=BertIntermediate, output=BertOutput),
                       embed_tokens="embeddings.word_embeddings", layers="encoder.layer", final_norm=None,
-                      extra_plan=_prefixed("embeddings", BertEmbeddings.tp_plan))
+                      extra_plan=prefixed("embeddings", BertEmbeddings.tp_plan))
 
 
 class BertPooler(nn.Module):
@@ -287,7 +285,7 @@ class BertLMPredictionHead(nn.Module):
 
 
 class BertOnlyMLMHead(nn.Module):
-    tp_plan = _prefixed("predictions", BertLMPredictionHead.tp_plan)
+    tp_plan = prefixed("predictions", BertLMPredictionHead.tp_plan)
 
     def __init__(self, config):
         super().__init__()
@@ -329,7 +327,10 @@ class BertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _can_record_outputs = {"hidden_states": BertLayer, "attentions": BertSelfAttention}
+    # as transformers' BERT: cross-attentions from the layers' ``crossattention`` (none until cross-attention is
+    # implemented, so ``output_attentions=True`` gives an empty tuple there, as transformers without it)
+    _can_record_outputs = {"hidden_states": BertLayer, "attentions": BertSelfAttention,
+                           "cross_attentions": OutputRecorder(BertSelfAttention, index=1, layer_name="crossattention")}
     _decoder_bias_owner: ClassVar[str | None] = None  # the MLM head module whose ``bias`` the decoder shares
 
     @classmethod

@@ -16,3 +16,8 @@ from ..common.published_plan import PublishedTPPlan
 
 def published_tp_plan() -> PublishedTPPlan:
     return PublishedTPPlan("oslo_models.models.bert.modeling_bert", "BERT_SPEC")
+
+
+def prefixed(prefix: str, styles: dict) -> dict:
+    """``styles`` with every pattern under ``prefix`` (an empty pattern: the prefix itself); T5's heads use it."""
+    return {f"{prefix}.{pattern}" if pattern else prefix: style for pattern, style in styles.items()}
