@@ -23,6 +23,7 @@ import transformers
 import oslo_models as om
 from oslo_models.models.declare import declare_stack_family
 from oslo_models.models.family import FamilyRecord
+from oslo_models.models.heads import ForCausalLM
 from oslo_models.models.llama import TINY_DECODER
 from oslo_models.models.llama.modeling_llama import LLAMA_SPEC, LlamaPreTrainedModel
 from oslo_models.models.registry import families, register_family, unregister_family
@@ -50,7 +51,9 @@ TOY = FamilyRecord(model_type=TOY_TYPE, package=__name__, config="ToyConfig",
 
 
 def _causal_types() -> list[str]:
-    return [r.model_type for r in families() if "causal_lm" in r.classes and r.spec is not None] + [TOY_TYPE]
+    """The decoder families: a record whose causal LM is the generic stack head (BERT's LM head is an encoder's)."""
+    return [r.model_type for r in families()
+            if "causal_lm" in r.classes and issubclass(r.model_class("causal_lm"), ForCausalLM)] + [TOY_TYPE]
 
 
 def _om_class(model_type: str) -> type:

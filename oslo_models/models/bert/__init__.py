@@ -7,9 +7,8 @@ from ..family import FamilyRecord, lazy_exports
 _EXPORTS = {
     ".configuration_bert": ["BertConfig"],
     ".modeling_bert": ["BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification",
-                       "BertForTokenClassification", "BertForQuestionAnswering", "BertPreTrainedModel"],
-    ".heads_bert": ["BertLMHeadModel", "BertForMultipleChoice", "BertForNextSentencePrediction"],
-    ".parallel_plan": ["BERT_BASE_PLAN", "BERT_MLM_PLAN", "BERT_HEAD_PLAN"],
+                       "BertForTokenClassification", "BertForQuestionAnswering", "BertPreTrainedModel",
+                       "BertLMHeadModel", "BertForMultipleChoice", "BertForNextSentencePrediction", "BERT_SPEC"],
 }
 # the tiny BERT of the tests: vocab 101 is not divisible by 2 or 4, so the vocab-parallel layers pad it
 TINY_ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=101,
@@ -21,7 +20,7 @@ FAMILIES = (
         "sequence_classification": "BertForSequenceClassification",
         "token_classification": "BertForTokenClassification", "question_answering": "BertForQuestionAnswering",
         "causal_lm": "BertLMHeadModel", "multiple_choice": "BertForMultipleChoice",
-        "next_sentence_prediction": "BertForNextSentencePrediction"}),
+        "next_sentence_prediction": "BertForNextSentencePrediction"}, spec="BERT_SPEC"),
 )
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

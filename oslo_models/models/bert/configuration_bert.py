@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import transformers
 
-from .parallel_plan import BERT_BASE_PLAN
+from .parallel_plan import published_tp_plan
 
 
 class BertConfig(transformers.BertConfig):
-    base_model_tp_plan = BERT_BASE_PLAN.hf_tp_plan()
+    base_model_tp_plan = published_tp_plan()

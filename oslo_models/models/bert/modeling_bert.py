@@ -1,11 +1,19 @@
 """BERT, written single-device with the module tree and state-dict keys of ``transformers``' BERT.
 
-Parallelism enters through the layers the plan (``parallel_plan.py``) swaps in and through two explicit
-sequence-parallel boundaries in ``BertModel.forward``: after the embeddings (sum, LayerNorm, dropout: cheap and
-replicated) the residual stream is scattered along the sequence (``[b, s, h] -> [b, s/tp, h]``) and after the
-last layer it is gathered back, so pooler, heads and every public tensor see HF's ``[batch, seq, hidden]``.
-The q/k/v projections are three column-parallel layers (as in the checkpoint), so under sequence parallelism
-each gathers the sequence on its own: three all-gathers forward, three reduce-scatters backward per layer.
+The base model is the shared stack (``common/stack.py``): its phases (``stack_inputs``, ``run_stack``) run the
+model's ``forward`` and every pipeline stage alike (``pipeline_bert.py``). BERT fills the stack's hooks: the
+embeddings module (sum, LayerNorm, dropout: cheap and replicated, so it runs outside the sequence-parallel region,
+before the scatter ``[b, s, h] -> [b, s/tp, h]``), the bidirectional mask (causal with a key/value cache when
+``config.is_decoder``), no final norm (post-norm layers), and the gather back after the last layer, so pooler,
+heads and every public tensor see HF's ``[batch, seq, hidden]``. Sequence parallelism is switched on for the
+layers by the stack (the context's ``SequenceParallelRegion``); no layer takes a ``sequence_parallel`` argument.
+The q/k/v projections are three column-parallel layers (as in the checkpoint), so under sequence parallelism each
+gathers the sequence on its own: three all-gathers forward, three reduce-scatters backward per layer.
+
+The parallel plan and the divisibility checks are derived from ``BERT_SPEC``'s components (the attention carries
+its heads rule and plan fragment, the feed-forward its ``intermediate_size`` rule); the heads are the generic
+encoder heads (``models/encoder_heads.py``); ``output_hidden_states`` / ``output_attentions`` are recorded by
+``transformers``' own hooks (``common/outputs.py``).
 
 Shapes: b batch, s sequence, h hidden, n heads (n/tp per rank), d head dim, V vocabulary.
 """
@@ -20,30 +28,46 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import (
-    BaseModelOutputWithPoolingAndCrossAttentions,
-    MaskedLMOutput,
-    SequenceClassifierOutput,
-)
+from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, eager_attention_forward
 from transformers.utils.generic import can_return_tuple
+from transformers.utils.output_capturing import OutputRecorder
 
 from ...config import ParallelConfig
+from ...parallel_layers.head_parallel import VocabBias
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
-from ..common.context_parallel import context_parallel_inputs, context_parallel_loss, context_parallel_loss_items
-from ..common.bias_act import fused_gelu_approximation, linear_act
-from ..common.lm_loss import head_loss_and_logits
-from ..common import attend, enter_sequence_parallel, full_logits, leave_sequence_parallel, split_heads, token_loss
-from ..common import use_sequence_parallel
+from ...parallel_layers.plan import (
+    Colwise,
+    PositionEmbedding,
+    Rowwise,
+    SequenceParallelNorm,
+    StreamLinear,
+    TPDropout,
+    VocabEmbedding,
+)
+from ..common import attend, enter_sequence_parallel, full_logits, split_heads, token_loss
 from ..common.attention import AttentionModule
+from ..common.bias_act import fused_gelu_approximation, linear_act
+from ..common.blocks import BlockTemplate
+from ..common.causal_masks import FULL
 from ..common.legacy_keys import LegacyKeyReader
-from ..common.outputs import OutputCollector, passed_on
-from ..heads import question_answering_output, sequence_classification_loss, token_classification_output
+from ..common.outputs import capture_parallel_outputs, passed_on
+from ..common.parallel_rules import Features, Heads
+from ..common.stack import StackSpec, TransformerStack
+from ..encoder_heads import (
+    EncoderForCausalLM,
+    EncoderForQuestionAnswering,
+    EncoderForSequenceClassification,
+    EncoderForTokenClassification,
+    ForMaskedLM,
+    ForMultipleChoice,
+    ForNextSentencePrediction,
+)
+from ..heads import StackFamilyModel
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_bert import BertConfig
-from .parallel_plan import BERT_BASE_PLAN, BERT_HEAD_PLAN, BERT_MLM_PLAN
-from .pipeline_bert import BertMLMPipelineAdapter, BertSequenceClassificationPipelineAdapter
+from .parallel_plan import prefixed
+from .pipeline_bert import MaskedLMPipelineAdapter, SequenceClassificationPipelineAdapter
 
 
 def _activation(hidden_act):
@@ -53,9 +77,16 @@ def _activation(hidden_act):
 class BertEmbeddings(nn.Module):
     """word + position + token-type embeddings, LayerNorm, dropout: ``[b, s]`` ids -> ``[b, s, h]``.
 
-    The word embeddings are vocab-parallel (one all-reduce); everything else is replicated. Position ids are
-    ``past_length .. past_length + s - 1`` unless given (RoBERTa overrides ``make_position_ids``).
-    """
+    The word embeddings are vocab-parallel (one all-reduce); everything else is replicated (the position and
+    token-type tables are hidden-split under the 2D/2.5D grid modes). Position ids are ``past_length .. past_length
+    + s - 1`` unless given (RoBERTa overrides ``make_position_ids`` and sets ``derives_positions``)."""
+
+    tp_plan = {"word_embeddings": VocabEmbedding(), "position_embeddings": PositionEmbedding(),
+               "token_type_embeddings": PositionEmbedding(),
+               "LayerNorm": SequenceParallelNorm(),  # run outside the sequence-parallel region: a plain norm at 1D
+               "dropout": TPDropout()}
+    #: the position ids depend on ``input_ids`` (RoBERTa), so the stack's default positions do not apply
+    derives_positions: ClassVar[bool] = False
 
     def __init__(self, config):
         super().__init__()
@@ -82,8 +113,9 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(AttentionModule):
-    """Attention on this rank's heads: input ``[b, s(/tp), h]``, output ``[b, s, (n/tp)*d]``. Bidirectional, or
-    causal with a key/value cache when ``config.is_decoder`` (``BertLMHeadModel``, ``RobertaForCausalLM``)."""
+    """Attention on this rank's heads: input ``[b, s(/tp), h]``, output ``([b, s, (n/tp)*d], weights)``.
+    Bidirectional, or causal with a key/value cache when ``config.is_decoder`` (``BertLMHeadModel``,
+    ``RobertaForCausalLM``)."""
 
     def __init__(self, config, layer_idx: int | None = None):
         super().__init__()
@@ -99,21 +131,19 @@ class BertSelfAttention(AttentionModule):
         self.value = Linear(config.hidden_size, self.all_head_size)
         self.dropout = Dropout(config.attention_probs_dropout_prob)
 
-    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, outputs=None,
-                past_key_values=None, **kwargs):
-        query, key, value = (split_heads(proj(hidden_states, sequence_parallel=sequence_parallel),
-                                         self.attention_head_size) for proj in (self.query, self.key, self.value))
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
+        query, key, value = (split_heads(proj(hidden_states), self.attention_head_size)
+                             for proj in (self.query, self.key, self.value))  # [b, n/tp, s, d]
         if past_key_values is not None:  # decoder: this rank's heads of the cache
             key, value = past_key_values.update(key, value, self.layer_idx)
-        out, weights = attend(self, query, key, value, attention_mask, dropout=self.dropout, scaling=self.scaling,
-                              eager_fallback=eager_attention_forward, **kwargs)
-        if outputs is not None:
-            outputs.attention(weights)  # [b, n/tp, s, s] -> all heads
-        return out, weights
+        return attend(self, query, key, value, attention_mask, dropout=self.dropout, scaling=self.scaling,
+                      eager_fallback=eager_attention_forward, **kwargs)
 
 
 class BertSelfOutput(nn.Module):
     """Row-parallel ``dense`` (all-reduce, or reduce-scatter under SP), dropout, post-LN residual."""
+
+    tp_plan = {"dense": Rowwise(), "dropout": TPDropout(), "LayerNorm": SequenceParallelNorm()}
 
     def __init__(self, config):
         super().__init__()
@@ -121,25 +151,41 @@ class BertSelfOutput(nn.Module):
         self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.hidden_dropout_prob)
 
-    def forward(self, hidden_states, input_tensor, *, sequence_parallel=False):
-        sp = sequence_parallel
-        hidden_states = self.dropout(self.dense(hidden_states, sequence_parallel=sp), sequence_parallel=sp)
-        return self.LayerNorm(hidden_states + input_tensor, sequence_parallel=sp)
+    def forward(self, hidden_states, input_tensor):
+        return self.LayerNorm(self.dropout(self.dense(hidden_states)) + input_tensor)
 
 
 class BertAttention(nn.Module):
+    """``self`` (q/k/v column-parallel: rank r owns heads ``r*n/tp .. (r+1)*n/tp``) and ``output`` (row-parallel
+    projection, residual, LayerNorm). Returns ``(output [b, s(/tp), h], weights)``."""
+
+    tp_plan = {"self.query": Colwise(), "self.key": Colwise(), "self.value": Colwise(),
+               "self.dropout": TPDropout(always_split=True), **prefixed("output", BertSelfOutput.tp_plan)}
+
+    @classmethod
+    def parallel_rules(cls, config) -> list:
+        return [Heads("num_attention_heads", config.num_attention_heads)]
+
     def __init__(self, config, layer_idx: int | None = None):
         super().__init__()
         self.self = BertSelfAttention(config, layer_idx)
         self.output = BertSelfOutput(config)
 
-    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, **kwargs):
-        attention_output, _ = self.self(hidden_states, attention_mask, sequence_parallel=sequence_parallel, **kwargs)
-        return self.output(attention_output, hidden_states, sequence_parallel=sequence_parallel)
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None,
+                **kwargs):
+        attention_output, weights = self.self(hidden_states, attention_mask, past_key_values=past_key_values,
+                                              **kwargs)
+        return self.output(attention_output, hidden_states), weights
 
 
 class BertIntermediate(nn.Module):
     """Column-parallel ``dense`` + activation: ``[b, s(/tp), h] -> [b, s, i/tp]``."""
+
+    tp_plan = {"dense": Colwise()}
+
+    @classmethod
+    def parallel_rules(cls, config) -> list:
+        return [Features("intermediate_size", config.intermediate_size)]
 
     def __init__(self, config):
         super().__init__()
@@ -151,9 +197,8 @@ class BertIntermediate(nn.Module):
     def configure_fused_ops(self, enabled: bool) -> None:
         self.fused_gelu = fused_gelu_approximation(enabled, self.hidden_act, self.dense)
 
-    def forward(self, hidden_states, *, sequence_parallel=False):
-        return linear_act(self.dense, self.intermediate_act_fn, hidden_states, approximate=self.fused_gelu,
-                          sequence_parallel=sequence_parallel)
+    def forward(self, hidden_states):
+        return linear_act(self.dense, self.intermediate_act_fn, hidden_states, approximate=self.fused_gelu)
 
 
 class BertOutput(BertSelfOutput):
@@ -164,32 +209,35 @@ class BertOutput(BertSelfOutput):
         self.dense = Linear(config.intermediate_size, config.hidden_size)
 
 
-class BertLayer(GradientCheckpointingLayer):
-    def __init__(self, config, layer_idx: int | None = None):
-        super().__init__()
-        self.attention = BertAttention(config, layer_idx)
-        self.intermediate = BertIntermediate(config)
-        self.output = BertOutput(config)
+class BertLayer(BlockTemplate):
+    """Post-norm encoder layer in BERT's module tree, where each residual add and its LayerNorm live inside the
+    sub-module that ends the branch: ``a = attention(x)`` (= ``attention.output.LayerNorm(x + attn(x))``), then
+    ``output(intermediate(a), a)`` (= ``output.LayerNorm(a + ffn(a))``). ELECTRA's layer is the same tree."""
 
-    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, **kwargs):
-        sp = sequence_parallel
-        attention_output = self.attention(hidden_states, attention_mask, sequence_parallel=sp, **kwargs)
-        intermediate = self.intermediate(attention_output, sequence_parallel=sp)
-        return self.output(intermediate, attention_output, sequence_parallel=sp)
+    roles = ("attn", "intermediate", "output")
+    names = dict(attn="attention", intermediate="intermediate", output="output")
+
+    def __init__(self, config, layer_idx: int | None = None):
+        super().__init__(attn=BertAttention(config, layer_idx), intermediate=BertIntermediate(config),
+                         output=BertOutput(config))
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
+        attention_output = self.attend(hidden_states, attention_mask, position_embeddings, past_key_values, **kwargs)
+        return self.output(self.intermediate(attention_output), attention_output)
 
 
 class BertEncoder(nn.Module):
+    """The layers' container (``encoder.layer.N``); the stack runs them."""
+
     def __init__(self, config):
         super().__init__()
         self.layer = nn.ModuleList([BertLayer(config, layer_idx=i) for i in range(config.num_hidden_layers)])
 
-    def forward(self, hidden_states, attention_mask=None, *, sequence_parallel=False, outputs=None, **kwargs):
-        for layer in self.layer:
-            if outputs is not None:
-                outputs.hidden(hidden_states, sequence_parallel=sequence_parallel)
-            hidden_states = layer(hidden_states, attention_mask, sequence_parallel=sequence_parallel,
-                                  outputs=outputs, **kwargs)
-        return hidden_states
+
+BERT_SPEC = StackSpec(block=BertLayer,
+                      components=dict(attn=BertAttention, intermediate=BertIntermediate, output=BertOutput),
+                      embed_tokens="embeddings.word_embeddings", layers="encoder.layer", final_norm=None,
+                      extra_plan=prefixed("embeddings", BertEmbeddings.tp_plan))
 
 
 class BertPooler(nn.Module):
@@ -217,7 +265,10 @@ class BertPredictionHeadTransform(nn.Module):
 
 class BertLMPredictionHead(nn.Module):
     """Replicated transform, then the vocab-parallel ``decoder`` (weight tied to the word embeddings, bias tied
-    to this module's ``bias``): ``[b, s, h] -> [b, s, V_padded/tp]``."""
+    to this module's ``bias``, split like the decoder's outputs): ``[b, s, h] -> [b, s, V_padded/tp]``."""
+
+    tp_plan = {"": VocabBias(), "decoder": Colwise(vocab=True), "transform.dense": StreamLinear(),
+               "transform.LayerNorm": SequenceParallelNorm()}
 
     def __init__(self, config):
         super().__init__()
@@ -234,6 +285,8 @@ class BertLMPredictionHead(nn.Module):
 
 
 class BertOnlyMLMHead(nn.Module):
+    tp_plan = prefixed("predictions", BertLMPredictionHead.tp_plan)
+
     def __init__(self, config):
         super().__init__()
         self.predictions = BertLMPredictionHead(config)
@@ -245,41 +298,48 @@ class BertOnlyMLMHead(nn.Module):
         return self.predictions(sequence_output)
 
 
-class BertPreTrainingHeads(nn.Module):
+class BertPreTrainingHeads(BertOnlyMLMHead):
     def __init__(self, config):
-        super().__init__()
-        self.predictions = BertLMPredictionHead(config)
+        super().__init__(config)
         self.seq_relationship = Linear(config.hidden_size, 2)
 
     def forward(self, sequence_output, pooled_output):
         return self.predictions(sequence_output), self.seq_relationship(pooled_output)
 
 
-class BertPreTrainedModel(OsloPreTrainedModel):
+class BertOnlyNSPHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.seq_relationship = Linear(config.hidden_size, 2)
+
+    def forward(self, pooled_output):
+        return self.seq_relationship(pooled_output)
+
+
+class BertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     config_class = BertConfig
     config: BertConfig
     base_model_prefix = "bert"
+    stack_spec = BERT_SPEC
     supports_gradient_checkpointing = True
     _no_split_modules = ["BertEmbeddings", "BertLayer"]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    # as transformers' BERT: cross-attentions from the layers' ``crossattention`` (none until cross-attention is
+    # implemented, so ``output_attentions=True`` gives an empty tuple there, as transformers without it)
+    _can_record_outputs = {"hidden_states": BertLayer, "attentions": BertSelfAttention,
+                           "cross_attentions": OutputRecorder(BertSelfAttention, index=1, layer_name="crossattention")}
     _decoder_bias_owner: ClassVar[str | None] = None  # the MLM head module whose ``bias`` the decoder shares
 
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
-        tp = parallel.tensor_parallel_size
+        super().validate_parallel_config(config, parallel)  # the components' rules: heads, intermediate_size
         name = type(config).__name__.replace("Config", "")
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(f"{name} hidden_size={config.hidden_size} is not divisible by num_attention_heads="
                              f"{config.num_attention_heads}")
-        if config.num_attention_heads % tp:
-            raise ValueError(f"{name} num_attention_heads={config.num_attention_heads} is not divisible by "
-                             f"tensor_parallel_size={tp}")
-        if config.intermediate_size % tp:
-            raise ValueError(f"{name} intermediate_size={config.intermediate_size} is not divisible by "
-                             f"tensor_parallel_size={tp}")
         if config.add_cross_attention:
             raise NotImplementedError(f"{name} with cross-attention (add_cross_attention) is not implemented")
 
@@ -305,12 +365,13 @@ class BertPreTrainedModel(OsloPreTrainedModel):
                 head.decoder.bias = head.bias
 
 
-class BertModel(BertPreTrainedModel):
-    """Embeddings, ``num_hidden_layers`` layers, optional pooler. ``last_hidden_state``: ``[b, s, h]``;
-    ``pooler_output``: ``[b, h]``."""
+class BertModel(TransformerStack, BertPreTrainedModel):
+    """Embeddings, ``num_hidden_layers`` layers, optional pooler; the forward is the shared stack's phases.
+    ``last_hidden_state``: ``[b, s, h]``; ``pooler_output``: ``[b, h]``."""
 
-    parallel_plan = BERT_BASE_PLAN
     hf_twin = transformers.BertModel
+    is_base_model = True
+    output_class = BaseModelOutputWithPoolingAndCrossAttentions
     _oslo_context_parallel = True
     embeddings_class: ClassVar[type] = BertEmbeddings
 
@@ -330,127 +391,111 @@ class BertModel(BertPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
-    @can_return_tuple
+    # ------------------------------------------------------------------ the stack's hooks
+    @property
+    def causal(self) -> bool:
+        return bool(self.config.is_decoder)
+
+    def _layers(self) -> nn.ModuleList:
+        return self.encoder.layer
+
+    def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
+        """Bidirectional (padding only), or causal when ``config.is_decoder``: ``transformers``' masks."""
+        if self.config.is_decoder:
+            mask = create_causal_mask(config=self.config, inputs_embeds=shape_like, attention_mask=attention_mask,
+                                      past_key_values=past_key_values)
+        else:
+            mask = create_bidirectional_mask(config=self.config, inputs_embeds=shape_like,
+                                             attention_mask=attention_mask)
+        return {FULL: mask}
+
+    def stack_inputs(self, shape_like, attention_mask=None, position_ids=None, past_key_values=None, **options):
+        """The stack's inputs; when the embeddings derive the position ids from ``input_ids`` (RoBERTa) and none
+        are given, ``position_ids`` stays ``None`` for them (under context parallelism they must be given: a chunk
+        cannot count the padding before it)."""
+        derived = position_ids is None and self.embeddings_class.derives_positions
+        if derived and self.parallel_context.cp_size > 1:
+            raise ValueError(f"{type(self).__name__} derives position ids from the whole sequence: under context "
+                             "parallelism pass position_ids computed on the full sequence (split like input_ids)")
+        inputs = super().stack_inputs(shape_like, attention_mask, position_ids, past_key_values, **options)
+        if derived:
+            inputs.position_ids = None
+        return inputs
+
+    def _embed_phase(self, input_ids, inputs, inputs_embeds, token_type_ids) -> torch.Tensor:
+        """The embeddings on the full ``[b, s, h]``, replicated (outside the sequence-parallel region: their
+        LayerNorm and dropout see every token on every rank), then the scatter to ``[b, s/tp, h]`` under SP."""
+        past = inputs.past_key_values.get_seq_length() if inputs.past_key_values is not None else 0
+        hidden = self.parallel_context.sequence_parallel_region.run(
+            False, self.embeddings, input_ids=input_ids, token_type_ids=token_type_ids,
+            position_ids=inputs.position_ids, inputs_embeds=inputs_embeds, past_key_values_length=past)
+        if inputs.sequence_parallel:  # [b, s, h] -> [b, s/tp, h]
+            hidden = enter_sequence_parallel(hidden, self.parallel_context)
+        return hidden
+
+    # ------------------------------------------------------------------ forward
+    @capture_parallel_outputs
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, output_attentions=None, output_hidden_states=None, past_key_values=None,
-                use_cache=None, **kwargs):
+                use_cache=None, **kwargs) -> BaseModelOutputWithPoolingAndCrossAttentions:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if self.parallel_context.cp_size > 1 and self.pooler is not None:
+            raise NotImplementedError("the [CLS] pooler under context parallelism is not implemented (only cp rank "
+                                      "0 holds the first token); build the model with add_pooling_layer=False")
         use_cache = (use_cache if use_cache is not None else self.config.use_cache) and self.config.is_decoder
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        cp_mask, position_ids = context_parallel_inputs(  # RoBERTa's positions need the whole sequence
-            self, input_ids if input_ids is not None else inputs_embeds, attention_mask, position_ids,
-            past_key_values, causal=bool(self.config.is_decoder),
-            default_positions=type(self.embeddings).make_position_ids is BertEmbeddings.make_position_ids)
-        if cp_mask is not None and self.pooler is not None:
-            raise NotImplementedError("the [CLS] pooler under context parallelism is not implemented (only cp rank "
-                                      "0 holds the first token); build the model with add_pooling_layer=False")
-        hidden_states = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids,
-                                        position_ids=position_ids, inputs_embeds=inputs_embeds,
-                                        past_key_values_length=past_length)
-        if cp_mask is not None:
-            mask = cp_mask
-        elif self.config.is_decoder:
-            mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
-                                      past_key_values=past_key_values)
-            kwargs["past_key_values"] = past_key_values
-        else:
-            mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
-                                             attention_mask=attention_mask)
-        sp = use_sequence_parallel(self, hidden_states.shape[1])
-        if sp:
-            hidden_states = enter_sequence_parallel(hidden_states, self.parallel_context)
-        outputs = OutputCollector(self, output_attentions, output_hidden_states)
-        hidden_states = self.encoder(hidden_states, mask, sequence_parallel=sp,
-                                     outputs=outputs if outputs.active else None, **kwargs)
-        if sp:
-            hidden_states = leave_sequence_parallel(hidden_states, self.parallel_context)
-        outputs.hidden(hidden_states)
-        pooled = self.pooler(hidden_states) if self.pooler is not None else None
-        return BaseModelOutputWithPoolingAndCrossAttentions(last_hidden_state=hidden_states, pooler_output=pooled,
-                                                            past_key_values=past_key_values if use_cache else None,
-                                                            **outputs.result())
+        if not self.config.is_decoder:
+            past_key_values = None
+        shape_like = inputs_embeds if inputs_embeds is not None else input_ids[..., None]
+        inputs = self.stack_inputs(self._shape_only(shape_like), attention_mask, position_ids, past_key_values)
+        hidden = self.run_stack(input_ids, inputs, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
+                                **kwargs)
+        pooled = self.pooler(hidden) if self.pooler is not None else None
+        return self.output_class(last_hidden_state=hidden, pooler_output=pooled,
+                                 past_key_values=past_key_values if use_cache else None)
 
 
-def _base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs) -> dict:
-    """The base model's arguments from a head's; the base always answers with its output object."""
-    kwargs.pop("return_dict", None)
-    return dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                position_ids=position_ids, inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
+BertPreTrainedModel.base_model_class = BertModel
 
 
-class BertForMaskedLM(BertPreTrainedModel):
-    """BERT with the MLM head. The decoder is vocab-parallel and the loss runs on the vocab-split logits;
-    ``logits`` are gathered to ``[b, s, V]`` unless ``gather_logits=False`` (then ``[b, s, V_padded/tp]``)."""
+# ---------------------------------------------------------------------------------------------- heads
+class BertForMaskedLM(ForMaskedLM, BertPreTrainedModel):
+    """BERT with the MLM head ``cls.predictions`` (see ``ForMaskedLM``); pipeline stages: ``pipeline_bert.py``."""
 
-    parallel_plan = BERT_MLM_PLAN
     hf_twin = transformers.BertForMaskedLM
-    _oslo_context_parallel = True
-    pipeline_adapter = BertMLMPipelineAdapter  # pipeline_parallel_size > 1: stages, see pipeline_bert.py
+    head_name, head_class = "cls", BertOnlyMLMHead
     _decoder_bias_owner = "cls.predictions"
+    _oslo_context_parallel = True
+    pipeline_adapter_class = MaskedLMPipelineAdapter
     _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
                           "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
-    def __init__(self, config, *, parallel_context=None):
-        super().__init__(config, parallel_context=parallel_context)
-        self.bert = BertModel(config, add_pooling_layer=False, parallel_context=self.parallel_context,
-                              submodule=True)
-        self.cls = BertOnlyMLMHead(config)
-        self.post_init()
-        self.finish_init()
 
-    def get_output_embeddings(self):
-        return self.cls.predictions.decoder if self.cls is not None else None  # None off a pipeline's last stage
+class BertLMHeadModel(EncoderForCausalLM, BertPreTrainedModel):
+    """BERT as a causal decoder (``config.is_decoder``) over the MLM head (see ``EncoderForCausalLM``)."""
 
-    def get_input_embeddings(self):
-        return self.bert.embeddings.word_embeddings
-
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, gather_logits: bool = True, num_items_in_batch=None,
-                skip_logits: bool = False, **kwargs):
-        outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                                           kwargs))
-        # logits [b, s, V] ([b, s, V_padded/tp] with gather_logits=False; None with skip_logits, see lm_loss.py)
-        if labels is not None:
-            num_items_in_batch = context_parallel_loss_items(self, labels, num_items_in_batch, causal=False)
-        loss, logits = head_loss_and_logits(self.cls.predictions.decoder, self.cls.features(outputs.last_hidden_state),
-                                            labels, causal=False, skip_logits=skip_logits,
-                                            fused=self.parallel_context.config.fused_ops, gather_logits=gather_logits,
-                                            num_items_in_batch=num_items_in_batch)
-        loss = context_parallel_loss(self, loss)  # cp: the mean over the whole sequence
-        return MaskedLMOutput(loss=loss, logits=logits, **passed_on(outputs))
-
-
-class BertForPreTraining(BertPreTrainedModel):
-    """MLM head (vocab-parallel, as ``BertForMaskedLM``) plus the replicated next-sentence head on the pooler.
-    The loss is MLM + NSP when both ``labels`` and ``next_sentence_label`` are given."""
-
-    parallel_plan = BERT_MLM_PLAN
-    hf_twin = transformers.BertForPreTraining
+    hf_twin = transformers.BertLMHeadModel
+    head_name, head_class = "cls", BertOnlyMLMHead
     _decoder_bias_owner = "cls.predictions"
     _tied_weights_keys = BertForMaskedLM._tied_weights_keys
 
-    def __init__(self, config, *, parallel_context=None):
-        super().__init__(config, parallel_context=parallel_context)
-        self.bert = BertModel(config, parallel_context=self.parallel_context, submodule=True)
-        self.cls = BertPreTrainingHeads(config)
-        self.post_init()
-        self.finish_init()
 
-    def get_output_embeddings(self):
-        return self.cls.predictions.decoder
+class BertForPreTraining(ForMaskedLM, BertPreTrainedModel):
+    """MLM head (vocab-parallel, as ``BertForMaskedLM``) plus the replicated next-sentence head on the pooler.
+    The loss is MLM + NSP when both ``labels`` and ``next_sentence_label`` are given."""
 
-    def get_input_embeddings(self):
-        return self.bert.embeddings.word_embeddings
+    hf_twin = transformers.BertForPreTraining
+    uses_pooler = True
+    head_name, head_class = "cls", BertPreTrainingHeads
+    _decoder_bias_owner = "cls.predictions"
+    _tied_weights_keys = BertForMaskedLM._tied_weights_keys
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, next_sentence_label=None, gather_logits: bool = True, **kwargs):
-        outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                                           kwargs))
+        outputs = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
         local_logits, seq_relationship = self.cls(outputs.last_hidden_state, outputs.pooler_output)
         decoder = self.cls.predictions.decoder
         loss = None
@@ -461,82 +506,25 @@ class BertForPreTraining(BertPreTrainedModel):
                                         seq_relationship_logits=seq_relationship, **passed_on(outputs))
 
 
-class BertForSequenceClassification(BertPreTrainedModel):
-    """Replicated ``classifier`` on the pooled ``[CLS]`` state: ``logits [b, num_labels]``."""
+class BertForSequenceClassification(EncoderForSequenceClassification, BertPreTrainedModel):
+    """Replicated ``classifier`` on the pooled ``[CLS]`` state; pipeline stages: ``pipeline_bert.py``."""
 
-    parallel_plan = BERT_HEAD_PLAN
     hf_twin = transformers.BertForSequenceClassification
-    pipeline_adapter = BertSequenceClassificationPipelineAdapter  # see pipeline_bert.py
-
-    def __init__(self, config, *, parallel_context=None):
-        super().__init__(config, parallel_context=parallel_context)
-        self.num_labels = config.num_labels
-        self.bert = BertModel(config, parallel_context=self.parallel_context, submodule=True)
-        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = Dropout(dropout)
-        self.classifier = Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-        self.finish_init()
-
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs):
-        outputs = self.bert(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                                           kwargs))
-        logits = self.classifier(self.dropout(outputs.pooler_output))
-        loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
-        return SequenceClassifierOutput(loss=loss, logits=logits, **passed_on(outputs))
+    pipeline_adapter_class = SequenceClassificationPipelineAdapter
 
 
-class BertForTokenClassification(BertPreTrainedModel):
-    """Replicated ``classifier`` on every token: ``logits [b, s, num_labels]``.
-
-    The encoder is ``base_model_class`` registered under ``base_model_prefix``, so RoBERTa reuses this class
-    with its own encoder and keys (``roberta.*``)."""
-
-    parallel_plan = BERT_HEAD_PLAN
+class BertForTokenClassification(EncoderForTokenClassification, BertPreTrainedModel):
     hf_twin = transformers.BertForTokenClassification
-    base_model_class = BertModel
-
-    def __init__(self, config, *, parallel_context=None):
-        super().__init__(config, parallel_context=parallel_context)
-        self.num_labels = config.num_labels
-        setattr(self, self.base_model_prefix, self.base_model_class(
-            config, add_pooling_layer=False, parallel_context=self.parallel_context, submodule=True))
-        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = Dropout(dropout)
-        self.classifier = Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-        self.finish_init()
-
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs):
-        outputs = self.base_model(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
-                                                 inputs_embeds, kwargs))
-        return token_classification_output(self.classifier(self.dropout(outputs.last_hidden_state)), labels, outputs)
 
 
-class BertForQuestionAnswering(BertPreTrainedModel):
-    """Replicated ``qa_outputs``: ``start_logits, end_logits [b, s]``. Encoder as in the token classifier."""
-
-    parallel_plan = BERT_HEAD_PLAN
+class BertForQuestionAnswering(EncoderForQuestionAnswering, BertPreTrainedModel):
     hf_twin = transformers.BertForQuestionAnswering
-    base_model_class = BertModel
 
-    def __init__(self, config, *, parallel_context=None):
-        super().__init__(config, parallel_context=parallel_context)
-        self.num_labels = config.num_labels
-        setattr(self, self.base_model_prefix, self.base_model_class(
-            config, add_pooling_layer=False, parallel_context=self.parallel_context, submodule=True))
-        self.qa_outputs = Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-        self.finish_init()
 
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, start_positions=None, end_positions=None, **kwargs):
-        outputs = self.base_model(**_base_kwargs(input_ids, attention_mask, token_type_ids, position_ids,
-                                                 inputs_embeds, kwargs))
-        return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions,
-                                         outputs)
+class BertForMultipleChoice(ForMultipleChoice, BertPreTrainedModel):
+    hf_twin = transformers.BertForMultipleChoice
+
+
+class BertForNextSentencePrediction(ForNextSentencePrediction, BertPreTrainedModel):
+    hf_twin = transformers.BertForNextSentencePrediction
+    head_name, head_class = "cls", BertOnlyNSPHead

@@ -1,48 +1,70 @@
-"""BERT (and RoBERTa, through a subclass) as pipeline stages (see ``oslo_models/pipeline/adapter.py``).
+"""BERT-like encoder heads as pipeline stages (see ``oslo_models/pipeline/adapter.py``): one adapter per head kind,
+bound to the head class (``of(model_class)``), so RoBERTa and its variants get theirs from the same code.
 
-First stage: the embeddings module (word + position + token type, LayerNorm, dropout; RoBERTa's position ids
-come from its ``input_ids``), then the sequence-parallel scatter; layers ``bert.encoder.layer``; last stage: the
-sequence-parallel gather, then the head. Every stage builds the bidirectional mask from the 2-D
-``attention_mask`` as ``BertModel.forward`` does. Between stages flows one tensor, the hidden states
-``[mb, s, h]`` (``[mb, s/tp, h]`` under sequence parallelism, each TP rank sending its own slice to the same TP
-rank of the next stage).
+A stage runs the base model's own phases (``stack_inputs``, ``run_stack``: ``common/pipeline_stack.py``'s
+``run_stage_stack``) on its layers, exactly what ``BertModel.forward`` runs: the first stage the embeddings (word +
+position + token type, LayerNorm, dropout; RoBERTa's position ids come from its ``input_ids``) and the
+sequence-parallel scatter, every stage the bidirectional mask and its layers, the last stage the gather back and the
+head. Between stages flows one tensor, the hidden states ``[mb, s, h]`` (``[mb, s/tp, h]`` under sequence
+parallelism, each TP rank sending its own slice to the same TP rank of the next stage).
 
 Off the first stage the embedding *parts* are dropped (the empty ``embeddings`` container stays, so
 ``get_input_embeddings()`` reads ``None``, as GPT-2's does off the first stage); off the last stage the whole
 head module is dropped (``cls`` / ``lm_head``; ``bert.pooler`` and ``classifier`` for sequence classification).
+Parameter counts per layer, for the partitioner, come from the head class built on the meta device with no
+parallelism, not from formulas.
 """
 from __future__ import annotations
 
 import torch
-from transformers.masking_utils import create_bidirectional_mask
 
+from ...distributed.context import ParallelContext
 from ...pipeline.adapter import PipelineAdapter
-from ..common import enter_sequence_parallel, leave_sequence_parallel, token_loss, use_sequence_parallel
+from ..common import token_loss, use_sequence_parallel
+from ..common.pipeline_stack import run_stage_stack
 from ..heads import sequence_classification_loss
 
 EMBEDDING_PARTS = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "dropout")
 
 
-class BertPipelineAdapter(PipelineAdapter):
-    """The encoder stages shared by every BERT-like head. Subclasses name the head: ``head_modules`` (attribute
+class EncoderPipelineAdapter(PipelineAdapter):
+    """The encoder stages shared by every BERT-like head. Subclasses name the head: ``head_modules_of`` (attribute
     on the last ``StageModule`` -> module path; the outermost ones are dropped off the last stage),
-    ``head_forward``, ``head_output_shape``, ``head_parameter_count`` and ``loss``."""
+    ``head_forward``, ``head_output_shape`` and ``loss``."""
 
+    model_class: type = None  # the head model class (``of``)
     base = "bert"  # the encoder's ``base_model_prefix``
-    layer_paths = ("bert.encoder.layer",)
     batch_keys = ("input_ids", "labels", "attention_mask", "token_type_ids", "position_ids")
     head_modules: dict[str, str] = {}
+
+    @classmethod
+    def of(cls, model_class: type) -> type:
+        base = model_class.base_model_prefix
+        body = dict(model_class=model_class, base=base, layer_paths=(f"{base}.{model_class.stack_spec.layers}",),
+                    head_modules=cls.head_modules_of(model_class))
+        return type(f"{model_class.__name__}PipelineAdapter", (cls,), body)
+
+    @classmethod
+    def head_modules_of(cls, model_class: type) -> dict[str, str]:
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ structure
     def layer_counts(self, model) -> tuple[int, ...]:
         return (model.config.num_hidden_layers,)
 
     def layer_parameter_counts(self, model) -> tuple[list[float], float, float]:
-        config = model.config
-        h, inner = config.hidden_size, config.intermediate_size
-        layer = 4 * (h * h + h) + (h * inner + inner) + (inner * h + h) + 2 * 2 * h  # q k v o, FFN, two norms
-        embeddings = (config.vocab_size + config.max_position_embeddings + config.type_vocab_size) * h + 2 * h
-        return [float(layer)] * config.num_hidden_layers, float(embeddings), float(self.head_parameter_count(config))
+        """Each layer's parameters, the embeddings' (first stage) and the head's (last stage; a tied decoder counts
+        its full ``vocab x h``: the last stage holds a copy), counted on the head class built on the meta device."""
+        with torch.device("meta"):
+            plain = self.model_class(model.config, parallel_context=ParallelContext.single_process())
+
+        def count(*modules) -> float:
+            return float(sum({id(p): p.numel() for m in modules for p in m.parameters()}.values()))
+
+        base = getattr(plain, self.base)
+        costs = [count(layer) for layer in plain.get_submodule(self.layer_paths[0])]
+        head = [plain.get_submodule(path) for path in self._outermost(set(self.head_modules.values()))]
+        return costs, count(base.embeddings), count(*head)
 
     def _embedding_modules(self) -> dict[str, str]:
         # The container runs the forward; its parts are listed so that they are kept here and dropped elsewhere.
@@ -55,11 +77,14 @@ class BertPipelineAdapter(PipelineAdapter):
             modules.update(self.head_modules)
         return modules
 
+    @staticmethod
+    def _outermost(paths: set[str]) -> set[str]:
+        return {path for path in paths if not any(path.startswith(outer + ".") for outer in paths)}
+
     def optional_modules(self, model, layout) -> set[str]:
         """The embedding parts and the outermost head modules (a module inside a dropped one goes with it)."""
         parts = set(self._embedding_modules().values()) - {f"{self.base}.embeddings"}
-        paths = parts | set(self.head_modules.values())
-        return {path for path in paths if not any(path.startswith(outer + ".") for outer in paths)}
+        return self._outermost(parts | set(self.head_modules.values()))
 
     # ------------------------------------------------------------------ batches and shapes
     def use_sequence_parallel(self, model, batch) -> bool:
@@ -72,26 +97,10 @@ class BertPipelineAdapter(PipelineAdapter):
 
     # ------------------------------------------------------------------ compute
     def stage_forward(self, stage, x, attention_mask=None, token_type_ids=None, position_ids=None):
-        context, sp = stage.parallel_context, stage.sequence_parallel
-        if stage.is_first:  # token_type_ids / position_ids reach every stage; only the embeddings read them
-            hidden = stage.embeddings(input_ids=x, token_type_ids=token_type_ids, position_ids=position_ids)
-            if sp:
-                hidden = enter_sequence_parallel(hidden, context)
-        else:
-            hidden = x
-        # The mask reads only the batch size, sequence length, dtype and device of inputs_embeds: a zero-size
-        # expanded view stands in for the full [mb, s, h] activations that only the first stage ever has.
-        seq_len = hidden.shape[1] * (context.tp_size if sp else 1)
-        shape_only = hidden.new_zeros(()).expand(hidden.shape[0], seq_len, hidden.shape[-1])
-        mask = create_bidirectional_mask(config=stage.model_config, inputs_embeds=shape_only,
-                                         attention_mask=attention_mask)
-        for layer in stage.layers:
-            hidden = layer(hidden, mask, sequence_parallel=sp)
-        if not stage.is_last:
-            return hidden
-        if sp:
-            hidden = leave_sequence_parallel(hidden, context)
-        return self.head_forward(stage, hidden)
+        # token_type_ids / position_ids reach every stage; only the first stage's embeddings read them
+        hidden = run_stage_stack(getattr(stage.owner, self.base), stage, x, attention_mask, position_ids,
+                                 token_type_ids=token_type_ids)
+        return self.head_forward(stage, hidden) if stage.is_last else hidden
 
     # ------------------------------------------------------------------ the head (subclasses)
     def head_forward(self, stage, hidden: torch.Tensor) -> torch.Tensor:
@@ -102,18 +111,25 @@ class BertPipelineAdapter(PipelineAdapter):
         """The shape of ``head_forward``'s output for a microbatch of ``mb`` sequences of ``seq_len`` tokens."""
         raise NotImplementedError
 
-    def head_parameter_count(self, config) -> int:
-        raise NotImplementedError
 
-
-class BertMLMPipelineAdapter(BertPipelineAdapter):
-    """Masked LM: the last stage runs ``cls.predictions`` (transform, then the vocab-parallel decoder tied to the
-    word embeddings) -> local logits ``[mb, s, V_padded/tp]``; the loss runs on the split vocabulary (no shift,
-    ``-100`` ignored), as ``BertForMaskedLM.forward``'s."""
+class MaskedLMPipelineAdapter(EncoderPipelineAdapter):
+    """Masked LM: the last stage runs the MLM head (transform, then the vocab-parallel decoder tied to the word
+    embeddings) -> local logits ``[mb, s, V_padded/tp]``; the loss runs on the split vocabulary (no shift, ``-100``
+    ignored), as ``ForMaskedLM.forward``'s."""
 
     head = "cls.predictions"  # the module whose forward maps hidden states to local logits
-    # ``cls`` is the module dropped off the last stage; the decoder is named for the tied group's owners.
-    head_modules = {"cls": "cls", "lm_head": head, "decoder": f"{head}.decoder"}
+
+    @classmethod
+    def of(cls, model_class: type) -> type:
+        adapter = super().of(model_class)
+        adapter.head = model_class._decoder_bias_owner
+        return adapter
+
+    @classmethod
+    def head_modules_of(cls, model_class):
+        # the outermost head module is dropped off the last stage; the decoder is named for the tied group's owners
+        head = model_class._decoder_bias_owner
+        return {model_class.head_name: model_class.head_name, "lm_head": head, "decoder": f"{head}.decoder"}
 
     def tied_groups(self, model) -> list[tuple[str, ...]]:
         if getattr(model.config, "tie_word_embeddings", False):
@@ -126,31 +142,25 @@ class BertMLMPipelineAdapter(BertPipelineAdapter):
     def head_output_shape(self, model, mb, seq_len):
         return mb, seq_len, model.get_submodule(self.head).decoder.weight.shape[0]
 
-    def head_parameter_count(self, config) -> int:
-        h, vocab = config.hidden_size, config.vocab_size
-        return (h * h + h) + 2 * h + (vocab * h + vocab)  # transform dense + LayerNorm, decoder (+ its bias)
-
     def loss(self, model, local_logits, labels, num_items_in_batch):
         return token_loss(local_logits, labels, model.get_submodule(self.head).decoder,
                           num_items_in_batch=num_items_in_batch)
 
 
-class BertSequenceClassificationPipelineAdapter(BertPipelineAdapter):
-    """Sequence classification: the last stage runs the pooler on ``[CLS]``, dropout and the replicated
-    ``classifier`` -> ``logits [mb, num_labels]``; the loss is the model's (``config.problem_type``), turned from
-    the microbatch mean into its share of the whole batch's mean."""
+class SequenceClassificationPipelineAdapter(EncoderPipelineAdapter):
+    """Sequence classification on the pooled ``[CLS]`` state: the last stage runs the pooler, dropout and the
+    replicated ``classifier`` -> ``logits [mb, num_labels]``; the loss is the model's (``config.problem_type``),
+    turned from the microbatch mean into its share of the whole batch's mean."""
 
-    head_modules = {"pooler": "bert.pooler", "dropout": "dropout", "classifier": "classifier"}
+    @classmethod
+    def head_modules_of(cls, model_class):
+        return {"pooler": f"{model_class.base_model_prefix}.pooler", "dropout": "dropout", "classifier": "classifier"}
 
     def head_forward(self, stage, hidden):
         return stage.classifier(stage.dropout(stage.pooler(hidden)))
 
     def head_output_shape(self, model, mb, seq_len):
         return mb, model.config.num_labels
-
-    def head_parameter_count(self, config) -> int:
-        h = config.hidden_size
-        return (h * h + h) + (h * config.num_labels + config.num_labels)
 
     def num_loss_items(self, labels: torch.Tensor) -> int:
         """What the model's mean runs over: labels other than ``-100`` (class indices) or every value (regression,

@@ -17,72 +17,16 @@ Cost, only when asked for: ``num_layers`` all-gathers of ``b*s*h`` for hidden st
 of ``b*n*s_q*s_k`` for attentions (per stack), and the full tensors kept on every rank. Attention weights exist only
 with the eager kernel: with SDPA (the default) ``transformers`` returns an empty tuple, and so does this; load with
 ``attn_implementation="eager"`` or call ``set_attn_implementation("eager")``.
-
-``OutputCollector`` is the older, explicit form (a collector passed to the layers) that the encoder and
-encoder-decoder stacks still use.
 """
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 from transformers.utils.output_capturing import capture_outputs
 
 from ...parallel_layers.mappings import gather_from_sequence_parallel_region, gather_from_tensor_parallel_region
 
-logger = logging.getLogger(__name__)
-
-
-def _flag(value, config, name: str) -> bool:
-    return bool(value if value is not None else getattr(config, name, False))
-
-
-class OutputCollector:
-    """Hidden states, attentions and cross-attentions of one forward of one stack, gathered over TP / SP."""
-
-    def __init__(self, model, output_attentions=None, output_hidden_states=None):
-        config, context = model.config, model.parallel_context
-        self.group = context.tp_group
-        self.hidden_states = [] if _flag(output_hidden_states, config, "output_hidden_states") else None
-        wants_attentions = _flag(output_attentions, config, "output_attentions")
-        self.attentions = [] if wants_attentions else None
-        self.cross_attentions = [] if wants_attentions else None
-        self._closed = False
-        if wants_attentions and config._attn_implementation not in ("eager", None):
-            logger.warning("`%s` attention does not return attention weights (output_attentions=True gives an "
-                           "empty tuple, as in transformers); use attn_implementation='eager'",
-                           config._attn_implementation)
-
-    @property
-    def active(self) -> bool:
-        return not self._closed and (self.hidden_states is not None or self.attentions is not None)
-
-    def hidden(self, hidden_states: torch.Tensor, *, sequence_parallel: bool = False) -> None:
-        """Record ``[b, s(/tp), h]`` (gathered to ``[b, s, h]`` when ``sequence_parallel``)."""
-        if self._closed or self.hidden_states is None:
-            return
-        if sequence_parallel:
-            hidden_states = gather_from_sequence_parallel_region(hidden_states, self.group, grad_is_partial=False)
-        self.hidden_states.append(hidden_states)
-
-    def attention(self, weights: torch.Tensor | None, *, cross: bool = False) -> None:
-        """Record this rank's ``[b, n/tp, s_q, s_k]`` weights, gathered to all ``n`` heads."""
-        if self._closed or self.attentions is None or weights is None:
-            return
-        weights = gather_from_tensor_parallel_region(weights, self.group, dim=1)
-        (self.cross_attentions if cross else self.attentions).append(weights)
-
-    def result(self) -> dict:
-        """``hidden_states``/``attentions``/``cross_attentions`` as tuples (``None`` when not asked for). Closes
-        the collector, so recomputation under activation checkpointing records nothing twice."""
-        self._closed = True
-
-        def as_tuple(values):
-            return tuple(values) if values is not None else None
-
-        return dict(hidden_states=as_tuple(self.hidden_states), attentions=as_tuple(self.attentions),
-                    cross_attentions=as_tuple(self.cross_attentions))
 
 
 def passed_on(base_outputs) -> dict:

@@ -77,20 +77,25 @@ class StackPipelineAdapter(CausalLMPipelineAdapter):
         """The stage's computation; ``layer_kwargs`` go to every layer (the MoE adapter's router-logit collector).
         First stage: ``x`` is ``input_ids [mb, s]``; last stage returns the local logits ``[mb, s, V_padded/tp]``
         (the loss runs on the split vocabulary; no gather)."""
-        base = getattr(stage.owner, self.prefix)
-        context, sp = stage.parallel_context, stage.sequence_parallel
-        seq_len = x.shape[-1] if stage.is_first else x.shape[1] * (context.tp_size if sp else 1)
-        # Masks and rotary read only the batch size, length, dtype and device: a zero-size expanded view stands in
-        # for the full [mb, s, h] activations that only the first stage ever has.
-        dtype = next(stage.parameters()).dtype if not x.is_floating_point() else x.dtype
-        shape_like = torch.zeros((), dtype=dtype, device=x.device).expand(x.shape[0], seq_len,
-                                                                          model_hidden(stage))
-        inputs = base.stack_inputs(shape_like, attention_mask, position_ids, None, layers=stage.layers,
-                                   sequence_parallel=sp)
-        hidden = base.run_stack(x, inputs, layers=stage.layers, first=stage.is_first, last=stage.is_last,
-                                **layer_kwargs)
+        hidden = run_stage_stack(getattr(stage.owner, self.prefix), stage, x, attention_mask, position_ids,
+                                 **layer_kwargs)
         return stage.lm_head(hidden) if stage.is_last else hidden
 
 
 def model_hidden(stage) -> int:
     return stage.model_config.hidden_size
+
+
+def run_stage_stack(base, stage, x, attention_mask=None, position_ids=None, **run_kwargs):
+    """The base model's own phases (``stack_inputs``, ``run_stack``) on the stage's layers: ``x`` is ``input_ids
+    [mb, s]`` on the first stage, hidden states ``[mb, s(/tp), h]`` elsewhere; returns hidden states (``[mb, s, h]``
+    on the last stage). ``run_kwargs`` go to ``run_stack`` (layer kwargs; an encoder's ``token_type_ids``)."""
+    context, sp = stage.parallel_context, stage.sequence_parallel
+    seq_len = x.shape[-1] if stage.is_first else x.shape[1] * (context.tp_size if sp else 1)
+    # Masks and rotary read only the batch size, length, dtype and device: a zero-size expanded view stands in
+    # for the full [mb, s, h] activations that only the first stage ever has.
+    dtype = next(stage.parameters()).dtype if not x.is_floating_point() else x.dtype
+    shape_like = torch.zeros((), dtype=dtype, device=x.device).expand(x.shape[0], seq_len, model_hidden(stage))
+    inputs = base.stack_inputs(shape_like, attention_mask, position_ids, None, layers=stage.layers,
+                               sequence_parallel=sp)
+    return base.run_stack(x, inputs, layers=stage.layers, first=stage.is_first, last=stage.is_last, **run_kwargs)

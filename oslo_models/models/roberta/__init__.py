@@ -13,7 +13,7 @@ _EXPORTS = {
     ".modeling_roberta": ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
                           "RobertaForTokenClassification", "RobertaForQuestionAnswering", "RobertaPreTrainedModel",
                           "RobertaForCausalLM", "RobertaForMultipleChoice"],
-    ".parallel_plan": ["ROBERTA_BASE_PLAN", "ROBERTA_MLM_PLAN", "ROBERTA_HEAD_PLAN"],
+    "..bert.modeling_bert": ["BERT_SPEC"],
     ".variants": [f"{prefix}{suffix}" for prefix in ("XLMRoberta", "Camembert")
                   for suffix in ("Config", *_VARIANT_HEADS)],
 }
@@ -24,7 +24,8 @@ _VARIANT_TASKS = ("base", "masked_lm", "sequence_classification", "token_classif
 
 def _variant(model_type: str, prefix: str) -> FamilyRecord:
     return FamilyRecord(model_type=model_type, package=__name__, config=f"{prefix}Config", tiny_config=_TINY,
-                        classes={task: prefix + suffix for task, suffix in zip(_VARIANT_TASKS, _VARIANT_HEADS)})
+                        classes={task: prefix + suffix for task, suffix in zip(_VARIANT_TASKS, _VARIANT_HEADS)},
+                        spec="BERT_SPEC")
 
 
 FAMILIES = (
@@ -32,7 +33,7 @@ FAMILIES = (
         "base": "RobertaModel", "masked_lm": "RobertaForMaskedLM",
         "sequence_classification": "RobertaForSequenceClassification",
         "token_classification": "RobertaForTokenClassification", "question_answering": "RobertaForQuestionAnswering",
-        "causal_lm": "RobertaForCausalLM", "multiple_choice": "RobertaForMultipleChoice"}),
+        "causal_lm": "RobertaForCausalLM", "multiple_choice": "RobertaForMultipleChoice"}, spec="BERT_SPEC"),
     _variant("xlm-roberta", "XLMRoberta"),
     _variant("camembert", "Camembert"),
 )

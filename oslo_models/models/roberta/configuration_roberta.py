@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import transformers
 
-from .parallel_plan import ROBERTA_BASE_PLAN
+from .parallel_plan import published_tp_plan
 
 
 class RobertaConfig(transformers.RobertaConfig):
-    base_model_tp_plan = ROBERTA_BASE_PLAN.hf_tp_plan()
+    base_model_tp_plan = published_tp_plan()

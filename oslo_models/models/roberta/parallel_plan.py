@@ -1,10 +1,8 @@
-"""RoBERTa's parallel plan: BERT's encoder plan under the ``roberta`` prefix, the vocab-parallel MLM decoder at
-``lm_head.decoder`` with ``lm_head.bias`` split alongside it, and replicated classification heads."""
+"""RoBERTa's parallel plan is BERT's (derived from ``BERT_SPEC``, see ``bert/parallel_plan.py``); its MLM head
+``RobertaLMHead`` carries the vocab-parallel ``lm_head.decoder`` with ``lm_head.bias`` split alongside it, and the
+classification heads are replicated."""
 from __future__ import annotations
 
-from ...parallel_layers.plan import ParallelPlan
-from ..bert.parallel_plan import ENCODER_STYLES, mlm_head_styles, prefixed
+from ..bert.parallel_plan import published_tp_plan
 
-ROBERTA_BASE_PLAN = ParallelPlan(ENCODER_STYLES)
-ROBERTA_MLM_PLAN = ParallelPlan({**prefixed("roberta", ENCODER_STYLES), **mlm_head_styles("lm_head")})
-ROBERTA_HEAD_PLAN = ParallelPlan(prefixed("roberta", ENCODER_STYLES))
+__all__ = ["published_tp_plan"]

@@ -18,15 +18,15 @@ from .modeling_roberta import (
     RobertaForTokenClassification,
     RobertaModel,
 )
-from .parallel_plan import ROBERTA_BASE_PLAN
+from .parallel_plan import published_tp_plan
 
 
 class XLMRobertaConfig(transformers.XLMRobertaConfig):
-    base_model_tp_plan = ROBERTA_BASE_PLAN.hf_tp_plan()
+    base_model_tp_plan = published_tp_plan()
 
 
 class CamembertConfig(transformers.CamembertConfig):
-    base_model_tp_plan = ROBERTA_BASE_PLAN.hf_tp_plan()
+    base_model_tp_plan = published_tp_plan()
 
 
 # ---------------------------------------------------------------------------------------------- XLM-RoBERTa
