@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
-from ...parallel_layers.context_parallel import attention_function
+from ...parallel_layers.context_parallel import ContextParallelMask, attention_function
 from ...parallel_layers.kv_heads import HeadsLinear, KVHeadColwise
 from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
 from ...parallel_layers.layers import Dropout, Linear
@@ -55,6 +55,13 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return out.reshape(*out.shape[:-2], -1).contiguous(), weights
 
 
+def refuse_context_parallel(attention_mask, what: str) -> None:
+    """The context-parallel core (ring / all-to-all) runs plain softmax attention: ``NotImplementedError`` for an
+    option it would silently drop."""
+    if isinstance(attention_mask, ContextParallelMask):
+        raise NotImplementedError(f"{what} under context parallelism is not implemented")
+
+
 class AttentionModule(nn.Module):
     """Base of every family's attention module that runs its kernel through ``attend``. ``core_checkpoint`` is the
     activation-checkpoint function of the ``"selective"`` mode (set by ``apply_activation_checkpointing``; ``None``:
@@ -69,8 +76,17 @@ class GroupedQueryAttention(AttentionModule):
     ``k_norm``), written single-device.
 
     Switches: ``qkv_bias`` / ``o_bias`` (Llama's ``attention_bias``, Qwen2's q/k/v biases), ``qk_norm`` (Qwen3's RMS
-    norms over ``head_dim``, before rotary), ``sliding_window`` (this layer's window, or ``None``; the mask does the
-    windowing, the value is passed on for kernels that take it), ``fused`` (the Triton rotary kernel).
+    norms over ``head_dim``, before rotary; a formula name instead of ``True`` picks it, Gemma 3: ``"gemma"``),
+    ``sliding_window`` (this layer's window, or ``None``; the mask does the windowing, the value is passed on for
+    kernels that take it), ``fused`` (the Triton rotary kernel). Off by default, for the other Hub decoders:
+
+    - ``scaling``: the score scale instead of ``head_dim ** -0.5`` (Gemma: ``query_pre_attn_scalar ** -0.5``);
+    - ``softcap``: logit soft-capping ``c * tanh(scores / c)`` before the mask (Gemma 2 ``attn_logit_softcapping``),
+      passed as the attention interface's ``softcap=`` (eager: ``transformers``' Gemma 2 ``eager_attention_forward``;
+      SDPA refuses it, as in ``transformers``; refused under context parallelism);
+    - partial rotary needs no switch: rotary acts on the first ``cos.shape[-1]`` dims of each head and passes the
+      rest through (``transformers``' GPT-NeoX/Phi rule), so a ``PartialRotaryEmbedding`` (``partial_rotary_factor``)
+      makes it partial. Learned sinks (gpt-oss) and full-width q/k norms (OLMo 2): ``attention_variants.py``.
 
     Under tensor parallelism the plan makes ``q_proj`` column-parallel (``n/tp`` query heads per rank), ``k_proj``/
     ``v_proj`` key/value-head-parallel (``parallel_layers/kv_heads.py``: ``n_kv/tp`` heads, or one replicated head
@@ -95,22 +111,27 @@ class GroupedQueryAttention(AttentionModule):
         return [Heads("num_attention_heads", heads), KeyValueHeads("num_key_value_heads", kv_heads, heads)]
 
     def __init__(self, config, layer_idx: int, *, qkv_bias: bool = False, o_bias: bool = False,
-                 qk_norm: bool = False, sliding_window: int | None = None, fused: bool = False, eager_fallback=None):
+                 qk_norm: bool | str = False, sliding_window: int | None = None, fused: bool = False,
+                 eager_fallback=None, scaling: float | None = None, softcap: float | None = None):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         num_heads, num_kv = config.num_attention_heads, config.num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim ** -0.5 if scaling is None else scaling
+        self.softcap = softcap
         self.is_causal = True
         self.sliding_window, self.fused = sliding_window, fused
         self.q_proj = Linear(config.hidden_size, num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = HeadsLinear(config.hidden_size, num_kv * self.head_dim, num_heads=num_kv, bias=qkv_bias)
         self.v_proj = HeadsLinear(config.hidden_size, num_kv * self.head_dim, num_heads=num_kv, bias=qkv_bias)
         self.o_proj = Linear(num_heads * self.head_dim, config.hidden_size, bias=o_bias)
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, formula="llama", fused=fused)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, formula="llama", fused=fused)
+        if qk_norm:  # True: Qwen3's (the "llama" formula); a formula name: that one (Gemma 3: "gemma")
+            formula = qk_norm if isinstance(qk_norm, str) else "llama"
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, formula=formula, fused=fused)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, formula=formula, fused=fused)
         self.attn_dropout = Dropout(getattr(config, "attention_dropout", 0.0) or 0.0)
+        if eager_fallback is None and softcap is not None:  # Gemma 2's eager kernel soft-caps
+            from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as eager_fallback
         self._eager_fallback = eager_fallback or llama_eager_attention
 
     @property
@@ -118,18 +139,40 @@ class GroupedQueryAttention(AttentionModule):
         """Query heads per key/value head on this rank (what the attention kernels repeat key/value by)."""
         return self.q_proj.out_features // self.k_proj.out_features
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask=None, past_key_values=None, **kwargs):
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``query [b, n/tp, s, d]``, ``key``/``value [b, n_kv/tp, s, d]`` before rotary (q/k norms applied)."""
         query = split_heads(self.q_proj(hidden_states), self.head_dim)  # [b, n/tp, s, d]
         key = split_heads(self.k_proj(hidden_states), self.head_dim)  # [b, n_kv/tp, s, d]
         value = split_heads(self.v_proj(hidden_states), self.head_dim)
         if hasattr(self, "q_norm"):
             query, key = self.q_norm(query), self.k_norm(key)
+        return query, key, value
+
+    def rotate(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotary on the first ``cos.shape[-1]`` dims of each head (all of them unless the rotary is partial)."""
+        rotary_dim = cos.shape[-1]
+        if rotary_dim == self.head_dim:
+            return apply_rotary(query, key, cos, sin, fused=self.fused)
+        query_rot, key_rot = apply_rotary(query[..., :rotary_dim].contiguous(), key[..., :rotary_dim].contiguous(),
+                                          cos, sin, fused=self.fused)
+        return (torch.cat([query_rot, query[..., rotary_dim:]], dim=-1),
+                torch.cat([key_rot, key[..., rotary_dim:]], dim=-1))
+
+    def kernel_kwargs(self, attention_mask) -> dict:
+        """Extra keyword arguments of the attention kernel (``softcap``; the sinks of ``SinkAttention``)."""
+        if self.softcap is None:
+            return {}
+        refuse_context_parallel(attention_mask, "attention logit soft-capping")
+        return {"softcap": self.softcap}
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask=None, past_key_values=None, **kwargs):
+        query, key, value = self.project(hidden_states)
         cos, sin = position_embeddings
-        query, key = apply_rotary(query, key, cos, sin, fused=self.fused)
+        query, key = self.rotate(query, key, cos, sin)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         out, weights = attend(self, query, key, value, attention_mask, dropout=self.attn_dropout,
                               scaling=self.scaling, eager_fallback=self._eager_fallback,
-                              sliding_window=self.sliding_window, **kwargs)
+                              sliding_window=self.sliding_window, **self.kernel_kwargs(attention_mask), **kwargs)
         return self.o_proj(out), weights

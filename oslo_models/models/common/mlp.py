@@ -1,6 +1,8 @@
 """Feed-forward blocks: T5-style (``transformers``' ``T5DenseActDense`` / ``T5DenseGatedActDense``, the same
-modules mT5, UMT5 and LongT5 use) and the Llama family's SwiGLU ``GatedMLP``, written with plain layers for a
-Megatron split.
+modules mT5, UMT5 and LongT5 use), the Llama family's SwiGLU ``GatedMLP`` (any activation: Gemma's
+``gelu_pytorch_tanh`` too), the two-layer ``DenseMLP`` of the GPT-J / GPT-NeoX / OPT / Bloom / Phi / Falcon
+decoders (names, biases, activation and layout per family) and Phi-3's ``PackedGatedMLP`` (one ``gate_up_proj``),
+written with plain layers for a Megatron split.
 
 ``wi`` (and ``wi_0``/``wi_1``) are column-parallel: input ``[b, s, d_model]`` (``[b, s/tp, d_model]`` under
 sequence parallelism, read from the context's region: each gathers the sequence), output ``[b, s, d_ff/tp]``. ``wo`` is row-parallel: it
@@ -95,3 +97,71 @@ class GatedMLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gate = self.act_fn(self.gate_proj(hidden_states))  # [b, s, i/tp]
         return self.down_proj(gate * self.up_proj(hidden_states))
+
+
+class DenseMLP(nn.Module):
+    """``down(act(up(x)))``, then an optional residual dropout: the two-layer feed-forward of GPT-J (``fc_in``/
+    ``fc_out``), GPT-NeoX and Bloom (``dense_h_to_4h``/``dense_4h_to_h``), OPT-style ``fc1``/``fc2`` (the default),
+    Phi (``fc1``/``fc2``), Falcon, GPT-2 (``c_fc``/``c_proj``, ``layout="conv1d"``).
+
+    A family names its modules by subclassing: ``class GPTNeoXMLP(DenseMLP): names = ("dense_h_to_4h",
+    "dense_4h_to_h")``; the plan fragment follows the names (``__init_subclass__``). ``intermediate_attr``: the
+    config attribute of the inner width, for the divisibility rule (unset or ``None`` in the config: ``4 * h``).
+    ``act``: an ``ACT2FN`` name or a callable. ``dropout``: applied to the output (the residual stream).
+
+    ``up`` column-parallel (``[b, s, h]`` / ``[b, s/tp, h]`` -> ``[b, s, i/tp]``, gathering the sequence under
+    sequence parallelism), ``down`` row-parallel (all-reduce, or reduce-scatter under sequence parallelism).
+    """
+
+    names: tuple[str, str] = ("fc1", "fc2")
+    intermediate_attr: str = "intermediate_size"
+    tp_plan = {"fc1": Colwise(), "fc2": Rowwise(), "dropout": TPDropout()}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        up, down = cls.names
+        cls.tp_plan = {up: Colwise(), down: Rowwise(), "dropout": TPDropout()}
+
+    @classmethod
+    def parallel_rules(cls, config) -> list:
+        inner = getattr(config, cls.intermediate_attr, None) or 4 * config.hidden_size
+        return [Features(cls.intermediate_attr, inner)]
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, act="gelu_new", bias: bool = True,
+                 dropout: float = 0.0, layout: str = "linear"):
+        super().__init__()
+        up, down = self.names
+        self.add_module(up, Linear(hidden_size, intermediate_size, bias=bias, layout=layout))
+        self.add_module(down, Linear(intermediate_size, hidden_size, bias=bias, layout=layout))
+        self.act = ACT2FN[act] if isinstance(act, str) else act
+        self.dropout = Dropout(dropout)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        up, down = (getattr(self, name) for name in self.names)
+        return self.dropout(down(self.act(up(hidden_states))))  # inner [b, s, i/tp]
+
+
+class PackedGatedMLP(nn.Module):
+    """Phi-3's ``down_proj(up * act(gate))`` with ``gate_up_proj`` one ``[2i, h]`` linear holding ``gate | up``
+    (``Phi3MLP``; keys as there).
+
+    ``gate_up_proj`` is column-parallel with two packed blocks (``Colwise(num_packed=2)``): rank ``r`` holds rows
+    ``r`` of each of gate and up, so its local output ``[b, s, 2i/tp]`` is ``gate_r | up_r`` and splits in two
+    locally with no communication. ``down_proj`` row-parallel (all-reduce / reduce-scatter).
+    """
+
+    tp_plan = {"gate_up_proj": Colwise(num_packed=2), "down_proj": Rowwise()}
+
+    @classmethod
+    def parallel_rules(cls, config) -> list:
+        return [Features("intermediate_size", config.intermediate_size)]
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.activation_fn = ACT2FN[act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # each [b, s, i/tp]
+        return self.down_proj(up * self.activation_fn(gate))

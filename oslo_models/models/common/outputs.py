@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from transformers.utils.output_capturing import capture_outputs
 
 from ...parallel_layers.mappings import gather_from_sequence_parallel_region, gather_from_tensor_parallel_region

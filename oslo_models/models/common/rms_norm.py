@@ -1,12 +1,19 @@
 """RMS normalization with a scale and no bias, plain and tensor-/sequence-parallel, with the plan style that swaps
 one for the other.
 
-Two ``formula``s, each exactly its ``transformers`` twin (they differ only in where half precision rounds):
+Four ``formula``s, each exactly its ``transformers`` twin (the first three differ only in where half precision
+rounds):
 
 - ``"t5"`` (``T5LayerNorm``): the statistic in fp32, the product in the weight's dtype when that is half precision;
 - ``"llama"`` (``LlamaRMSNorm``, and Mistral/Qwen2/Qwen3's copies): normalize in fp32, round to the input's dtype,
   then scale. This one can run the fused Triton kernel (``fused_ops.rms_norm``) when ``fused=True``; the
-  dispatcher takes the kernel on CUDA (or under ``OSLO_FUSED_OPS=force``) and the same formula in torch elsewhere.
+  dispatcher takes the kernel on CUDA (or under ``OSLO_FUSED_OPS=force``) and the same formula in torch elsewhere;
+- ``"olmo2"`` (``Olmo2RMSNorm``): normalize and scale in fp32, round the product to the input's dtype;
+- ``"gemma"`` (``GemmaRMSNorm``, Gemma 1/2/3): ``x * (1 + weight)``, all in fp32, rounded to the input's dtype.
+  The weight is stored as the offset from one, so a fresh norm holds zeros (as ``transformers``').
+
+The grid modes (2D/2.5D/3D) split a residual-stream norm over the hidden (``RMSNorm2D``), which knows ``"t5"`` and
+``"llama"`` only: the plan style refuses the other two there, before any collective.
 """
 from __future__ import annotations
 
@@ -17,10 +24,11 @@ from torch import nn
 
 from ... import fused_ops
 from ...parallel_layers.mappings import copy_to_tensor_parallel_region
-from ...parallel_layers.plan import Style, build_grid_layer
+from ...parallel_layers.plan import Style, build_grid_layer, refuse_grid_mode
 from ...parallel_layers.sequence_parallel import SequenceParallelAware
 
-FORMULAS = ("t5", "llama")
+FORMULAS = ("t5", "llama", "olmo2", "gemma")
+GRID_FORMULAS = ("t5", "llama")  # the formulas RMSNorm2D implements
 
 
 class RMSNorm(nn.Module):
@@ -31,13 +39,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         if formula not in FORMULAS:
             raise ValueError(f"RMSNorm formula must be one of {FORMULAS}, got {formula!r}")
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        init = torch.zeros if formula == "gemma" else torch.ones  # gemma stores ``weight - 1``
+        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
         self.formula, self.fused = formula, fused
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.formula == "llama":
             return fused_ops.rms_norm(x, weight, self.variance_epsilon, enabled=self.fused)
+        if self.formula in ("olmo2", "gemma"):
+            normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            scale = 1.0 + weight.float() if self.formula == "gemma" else weight.float()
+            return (normed * scale).to(x.dtype)
         variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.variance_epsilon)
         if weight.dtype in (torch.float16, torch.bfloat16):
@@ -93,6 +106,8 @@ class SequenceParallelRMSNormStyle(Style):
 
     def build(self, module, context):
         if context.is_grid and not self.always_reduce:  # an RMS norm over the split hidden
+            if getattr(module, "formula", "t5") not in GRID_FORMULAS:
+                refuse_grid_mode(context, f"the {module.formula!r} RMS norm formula")
             return build_grid_layer("rms_norm", module, context)
         norm = SequenceParallelRMSNorm.from_plain(module, context.tp_group, always_reduce=self.always_reduce,
                                                   fused=context.config.fused_ops)

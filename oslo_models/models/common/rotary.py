@@ -11,12 +11,18 @@ What is added is one method, ``reset_buffers``: the frequencies are non-persiste
 a model built on the meta device and then ``to_empty``'d (how every parallel model is built) recomputes them on
 its device, in fp32 whatever the model dtype, as ``transformers`` keeps them.
 
+``PartialRotaryEmbedding`` is the same over ``transformers``' GPT-NeoX rotary module, whose default frequencies honour
+``rope_parameters["partial_rotary_factor"]`` (GPT-NeoX ``rotary_pct``, Phi, Phi-3, StableLM...): its ``cos``/``sin``
+are ``[b, s, rotary_dim]`` with ``rotary_dim = int(head_dim * factor)``, and ``GroupedQueryAttention`` rotates only the
+first ``rotary_dim`` dims of each head (``transformers``' rule in those families).
+
 Under tensor parallelism ``cos``/``sin`` (``[b, s, head_dim]``) are computed for the full sequence on every rank:
 the attention runs on full sequences of this rank's heads, so they need no communication and no split.
 """
 from __future__ import annotations
 
 import torch
+from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ... import fused_ops
@@ -25,15 +31,24 @@ from ... import fused_ops
 class RotaryEmbedding(LlamaRotaryEmbedding):
     """``forward(x, position_ids) -> (cos, sin)``, each ``[b, s, head_dim]`` in ``x``'s dtype (``transformers``')."""
 
+    hf_rotary = LlamaRotaryEmbedding  # the transformers module whose frequencies these are
+
     def reset_buffers(self) -> None:
         """Recompute ``inv_freq``/``original_inv_freq`` (fp32) on the device the module lives on."""
         device = self.inv_freq.device
         with torch.device("cpu"):
-            fresh = LlamaRotaryEmbedding(self.config)
+            fresh = self.hf_rotary(self.config)
         self.inv_freq = fresh.inv_freq.to(device)
         self.original_inv_freq = fresh.original_inv_freq.to(device)
         self.attention_scaling = fresh.attention_scaling
         self.max_seq_len_cached = fresh.max_seq_len_cached
+
+
+class PartialRotaryEmbedding(GPTNeoXRotaryEmbedding):
+    """``forward(x, position_ids) -> (cos, sin)``, each ``[b, s, rotary_dim]`` (``partial_rotary_factor``)."""
+
+    hf_rotary = GPTNeoXRotaryEmbedding
+    reset_buffers = RotaryEmbedding.reset_buffers
 
 
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,

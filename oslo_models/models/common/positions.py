@@ -1,0 +1,73 @@
+"""Position components other than rotary: OPT's learned absolute positions and Bloom's ALiBi biases.
+
+``LearnedPositionalEmbedding`` is ``transformers``' ``OPTLearnedPositionalEmbedding``: a table of
+``num_positions + offset`` rows (OPT: offset 2, a fairseq legacy), looked up at the positions counted from the
+attention mask (``cumsum(mask) * mask - 1``, so left padding does not shift them; padded tokens read row
+``offset - 1``). Under tensor parallelism the table is replicated (``PositionEmbedding``: looked up whole on every
+rank and added to the residual stream; split over the hidden under the grid modes); no collective.
+
+ALiBi (Press et al.; ``transformers``' ``build_alibi_tensor`` in Bloom): head ``i`` of ``n`` adds ``slope_i * j`` to
+the score of key ``j`` (``j`` counted over the unmasked keys); softmax is shift-invariant, so this equals the
+relative bias ``slope_i * (j - i_query)``. Under tensor parallelism rank ``r`` runs heads ``r*n/tp ..
+(r+1)*n/tp - 1`` (the ``q_proj`` split), so it takes that slice of the slopes (``local_alibi_slopes``): plain
+functions, no parameters, no collective.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...parallel_layers.layers import Embedding
+from ...parallel_layers.plan import PositionEmbedding
+
+
+class LearnedPositionalEmbedding(Embedding):
+    """``forward(attention_mask [b, s_total], past_key_values_length=0, position_ids=None)`` -> ``[b, s, h]``:
+    rows ``position + offset``; ``position_ids`` (``[b, s]``), when given, are used as they are."""
+
+    tp_plan = {"": PositionEmbedding()}
+
+    def __init__(self, num_positions: int, embedding_dim: int, *, offset: int = 2, device=None, dtype=None):
+        self.offset = offset
+        super().__init__(num_positions + offset, embedding_dim, device=device, dtype=dtype)
+
+    def forward(self, attention_mask: torch.Tensor, past_key_values_length: int = 0,
+                position_ids: torch.Tensor | None = None, *, sequence_parallel: bool | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = (torch.cumsum(attention_mask, dim=1) * attention_mask - 1).long()
+            position_ids = position_ids[:, past_key_values_length:]
+        return super().forward(position_ids + self.offset)
+
+
+def alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
+    """The ``[n]`` ALiBi slopes (fp32): the geometric series ``2 ** (-8 i / n)`` for a power-of-two ``n``; otherwise
+    that of the closest lower power of two followed by every other slope of twice as many heads (Bloom's rule)."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = torch.pow(torch.tensor(base, device=device, dtype=torch.float32),
+                       torch.arange(1, 1 + closest, device=device, dtype=torch.int32))
+    if closest != num_heads:
+        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        remaining = min(closest, num_heads - closest)
+        extra = torch.pow(torch.tensor(extra_base, device=device, dtype=torch.float32),
+                          torch.arange(1, 1 + 2 * remaining, 2, device=device, dtype=torch.int32))
+        slopes = torch.cat([slopes, extra], dim=0)
+    return slopes
+
+
+def local_alibi_slopes(num_heads: int, tp_rank: int, tp_size: int, device=None) -> torch.Tensor:
+    """This tensor-parallel rank's ``[n/tp]`` slopes: those of the query heads it holds (contiguous, as
+    ``Colwise`` splits ``q_proj``/``query_key_value``)."""
+    if num_heads % tp_size:
+        raise ValueError(f"num_heads={num_heads} is not divisible by tensor_parallel_size={tp_size}")
+    per_rank = num_heads // tp_size
+    return alibi_slopes(num_heads, device)[tp_rank * per_rank:(tp_rank + 1) * per_rank]
+
+
+def build_alibi(attention_mask: torch.Tensor, slopes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive bias ``[b, n_local, 1, s]`` for ``attention_mask [b, s]`` (1 = token, 0 = padding) and the
+    heads of ``slopes [n_local]``; broadcast over the query dim. ``transformers``' ``build_alibi_tensor`` is the same
+    values as ``[b * n, 1, s]``."""
+    positions = ((attention_mask.cumsum(dim=-1) - 1) * attention_mask)[:, None, None, :]  # [b, 1, 1, s]
+    return (slopes.to(attention_mask.device)[None, :, None, None] * positions).to(dtype)
