@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...parallel_layers.plan import ShardSpec, Style, refuse_grid_mode
+from ...parallel_layers.plan import Style, refuse_grid_mode
+from ...parallel_layers.sharding import EvenSplit
 from .attention import GroupedQueryAttention, refuse_context_parallel, split_heads
 from .full_width_norm import FullWidthRMSNorm, FullWidthRMSNormStyle
 
@@ -39,12 +40,12 @@ class HeadParameters(Style):
         refuse_grid_mode(context, f"per-head parameters {self.names}")
         for name in self.names:
             full = getattr(module, name)
-            local = ShardSpec(0).read_shard(tuple(full.shape), full.data.__getitem__, context.tp_rank, context.tp_size)
+            local = EvenSplit(0).read_shard(tuple(full.shape), full.data.__getitem__, context.tp_rank, context.tp_size)
             setattr(module, name, nn.Parameter(local.clone(), requires_grad=full.requires_grad))
         return module
 
     def shard_specs(self, module):
-        return {name: ShardSpec(0) for name in self.names}
+        return {name: EvenSplit(0) for name in self.names}
 
 
 class SinkAttention(GroupedQueryAttention):

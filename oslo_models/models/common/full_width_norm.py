@@ -6,7 +6,7 @@ heads are split, with ``Olmo2RMSNorm`` (the ``"olmo2"`` formula: normalize and s
 dtype) and a weight of ``n*d``. Under tensor parallelism ``q_proj`` is column-parallel, so a rank holds only its
 ``n/tp`` heads: ``[b, s, (n/tp)*d]``. ``TensorParallelFullWidthRMSNorm`` then
 
-- holds this rank's slice of the weight, split like the projection's output (``ShardSpec(0, num_heads=...)``:
+- holds this rank's slice of the weight, split like the projection's output (``HeadSplit(0, ...)``:
   ``n/tp`` whole heads per rank; for key/value heads at ``tp > n_kv`` one head replicated on ``tp/n_kv`` ranks);
 - computes the local sum of squares ``[b, s, 1]`` and **all-reduces it over TP** (forward: all-reduce; backward:
   all-reduce, since every rank's output depends on every rank's input), divided by the summed local widths. With
@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from ...parallel_layers.mappings import copy_to_tensor_parallel_region, group_size, reduce_from_tensor_parallel_region
-from ...parallel_layers.plan import ShardSpec, Style, refuse_grid_mode
+from ...parallel_layers.plan import Style, refuse_grid_mode
+from ...parallel_layers.sharding import HeadSplit
 
 
 def _olmo2_rms(x: torch.Tensor, weight: torch.Tensor, variance: torch.Tensor, eps: float) -> torch.Tensor:
@@ -57,7 +58,7 @@ class TensorParallelFullWidthRMSNorm(FullWidthRMSNorm):
 
     def __init__(self, full_hidden: int, eps: float = 1e-6, *, num_heads: int, group, replica_group=None,
                  device=None, dtype=None):
-        spec = ShardSpec(0, num_heads=num_heads)
+        spec = HeadSplit(0, num_heads)
         tp = group_size(group)
         local = spec.local_shape((full_hidden,), tp)[0]
         super().__init__(local, eps, num_heads=max(num_heads // tp, 1), device=device, dtype=dtype)
@@ -91,9 +92,9 @@ class FullWidthRMSNormStyle(Style):
 
     def build(self, module, context):
         refuse_grid_mode(context, "a full-width (OLMo 2) q/k norm")
-        replicas = ShardSpec(0, num_heads=module.num_heads).replicas(context.tp_size)
+        replicas = HeadSplit(0, module.num_heads).replicas(context.tp_size)
         replica_group = context.tp_subgroup(replicas) if replicas > 1 else None
         return TensorParallelFullWidthRMSNorm.from_plain(module, context.tp_group, replica_group=replica_group)
 
     def shard_specs(self, module):
-        return {"weight": ShardSpec(0, num_heads=getattr(module, "full_heads", module.num_heads))}
+        return {"weight": HeadSplit(0, getattr(module, "full_heads", module.num_heads))}

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...parallel_layers.layers import Embedding, Linear
-from ...parallel_layers.plan import ShardSpec
+from ...parallel_layers.sharding import REPLICATED
 
 
 def _module_name(model: nn.Module, module: nn.Module) -> str:
@@ -83,7 +83,7 @@ def _parallel_copy(model, name: str, plain: nn.Module, layout: str = "linear") -
             full = getattr(plain, leaf).detach()
             if leaf == "weight" and layout == "conv1d":
                 full = full.t()
-            local = specs.get(leaf, ShardSpec()).read_local(tuple(full.shape), lambda index, f=full: f[index],
+            local = specs.get(leaf, REPLICATED).read_local(tuple(full.shape), lambda index, f=full: f[index],
                                                              context)
             setattr(built, leaf, nn.Parameter(local.to(dtype).contiguous(), requires_grad=param.requires_grad))
     return built

@@ -8,7 +8,7 @@
 - ``mlp.shared_expert`` (Qwen2-MoE): a SwiGLU MLP, column-/row-parallel like the dense one.
 
 Gradient reduction follows from the same data (``distributed/expert_parallel.py``): tensors with
-``ShardSpec.axis == "ep"`` over the expert-data-parallel group, the rest over data parallelism.
+layouts whose ``axis`` is ``"ep"`` over the expert-data-parallel group, the rest over data parallelism.
 """
 from __future__ import annotations
 

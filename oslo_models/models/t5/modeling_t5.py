@@ -44,7 +44,7 @@ from transformers.utils.output_capturing import OutputRecorder
 
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, Linear
-from ...parallel_layers.plan import ShardSpec
+from ...parallel_layers.sharding import VocabSplit
 from ..common import (
     DenseActDense,
     DenseGatedActDense,
@@ -396,7 +396,7 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
         if "lm_head.weight" not in keys or "shared.weight" not in keys:
             return False
         context = self.parallel_context
-        spec = ShardSpec(0, vocab_size=reader.shape("shared.weight")[0])  # lm_head's and shared's vocab split
+        spec = VocabSplit(0, reader.shape("shared.weight")[0])  # lm_head's and shared's vocab split
         head, shared = (spec.read_shard(tuple(reader.shape(key)), lambda index, key=key: reader.read(key, index),
                                         context.tp_rank, context.tp_size)
                         for key in ("lm_head.weight", "shared.weight"))
