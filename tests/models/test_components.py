@@ -38,7 +38,8 @@ from oslo_models.models.common import (
     build_alibi,
     local_alibi_slopes,
 )
-from oslo_models.parallel_layers.plan import Colwise, ParallelPlan, ShardSpec
+from oslo_models.parallel_layers.plan import Colwise, ParallelPlan
+from oslo_models.parallel_layers.sharding import HeadSplit
 from tests.helpers.dist import run_distributed
 
 ATOL = dict(atol=1e-5, rtol=1e-5)
@@ -316,7 +317,7 @@ def test_grid_modes_refuse_new_norms():
     """The grid's RMS norm knows t5/llama only; the full-width and parameter-free norms are 1D only."""
 
     class Grid:
-        tensor_parallel_mode = "2d"
+        tensor_parallel_mode, is_grid = "2d", True
 
     cases = ((RMSNorm.tp_plan[""], RMSNorm(H, formula="gemma")),
              (ParameterFreeLayerNorm.tp_plan[""], ParameterFreeLayerNorm(H)),
@@ -325,4 +326,4 @@ def test_grid_modes_refuse_new_norms():
     for style, module in cases:
         with pytest.raises(NotImplementedError):
             style.build(module, Grid())
-    assert ShardSpec(0, num_heads=1).replicas(2) == 2
+    assert HeadSplit(0, 1).replicas(2) == 2
