@@ -17,6 +17,7 @@ def _load_worker(path: str, model_bytes: int, limit: float) -> None:
     cfg = om.ParallelConfig(tensor_parallel_size=4)
     context = om.ParallelContext.from_config(cfg)  # process groups first: their buffers are not the model's
     auto = om.AutoModelForCausalLM  # imported here (names import lazily): module code is not the model's memory
+    auto.model_class_for(transformers.AutoConfig.from_pretrained(path))  # and the family's model code, likewise
     with PeakRSS() as peak:
         model = auto.from_pretrained(path, parallel=context, progress=False)
     local_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

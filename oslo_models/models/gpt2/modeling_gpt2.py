@@ -17,6 +17,7 @@ from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
 from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
+from transformers.utils.output_capturing import OutputRecorder
 
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, Linear
@@ -134,7 +135,10 @@ class GPT2PreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     _supports_flash_attn = True
     _supports_attention_backend = True
     _keys_to_ignore_on_load_unexpected = ["attn.bias", "attn.masked_bias", "crossattention.bias"]
-    _can_record_outputs = {"hidden_states": GPT2Block, "attentions": GPT2Attention}
+    # as transformers' GPT-2 (cross-attentions: a key that stays empty, cross-attention is refused at build)
+    _can_record_outputs = {"hidden_states": GPT2Block,
+                           "attentions": OutputRecorder(GPT2Attention, layer_name=".attn", index=1),
+                           "cross_attentions": OutputRecorder(GPT2Attention, layer_name=".crossattention", index=1)}
 
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
