@@ -209,8 +209,11 @@ class ForCausalLM(HeadModel):
         loss, logits = causal_lm_head_outputs(self, outputs.last_hidden_state, labels, logits_to_keep=logits_to_keep,
                                               gather_logits=gather_logits, num_items_in_batch=num_items_in_batch,
                                               shift_labels=shift_labels, skip_logits=skip_logits)
+        # cross-attentions where the output class has them (GPT-2's, as transformers: recorded, empty)
+        extra = {key: outputs[key] for key in ("cross_attentions",)
+                 if key in outputs and key in self.output_class.__dataclass_fields__}
         return self.output_class(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                 **passed_on(outputs))
+                                 **passed_on(outputs), **extra)
 
 
 class ForSequenceClassification(HeadModel):

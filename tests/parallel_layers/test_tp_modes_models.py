@@ -93,7 +93,9 @@ def _t5(path: str, ctx) -> None:
     reference = transformers.T5ForConditionalGeneration.from_pretrained(path).train()
     model = om.AutoModelForSeq2SeqLM.from_pretrained(path, parallel=ctx, progress=False).train()
     inputs, labels = _seq2seq_batch()
-    assert_steps_match(model, reference, inputs, labels)
+    # eps 1e-5: under 2.5D/3D a few of T5's ``wo`` gradients are float noise (~1e-8, every gradient still matches
+    # to 1e-5), which Adam with eps 1e-6 turns into steps of 1e-5 of either sign (seen with transformers 5.24)
+    assert_steps_match(model, reference, inputs, labels, eps=1e-5)
 
 
 def _decoders(paths: dict, ctx) -> None:
