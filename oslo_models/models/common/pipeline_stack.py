@@ -82,10 +82,6 @@ class StackPipelineAdapter(CausalLMPipelineAdapter):
         return stage.lm_head(hidden) if stage.is_last else hidden
 
 
-def model_hidden(stage) -> int:
-    return stage.model_config.hidden_size
-
-
 def run_stage_stack(base, stage, x, attention_mask=None, position_ids=None, **run_kwargs):
     """The base model's own phases (``stack_inputs``, ``run_stack``) on the stage's layers: ``x`` is ``input_ids
     [mb, s]`` on the first stage, hidden states ``[mb, s(/tp), h]`` elsewhere; returns hidden states (``[mb, s, h]``
@@ -95,7 +91,8 @@ def run_stage_stack(base, stage, x, attention_mask=None, position_ids=None, **ru
     # Masks and rotary read only the batch size, length, dtype and device: a zero-size expanded view stands in
     # for the full [mb, s, h] activations that only the first stage ever has.
     dtype = next(stage.parameters()).dtype if not x.is_floating_point() else x.dtype
-    shape_like = torch.zeros((), dtype=dtype, device=x.device).expand(x.shape[0], seq_len, model_hidden(stage))
+    shape_like = torch.zeros((), dtype=dtype, device=x.device).expand(x.shape[0], seq_len,
+                                                                      stage.model_config.hidden_size)
     inputs = base.stack_inputs(shape_like, attention_mask, position_ids, None, layers=stage.layers,
                                sequence_parallel=sp)
     return base.run_stack(x, inputs, layers=stage.layers, first=stage.is_first, last=stage.is_last, **run_kwargs)
