@@ -5,9 +5,17 @@ For each model type (its tiny model from the record, ``tests/helpers/zoo.py``), 
 
 - tp=1 in this process: logits, loss and every gradient on a left-padded batch; a hand-written decode loop
   (``model(ids, past_key_values=cache)``, no ``position_ids``: the stack derives them from the cache) step by step;
-- one spawned group of 2 ranks running two layouts: tp=2 (+ sequence parallelism where the family allows it) with
-  the same checks, then pp=2 (one AdamW step through ``train_step``: loss, every local gradient and parameter;
-  1F1B with 2 microbatches, GPipe with one for the MoE decoders).
+- tp=1 in this process too: ``save_pretrained`` -> plain ``transformers`` (same keys and logits), and activation
+  checkpointing (recomputed blocks, same gradients);
+- one spawned group of 2 ranks: tp=2 with sequence parallelism (the same checks, plus ``generate`` greedy and
+  sampled on a left-padded prompt, token for token), pp=2 (one AdamW step through ``train_step``: loss, every local
+  gradient and parameter; 1F1B with 2 microbatches, GPipe with one for the MoE decoders), context parallelism ring
+  and all-to-all, and ZeRO-3 over dp=2 through ``om.training.prepare`` (one AdamW step each:
+  ``tests/helpers/layouts.py``);
+- one spawned group of 4 ranks: tp=4 (key/value heads replicated), tp=2 x dp=2 with ZeRO-1, pp=2 x tp=2.
+
+A layout the validation code refuses (before any process group) must be one ``REFUSED`` lists for the type, with
+its reason; every other layout must run and match.
 
 The throwaway family ``oslo_toy_llama`` is a config class, a ``StackSpec`` and a ``FamilyRecord``, nothing else (the
 classes are declared from them: ``oslo_models/models/declare.py``): the cost of a new Llama-shaped family.
@@ -19,6 +27,7 @@ import dataclasses
 import pytest
 import torch
 import transformers
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 import oslo_models as om
 from oslo_models.models.declare import declare_stack_family
@@ -27,7 +36,9 @@ from oslo_models.models.heads import ForCausalLM
 from oslo_models.models.llama import TINY_DECODER
 from oslo_models.models.llama.modeling_llama import LLAMA_SPEC, LlamaPreTrainedModel
 from oslo_models.models.registry import families, register_family, unregister_family
+from oslo_models.models.common.context_parallel import check_context_parallel
 from tests.helpers.dist import run_distributed
+from tests.helpers.layouts import train_matches
 from tests.helpers.models import assert_grads_match, padded_batch
 from tests.helpers.pipeline import assert_pipeline_matches
 from tests.helpers.zoo import tiny_config
@@ -48,6 +59,12 @@ TOY = FamilyRecord(model_type=TOY_TYPE, package=__name__, config="ToyConfig",
                    classes={"base": "ToyModel", "causal_lm": "ToyForCausalLM"},
                    tiny_config={**TINY_DECODER, "attention_bias": True}, spec="TOY_SPEC")
 # ------------------------------------------------------------------
+
+# The layouts the validation code refuses for a type, with a fragment of the reason; every other layout of the zoo
+# must run and match transformers.
+_MOE = {"tp2+sp x dp2": "sequence_parallel with mixture-of-experts", "cp2 ring x dp2 zero1": "is not implemented",
+        "cp2 all_to_all x tp2": "is not implemented", "pp2 x tp2": "pipeline_parallel_size > 1 together with"}
+REFUSED = {"mixtral": _MOE, "qwen2_moe": _MOE}
 
 
 def _causal_types() -> list[str]:
@@ -104,23 +121,103 @@ def _check_decode_loop(model, reference) -> None:
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=lambda m, s=start: f"step {s}: {m}")
 
 
+def _check_save_load(model, reference, folder) -> None:
+    """``save_pretrained`` -> plain ``transformers``: the same keys and logits."""
+    model.save_pretrained(folder)
+    reloaded = type(reference).from_pretrained(folder).eval()
+    assert set(reloaded.state_dict()) == set(reference.state_dict())
+    ids, mask, _ = padded_batch(reference.config.vocab_size, batch=2, seq=8)
+    model.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits,
+                                   reference(ids, attention_mask=mask).logits, atol=1e-5, rtol=1e-4)
+
+
+def _check_activation_checkpointing(model_type: str, path: str) -> None:
+    """Recomputed blocks give the same gradients."""
+    model = _om_class(model_type).from_pretrained(path, progress=False).train()
+    model.gradient_checkpointing_enable()
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    assert layers and all(layer.gradient_checkpointing for layer in layers)
+    _check_forward_and_grads(model, _reference(model_type, path))
+
+
+def _refusal(om_class, config, **layout) -> str | None:
+    """The validation code's refusal of ``layout`` for this class and config (raised before any process group),
+    or ``None`` when the layout is accepted."""
+    parallel = om.ParallelConfig(**layout)
+    try:
+        om_class.validate_parallel_config(config, parallel)
+        check_context_parallel(om_class, config, parallel)
+    except (ValueError, NotImplementedError) as error:
+        return str(error)
+    return None
+
+
+def _check_generate(model, reference) -> None:
+    """Greedy and sampled ``generate`` on a left-padded prompt, token for token."""
+    prompt = torch.tensor([[5, 17, 42, 3, 9, 11], [0, 0, 8, 21, 33, 4]])  # second row left-padded
+    mask = (torch.arange(6) >= torch.tensor([[0], [2]])).long()
+    greedy = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    if _is_moe(reference.config):  # transformers' load-balancing loss cannot take a decode step's padded mask
+        greedy["output_router_logits"] = False
+    model.eval(), reference.eval()
+    assert torch.equal(model.generate(prompt, **greedy), reference.generate(prompt, **greedy))
+    sampling = dict(greedy, do_sample=True, top_k=20, temperature=0.8)
+    torch.manual_seed(11)
+    theirs = reference.generate(prompt, **sampling)
+    torch.manual_seed(11)
+    assert torch.equal(model.generate(prompt, **sampling), theirs)
+
+
+def _batch(config, rows: int = 4, seq: int = 16) -> dict:
+    ids, mask, labels = padded_batch(config.vocab_size, batch=rows, seq=seq)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def _assert_refusals(model_type: str, refused: dict) -> None:
+    """The layouts refused are exactly those ``REFUSED`` expects for this type (each with its reason)."""
+    expected = REFUSED.get(model_type, {})
+    assert set(refused) == set(expected), (model_type, refused)
+    for name, why in expected.items():
+        assert why in refused[name], (model_type, name, refused[name])
+
+
 def _layouts_worker(model_type: str, path: str) -> None:
-    register_family(TOY, exist_ok=True)  # a spawned process imports this module afresh: register it there too
+    """Four ranks, one AdamW step per layout against transformers on the whole batch; a layout the validation code
+    refuses is recorded with its reason (every rank takes the same decisions: they depend on the config only)."""
     om_class, config = _om_class(model_type), _config(model_type)
-    # tp = 2 (sequence parallelism where the family runs it; the MoE decoders refuse it)
-    parallel = om.ParallelConfig(tensor_parallel_size=2, sequence_parallel=not _is_moe(config))
-    model = om_class.from_pretrained(path, parallel=parallel, progress=False).train()
-    reference = _reference(model_type, path)
-    _check_forward_and_grads(model, reference)
-    _check_decode_loop(model, reference)
-    # pp = 2: one AdamW step through a 1F1B schedule (the MoE decoders: one microbatch, where their per-microbatch
-    # load-balancing loss is transformers' loss of the batch)
+    refused = {}
+
+    def run(name: str, zero_stage: int = 0, **layout):
+        if (reason := _refusal(om_class, config, **layout)) is not None:
+            refused[name] = reason
+            return None
+        model = om_class.from_pretrained(path, parallel=om.ParallelConfig(**layout), progress=False).train()
+        if layout.get("pipeline_parallel_size", 1) > 1:
+            batch = _batch(config, seq=8)
+            if _is_moe(config):  # the load-balancing loss is per replica: both replicas get the same rows
+                batch = {key: torch.cat([value[:2], value[:2]]) for key, value in batch.items()}
+            return assert_pipeline_matches(model, _reference(model_type, path), batch, steps=1)
+        return train_matches(model, _reference(model_type, path), _batch(config), zero_stage=zero_stage)
+
+    # tp = 2 with sequence parallelism x dp = 2, then (trained weights) a cached decode loop and generate
+    pair = run("tp2+sp x dp2", tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)
+    if pair is None:  # the MoE decoders refuse sequence parallelism: tp = 2 alone
+        pair = run("tp2 x dp2", tensor_parallel_size=2, data_parallel_size=2)
+    _check_decode_loop(*pair)
+    _check_generate(*pair)
+    run("tp4", tensor_parallel_size=4)
+    # 1F1B with 2 microbatches (the MoE decoders: GPipe with one, where their load-balancing loss is the batch's;
+    # they refuse pp x tp, so pp x dp)
     schedule = dict(pipeline_schedule="gpipe", num_microbatches=1) if _is_moe(config) else dict(num_microbatches=2)
-    parallel = om.ParallelConfig(pipeline_parallel_size=2, pipeline_partition="parameters", **schedule)
-    model = om_class.from_pretrained(path, parallel=parallel, progress=False).train()
-    ids, mask, labels = padded_batch(config.vocab_size, batch=2, seq=8)
-    assert_pipeline_matches(model, _reference(model_type, path),
-                            {"input_ids": ids, "attention_mask": mask, "labels": labels}, steps=1)
+    schedule["pipeline_partition"] = "parameters"  # odd layer counts too
+    if run("pp2 x tp2", pipeline_parallel_size=2, tensor_parallel_size=2, **schedule) is None and _is_moe(config):
+        run("pp2 x dp2", pipeline_parallel_size=2, data_parallel_size=2, **schedule)
+    run("cp2 ring x dp2 zero1", 1, context_parallel_size=2, context_parallel_mode="ring", data_parallel_size=2)
+    run("cp2 all_to_all x tp2", context_parallel_size=2, context_parallel_mode="all_to_all", tensor_parallel_size=2)
+    run("tp2 x dp2 zero3", 3, tensor_parallel_size=2, data_parallel_size=2)
+    _assert_refusals(model_type, refused)
 
 
 @pytest.fixture
@@ -139,7 +236,10 @@ def test_zoo_parity(model_type, tmp_path, toy_registered):
     assert type(model).__name__ == (twin_name.replace("Llama", "Toy") if model_type == TOY_TYPE else twin_name)
     _check_forward_and_grads(model, reference)
     _check_decode_loop(model, reference)
-    run_distributed(_layouts_worker, 2, model_type, path)
+    _check_save_load(model, reference, tmp_path / "saved")
+    _check_activation_checkpointing(model_type, path)
+    if model_type != TOY_TYPE:  # the throwaway family is Llama's code under another name
+        run_distributed(_layouts_worker, 4, model_type, path)
 
 
 def test_throwaway_family_is_a_record_and_a_spec(toy_registered):

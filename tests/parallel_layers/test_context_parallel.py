@@ -13,16 +13,15 @@ import torch
 import transformers
 
 import oslo_models as om
-from oslo_models import training
 from oslo_models.data import ContextParallelSplitter
 from oslo_models.parallel_layers.context_parallel import merge_sequence, ring, split_sequence, token_index
 from tests.helpers import decoders
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import save_tiny, tiny_bert_config
-from tests.helpers.models import assert_grads_match, assert_params_match, padded_batch, save_tiny_gpt2
+from tests.helpers.layouts import train_matches
+from tests.helpers.models import padded_batch, save_tiny_gpt2
 
 VOCAB, SEQ = 101, 16
-ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -64,45 +63,11 @@ def _load(family: str, path: str, **options):
 
 def _train_matches(family: str, path: str, *, zero_stage: int = 0, steps: int = 3, padded: bool = True,
                    packed: bool = False, **options) -> None:
-    """``steps`` AdamW steps at the layout ``options``; dp rank ``d`` trains on rows ``d::dp`` and the reference
-    on the mean of the replicas' losses (what data parallelism computes)."""
-    model = _load(family, path, **options)
-    context = model.parallel_context
-    full = _batch(family, padded=padded and not packed, packed=packed)
+    """``steps`` AdamW steps at the layout ``options`` (``tests/helpers/layouts.py``)."""
     call = dict(use_cache=False) if packed else {}  # transformers masks packed documents only without a cache
-    replicas = [{k: v[d::context.dp_size].contiguous() for k, v in full.items()} for d in range(context.dp_size)]
-    splitter = ContextParallelSplitter(context, shift_labels=family != "bert")
-    local = splitter(replicas[context.dp_rank])
-    for key, value in local.items():  # the chunks of every rank reassemble to the replica's batch exactly
-        parts = [torch.empty_like(value) for _ in range(context.cp_size)]
-        torch.distributed.all_gather(parts, value, group=context.cp_group)
-        whole = splitter.__class__(cp_rank=0, cp_size=1, shift_labels=family != "bert")(replicas[context.dp_rank])
-        assert torch.equal(merge_sequence(parts, context.config.context_parallel_mode), whole[key]), key
-
-    reference = _reference(family, path)
-    ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    if zero_stage:
-        from accelerate import Accelerator
-
-        model, opt = training.prepare(Accelerator(cpu=True), model, torch.optim.AdamW(model.parameters(), **ADAMW),
-                                      zero_stage=zero_stage)
-    else:
-        model, opt = training.shard_data_parallel(model, torch.optim.AdamW(model.parameters(), **ADAMW))
-    inner = training.unwrap_model(model)
-    mode = context.config.context_parallel_mode
-    for _ in range(steps):
-        outputs = [reference(**replica, **call) for replica in replicas]
-        expected = outputs[context.dp_rank]
-        got = model(**local, **call)
-        torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got.logits, split_sequence(expected.logits, context.cp_rank, context.cp_size, mode),
-                                   atol=1e-5, rtol=1e-5)
-        (sum(out.loss for out in outputs) / len(outputs)).backward()
-        got.loss.backward()
-        assert assert_grads_match(inner, reference) == len(list(inner.parameters()))
-        ref_opt.step(), opt.step()
-        ref_opt.zero_grad(), opt.zero_grad()
-        assert_params_match(inner, reference)
+    train_matches(_load(family, path, **options), _reference(family, path),
+                  _batch(family, padded=padded and not packed, packed=packed), zero_stage=zero_stage, steps=steps,
+                  shift_labels=family != "bert", call=call)
 
 
 def _cp2_worker(checkpoints: dict) -> None:

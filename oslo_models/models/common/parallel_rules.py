@@ -7,7 +7,9 @@ before any process group exists:
 - ``Heads``: attention heads split over the ranks (1D: ``tp`` must divide them; 2D/2.5D/3D: the grid's ``q``);
 - ``KeyValueHeads``: grouped-query key/value heads, split when ``tp <= n_kv`` (``tp`` must divide them) and
   replicated when ``tp > n_kv`` (then ``n_kv`` must divide ``tp``); on the grid as ``Heads``;
-- ``Features``: a hidden or feed-forward size split as columns/rows (``tp``; on the grid ``q``).
+- ``Features``: a hidden or feed-forward size split as columns/rows (``tp``; on the grid ``q``);
+- ``RefusedAxis``: a feature of this config the component cannot run under a parallel axis (ALiBi biases or logit
+  soft-capping under context parallelism): ``NotImplementedError`` with the reason when that axis is on.
 
 A family's ``StackSpec`` lists its components, so its rules are the union of theirs (``spec_rules``).
 """
@@ -69,6 +71,19 @@ class Features(Rule):
         tp = parallel.tensor_parallel_size
         if self.value % tp:
             raise ValueError(f"{model_type}: {self.name}={self.value} is not divisible by tensor_parallel_size={tp}")
+
+
+@dataclass(frozen=True)
+class RefusedAxis(Rule):
+    """``name``: the ``ParallelConfig`` field of the axis (``context_parallel_size``); ``value``: unused (0);
+    ``reason``: why the feature cannot run under it (shown to the user and in the composition table)."""
+
+    reason: str = ""
+
+    def check(self, parallel, model_type):
+        size = getattr(parallel, self.name)
+        if size > 1:
+            raise NotImplementedError(f"{model_type}: {self.name}={size} is refused: {self.reason}")
 
 
 def component_classes(spec) -> list[type]:

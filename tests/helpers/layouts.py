@@ -1,0 +1,71 @@
+"""Training parity at any data x context x tensor layout: a parallel model's steps against single-process
+``transformers`` on the whole batch.
+
+``train_matches(model, reference, batch)``: data-parallel rank ``d`` trains on rows ``d::dp`` of ``batch``; under
+context parallelism each rank takes its chunks (``ContextParallelSplitter``, targets shifted before the split, so
+every rank's chunks reassemble to its replica's rows exactly: checked); the reference trains on the mean of the
+replicas' losses (what data parallelism computes). Each step compares the loss, this rank's logits (its chunks under
+cp), every local gradient and, after AdamW, every local parameter (fp32, atol 1e-5). ``zero_stage``: the model is
+wrapped by ``om.training.prepare`` (Accelerate's path: ZeRO 1-3 over the data-parallel group); else by
+``shard_data_parallel`` (plain DDP semantics, a no-op at dp 1).
+"""
+from __future__ import annotations
+
+import torch
+
+from oslo_models import training
+from oslo_models.data import ContextParallelSplitter
+from oslo_models.parallel_layers.context_parallel import merge_sequence, split_sequence
+from tests.helpers.models import assert_grads_match, assert_params_match
+
+ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-6)
+
+
+def _local_batch(context, replica: dict, shift_labels: bool) -> dict:
+    if context.cp_size == 1:
+        return replica
+    mode = context.config.context_parallel_mode
+    splitter = ContextParallelSplitter(context, shift_labels=shift_labels)
+    local = splitter(replica)
+    whole = ContextParallelSplitter(cp_rank=0, cp_size=1, shift_labels=shift_labels)(replica)
+    for key, value in local.items():  # the chunks of every rank reassemble to the replica's batch exactly
+        parts = [torch.empty_like(value) for _ in range(context.cp_size)]
+        torch.distributed.all_gather(parts, value, group=context.cp_group)
+        assert torch.equal(merge_sequence(parts, mode), whole[key]), key
+    return local
+
+
+def train_matches(model, reference, batch: dict, *, zero_stage: int = 0, steps: int = 1, shift_labels: bool = True,
+                  call: dict | None = None) -> tuple:
+    """See the module docstring; returns ``(model, reference)`` after the steps (the model unwrapped). ``shift_labels``: causal LM targets (``False`` for masked LM); ``call``: extra
+    keyword arguments of both forwards (e.g. ``use_cache=False``)."""
+    call = call or {}
+    context = model.parallel_context
+    replicas = [{k: v[d::context.dp_size].contiguous() for k, v in batch.items()} for d in range(context.dp_size)]
+    local = _local_batch(context, replicas[context.dp_rank], shift_labels)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    if zero_stage:
+        from accelerate import Accelerator
+
+        model, opt = training.prepare(Accelerator(cpu=True), model, torch.optim.AdamW(model.parameters(), **ADAMW),
+                                      zero_stage=zero_stage)
+    else:
+        model, opt = training.shard_data_parallel(model, torch.optim.AdamW(model.parameters(), **ADAMW))
+    inner = training.unwrap_model(model)
+    mode = context.config.context_parallel_mode
+    for _ in range(steps):
+        outputs = [reference(**replica, **call) for replica in replicas]
+        expected = outputs[context.dp_rank]
+        got = model(**local, **call)
+        torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
+        expected_logits = expected.logits
+        if context.cp_size > 1:
+            expected_logits = split_sequence(expected_logits, context.cp_rank, context.cp_size, mode)
+        torch.testing.assert_close(got.logits, expected_logits, atol=1e-5, rtol=1e-5)
+        (sum(out.loss for out in outputs) / len(outputs)).backward()
+        got.loss.backward()
+        assert assert_grads_match(inner, reference) == len(list(inner.parameters()))
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+        assert_params_match(inner, reference)
+    return inner, reference
