@@ -52,6 +52,17 @@ class Gemma2PreTrainedModel(gemma.GemmaPreTrainedModel):
     _can_record_outputs = {"hidden_states": Gemma2DecoderLayer, "attentions": GroupedQueryAttention}
 
     @classmethod
+    def validate_parallel_config(cls, config, parallel) -> None:
+        super().validate_parallel_config(config, parallel)
+        cap, cp = config.attn_logit_softcapping, parallel.context_parallel_size
+        if cap is not None and cp > 1:
+            raise NotImplementedError(
+                f"{cls.__name__}: attention logit soft-capping (attn_logit_softcapping={cap}) under "
+                f"context_parallel_size={cp} is not implemented: the context-parallel core (ring / all-to-all) merges "
+                "plain softmax blocks and has no place for the cap inside each block. Train with "
+                "context_parallel_size=1 (tensor, sequence and pipeline parallelism keep the cap)")
+
+    @classmethod
     def decoder_options(cls, config) -> dict:
         return dict(super().decoder_options(config), scaling=config.query_pre_attn_scalar ** -0.5,
                     softcap=config.attn_logit_softcapping)
