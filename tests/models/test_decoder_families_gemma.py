@@ -118,6 +118,21 @@ def test_embedding_scale_is_rounded_to_the_embedding_dtype_as_transformers():
     assert not torch.equal(model.model.embed_tokens(ids) * 48 ** 0.5, expected)
 
 
+def test_bf16_load_keeps_both_rotary_bases_fp32_like_transformers(tmp_path):
+    """Gemma 3's two frequency sets (in no checkpoint) are recomputed in fp32 after the meta build, so bf16 logits
+    equal ``transformers``' bf16 logits exactly."""
+    path = _save("gemma3_text", tmp_path / "gemma3")
+    model = _class("gemma3_text").from_pretrained(path, dtype=torch.bfloat16, progress=False)
+    reference = _class("gemma3_text").hf_twin.from_pretrained(path, dtype=torch.bfloat16)
+    for kind in ("sliding_attention", "full_attention"):
+        ours, theirs = (getattr(m.model.rotary_emb, f"{kind}_inv_freq") for m in (model, reference))
+        assert ours.dtype == torch.float32
+        torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+    ids = torch.randint(1, 101, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=0, rtol=0)
+
+
 def test_activation_checkpointing_gives_transformers_gradients():
     model, reference = _pair("gemma2")
     model.train(), reference.train()
@@ -137,6 +152,12 @@ def test_attention_softcap_refused_under_context_parallelism(model_type):
         _class(model_type).validate_parallel_config(config, parallel)
     if model_type == "gemma3_text":
         _class(model_type).validate_parallel_config(tiny_config(model_type), parallel)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_heads_that_do_not_split_are_a_value_error(model_type):
+    with pytest.raises(ValueError, match="num_attention_heads=8 is not divisible by tensor_parallel_size=3"):
+        _class(model_type).validate_parallel_config(tiny_config(model_type), om.ParallelConfig(tensor_parallel_size=3))
 
 
 def test_bidirectional_gemma_is_refused():
@@ -167,7 +188,8 @@ def _set_all(model, kind, **values):
 SWITCHES = {  # (model type, what is switched off on our model)
     "gemma-norm_formula": ("gemma", lambda m: _set_all(m, RMSNorm, formula="llama")),
     "gemma-embedding_scale": ("gemma", lambda m: setattr(m.model, "embed", TransformerStack.embed.__get__(m.model))),
-    "gemma2-attn_softcap": ("gemma2", lambda m: [setattr(layer.self_attn, "softcap", None) for layer in m.model.layers]),
+    "gemma2-attn_softcap": ("gemma2", lambda m: [setattr(layer.self_attn, "softcap", None)
+                                                 for layer in m.model.layers]),
     "gemma2-final_softcap": ("gemma2", lambda m: setattr(m.config, "final_logit_softcapping", None)),
     "gemma2-query_scale": ("gemma2", lambda m: [setattr(layer.self_attn, "scaling", 16 ** -0.5)
                                                 for layer in m.model.layers]),
