@@ -199,6 +199,12 @@ class ForCausalLM(HeadModel):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    def final_logit_softcap(self) -> float | None:
+        """``c`` of the soft-cap ``c * tanh(logits / c)`` on the logits before the loss, also on the pipeline's last
+        stage: ``config.final_logit_softcapping`` (Gemma 2/3; every ``transformers`` causal LM whose config has
+        the attribute applies it), ``None`` without one."""
+        return getattr(self.config, "final_logit_softcapping", None)
+
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, gather_logits: bool = True,
@@ -208,7 +214,8 @@ class ForCausalLM(HeadModel):
                                     use_cache=use_cache, **kwargs)
         loss, logits = causal_lm_head_outputs(self, outputs.last_hidden_state, labels, logits_to_keep=logits_to_keep,
                                               gather_logits=gather_logits, num_items_in_batch=num_items_in_batch,
-                                              shift_labels=shift_labels, skip_logits=skip_logits)
+                                              shift_labels=shift_labels, skip_logits=skip_logits,
+                                              logit_softcap=self.final_logit_softcap())
         # cross-attentions where the output class has them (GPT-2's, as transformers: recorded, empty)
         extra = {key: outputs[key] for key in ("cross_attentions",)
                  if key in outputs and key in self.output_class.__dataclass_fields__}

@@ -1,8 +1,8 @@
 """Pieces shared by the families: attention over this rank's heads (and the grouped-query attention of the
 Llama-shaped decoders, with its variants: sinks, full-width q/k norms), feed-forwards (T5's, the SwiGLU
-``GatedMLP``, ``DenseMLP``, Phi-3's ``PackedGatedMLP``), RMS and layer norms, rotary embeddings (full and partial),
-learned positions and ALiBi, per-layer causal masks, sequence-parallel boundaries, vocab-parallel token losses and
-the legacy (``LayerNorm.gamma/beta``) checkpoint key view."""
+``GatedMLP``, ``DenseMLP``, Phi-3's ``PackedGatedMLP``), RMS and layer norms, rotary embeddings (full, partial,
+one per attention type), learned positions and ALiBi, per-layer causal masks, sequence-parallel boundaries,
+vocab-parallel token losses and the legacy (``LayerNorm.gamma/beta``) checkpoint key view."""
 from .attention import GroupedQueryAttention, attend, split_heads
 from .attention_variants import FullWidthQKNormAttention, SinkAttention
 from .causal_masks import causal_masks, layer_types
@@ -12,7 +12,7 @@ from .layer_norm import LayerNorm, ParameterFreeLayerNorm
 from .mlp import DenseActDense, DenseGatedActDense, DenseMLP, GatedMLP, PackedGatedMLP
 from .positions import LearnedPositionalEmbedding, alibi_slopes, build_alibi, local_alibi_slopes
 from .rms_norm import RMSNorm, SequenceParallelRMSNorm, SequenceParallelRMSNormStyle
-from .rotary import PartialRotaryEmbedding, RotaryEmbedding, apply_rotary
+from .rotary import PartialRotaryEmbedding, PerLayerTypeRotary, RotaryEmbedding, apply_rotary
 from .sequence_parallel import enter_sequence_parallel, leave_sequence_parallel, use_sequence_parallel
 
 __all__ = ["attend", "split_heads", "full_logits", "token_loss", "causal_token_loss", "keep_last_logits",
@@ -20,5 +20,5 @@ __all__ = ["attend", "split_heads", "full_logits", "token_loss", "causal_token_l
            "enter_sequence_parallel", "leave_sequence_parallel", "use_sequence_parallel",
            "GroupedQueryAttention", "SinkAttention", "FullWidthQKNormAttention", "GatedMLP", "DenseMLP",
            "PackedGatedMLP", "FullWidthRMSNorm", "LayerNorm", "ParameterFreeLayerNorm", "RotaryEmbedding",
-           "PartialRotaryEmbedding", "apply_rotary", "LearnedPositionalEmbedding", "alibi_slopes",
-           "local_alibi_slopes", "build_alibi", "causal_masks", "layer_types"]
+           "PartialRotaryEmbedding", "PerLayerTypeRotary", "apply_rotary", "LearnedPositionalEmbedding",
+           "alibi_slopes", "local_alibi_slopes", "build_alibi", "causal_masks", "layer_types"]

@@ -59,7 +59,8 @@ def refuse_context_parallel(attention_mask, what: str) -> None:
     """The context-parallel core (ring / all-to-all) runs plain softmax attention: ``NotImplementedError`` for an
     option it would silently drop."""
     if isinstance(attention_mask, ContextParallelMask):
-        raise NotImplementedError(f"{what} under context parallelism is not implemented")
+        raise NotImplementedError(f"{what} under context parallelism is not implemented: the ring / all-to-all core "
+                                  "merges plain softmax blocks and has no place for it inside each block")
 
 
 class AttentionModule(nn.Module):

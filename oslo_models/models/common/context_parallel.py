@@ -84,11 +84,12 @@ def check_context_parallel(model_class, config, parallel) -> None:
 
 def causal_lm_head_outputs(model, hidden_states: torch.Tensor, labels=None, *, logits_to_keep=0,
                            gather_logits: bool = True, num_items_in_batch=None, shift_labels=None,
-                           skip_logits: bool = False):
+                           skip_logits: bool = False, logit_softcap: float | None = None):
     """``(loss, logits)`` of a causal LM's ``model.lm_head`` on the last hidden states ``[b, s(/cp), h]``:
     ``lm_head_loss_and_logits`` (fused and chunked with ``skip_logits``, then ``logits`` is ``None``) with the
     model's ``fused_ops`` switch; under context parallelism the loss is the mean over the whole sequence (token count
-    and loss sum all-reduced over cp)."""
+    and loss sum all-reduced over cp). ``logit_softcap``: Gemma 2/3's final logit soft-cap, elementwise on each
+    token's logits before the loss (so it holds under tp, sp, cp and pp alike)."""
     from .lm_loss import lm_head_loss_and_logits
 
     if labels is not None:
@@ -97,5 +98,5 @@ def causal_lm_head_outputs(model, hidden_states: torch.Tensor, labels=None, *, l
     loss, logits = lm_head_loss_and_logits(model.lm_head, hidden_states, labels, logits_to_keep=logits_to_keep,
                                            gather_logits=gather_logits, num_items_in_batch=num_items_in_batch,
                                            shift_labels=shift_labels, skip_logits=skip_logits,
-                                           fused=model.parallel_context.config.fused_ops)
+                                           fused=model.parallel_context.config.fused_ops, logit_softcap=logit_softcap)
     return context_parallel_loss(model, loss), logits

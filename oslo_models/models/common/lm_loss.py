@@ -61,18 +61,30 @@ def full_logits(local_logits: torch.Tensor, decoder, gather: bool = True) -> tor
     return local_logits
 
 
+def soft_cap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2/3's final logit soft-capping ``cap * tanh(logits / cap)`` (``transformers``' order of operations), on
+    full or vocab-split logits ``[..., V(_padded/tp)]``; ``cap=None``: ``logits`` unchanged. The padded columns of a
+    vocab-parallel head stay ``-inf`` (capping would turn them into ``-cap`` and give the padding probability mass).
+    Elementwise: no collective."""
+    if cap is None:
+        return logits
+    capped = torch.tanh(logits / cap) * cap
+    return capped.masked_fill(torch.isneginf(logits), float("-inf"))
+
+
 def lm_head_loss_and_logits(lm_head, hidden_states: torch.Tensor, labels=None, *, logits_to_keep=0,
                             gather_logits: bool = True, num_items_in_batch=None, shift_labels=None,
-                            skip_logits: bool = False, fused: bool = True):
+                            skip_logits: bool = False, fused: bool = True, logit_softcap: float | None = None):
     """A decoder LM head as ``transformers``' ``*ForCausalLM.forward`` runs it: ``hidden_states [b, s, h]`` (only the
     last ``logits_to_keep`` positions, or those an index tensor picks) -> ``(loss, logits)``. The loss (labels
     shifted left, or ``shift_labels`` as given, alongside ``labels`` as in ``transformers``) runs on the
     vocab-split logits (``causal_lm_loss``); ``logits`` are gathered to ``[b, s, V]`` unless ``gather_logits=False``
     (then this rank's ``[b, s, V_padded/tp]``, padded columns ``-inf``); ``skip_logits``: see
-    ``head_loss_and_logits``."""
+    ``head_loss_and_logits``; ``logit_softcap``: the final logit soft-cap (``soft_cap_logits``) before the loss."""
     return head_loss_and_logits(lm_head, keep_last_logits(hidden_states, logits_to_keep), labels, causal=True,
                                 skip_logits=skip_logits, fused=fused, gather_logits=gather_logits,
-                                num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
+                                num_items_in_batch=num_items_in_batch, shift_labels=shift_labels,
+                                logit_softcap=logit_softcap)
 
 
 def fused_loss_supported(decoder) -> bool:
@@ -107,18 +119,20 @@ def head_loss(decoder, hidden_states: torch.Tensor, labels: torch.Tensor, *, cau
 
 def head_loss_and_logits(decoder, hidden_states: torch.Tensor, labels=None, *, causal: bool,
                          skip_logits: bool = False, fused: bool = True, gather_logits: bool = True,
-                         num_items_in_batch=None, shift_labels=None):
+                         num_items_in_batch=None, shift_labels=None, logit_softcap: float | None = None):
     """``(loss, logits)`` of an LM / MLM head whose last layer is ``decoder`` (``hidden_states`` already through
     any transform before it). ``skip_logits=True`` needs ``labels`` and returns ``logits=None``: the loss runs
     through ``head_loss`` (no logits at all) where ``fused_loss_supported(decoder)``, else on local logits that are
     then dropped. Otherwise as before: the loss on the vocab-split logits, ``logits`` gathered unless
-    ``gather_logits=False``."""
+    ``gather_logits=False``. ``logit_softcap``: the logits (and so the loss) are soft-capped first
+    (``soft_cap_logits``); the fused loss-only kernel has no cap, so with one ``skip_logits`` takes the local-logits
+    path (the loss is still right; only the memory saving is lost)."""
     if skip_logits and labels is None:
         raise ValueError("skip_logits=True returns only the loss, so it needs labels")
-    if skip_logits and fused_loss_supported(decoder):
+    if skip_logits and logit_softcap is None and fused_loss_supported(decoder):
         return head_loss(decoder, hidden_states, labels, causal=causal, fused=fused,
                          num_items_in_batch=num_items_in_batch, shift_labels=shift_labels), None
-    local_logits = decoder(hidden_states)
+    local_logits = soft_cap_logits(decoder(hidden_states), logit_softcap)
     loss = None
     if labels is not None:
         if causal:

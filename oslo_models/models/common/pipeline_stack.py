@@ -17,6 +17,7 @@ import torch
 
 from ...distributed.context import ParallelContext
 from ...pipeline.adapter import CausalLMPipelineAdapter
+from .lm_loss import soft_cap_logits
 
 
 class StackPipelineAdapter(CausalLMPipelineAdapter):
@@ -79,7 +80,9 @@ class StackPipelineAdapter(CausalLMPipelineAdapter):
         (the loss runs on the split vocabulary; no gather)."""
         hidden = run_stage_stack(getattr(stage.owner, self.prefix), stage, x, attention_mask, position_ids,
                                  **layer_kwargs)
-        return stage.lm_head(hidden) if stage.is_last else hidden
+        if not stage.is_last:
+            return hidden
+        return soft_cap_logits(stage.lm_head(hidden), stage.owner.final_logit_softcap())  # Gemma 2/3's cap
 
 
 def run_stage_stack(base, stage, x, attention_mask=None, position_ids=None, **run_kwargs):

@@ -51,6 +51,35 @@ class PartialRotaryEmbedding(GPTNeoXRotaryEmbedding):
     reset_buffers = RotaryEmbedding.reset_buffers
 
 
+class PerLayerTypeRotary:
+    """Mixin over a ``transformers`` rotary module with one frequency set per attention type (Gemma 3's
+    ``Gemma3RotaryEmbedding``: ``rope_parameters[layer_type]``, a local base for ``"sliding_attention"`` layers and
+    a global one, possibly scaled, for ``"full_attention"``; its ``forward(x, position_ids, layer_type)``).
+
+    ``forward(x, position_ids) -> {attention type: (cos, sin)}``, each ``[b, s, head_dim]`` in ``x``'s dtype, from
+    ``transformers``' own forward per type (so every rope type it knows, dynamic ones included); the stack hands
+    each layer the pair of its ``attention_type`` (``StackInputs.layer_positions``). ``reset_buffers``: as
+    ``RotaryEmbedding``'s, per type. Like the others, no communication under any parallelism.
+
+    Use: ``class Gemma3RotaryEmbedding(PerLayerTypeRotary, transformers_gemma3.Gemma3RotaryEmbedding)`` with
+    ``hf_rotary`` the ``transformers`` class."""
+
+    hf_rotary: type
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        return {kind: self.hf_rotary.forward(self, x, position_ids, kind) for kind in self.rope_type}
+
+    def reset_buffers(self) -> None:
+        """Recompute each type's ``{type}_inv_freq``/``{type}_original_inv_freq`` (fp32) on the module's device."""
+        with torch.device("cpu"):
+            fresh = self.hf_rotary(self.config)
+        for kind in fresh.rope_type:
+            for name in (f"{kind}_inv_freq", f"{kind}_original_inv_freq"):
+                setattr(self, name, getattr(fresh, name).to(getattr(self, name).device))
+            setattr(self, f"{kind}_attention_scaling", getattr(fresh, f"{kind}_attention_scaling"))
+        self.max_seq_len_cached = fresh.max_seq_len_cached
+
+
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                  fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``transformers``' ``apply_rotary_pos_emb`` on ``query [b, n_q, s, d]`` and ``key [b, n_kv, s, d]`` (this

@@ -4,7 +4,8 @@ phases that the model's ``forward`` and every pipeline stage both call, so there
 - ``stack_inputs``: what every layer of one forward reads, computed once: the position ids (given; the global
   positions of this rank's chunk under context parallelism; else ``arange(s)`` after the cached length, so a cached
   decode step called without ``position_ids`` gets the right positions), the mask of each attention type, the rotary
-  ``(cos, sin)``, the cache, and whether this forward runs sequence parallelism;
+  ``(cos, sin)`` (one pair, or one per attention type when the rotary module returns a dict), the cache, and whether
+  this forward runs sequence parallelism;
 - ``run_stack(x, inputs, layers, first, last)``: embeddings (``first``: token and learned position embeddings, the
   scatter to ``[b, s/tp, h]`` under sequence parallelism, the embedding dropout), the layers, and the final norm and
   the gather back to ``[b, s, h]`` (``last``). The sequence-parallel switch of the model's context is on for exactly
@@ -80,8 +81,9 @@ class StackSpec:
 @dataclass
 class StackInputs:
     """What each layer of one forward reads. ``masks``: attention type -> mask (a ``ContextParallelMask`` under
-    cp); ``position_embeddings``: rotary ``(cos, sin)`` ``[b, s, d]`` or ``None``; ``seq_len``: the full length of
-    this rank's sequence (before any sequence-parallel split)."""
+    cp); ``position_embeddings``: rotary ``(cos, sin)`` ``[b, s, d]``, or attention type -> ``(cos, sin)`` when the
+    rotary module returns one pair per type (Gemma 3's local and global bases), or ``None``; ``seq_len``: the full
+    length of this rank's sequence (before any sequence-parallel split)."""
 
     position_ids: torch.Tensor
     masks: dict
@@ -89,6 +91,12 @@ class StackInputs:
     past_key_values: Any
     sequence_parallel: bool
     seq_len: int
+
+    def layer_positions(self, kind: str):
+        """The rotary ``(cos, sin)`` of a layer of attention type ``kind``."""
+        if isinstance(self.position_embeddings, dict):
+            return self.position_embeddings[kind]
+        return self.position_embeddings
 
 
 class TransformerStack:
@@ -150,8 +158,8 @@ class TransformerStack:
         try:
             hidden = self._embed_phase(x, inputs, inputs_embeds, token_type_ids) if first else x
             for layer in self._layers() if layers is None else layers:
-                hidden = layer(hidden, inputs.masks[getattr(layer, "attention_type", FULL)],
-                               inputs.position_embeddings, inputs.past_key_values,
+                kind = getattr(layer, "attention_type", FULL)
+                hidden = layer(hidden, inputs.masks[kind], inputs.layer_positions(kind), inputs.past_key_values,
                                position_ids=inputs.position_ids, **layer_kwargs)
             if last:
                 hidden = self._finish_phase(hidden, inputs)

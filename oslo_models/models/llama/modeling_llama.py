@@ -11,6 +11,10 @@ What differs between the four, and where it is decided:
 - the feed-forward: ``build_mlp(config, layer_idx)`` (SwiGLU here; the hook mixture-of-experts decoders override);
 - tied or untied embeddings: ``config.tie_word_embeddings``.
 
+Gemma 1/2/3 and OLMo 2 (their own folders) use the same hooks further: ``decoder_options`` also picks the norm
+formula, the attention class, the score scale and the logit soft-cap; ``decoder_layer_class`` a sandwich-norm layer
+(``SandwichDecoderLayer``); ``build_rotary`` the rotary module.
+
 The layer is the pre-norm block template (``common/blocks.py``) under Llama's names; the forward is the shared stack
 (``common/stack.py``: embeddings, layers, final norm, with the sequence-parallel region opened once per forward);
 the parallel plan and the divisibility checks are derived from ``LLAMA_SPEC``'s components; the heads are the
@@ -26,7 +30,7 @@ from transformers.generation import GenerationMixin
 
 from ...parallel_layers.layers import Embedding
 from ..common import GatedMLP, GroupedQueryAttention, RMSNorm, RotaryEmbedding, layer_types
-from ..common.blocks import PreNormBlock
+from ..common.blocks import PreNormBlock, SandwichNormBlock
 from ..common.stack import StackSpec, TransformerStack
 from ..heads import (
     ForCausalLM,
@@ -49,17 +53,46 @@ class LlamaDecoderLayer(PreNormBlock):
 
     def __init__(self, config, layer_idx: int, *, options: dict, attention_type: str, mlp: nn.Module,
                  fused: bool = False):
-        window = config.sliding_window if attention_type == "sliding_attention" else None
-        attention = GroupedQueryAttention(config, layer_idx, qkv_bias=options["qkv_bias"], o_bias=options["o_bias"],
-                                          qk_norm=options["qk_norm"], sliding_window=window, fused=fused)
-
-        def norm():
-            return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula="llama", fused=fused)
-
+        attention = decoder_attention(config, layer_idx, options, attention_type, fused=fused)
         # registered in transformers' order (self_attn, mlp, input_layernorm, post_attention_layernorm)
-        super().__init__(attn=attention, mlp=mlp, attn_norm=norm(), mlp_norm=norm(),
+        super().__init__(attn=attention, mlp=mlp, attn_norm=decoder_norm(config, options, fused=fused),
+                         mlp_norm=decoder_norm(config, options, fused=fused),
                          order=("attn", "mlp", "attn_norm", "mlp_norm"))
         self.attention_type = attention_type
+
+
+class SandwichDecoderLayer(SandwichNormBlock):
+    """The Llama-shaped layer on the sandwich-norm template (``common/blocks.py``): ``x + post_attn_norm(attn(
+    attn_norm(x)))``, then the same around the MLP. A family's subclass gives ``transformers``' ``names``; the norms
+    it names are built (``decoder_norm``), those it leaves out are skipped: Gemma 2/3 name all four, OLMo 2 only the
+    two post norms. Registered as ``transformers`` registers them: ``self_attn``, ``mlp``, then the norms in block
+    order."""
+
+    def __init__(self, config, layer_idx: int, *, options: dict, attention_type: str, mlp: nn.Module,
+                 fused: bool = False):
+        norms = {role: decoder_norm(config, options, fused=fused)
+                 for role in self.roles if role.endswith("norm") and role in self.names}
+        super().__init__(attn=decoder_attention(config, layer_idx, options, attention_type, fused=fused), mlp=mlp,
+                         **norms, order=("attn", "mlp", *norms))
+        self.attention_type = attention_type
+
+
+def decoder_attention(config, layer_idx: int, options: dict, attention_type: str, *, fused: bool = False):
+    """Layer ``layer_idx``'s attention from the family's ``decoder_options``: ``attention`` (the class, default
+    ``GroupedQueryAttention``), the biases and q/k norms, and, when present, ``scaling`` / ``softcap`` (Gemma 2/3);
+    the config's ``sliding_window`` on ``"sliding_attention"`` layers."""
+    window = config.sliding_window if attention_type == "sliding_attention" else None
+    extra = {key: options[key] for key in ("scaling", "softcap") if options.get(key) is not None}
+    attention_class = options.get("attention", GroupedQueryAttention)
+    return attention_class(config, layer_idx, qkv_bias=options["qkv_bias"], o_bias=options["o_bias"],
+                           qk_norm=options["qk_norm"], sliding_window=window, fused=fused, **extra)
+
+
+def decoder_norm(config, options: dict, *, fused: bool = False) -> RMSNorm:
+    """A residual-stream RMS norm of the family's ``norm_formula`` (``decoder_options``; default ``"llama"``, Gemma:
+    ``"gemma"``, OLMo 2: ``"olmo2"``; see ``common/rms_norm.py``)."""
+    return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula=options.get("norm_formula", "llama"),
+                   fused=fused)
 
 
 LLAMA_SPEC = StackSpec(block=LlamaDecoderLayer,
@@ -87,7 +120,9 @@ class LlamaPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
 
     @classmethod
     def decoder_options(cls, config) -> dict:
-        """The switches of this family's decoder (Llama: ``attention_bias`` on q/k/v/o, ``mlp_bias``)."""
+        """The switches of this family's decoder (Llama: ``attention_bias`` on q/k/v/o, ``mlp_bias``). Optional keys
+        other families set (``decoder_attention``, ``decoder_norm``): ``attention`` (the attention class),
+        ``scaling``, ``softcap``, ``norm_formula``."""
         bias = bool(getattr(config, "attention_bias", False))
         return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)), qk_norm=False)
 
@@ -120,8 +155,8 @@ class LlamaModel(TransformerStack, LlamaPreTrainedModel):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([self.build_layer(config, i, fused=fused)
                                      for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula="llama", fused=fused)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.norm = decoder_norm(config, self.decoder_options(config), fused=fused)
+        self.rotary_emb = self.build_rotary(config)
         self.gradient_checkpointing = False
         self.post_init()
         if not submodule:
@@ -132,6 +167,11 @@ class LlamaModel(TransformerStack, LlamaPreTrainedModel):
         return cls.decoder_layer_class(config, layer_idx, options=cls.decoder_options(config),
                                        attention_type=cls.attention_types(config)[layer_idx],
                                        mlp=cls.build_mlp(config, layer_idx), fused=fused)
+
+    @classmethod
+    def build_rotary(cls, config) -> nn.Module:
+        """The rotary module (``rotary_emb``): ``transformers``' Llama one here; Gemma 3 has one per layer type."""
+        return RotaryEmbedding(config)
 
     def get_input_embeddings(self):
         return self.embed_tokens

@@ -1,0 +1,23 @@
+"""Gemma (1): thin classes over the Llama code (``models/llama``); the config classes of Gemma 1/2/3 live in
+``configuration_gemma.py``. Names are imported on first use (PEP 562): importing this package, as
+``models.registry`` does to read ``FAMILIES``, imports no model code."""
+from ..family import FamilyRecord, lazy_exports
+from ..llama import TINY_DECODER
+
+_EXPORTS = {
+    ".configuration_gemma": ["GemmaConfig"],
+    ".modeling_gemma": ["GemmaModel", "GemmaForCausalLM", "GemmaForSequenceClassification",
+                        "GemmaForTokenClassification", "GemmaPreTrainedModel", "GEMMA_SPEC"],
+}
+# The Gemma decoders' tiny models share these sizes: Llama's (8 query / 2 key-value heads, vocab 101) with
+# head_dim=16 (not hidden/heads = 8), GeGLU, tied embeddings.
+TINY_GEMMA = dict(TINY_DECODER, head_dim=16, tie_word_embeddings=True)
+
+FAMILIES = (FamilyRecord(model_type="gemma", package=__name__, config="GemmaConfig",
+                         classes={"base": "GemmaModel", "causal_lm": "GemmaForCausalLM",
+                                  "sequence_classification": "GemmaForSequenceClassification",
+                                  "token_classification": "GemmaForTokenClassification"},
+                         tiny_config={**TINY_GEMMA, "hidden_act": "gelu_pytorch_tanh"}, spec="GEMMA_SPEC"),)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = [name for names in _EXPORTS.values() for name in names]

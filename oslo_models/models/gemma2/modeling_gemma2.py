@@ -1,0 +1,87 @@
+"""Gemma 2: Gemma (``models/gemma``) with sandwich norms, soft-capping, query scaling and alternating windows.
+
+What differs from Gemma 1, and where:
+
+- sandwich norms: ``x + post_attention_layernorm(self_attn(input_layernorm(x)))``, then ``x +
+  post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))`` (``Gemma2DecoderLayer``, the Llama family's
+  ``SandwichDecoderLayer`` under Gemma 2's names), all ``(1 + w)`` norms;
+- attention logits soft-capped, ``c * tanh(scores / c)`` before the mask (``attn_logit_softcapping``), and scaled
+  by ``query_pre_attn_scalar ** -0.5`` instead of ``head_dim ** -0.5``: ``GroupedQueryAttention``'s ``softcap`` and
+  ``scaling`` (``decoder_options``). The cap acts per head, so tensor parallelism needs nothing more; the
+  context-parallel core (ring / all-to-all) runs plain softmax attention and refuses it (``NotImplementedError``,
+  naming the reason) rather than dropping the cap. SDPA cannot cap either: the default kernel is eager, as
+  ``transformers`` makes it for Gemma 2 (``_supports_sdpa = False``); flash / flex take ``softcap`` themselves;
+- the final logits soft-capped, ``c * tanh(logits / c)`` (``final_logit_softcapping``), before the loss: the
+  generic causal LM head reads it from the config (``ForCausalLM.final_logit_softcap``), also on the vocab-split
+  logits (padding columns stay ``-inf``), on the pipeline's last stage and with ``skip_logits`` (which then runs the
+  loss on materialized local logits: the fused loss-only kernel has no cap);
+- sliding-window and full attention alternating (``layer_types``, default: even layers slide) with
+  ``sliding_window``: the stack's per-type masks, as for Mistral / Qwen2;
+- the MLP activation is ``hidden_activation``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import transformers
+
+from ..common import GatedMLP, GroupedQueryAttention, RMSNorm
+from ..gemma import modeling_gemma as gemma
+from ..gemma.configuration_gemma import Gemma2Config
+from ..llama import modeling_llama as llama
+
+
+class Gemma2DecoderLayer(llama.SandwichDecoderLayer):
+    names = dict(attn_norm="input_layernorm", attn="self_attn", post_attn_norm="post_attention_layernorm",
+                 mlp_norm="pre_feedforward_layernorm", mlp="mlp", post_mlp_norm="post_feedforward_layernorm")
+
+
+GEMMA2_SPEC = dataclasses.replace(
+    llama.LLAMA_SPEC, block=Gemma2DecoderLayer,
+    components=dict(attn=GroupedQueryAttention, mlp=GatedMLP, attn_norm=RMSNorm, post_attn_norm=RMSNorm,
+                    mlp_norm=RMSNorm, post_mlp_norm=RMSNorm))
+
+
+class Gemma2PreTrainedModel(gemma.GemmaPreTrainedModel):
+    config_class = Gemma2Config
+    stack_spec = GEMMA2_SPEC
+    activation_attr = "hidden_activation"
+    decoder_layer_class = Gemma2DecoderLayer
+    _no_split_modules = ["Gemma2DecoderLayer"]
+    _supports_sdpa = False  # SDPA cannot soft-cap the attention logits (transformers' Gemma 2 says the same)
+    _can_record_outputs = {"hidden_states": Gemma2DecoderLayer, "attentions": GroupedQueryAttention}
+
+    @classmethod
+    def validate_parallel_config(cls, config, parallel) -> None:
+        super().validate_parallel_config(config, parallel)
+        cap, cp = config.attn_logit_softcapping, parallel.context_parallel_size
+        if cap is not None and cp > 1:
+            raise NotImplementedError(
+                f"{cls.__name__}: attention logit soft-capping (attn_logit_softcapping={cap}) under "
+                f"context_parallel_size={cp} is not implemented: the context-parallel core (ring / all-to-all) merges "
+                "plain softmax blocks and has no place for the cap inside each block. Train with "
+                "context_parallel_size=1 (tensor, sequence and pipeline parallelism keep the cap)")
+
+    @classmethod
+    def decoder_options(cls, config) -> dict:
+        return dict(super().decoder_options(config), scaling=config.query_pre_attn_scalar ** -0.5,
+                    softcap=config.attn_logit_softcapping)
+
+
+class Gemma2Model(Gemma2PreTrainedModel, gemma.GemmaModel):
+    hf_twin = transformers.Gemma2Model
+
+
+Gemma2PreTrainedModel.base_model_class = Gemma2Model
+
+
+class Gemma2ForCausalLM(Gemma2PreTrainedModel, gemma.GemmaForCausalLM):
+    hf_twin, base_model_class = transformers.Gemma2ForCausalLM, Gemma2Model
+
+
+class Gemma2ForSequenceClassification(Gemma2PreTrainedModel, gemma.GemmaForSequenceClassification):
+    hf_twin, base_model_class = transformers.Gemma2ForSequenceClassification, Gemma2Model
+
+
+class Gemma2ForTokenClassification(Gemma2PreTrainedModel, gemma.GemmaForTokenClassification):
+    hf_twin, base_model_class = transformers.Gemma2ForTokenClassification, Gemma2Model
