@@ -17,8 +17,8 @@ from oslo_models import training
 from oslo_models.data import ContextParallelSplitter
 from oslo_models.parallel_layers.context_parallel import merge_sequence, split_sequence
 from tests.helpers.models import assert_grads_match, assert_params_match
+from tests.helpers.pipeline import ADAMW
 
-ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-6)
 
 
 def _local_batch(context, replica: dict, shift_labels: bool) -> dict:
@@ -37,8 +37,9 @@ def _local_batch(context, replica: dict, shift_labels: bool) -> dict:
 
 def train_matches(model, reference, batch: dict, *, zero_stage: int = 0, steps: int = 1, shift_labels: bool = True,
                   call: dict | None = None) -> tuple:
-    """See the module docstring; returns ``(model, reference)`` after the steps (the model unwrapped). ``shift_labels``: causal LM targets (``False`` for masked LM); ``call``: extra
-    keyword arguments of both forwards (e.g. ``use_cache=False``)."""
+    """See the module docstring; returns ``(model, reference)`` after the steps (the model unwrapped).
+    ``shift_labels``: causal LM targets (``False`` for masked LM); ``call``: extra keyword arguments of both
+    forwards (e.g. ``use_cache=False``)."""
     call = call or {}
     context = model.parallel_context
     replicas = [{k: v[d::context.dp_size].contiguous() for k, v in batch.items()} for d in range(context.dp_size)]

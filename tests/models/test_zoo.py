@@ -64,7 +64,8 @@ TOY = FamilyRecord(model_type=TOY_TYPE, package=__name__, config="ToyConfig",
 # must run and match transformers.
 _MOE = {"tp2+sp x dp2": "sequence_parallel with mixture-of-experts", "cp2 ring x dp2 zero1": "is not implemented",
         "cp2 all_to_all x tp2": "is not implemented", "pp2 x tp2": "pipeline_parallel_size > 1 together with"}
-REFUSED = {"mixtral": _MOE, "qwen2_moe": _MOE}
+_SOFTCAP = {"cp2 ring x dp2 zero1": "attention logit soft-capping", "cp2 all_to_all x tp2": "attention logit soft-capping"}
+REFUSED = {"mixtral": _MOE, "qwen2_moe": _MOE, "gemma2": _SOFTCAP}
 
 
 def _causal_types() -> list[str]:
