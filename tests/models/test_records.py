@@ -156,3 +156,20 @@ def test_unknown_model_type_raises():
         registry.unregister_family("llama")
     with pytest.raises(TypeError):
         om.register_family({"model_type": "x"})
+
+
+def test_readme_support_matrix_is_generated_from_the_records():
+    """The README's table is ``oslo_models.models.support``'s output (regenerate with ``python -m
+    oslo_models.models.support --write README.md``), and it refuses what the validation code refuses."""
+    from pathlib import Path
+
+    from oslo_models.models import support
+
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    table = support.support_matrix_markdown()
+    assert f"<!-- support-matrix:start -->\n{table}\n<!-- support-matrix:end -->" in readme.read_text(), (
+        "README's support matrix is stale: run python -m oslo_models.models.support --write README.md")
+    rows = {row["model_type"]: row["axes"] for row in support.support_rows()}
+    assert set(rows) == {record.model_type for record in registry.families()}
+    assert rows["llama"] == {"tp": None, "sp": None, "pp": None, "cp": None, "ep": "no experts"}
+    assert "mixture-of-experts" in rows["mixtral"]["sp"] and rows["mixtral"]["ep"] is None
