@@ -38,7 +38,8 @@ def build_parser(doc: str, *, output: str, model_help: str, lr: float = 3e-3,
                  vocab_help: str = "BPE size when training a tokenizer") -> argparse.ArgumentParser:
     """The options every example takes; a script adds its own before :func:`parse_args`. ``doc``: the script's
     docstring, shown whole by ``--help`` (it holds the launch examples)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
+    # allow_abbrev=False: a prefix is never taken for another option (``--cp 2`` is not ``--cpu-offload 2``)
+    parser = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter, allow_abbrev=False)
     add = parser.add_argument
     add("--config", help="YAML file with any of the options below as keys (dashes or underscores)")
     add("--model", help=model_help)
@@ -51,6 +52,12 @@ def build_parser(doc: str, *, output: str, model_help: str, lr: float = 3e-3,
     add("--output", default=output, help="folder for checkpoint/, model/, loss.json, loss.png")
     add("--tp", type=int, default=1, help="tensor-parallel size")
     add("--sequence-parallel", action="store_true", help="Megatron sequence parallelism inside tp")
+    add("--tp-mode", default="1d", choices=["1d", "2d", "2.5d", "3d"], help="tensor-parallel layout (grid modes: "
+        "--tp is the grid's size, 4 for 2d, q*q*depth for 2.5d, 8 for 3d)")
+    add("--tp-depth", type=int, default=1, help="2.5d grid depth")
+    add("--cp", type=int, default=1, help="context-parallel size (the sequence split over ranks)")
+    add("--cp-mode", default="ring", choices=["ring", "all_to_all"], help="context-parallel attention")
+    add("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models)")
     add("--pp", type=int, default=1, help="pipeline stages")
     add("--microbatches", type=int, default=None, help="pipeline microbatches per step (default: pp)")
     add("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved_1f1b or zero_bubble")
@@ -68,6 +75,11 @@ def build_parser(doc: str, *, output: str, model_help: str, lr: float = 3e-3,
     add("--lr", type=float, default=lr, help="peak learning rate (AdamW)")
     add("--warmup", type=int, default=10, help="linear warm-up steps, then cosine decay")
     add("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    add("--activation-checkpointing", metavar="MODE", default=None, choices=["full", "selective", "offload", "partitioned"],
+        help="recompute activations in backward: full blocks, selective (the attention core only), offload (block "
+             "inputs in host memory) or partitioned (each tp rank keeps 1/tp of a block's input)")
+    add("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+        help="torch.compile the model through Accelerate (default backend: inductor)")
     add("--n-layer", type=int, default=2, help="layers of a model built from config")
     add("--n-embd", type=int, default=128, help="hidden size of a model built from config")
     add("--n-head", type=int, default=4, help="attention heads of a model built from config")
@@ -113,9 +125,12 @@ def check_launch(args) -> om.ParallelConfig:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = om.ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel=args.sequence_parallel,
-                                zero_stage=args.zero, pipeline_parallel_size=args.pp,
+                                tensor_parallel_mode=args.tp_mode, tensor_parallel_depth=args.tp_depth,
+                                context_parallel_size=args.cp, context_parallel_mode=args.cp_mode,
+                                expert_parallel_size=args.ep, zero_stage=args.zero, pipeline_parallel_size=args.pp,
                                 num_microbatches=args.microbatches, pipeline_schedule=args.schedule,
-                                virtual_pipeline_size=args.virtual_stages)
+                                virtual_pipeline_size=args.virtual_stages,
+                                activation_checkpointing=args.activation_checkpointing)
         dp = cfg.resolve_data_parallel_size(world)
     except (ValueError, NotImplementedError) as error:
         raise UsageError(str(error)) from None
@@ -134,10 +149,19 @@ def check_launch(args) -> om.ParallelConfig:
         microbatches = cfg.num_microbatches or args.pp  # the runner's default
         if args.batch_size % microbatches:
             raise UsageError(f"--batch-size {args.batch_size} does not split into --microbatches {microbatches}")
+    if args.cp > 1 and (args.resume or args.save_every or args.stop_at):
+        raise UsageError("--cp with --resume / --save-every / --stop-at: resumable checkpoints under context "
+                         "parallelism are not implemented yet (the final Hub folder is written)")
     if args.cpu_offload and args.zero < 2:
         raise UsageError(f"--cpu-offload needs --zero 2 or 3, got --zero {args.zero}")
     if mixed == "fp16" and not torch.cuda.is_available():
         raise UsageError("fp16 needs a GPU (loss scaling); use bf16 on CPU")
+    if args.compile:
+        from accelerate.utils import DynamoBackend
+
+        if args.compile.upper() not in DynamoBackend.__members__:
+            raise UsageError(f"--compile {args.compile}: unknown backend; use one of "
+                             f"{', '.join(b.lower() for b in DynamoBackend.__members__ if b != 'NO')}")
     problem = check_trackers(args)
     if problem:
         raise UsageError(problem)
@@ -268,7 +292,7 @@ def make_accelerator(args, cfg: om.ParallelConfig):
     # cpu=True on a machine without GPUs: torchrun ranks would otherwise each run alone (DistributedType.NO).
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.grad_accum, log_with=trackers(args) or None,
-                              project_dir=args.output)
+                              project_dir=args.output, dynamo_backend=args.compile.upper() if args.compile else None)
     context = om.ParallelContext.from_config(cfg)  # reuses the process group Accelerate started
     return accelerator, context
 
@@ -303,6 +327,8 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler, reporter:
     step, losses = resume(args, accelerator, model, optimizer, scheduler, loader)
 
     def save(step_now: int) -> None:
+        if args.cp > 1:  # resumable checkpoints under cp are not verified yet (save_checkpoint refuses them)
+            return
         training.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, dataloader=loader,
                                  scaler=accelerator.scaler, step=step_now, extra={"losses": losses})
 

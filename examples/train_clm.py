@@ -6,10 +6,12 @@ and Accelerate.
     torchrun --nproc_per_node 4 examples/train_clm.py --tp 2 ...                                       # same script
     ... examples/train_clm.py --pp 2 --tp 2 --microbatches 4 --schedule 1f1b --n-layer 4   # pipeline x tensor
     ... examples/train_clm.py --model path/to/llama-or-qwen --tp 2 --sequence-parallel   # fine-tune a checkpoint
+    ... examples/train_clm.py --model path/to/llama --tp 2 --cp 2 --cp-mode all_to_all   # long sequences
+    ... examples/train_clm.py --model path/to/mixtral --ep 2 --tp 2                   # experts over ranks
     python examples/train_clm.py --config run.yaml          # any option below as a YAML key (dashes or underscores)
 
-``--model`` takes any causal LM the Auto classes know (a Hub id or a local folder with its tokenizer: GPT-2,
-Llama, Mistral, Qwen2, Qwen3). Without ``--model`` a small GPT-2 is built from config; without ``--data`` the
+``--model`` takes any causal LM the Auto classes know (a Hub id or a local folder with its tokenizer): every family
+of the README's support matrix. Without ``--model`` a small GPT-2 is built from config; without ``--data`` the
 built-in public-domain corpus (examples/data) is tokenized with a byte-level BPE trained on it offline
 (``tokenizers``). ``--data`` takes a ``.bin/.idx`` prefix written by ``python -m oslo_models.data preprocess`` or a
 text/jsonl file (tokenized here).
@@ -35,8 +37,8 @@ from _evaluate import evaluator_for
 
 def parse_args(argv=None):
     parser = build_parser(__doc__, output="train_clm_out",
-                          model_help="Hub id or folder to fine-tune (GPT-2, Llama, Mistral, Qwen2, Qwen3); "
-                                     "default: a small GPT-2 from config")
+                          model_help="Hub id or folder to fine-tune (any causal LM of the README's support "
+                                     "matrix); default: a small GPT-2 from config")
     parser.add_argument("--prompt", default="Shall I compare thee", help="sampled from the saved model at the end")
     return _parse_args(parser, argv)
 
@@ -65,7 +67,9 @@ def build_model(args, tokenizer, context):
     eos = tokenizer.eos_token_id
     config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=args.seq_len, n_embd=args.n_embd,
                                      n_layer=args.n_layer, n_head=args.n_head, bos_token_id=eos, eos_token_id=eos,
-                                     pad_token_id=eos)
+                                     pad_token_id=eos,
+                                     # context parallelism refuses attention-probability dropout (not yet split)
+                                     attn_pdrop=0.0 if args.cp > 1 else 0.1)
     return om.AutoModelForCausalLM.from_config(config, parallel=context).train()
 
 

@@ -78,6 +78,11 @@ def test_check_launch_refuses_before_building(examples, monkeypatch):
         ("--pp", "2", "--microbatches", "3"): "does not split into --microbatches 3",
         ("--tp", "2", "--cpu-offload"): "--cpu-offload needs --zero 2 or 3",
         ("--report-to", "nosuchtracker"): "unknown tracker",
+        ("--cp", "3"): "context_parallel_size=3",
+        ("--cp", "2", "--cp-mode", "all_to_all", "--tp", "3"): "does not divide",
+        ("--tp", "2", "--tp-mode", "2d"): "2d",
+        ("--compile", "nosuchbackend"): "unknown backend",
+        ("--cp", "2", "--save-every", "2"): "resumable checkpoints under context parallelism",
     }
     for argv, message in cases.items():
         with pytest.raises(common.UsageError, match=message):
@@ -91,6 +96,17 @@ def test_check_launch_refuses_before_building(examples, monkeypatch):
     assert common.check_launch(parse(["--tp", "2", "--zero", "2"])).resolve_data_parallel_size(4) == 2
     with pytest.raises(SystemExit):  # argparse: conflicting precision flags
         parse(["--bf16", "--mixed-precision", "no"])
+    # every axis reaches the config; no option is a prefix of another (``--cp 2`` is not ``--cpu-offload 2``)
+    cfg = common.check_launch(parse(["--cp", "2", "--cp-mode", "all_to_all", "--tp", "2", "--activation-checkpointing",
+                                     "selective"]))
+    assert (cfg.context_parallel_size, cfg.context_parallel_mode, cfg.activation_checkpointing) == (
+        2, "all_to_all", "selective")
+    assert common.check_launch(parse(["--ep", "2"])).expert_parallel_size == 2
+    grid = common.check_launch(parse(["--tp", "4", "--tp-mode", "2d"]))
+    assert (grid.tensor_parallel_mode, grid.tensor_parallel_size) == ("2d", 4)
+    assert parse(["--compile"]).compile == "inductor"
+    with pytest.raises(SystemExit):
+        parse(["--cpu", "2"])  # an abbreviation of --cpu-offload is refused, not guessed
 
 
 def test_tokenizer_checks(examples, tmp_path):
