@@ -7,12 +7,11 @@ For each model type (its tiny model from the record, ``tests/helpers/zoo.py``), 
   (``model(ids, past_key_values=cache)``, no ``position_ids``: the stack derives them from the cache) step by step;
 - tp=1 in this process too: ``save_pretrained`` -> plain ``transformers`` (same keys and logits), and activation
   checkpointing (recomputed blocks, same gradients);
-- one spawned group of 2 ranks: tp=2 with sequence parallelism (the same checks, plus ``generate`` greedy and
-  sampled on a left-padded prompt, token for token), pp=2 (one AdamW step through ``train_step``: loss, every local
-  gradient and parameter; 1F1B with 2 microbatches, GPipe with one for the MoE decoders), context parallelism ring
-  and all-to-all, and ZeRO-3 over dp=2 through ``om.training.prepare`` (one AdamW step each:
-  ``tests/helpers/layouts.py``);
-- one spawned group of 4 ranks: tp=4 (key/value heads replicated), tp=2 x dp=2 with ZeRO-1, pp=2 x tp=2.
+- one spawned group of 4 ranks, one AdamW step per layout (``tests/helpers/layouts.py``): tp=2 with sequence
+  parallelism x dp=2 under ZeRO-3 through ``om.training.prepare`` (then, on the trained and sharded weights, the
+  decode loop and ``generate`` greedy and sampled on a left-padded prompt, token for token), tp=4 (key/value heads
+  replicated), pp=2 x tp=2 (``train_step``, 1F1B with 2 microbatches; the MoE decoders: GPipe over pp=2 x dp=2),
+  and context parallelism (ring) x dp=2 under ZeRO-1.
 
 A layout the validation code refuses (before any process group) must be one ``REFUSED`` lists for the type, with
 its reason; every other layout must run and match.
@@ -62,9 +61,9 @@ TOY = FamilyRecord(model_type=TOY_TYPE, package=__name__, config="ToyConfig",
 
 # The layouts the validation code refuses for a type, with a fragment of the reason; every other layout of the zoo
 # must run and match transformers.
-_MOE = {"tp2+sp x dp2": "sequence_parallel with mixture-of-experts", "cp2 ring x dp2 zero1": "is not implemented",
-        "cp2 all_to_all x tp2": "is not implemented", "pp2 x tp2": "pipeline_parallel_size > 1 together with"}
-_SOFTCAP = {"cp2 ring x dp2 zero1": "attention logit soft-capping", "cp2 all_to_all x tp2": "attention logit soft-capping"}
+_MOE = {"tp2+sp x dp2 zero3": "sequence_parallel with mixture-of-experts", "cp2 ring x dp2 zero1": "is not implemented",
+        "pp2 x tp2": "pipeline_parallel_size > 1 together with"}
+_SOFTCAP = {"cp2 ring x dp2 zero1": "attention logit soft-capping"}
 REFUSED = {"mixtral": _MOE, "qwen2_moe": _MOE, "gemma2": _SOFTCAP}
 
 
@@ -202,10 +201,11 @@ def _layouts_worker(model_type: str, path: str) -> None:
             return assert_pipeline_matches(model, _reference(model_type, path), batch, steps=1)
         return train_matches(model, _reference(model_type, path), _batch(config), zero_stage=zero_stage)
 
-    # tp = 2 with sequence parallelism x dp = 2, then (trained weights) a cached decode loop and generate
-    pair = run("tp2+sp x dp2", tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)
+    # tp = 2 with sequence parallelism x dp = 2 under ZeRO-3, then (trained, sharded weights) a cached decode loop
+    # and generate
+    pair = run("tp2+sp x dp2 zero3", 3, tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)
     if pair is None:  # the MoE decoders refuse sequence parallelism: tp = 2 alone
-        pair = run("tp2 x dp2", tensor_parallel_size=2, data_parallel_size=2)
+        pair = run("tp2 x dp2 zero3", 3, tensor_parallel_size=2, data_parallel_size=2)
     _check_decode_loop(*pair)
     _check_generate(*pair)
     run("tp4", tensor_parallel_size=4)
@@ -215,9 +215,8 @@ def _layouts_worker(model_type: str, path: str) -> None:
     schedule["pipeline_partition"] = "parameters"  # odd layer counts too
     if run("pp2 x tp2", pipeline_parallel_size=2, tensor_parallel_size=2, **schedule) is None and _is_moe(config):
         run("pp2 x dp2", pipeline_parallel_size=2, data_parallel_size=2, **schedule)
+    # the all-to-all mode is family-independent past the heads rule: tests/parallel_layers/test_context_parallel.py
     run("cp2 ring x dp2 zero1", 1, context_parallel_size=2, context_parallel_mode="ring", data_parallel_size=2)
-    run("cp2 all_to_all x tp2", context_parallel_size=2, context_parallel_mode="all_to_all", tensor_parallel_size=2)
-    run("tp2 x dp2 zero3", 3, tensor_parallel_size=2, data_parallel_size=2)
     _assert_refusals(model_type, refused)
 
 
