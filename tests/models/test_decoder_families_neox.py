@@ -259,7 +259,9 @@ def _two_rank_worker(root: str) -> None:
     ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(4))
     model, reference = _pair("gpt_neox", parallel=parallel, model_class=_GPT2StyleSplit)
     assert not torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-3)
-    plain_tp = om.ParallelConfig(tensor_parallel_size=2)  # no SP: nothing sums the head norms' gradients
+    # no SP: only the head norms' own style sums their gradients (right, then wrong)
+    plain_tp = om.ParallelConfig(tensor_parallel_size=2)
+    _check_task(*_pair("phi", parallel=plain_tp), "causal_lm")
     model, reference = _pair("phi", parallel=plain_tp, model_class=_UnsummedHeadNorms)
     out, expected = model(ids, labels=ids), reference(ids, labels=ids)
     torch.testing.assert_close(out.logits, expected.logits, atol=1e-5, rtol=1e-4)  # the forward is right

@@ -19,7 +19,7 @@ first ``rotary_dim`` dims of each head (``transformers``' rule in those families
 ``InterleavedRotaryEmbedding`` is GPT-J's: ``transformers``' ``GPTJRotaryEmbedding`` (a sinusoid table of
 ``max_position_embeddings x rotary_dim``, a non-persistent buffer) whose ``(sin, cos)`` halves are repeated pairwise
 to ``[b, s, rotary_dim]``, so they rotate *interleaved* pairs ``(x[2i], x[2i+1])`` (``rotate_every_two``), not the
-two halves of the head: ``apply_rotary(..., interleaved=True)``. Its ``interleaved`` attribute tells the attention.
+two halves of the head: ``apply_rotary(..., interleaved=True)`` (``GroupedQueryAttention(interleaved_rotary=True)``).
 
 ``apply_partial_rotary`` is the one place that rotates the first ``cos.shape[-1]`` dims of each head and passes the
 rest through (GPT-NeoX ``rotary_pct``, Phi ``partial_rotary_factor``, GPT-J ``rotary_dim``), in either layout.
@@ -66,17 +66,8 @@ class InterleavedRotaryEmbedding(GPTJRotaryEmbedding):
 
     The values are ``transformers``' exactly: rows of its sinusoid table (``embed_positions [max_positions,
     rotary_dim]``, fp32, ``sin | cos``) cast to ``x``'s dtype, then ``repeat_interleave`` as GPT-J's
-    ``apply_rotary_pos_emb`` does. ``rotary_dim=None`` means the whole head (``transformers`` sizes the table by
-    ``hidden_size`` there, which only runs with one head, where the two agree). Positions past the table raise, as
-    in ``transformers``."""
-
-    interleaved = True
-
-    def __init__(self, config):
-        super().__init__(config)
-        if config.rotary_dim is None:
-            self.pos_embd_dim = config.hidden_size // config.num_attention_heads
-            self.embed_positions = create_sinusoidal_positions(self.max_positions, self.pos_embd_dim)
+    ``apply_rotary_pos_emb`` does (``GPTJConfig`` requires an integer ``rotary_dim``). Positions past the table
+    raise, as in ``transformers``."""
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         sincos = self.embed_positions[position_ids].to(x.dtype)  # [b, s, rotary_dim]: sin | cos

@@ -110,7 +110,8 @@ class GPTNeoXPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _keys_to_ignore_on_load_unexpected = ["attention.bias", "attention.masked_bias"]  # old causal-mask buffers
+    # old checkpoints' causal-mask and rotary buffers
+    _keys_to_ignore_on_load_unexpected = ["attention.bias", "attention.masked_bias", "rotary_emb.inv_freq"]
     # 3D tensor parallelism: position ids feed only the rotary attention, which runs in the inner layout
     grid_inner_inputs = ("attention_mask", "position_ids")
     _can_record_outputs = {"hidden_states": GPTNeoXLayer, "attentions": GPTNeoXAttention}
