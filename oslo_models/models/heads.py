@@ -189,9 +189,11 @@ class ForCausalLM(HeadModel):
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
     #: whether its pipeline stages run under the 2D / 2.5D / 3D tensor-parallel modes (tested for GPT-2)
     pipeline_grid_modes = False
+    #: whether ``lm_head`` has a bias (GPT-J, Phi; vocab-parallel like the weight, zero on the padded rows)
+    lm_head_bias = False
 
     def build_head(self, config) -> None:
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=self.lm_head_bias)
 
     def get_output_embeddings(self):
         return self.lm_head

@@ -198,28 +198,33 @@ class VocabParallelEmbedding(Embedding):
 class SequenceParallelLayerNorm(SequenceParallelAware, LayerNorm):
     """LayerNorm whose replicated weight and bias see only this rank's tokens under sequence parallelism.
 
+    ``always_reduce=True``: a norm inside the tensor-parallel region (Phi's ``q_layernorm``/``k_layernorm`` over
+    ``head_dim``) sees only this rank's heads, with or without sequence parallelism.
+
     Forward: none. Backward: all-reduce of the weight and bias gradients over the TP group when the call was
-    sequence-parallel (each rank holds a partial sum over its slice of the sequence); none otherwise.
+    partial (each rank holds a partial sum over its slice of the sequence, or of the heads); none otherwise.
     """
 
     def __init__(self, normalized_shape, *, group, eps: float = 1e-5, elementwise_affine: bool = True,
-                 bias: bool = True, fused: bool = False, device=None, dtype=None):
+                 bias: bool = True, fused: bool = False, always_reduce: bool = False, device=None, dtype=None):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
                          device=device, dtype=dtype)
         self.group = group
         self.fused = fused  # the Triton kernel on CUDA (oslo_models.fused_ops.layer_norm); the torch op elsewhere
+        self.always_reduce = always_reduce
 
     @classmethod
-    def from_plain(cls, module: nn.LayerNorm, group, *, fused: bool = False) -> "SequenceParallelLayerNorm":
+    def from_plain(cls, module: nn.LayerNorm, group, *, fused: bool = False,
+                   always_reduce: bool = False) -> "SequenceParallelLayerNorm":
         weight = module.weight
         return cls(module.normalized_shape, group=group, eps=module.eps,
                    elementwise_affine=module.elementwise_affine, bias=module.bias is not None, fused=fused,
-                   device=weight.device if weight is not None else None,
+                   always_reduce=always_reduce, device=weight.device if weight is not None else None,
                    dtype=weight.dtype if weight is not None else None)
 
     def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
         weight, bias = self.weight, self.bias
-        if self.sequence_parallel_active(sequence_parallel):
+        if self.always_reduce or self.sequence_parallel_active(sequence_parallel):
             weight = copy_to_tensor_parallel_region(weight, self.group) if weight is not None else None
             bias = copy_to_tensor_parallel_region(bias, self.group) if bias is not None else None
         if self.fused and weight is not None and len(self.normalized_shape) == 1:

@@ -62,8 +62,8 @@ def _formulas():
     return {
         PreNormBlock: (PreNormBlock.roles, lambda p, x: (lambda h: h + p["mlp"](p["mlp_norm"](h)))(
             x + a(p, p["attn_norm"](x)))),
-        ParallelResidualBlock: (ParallelResidualBlock.roles, lambda p, x: x + a(p, p["attn_norm"](x))
-                                + p["mlp"](p["mlp_norm"](x))),
+        ParallelResidualBlock: (ParallelResidualBlock.roles, lambda p, x: a(p, p["attn_norm"](x))
+                                + p["mlp"](p["mlp_norm"](x)) + x),
         PostNormBlock: (PostNormBlock.roles, lambda p, x: (lambda h: p["mlp_norm"](h + p["mlp"](h)))(
             p["attn_norm"](x + a(p, x)))),
         SandwichNormBlock: (SandwichNormBlock.roles, lambda p, x: (lambda h: h + p["post_mlp_norm"](

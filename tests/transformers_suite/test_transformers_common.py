@@ -16,7 +16,18 @@ import oslo_models as om
 
 from .fetch import load_common
 from .selection import CORE  # noqa: F401  (used by conftest.py)
-from .testers import BertTester, GPT2Tester, LlamaTester, Qwen2Tester, RobertaTester, T5EncoderTester, T5Tester
+from .testers import (
+    BertTester,
+    GPT2Tester,
+    GPTJTester,
+    GPTNeoXTester,
+    LlamaTester,
+    PhiTester,
+    Qwen2Tester,
+    RobertaTester,
+    T5EncoderTester,
+    T5Tester,
+)
 
 common, reason = load_common()
 if common is None:
@@ -94,3 +105,10 @@ LlamaCommonTest = family_test("LlamaCommonTest", LlamaTester, (
 Qwen2CommonTest = family_test("Qwen2CommonTest", Qwen2Tester, (
     om.Qwen2Model, om.Qwen2ForCausalLM, om.Qwen2ForSequenceClassification, om.Qwen2ForTokenClassification,
     om.Qwen2ForQuestionAnswering))
+GPTNeoXCommonTest = family_test("GPTNeoXCommonTest", GPTNeoXTester, (
+    om.GPTNeoXModel, om.GPTNeoXForCausalLM, om.GPTNeoXForSequenceClassification, om.GPTNeoXForTokenClassification,
+    om.GPTNeoXForQuestionAnswering))
+GPTJCommonTest = family_test("GPTJCommonTest", GPTJTester, (
+    om.GPTJModel, om.GPTJForCausalLM, om.GPTJForSequenceClassification, om.GPTJForQuestionAnswering))
+PhiCommonTest = family_test("PhiCommonTest", PhiTester, (
+    om.PhiModel, om.PhiForCausalLM, om.PhiForSequenceClassification, om.PhiForTokenClassification))

@@ -151,3 +151,38 @@ class Qwen2Tester(LlamaTester):
     """Qwen2: q/k/v biases and tied embeddings (transformers' Qwen2 default)."""
 
     config_class = transformers.Qwen2Config
+
+
+class GPTNeoXTester(LlamaTester):
+    """GPT-NeoX: per-head packed q|k|v, partial rotary (half of each head), parallel residual, biased attention."""
+
+    def get_config(self):
+        return transformers.GPTNeoXConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, intermediate_size=self.intermediate_size,
+            hidden_act="gelu", rotary_pct=0.5, hidden_dropout=0.1, attention_dropout=0.1,
+            max_position_embeddings=512, initializer_range=0.02, pad_token_id=self.pad_token_id, bos_token_id=1,
+            eos_token_id=2)
+
+
+class GPTJTester(LlamaTester):
+    """GPT-J: interleaved partial rotary (``rotary_dim`` 4 of 8), one shared norm, biased LM head."""
+
+    def get_config(self):
+        return transformers.GPTJConfig(
+            vocab_size=self.vocab_size, n_embd=self.hidden_size, n_layer=self.num_hidden_layers,
+            n_head=self.num_attention_heads, n_inner=self.intermediate_size, rotary_dim=4, n_positions=512,
+            activation_function="gelu_new", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+            initializer_range=0.02, pad_token_id=self.pad_token_id, bos_token_id=1, eos_token_id=2)
+
+
+class PhiTester(LlamaTester):
+    """Phi: partial rotary, per-head q/k layer norms, grouped-query heads, biased ``dense`` and LM head."""
+
+    def get_config(self):
+        return transformers.PhiConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            intermediate_size=self.intermediate_size, partial_rotary_factor=0.5, qk_layernorm=True,
+            resid_pdrop=0.1, embd_pdrop=0.1, attention_dropout=0.1, max_position_embeddings=512,
+            initializer_range=0.02, pad_token_id=self.pad_token_id, bos_token_id=1, eos_token_id=2)

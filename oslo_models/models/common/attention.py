@@ -21,7 +21,12 @@ from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
 from ...parallel_layers.layers import Dropout, Linear
 from .parallel_rules import Heads, KeyValueHeads
 from .rms_norm import RMSNorm, SequenceParallelRMSNormStyle
-from .rotary import apply_rotary
+from .rotary import apply_partial_rotary
+
+
+def num_key_value_heads(config) -> int:
+    """The config's key/value heads; a config without the attribute (GPT-J, GPT-NeoX) is multi-head."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -87,7 +92,11 @@ class GroupedQueryAttention(AttentionModule):
       SDPA refuses it, as in ``transformers``; refused under context parallelism);
     - partial rotary needs no switch: rotary acts on the first ``cos.shape[-1]`` dims of each head and passes the
       rest through (``transformers``' GPT-NeoX/Phi rule), so a ``PartialRotaryEmbedding`` (``partial_rotary_factor``)
-      makes it partial. Learned sinks (gpt-oss) and full-width q/k norms (OLMo 2): ``attention_variants.py``.
+      makes it partial. Learned sinks (gpt-oss) and full-width q/k norms (OLMo 2): ``attention_variants.py``;
+    - ``interleaved_rotary``: GPT-J's pairwise rotation (``InterleavedRotaryEmbedding``'s ``cos``/``sin``);
+    - ``out_name``: the output projection's attribute (a class attribute: Phi ``dense``, GPT-J ``out_proj``; the
+      subclass states its ``tp_plan`` under that name). Configs without ``num_key_value_heads`` (GPT-J) are
+      multi-head: as many key/value heads as query heads.
 
     Under tensor parallelism the plan makes ``q_proj`` column-parallel (``n/tp`` query heads per rank), ``k_proj``/
     ``v_proj`` key/value-head-parallel (``parallel_layers/kv_heads.py``: ``n_kv/tp`` heads, or one replicated head
@@ -106,26 +115,30 @@ class GroupedQueryAttention(AttentionModule):
                "k_norm": SequenceParallelRMSNormStyle(always_reduce=True),
                "o_proj": Rowwise(), "attn_dropout": TPDropout(always_split=True)}
 
+    #: the output projection's attribute (``transformers``' name: Llama ``o_proj``, Phi ``dense``, GPT-J ``out_proj``)
+    out_name = "o_proj"
+
     @classmethod
     def parallel_rules(cls, config) -> list:
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        heads, kv_heads = config.num_attention_heads, num_key_value_heads(config)
         return [Heads("num_attention_heads", heads), KeyValueHeads("num_key_value_heads", kv_heads, heads)]
 
     def __init__(self, config, layer_idx: int, *, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: bool | str = False, sliding_window: int | None = None, fused: bool = False,
-                 eager_fallback=None, scaling: float | None = None, softcap: float | None = None):
+                 eager_fallback=None, scaling: float | None = None, softcap: float | None = None,
+                 interleaved_rotary: bool = False):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        num_heads, num_kv = config.num_attention_heads, config.num_key_value_heads
+        num_heads, num_kv = config.num_attention_heads, num_key_value_heads(config)
         self.scaling = self.head_dim ** -0.5 if scaling is None else scaling
         self.softcap = softcap
         self.is_causal = True
-        self.sliding_window, self.fused = sliding_window, fused
+        self.sliding_window, self.fused, self.interleaved_rotary = sliding_window, fused, interleaved_rotary
         self.q_proj = Linear(config.hidden_size, num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = HeadsLinear(config.hidden_size, num_kv * self.head_dim, num_heads=num_kv, bias=qkv_bias)
         self.v_proj = HeadsLinear(config.hidden_size, num_kv * self.head_dim, num_heads=num_kv, bias=qkv_bias)
-        self.o_proj = Linear(num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.add_module(self.out_name, Linear(num_heads * self.head_dim, config.hidden_size, bias=o_bias))
         if qk_norm:  # True: Qwen3's (the "llama" formula); a formula name: that one (Gemma 3: "gemma")
             formula = qk_norm if isinstance(qk_norm, str) else "llama"
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, formula=formula, fused=fused)
@@ -151,13 +164,7 @@ class GroupedQueryAttention(AttentionModule):
 
     def rotate(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotary on the first ``cos.shape[-1]`` dims of each head (all of them unless the rotary is partial)."""
-        rotary_dim = cos.shape[-1]
-        if rotary_dim == self.head_dim:
-            return apply_rotary(query, key, cos, sin, fused=self.fused)
-        query_rot, key_rot = apply_rotary(query[..., :rotary_dim].contiguous(), key[..., :rotary_dim].contiguous(),
-                                          cos, sin, fused=self.fused)
-        return (torch.cat([query_rot, query[..., rotary_dim:]], dim=-1),
-                torch.cat([key_rot, key[..., rotary_dim:]], dim=-1))
+        return apply_partial_rotary(query, key, cos, sin, fused=self.fused, interleaved=self.interleaved_rotary)
 
     def kernel_kwargs(self, attention_mask) -> dict:
         """Extra keyword arguments of the attention kernel (``softcap``; the sinks of ``SinkAttention``)."""
@@ -176,4 +183,4 @@ class GroupedQueryAttention(AttentionModule):
         out, weights = attend(self, query, key, value, attention_mask, dropout=self.attn_dropout,
                               scaling=self.scaling, eager_fallback=self._eager_fallback,
                               sliding_window=self.sliding_window, **self.kernel_kwargs(attention_mask), **kwargs)
-        return self.o_proj(out), weights
+        return getattr(self, self.out_name)(out), weights

@@ -11,7 +11,7 @@ The family builds the components (``attn``: an attention module returning ``(out
 norms) and hands them to the template's ``__init__`` by role. Templates:
 
 - ``PreNormBlock``: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))`` (GPT-2, Llama, Mistral, Qwen, Mixtral);
-- ``ParallelResidualBlock``: ``x + attn(norm1(x)) + mlp(norm2(x))``, ``mlp_norm`` optional (one shared norm:
+- ``ParallelResidualBlock``: ``attn(norm1(x)) + mlp(norm2(x)) + x``, ``mlp_norm`` optional (one shared norm:
   GPT-J, Falcon-7B, Phi; two: GPT-NeoX);
 - ``PostNormBlock``: ``norm1(x + attn(x))``, then ``norm2(x + mlp(x))`` (OPT with ``do_layer_norm_before=False``,
   the BERT-style post-norm encoders);
@@ -106,7 +106,8 @@ class ParallelResidualBlock(BlockTemplate):
         mlp_norm = self.part("mlp_norm")
         mlp_in = mlp_norm(hidden_states) if mlp_norm is not None else attn_in
         attn_out = self.attend(attn_in, attention_mask, position_embeddings, past_key_values, **kwargs)
-        return hidden_states + attn_out + self.mlp_forward(mlp_in, **mlp_kwargs)
+        # (attn + mlp) + x: the order GPT-J, GPT-NeoX, Phi and Falcon add in, so fp32 sums are theirs bit for bit
+        return attn_out + self.mlp_forward(mlp_in, **mlp_kwargs) + hidden_states
 
 
 class PostNormBlock(BlockTemplate):

@@ -1,6 +1,7 @@
 """``LayerNorm`` as a block component: the plain layer (``parallel_layers.layers.LayerNorm``) with its plan fragment,
 a sequence-parallel-aware norm (replicated weight and bias, gradients summed over TP when each rank normalized
-only its slice of the tokens); and OLMo's parameter-free layer norm."""
+only its slice of the tokens); the per-head layer norm's style (``HeadLayerNormStyle``: Phi's q/k layer norms over
+``head_dim``, always summed over TP); and OLMo's parameter-free layer norm."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,10 +12,28 @@ from torch import nn
 
 from ...parallel_layers import layers
 from ...parallel_layers.plan import SequenceParallelNorm, Style, refuse_grid_mode
+from ...parallel_layers.tensor_parallel import SequenceParallelLayerNorm
 
 
 class LayerNorm(layers.LayerNorm):
     tp_plan = {"": SequenceParallelNorm()}
+
+
+@dataclass(frozen=True)
+class HeadLayerNormStyle(Style):
+    """Plan style of a layer norm over ``head_dim`` inside the attention (Phi's ``q_layernorm``/``k_layernorm`` on
+    ``[b, n/tp, s, d]``): replicated weight and bias; each tensor-parallel rank normalizes only its own heads, so
+    their gradients are always all-reduced over TP (backward; no forward collective). Under the grid modes every
+    grid rank normalizes other tokens or heads with the whole ``head_dim``: the same, over the whole TP group."""
+
+    hf_style = "replicated_with_grad_allreduce"
+
+    def build(self, module, context):
+        norm = SequenceParallelLayerNorm.from_plain(module, context.tp_group, fused=context.config.fused_ops,
+                                                    always_reduce=True)
+        if context.is_grid:
+            norm.grid_planned = True  # laid out for the grid (see grid_boundary.check_fully_planned)
+        return norm
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,8 @@ class DenseMLP(nn.Module):
     A family names its modules by subclassing: ``class GPTNeoXMLP(DenseMLP): names = ("dense_h_to_4h",
     "dense_4h_to_h")``; the plan fragment follows the names (``__init_subclass__``). ``intermediate_attr``: the
     config attribute of the inner width, for the divisibility rule (unset or ``None`` in the config: ``4 * h``).
-    ``act``: an ``ACT2FN`` name or a callable. ``dropout``: applied to the output (the residual stream).
+    ``act``: an ``ACT2FN`` name or a callable (a GELU name runs the fused bias-GELU where ``fused_ops`` allows:
+    ``common/bias_act.py``). ``dropout``: applied to the output (the residual stream).
 
     ``up`` column-parallel (``[b, s, h]`` / ``[b, s/tp, h]`` -> ``[b, s, i/tp]``, gathering the sequence under
     sequence parallelism), ``down`` row-parallel (all-reduce, or reduce-scatter under sequence parallelism).
@@ -133,12 +134,18 @@ class DenseMLP(nn.Module):
         up, down = self.names
         self.add_module(up, Linear(hidden_size, intermediate_size, bias=bias, layout=layout))
         self.add_module(down, Linear(intermediate_size, hidden_size, bias=bias, layout=layout))
+        self.act_name = act
         self.act = ACT2FN[act] if isinstance(act, str) else act
         self.dropout = Dropout(dropout)
+        self.fused_gelu = None  # bias_gelu's ``approximate`` when the fused bias-GELU runs (configure_fused_ops)
+
+    def configure_fused_ops(self, enabled: bool) -> None:
+        self.fused_gelu = fused_gelu_approximation(enabled, self.act_name, getattr(self, self.names[0]))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         up, down = (getattr(self, name) for name in self.names)
-        return self.dropout(down(self.act(up(hidden_states))))  # inner [b, s, i/tp]
+        inner = linear_act(up, self.act, hidden_states, approximate=self.fused_gelu)  # [b, s, i/tp]
+        return self.dropout(down(inner))
 
 
 class PackedGatedMLP(nn.Module):

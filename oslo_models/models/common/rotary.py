@@ -16,6 +16,14 @@ its device, in fp32 whatever the model dtype, as ``transformers`` keeps them.
 are ``[b, s, rotary_dim]`` with ``rotary_dim = int(head_dim * factor)``, and ``GroupedQueryAttention`` rotates only the
 first ``rotary_dim`` dims of each head (``transformers``' rule in those families).
 
+``InterleavedRotaryEmbedding`` is GPT-J's: ``transformers``' ``GPTJRotaryEmbedding`` (a sinusoid table of
+``max_position_embeddings x rotary_dim``, a non-persistent buffer) whose ``(sin, cos)`` halves are repeated pairwise
+to ``[b, s, rotary_dim]``, so they rotate *interleaved* pairs ``(x[2i], x[2i+1])`` (``rotate_every_two``), not the
+two halves of the head: ``apply_rotary(..., interleaved=True)`` (``GroupedQueryAttention(interleaved_rotary=True)``).
+
+``apply_partial_rotary`` is the one place that rotates the first ``cos.shape[-1]`` dims of each head and passes the
+rest through (GPT-NeoX ``rotary_pct``, Phi ``partial_rotary_factor``, GPT-J ``rotary_dim``), in either layout.
+
 Under tensor parallelism ``cos``/``sin`` (``[b, s, head_dim]``) are computed for the full sequence on every rank:
 the attention runs on full sequences of this rank's heads, so they need no communication and no split.
 """
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import torch
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
+from transformers.models.gptj.modeling_gptj import GPTJRotaryEmbedding, create_sinusoidal_positions
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ... import fused_ops
@@ -80,9 +89,55 @@ class PerLayerTypeRotary:
         self.max_seq_len_cached = fresh.max_seq_len_cached
 
 
+class InterleavedRotaryEmbedding(GPTJRotaryEmbedding):
+    """GPT-J's rotary: ``forward(x, position_ids) -> (cos, sin)``, each ``[b, s, rotary_dim]`` with every frequency
+    repeated twice in a row (``cos[..., 2i] == cos[..., 2i+1]``), for ``apply_rotary(..., interleaved=True)``.
+
+    The values are ``transformers``' exactly: rows of its sinusoid table (``embed_positions [max_positions,
+    rotary_dim]``, fp32, ``sin | cos``) cast to ``x``'s dtype, then ``repeat_interleave`` as GPT-J's
+    ``apply_rotary_pos_emb`` does (``GPTJConfig`` requires an integer ``rotary_dim``). Positions past the table
+    raise, as in ``transformers``."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        sincos = self.embed_positions[position_ids].to(x.dtype)  # [b, s, rotary_dim]: sin | cos
+        sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
+        return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+
+    def reset_buffers(self) -> None:
+        """Recompute the non-persistent table on the device the module lives on (fp32, as ``transformers``)."""
+        device = self.embed_positions.device
+        with torch.device("cpu"):
+            table = create_sinusoidal_positions(self.max_positions, self.pos_embd_dim)
+        self.embed_positions = table.to(device)
+
+
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    """``[..., d]``: pairs ``(x[2i], x[2i+1])`` -> ``(-x[2i+1], x[2i])`` (GPT-J's ``rotate_every_two``)."""
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                 fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 fused: bool = False, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``transformers``' ``apply_rotary_pos_emb`` on ``query [b, n_q, s, d]`` and ``key [b, n_kv, s, d]`` (this
     rank's heads). ``fused=True`` lets the dispatcher run the Triton kernel (``fused_ops.rotary_embedding``: CUDA,
-    or ``OSLO_FUSED_OPS=force`` under the interpreter); otherwise, and off CUDA, the same formula in torch."""
+    or ``OSLO_FUSED_OPS=force`` under the interpreter); otherwise, and off CUDA, the same formula in torch.
+
+    ``interleaved=True``: GPT-J's layout (``x * cos + rotate_every_two(x) * sin``, ``cos``/``sin`` from
+    ``InterleavedRotaryEmbedding``). The Triton kernel rotates halves, so this layout always runs in torch."""
+    if interleaved:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [b, 1, s, d]: broadcast over the heads
+        return query * cos + rotate_every_two(query) * sin, key * cos + rotate_every_two(key) * sin
     return fused_ops.rotary_embedding(query, key, cos, sin, enabled=fused)
+
+
+def apply_partial_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                         fused: bool = False, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary`` on the first ``cos.shape[-1]`` dims of each head of ``query [b, n_q, s, d]`` and ``key
+    [b, n_kv, s, d]``; the other dims pass through (all of them rotate when ``cos`` is ``d`` wide)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == query.shape[-1]:
+        return apply_rotary(query, key, cos, sin, fused=fused, interleaved=interleaved)
+    query_rot, key_rot = apply_rotary(query[..., :rotary_dim].contiguous(), key[..., :rotary_dim].contiguous(),
+                                      cos, sin, fused=fused, interleaved=interleaved)
+    return (torch.cat([query_rot, query[..., rotary_dim:]], dim=-1),
+            torch.cat([key_rot, key[..., rotary_dim:]], dim=-1))

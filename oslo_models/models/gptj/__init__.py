@@ -1,0 +1,27 @@
+"""GPT-J: parallel residual with one shared ``ln_1``, interleaved partial rotary (``rotary_dim``), no attention
+biases, a biased LM head, on the shared stack.
+
+Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
+``FAMILIES``, imports no model code."""
+from ..family import FamilyRecord, lazy_exports
+
+_EXPORTS = {
+    ".configuration_gptj": ["GPTJConfig"],
+    ".modeling_gptj": ["GPTJModel", "GPTJForCausalLM", "GPTJForSequenceClassification", "GPTJForQuestionAnswering",
+                       "GPTJPreTrainedModel", "GPTJBlock", "GPTJ_SPEC"],
+}
+FAMILIES = (
+    FamilyRecord(
+        model_type="gptj", package=__name__, config="GPTJConfig",
+        classes={"base": "GPTJModel", "causal_lm": "GPTJForCausalLM",
+                 "sequence_classification": "GPTJForSequenceClassification",
+                 "question_answering": "GPTJForQuestionAnswering"},
+        # rotary_dim 4 of the 8 dims of each head, rotated in interleaved pairs; biased lm_head; no dropout
+        tiny_config=dict(n_embd=64, n_inner=96, n_layer=2, n_head=8, vocab_size=101, n_positions=64, rotary_dim=4,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        spec="GPTJ_SPEC"),
+)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = [name for names in _EXPORTS.values() for name in names]
