@@ -54,6 +54,8 @@ class StackSpec:
     rotary: str | None = None
     norm: type | None = None
     extra_plan: Mapping[str, Any] = field(default_factory=dict)
+    #: ``token_type_ids`` are looked up in the token table and added (GPT-2, GPT-J: ``transformers``' rule)
+    token_types_through_tokens: bool = False
 
     @property
     def final_norm_component(self):
@@ -111,14 +113,23 @@ class TransformerStack:
     # ------------------------------------------------------------------ hooks
     def embed(self, input_ids, inputs_embeds, position_ids, token_type_ids=None) -> torch.Tensor:
         """``[b, s, h]`` on every TP rank: token embeddings (vocab-parallel: all-reduce over TP) plus learned
-        position embeddings when the spec has them (GPT-2 also adds token-type ids through the token table)."""
+        position embeddings when the spec has them, plus token-type ids through the token table when the spec says
+        so (GPT-2, GPT-J)."""
         spec = self.stack_spec
         if inputs_embeds is None:
             inputs_embeds = getattr(self, spec.embed_tokens)(input_ids)
         hidden = inputs_embeds
         if spec.position_embedding:
             hidden = hidden + getattr(self, spec.position_embedding)(position_ids)
+        if spec.token_types_through_tokens and token_type_ids is not None:
+            hidden = hidden + getattr(self, spec.embed_tokens)(token_type_ids.view(-1, hidden.shape[1]))
         return hidden
+
+    def get_input_embeddings(self):
+        return getattr(self, self.stack_spec.embed_tokens)
+
+    def set_input_embeddings(self, value):
+        setattr(self, self.stack_spec.embed_tokens, value)
 
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
         """``{attention type: mask}`` for ``kinds`` (``transformers``' causal / sliding-window masks)."""

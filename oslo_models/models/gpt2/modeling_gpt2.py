@@ -121,7 +121,7 @@ class GPT2Block(PreNormBlock):
 GPT2_SPEC = StackSpec(block=GPT2Block,
                       components=dict(attn_norm=LayerNorm, attn=GPT2Attention, mlp_norm=LayerNorm, mlp=GPT2MLP),
                       embed_tokens="wte", position_embedding="wpe", embedding_dropout="drop", layers="h",
-                      final_norm="ln_f")
+                      final_norm="ln_f", token_types_through_tokens=True)
 
 
 class GPT2PreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
@@ -172,18 +172,6 @@ class GPT2Model(TransformerStack, GPT2PreTrainedModel):
         if not submodule:
             self.finish_init()
 
-    def get_input_embeddings(self):
-        return self.wte
-
-    def set_input_embeddings(self, new_embeddings):
-        self.wte = new_embeddings
-
-    def embed(self, input_ids, inputs_embeds, position_ids, token_type_ids=None):
-        """``wte(ids) + wpe(positions)`` (+ ``wte(token_type_ids)``, as ``transformers``' GPT-2)."""
-        hidden = super().embed(input_ids, inputs_embeds, position_ids)
-        if token_type_ids is not None:
-            hidden = hidden + self.wte(token_type_ids.view(-1, hidden.shape[1]))
-        return hidden
 
 
 GPT2PreTrainedModel.base_model_class = GPT2Model

@@ -138,11 +138,6 @@ class GPTNeoXModel(TransformerStack, GPTNeoXPreTrainedModel):
         if not submodule:
             self.finish_init()
 
-    def get_input_embeddings(self):
-        return self.embed_in
-
-    def set_input_embeddings(self, value):
-        self.embed_in = value
 
 
 GPTNeoXPreTrainedModel.base_model_class = GPTNeoXModel

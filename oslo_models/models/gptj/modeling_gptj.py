@@ -80,7 +80,7 @@ class GPTJBlock(ParallelResidualBlock):
 
 GPTJ_SPEC = StackSpec(block=GPTJBlock, components=dict(attn_norm=LayerNorm, attn=GPTJAttention, mlp=GPTJMLP),
                       embed_tokens="wte", embedding_dropout="drop", layers="h", final_norm="ln_f",
-                      rotary="rotary_emb")
+                      rotary="rotary_emb", token_types_through_tokens=True)
 
 
 class GPTJPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
@@ -122,18 +122,6 @@ class GPTJModel(TransformerStack, GPTJPreTrainedModel):
         if not submodule:
             self.finish_init()
 
-    def get_input_embeddings(self):
-        return self.wte
-
-    def set_input_embeddings(self, new_embeddings):
-        self.wte = new_embeddings
-
-    def embed(self, input_ids, inputs_embeds, position_ids, token_type_ids=None):
-        """``wte(ids)`` (+ ``wte(token_type_ids)``, as ``transformers``' GPT-J)."""
-        hidden = super().embed(input_ids, inputs_embeds, position_ids)
-        if token_type_ids is not None:
-            hidden = hidden + self.wte(token_type_ids.view(-1, hidden.shape[1]))
-        return hidden
 
 
 GPTJPreTrainedModel.base_model_class = GPTJModel

@@ -173,11 +173,6 @@ class LlamaModel(TransformerStack, LlamaPreTrainedModel):
         """The rotary module (``rotary_emb``): ``transformers``' Llama one here; Gemma 3 has one per layer type."""
         return RotaryEmbedding(config)
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
 
 
 LlamaPreTrainedModel.base_model_class = LlamaModel

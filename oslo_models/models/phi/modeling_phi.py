@@ -134,11 +134,6 @@ class PhiModel(TransformerStack, PhiPreTrainedModel):
         if not submodule:
             self.finish_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
 
 
 PhiPreTrainedModel.base_model_class = PhiModel
