@@ -89,8 +89,9 @@ class BloomPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     stack_spec = BLOOM_SPEC
     supports_gradient_checkpointing = True
     _no_split_modules = ["BloomBlock"]
-    _supports_sdpa = True  # the ALiBi mask is an ordinary additive mask: SDPA and eager compute the same
-    _supports_attention_backend = True
+    # eager, as transformers' Bloom: SDPA takes the ALiBi mask as well and gives the same outputs, but its backward
+    # through a query that sees no key (a left-padded position) differs from eager autograd's
+    _supports_sdpa = False
     _can_record_outputs = {"hidden_states": BloomBlock, "attentions": BloomAttention}
 
     @classmethod

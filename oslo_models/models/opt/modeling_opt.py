@@ -203,6 +203,11 @@ class OPTModel(TransformerStack, OPTPreTrainedModel):
             position_ids = (torch.cumsum(mask, dim=1) * mask - 1).long()[:, past:]
         return super().stack_inputs(shape_like, attention_mask, position_ids, past_key_values, **options)
 
+    def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
+        """``transformers``' causal masks, built as OPT builds them: from the padding mask alone (position ids
+        that restart are not read as packed documents)."""
+        return super().layer_masks(shape_like, attention_mask, past_key_values, None, kinds)
+
     def embed(self, input_ids, inputs_embeds, position_ids, token_type_ids=None) -> torch.Tensor:
         """``project_in(embed_tokens(ids)) + embed_positions[position_ids + 2]``: ``[b, s, h]`` on every TP rank."""
         decoder = self.decoder
