@@ -292,6 +292,9 @@ def test_tp2_switches_generate_and_save_match_transformers(checkpoints, tmp_path
 
 # ------------------------------------------------------------------ context parallelism (rotary Falcon, OPT)
 def _cp2_worker(checkpoints: dict) -> None:
+    """Unpadded rows (OPT derives positions from a padding mask, which a chunk cannot count: with one it needs
+    ``position_ids``); gradients reduced over the context-parallel ranks by ``shard_data_parallel``."""
+    from oslo_models import training
     from oslo_models.data import ContextParallelSplitter
     from oslo_models.parallel_layers.context_parallel import split_sequence
 
@@ -300,15 +303,17 @@ def _cp2_worker(checkpoints: dict) -> None:
         for mode in ("ring", "all_to_all"):
             model_type, path = checkpoints[name]
             model, reference = _pair(model_type, path, context_parallel_size=2, context_parallel_mode=mode)
-            local = ContextParallelSplitter(model.parallel_context, shift_labels=True)(dict(input_ids=ids,
-                                                                                           labels=ids))
-            expected, got = reference(input_ids=ids, labels=ids), model(**local)
-            torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
             context = model.parallel_context
+            local = ContextParallelSplitter(context, shift_labels=True)(dict(input_ids=ids, labels=ids))
+            wrapped, _ = training.shard_data_parallel(model, torch.optim.AdamW(model.parameters()))
+            expected, got = reference(input_ids=ids, labels=ids), wrapped(**local)
+            torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(got.logits, split_sequence(expected.logits, context.cp_rank, context.cp_size,
                                                                   mode), atol=1e-5, rtol=1e-4)
             expected.loss.backward(), got.loss.backward()
             assert assert_grads_match(model, reference) == len(list(model.parameters()))
+    with pytest.raises(ValueError, match="OPT derives position ids from the attention mask"):  # the last: OPT
+        model(**local, attention_mask=torch.ones_like(local["input_ids"]))
 
 
 def test_cp2_rotary_falcon_and_opt_match_transformers(checkpoints):
