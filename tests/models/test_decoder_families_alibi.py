@@ -27,6 +27,7 @@ import oslo_models as om
 from oslo_models.models.common.positions import alibi_attention_mask, alibi_slopes, local_alibi_slopes
 from oslo_models.parallel_layers.grouped_qkv import GroupedQKVSplit
 from oslo_models.parallel_layers.sharding import PackedSplit
+from oslo_models.training.clip import grad_norm
 from tests.helpers import zoo
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import assert_grads_match
@@ -250,6 +251,9 @@ def _tp2_worker(checkpoints: dict, folder: str) -> None:
         model_type, path = checkpoints[name]
         model, reference = _pair(model_type, path, tensor_parallel_size=2, sequence_parallel=True)
         _check_forward_and_grads(model, reference)
+        # the gradient norm counts the replicated key/value rows of a fused query_key_value once
+        expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+        torch.testing.assert_close(grad_norm(model), expected, atol=1e-5, rtol=1e-5)
         _check_decode_and_generate(model, reference)
     for name in ("bloom", "opt"):  # the records' generate at tp 2 (the zoo checks their decode loop)
         model, reference = _pair(name, checkpoints[name][1], tensor_parallel_size=2)
