@@ -3,7 +3,8 @@
 
 The other architecture switches, each against single-process ``transformers`` from the same weights (fp32, atol
 1e-5) at tp=1 here and at tp=2 + sequence parallelism in one spawned group: logits, loss and every gradient on a
-left-padded batch, a decode loop on the cache, greedy ``generate`` with left padding token for token:
+left-padded batch, a decode loop on the cache, greedy ``generate`` with left padding token for token (and a pipeline
+step for OPT's post-norm):
 
 - OPT post-norm (``do_layer_norm_before=False``: no final norm, no projections);
 - Bloom with ``apply_residual_connection_post_layernorm``;
@@ -31,6 +32,7 @@ from oslo_models.training.clip import grad_norm
 from tests.helpers import zoo
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import assert_grads_match
+from tests.helpers.pipeline import assert_pipeline_matches
 
 PREFIX = {"opt": "OPT", "bloom": "Bloom", "falcon": "Falcon"}
 VARIANTS = {
@@ -259,11 +261,16 @@ def _tp2_worker(checkpoints: dict, folder: str) -> None:
         model, reference = _pair(name, checkpoints[name][1], tensor_parallel_size=2)
         _check_decode_and_generate(model, reference)
 
+    # pp 2 of a config without OPT's projections and final norm (parts its stages leave out), left-padded rows
+    model_type, path = checkpoints["opt_post_norm"]
+    model, reference = _pair(model_type, path, pipeline_parallel_size=2, num_microbatches=2)
+    ids, mask, labels = _left_padded()
+    assert_pipeline_matches(model, reference, dict(input_ids=ids, attention_mask=mask, labels=labels), steps=1)
+
     # save at tp 2 (replicated key/value rows joined once) -> plain transformers
     model_type, path = checkpoints["falcon_mqa_parallel"]
     model, _ = _pair(model_type, path, tensor_parallel_size=2)
     model.save_pretrained(folder)
-    ids, mask, _ = _left_padded()
     logits = model.eval()(ids, attention_mask=mask).logits
     if torch.distributed.get_rank() == 0:
         reloaded = transformers.FalconForCausalLM.from_pretrained(folder).eval()
