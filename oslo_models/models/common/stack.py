@@ -134,8 +134,12 @@ class TransformerStack:
         if projection is not None:
             hidden = projection(hidden)
         if spec.position_embedding:
-            hidden = hidden + self.part(spec.position_embedding)(position_ids)
+            hidden = hidden + self.position_embeds(position_ids)
         return hidden
+
+    def position_embeds(self, position_ids) -> torch.Tensor:
+        """The learned position embeddings ``[b, s, h]`` of ``position_ids`` (OPT offsets the rows)."""
+        return self.part(self.stack_spec.position_embedding)(position_ids)
 
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
         """``{attention type: mask}`` for ``kinds`` (``transformers``' causal / sliding-window masks)."""

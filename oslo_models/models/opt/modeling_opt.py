@@ -6,8 +6,8 @@ What is particular to OPT, and where it lives:
 
 - learned absolute positions with offset 2 (``common/positions.py`` ``LearnedPositionalEmbedding``), at positions
   counted from the attention mask (``cumsum(mask) * mask - 1``, cut after the cached length), so left padding does
-  not shift them: ``OPTModel.stack_inputs`` derives the position ids once per forward and the ``embed`` hook looks
-  them up (a cached decode step without a mask continues at the cached length);
+  not shift them: ``OPTModel.stack_inputs`` derives the position ids once per forward and the stack's embedding
+  phase looks them up (``position_embeds``; a cached decode step without a mask continues at the cached length);
 - ``do_layer_norm_before``: pre-norm (``True``) or post-norm (``False``) blocks under the same names; the final
   norm exists only with pre-norm and without ``_remove_final_layer_norm``;
 - ``word_embed_proj_dim != hidden_size``: the token table (and the tied ``lm_head``) are ``word_embed_proj_dim``
@@ -208,13 +208,9 @@ class OPTModel(TransformerStack, OPTPreTrainedModel):
         that restart are not read as packed documents)."""
         return super().layer_masks(shape_like, attention_mask, past_key_values, None, kinds)
 
-    def embed(self, input_ids, inputs_embeds, position_ids, token_type_ids=None) -> torch.Tensor:
-        """``project_in(embed_tokens(ids)) + embed_positions[position_ids + 2]``: ``[b, s, h]`` on every TP rank."""
-        decoder = self.decoder
-        hidden = inputs_embeds if inputs_embeds is not None else decoder.embed_tokens(input_ids)
-        if decoder.project_in is not None:
-            hidden = decoder.project_in(hidden)
-        return hidden + decoder.embed_positions(None, position_ids=position_ids)
+    def position_embeds(self, position_ids) -> torch.Tensor:
+        """``embed_positions`` rows ``position_ids + 2``; the stack adds them to ``project_in(embed_tokens(ids))``."""
+        return self.decoder.embed_positions(None, position_ids=position_ids)
 
     def get_input_embeddings(self):
         return self.decoder.embed_tokens
