@@ -303,28 +303,29 @@ def test_tp2_switches_generate_and_save_match_transformers(checkpoints, tmp_path
 
 # ------------------------------------------------------------------ context parallelism (rotary Falcon, OPT)
 def _cp2_worker(checkpoints: dict) -> None:
-    """Unpadded rows (OPT derives positions from a padding mask, which a chunk cannot count: with one it needs
-    ``position_ids``); gradients reduced over the context-parallel ranks by ``shard_data_parallel``."""
+    """Right-padded rows (OPT counts its positions over the whole sequence's padding, gathered by the
+    context-parallel mask); gradients reduced over the context-parallel ranks by ``shard_data_parallel``."""
     from oslo_models import training
     from oslo_models.data import ContextParallelSplitter
     from oslo_models.parallel_layers.context_parallel import split_sequence
 
     ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0
+    batch = dict(input_ids=ids.masked_fill(mask == 0, 0), attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
     for name in ("falcon", "opt"):
         for mode in ("ring", "all_to_all"):
             model_type, path = checkpoints[name]
             model, reference = _pair(model_type, path, context_parallel_size=2, context_parallel_mode=mode)
             context = model.parallel_context
-            local = ContextParallelSplitter(context, shift_labels=True)(dict(input_ids=ids, labels=ids))
+            local = ContextParallelSplitter(context, shift_labels=True)(batch)
             wrapped, _ = training.shard_data_parallel(model, torch.optim.AdamW(model.parameters()))
-            expected, got = reference(input_ids=ids, labels=ids), wrapped(**local)
+            expected, got = reference(**batch), wrapped(**local)
             torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(got.logits, split_sequence(expected.logits, context.cp_rank, context.cp_size,
                                                                   mode), atol=1e-5, rtol=1e-4)
             expected.loss.backward(), got.loss.backward()
             assert assert_grads_match(model, reference) == len(list(model.parameters()))
-    with pytest.raises(ValueError, match="OPT derives position ids from the attention mask"):  # the last: OPT
-        model(**local, attention_mask=torch.ones_like(local["input_ids"]))
 
 
 def test_cp2_rotary_falcon_and_opt_match_transformers(checkpoints):

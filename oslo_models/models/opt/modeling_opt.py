@@ -28,10 +28,12 @@ from transformers.generation import GenerationMixin
 from transformers.models.opt.modeling_opt import eager_attention_forward
 
 from ...config import ParallelConfig
+from ...parallel_layers.context_parallel import merge_sequence, split_sequence
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
 from ..common.attention import AttentionModule, attend, split_heads
 from ..common.blocks import PostNormBlock, PreNormBlock
+from ..common.causal_masks import FULL
 from ..common.layer_norm import LayerNorm
 from ..common.mlp import DenseMLP
 from ..common.parallel_rules import Heads
@@ -145,6 +147,11 @@ class OPTDecoder(nn.Module):
         self.layers = nn.ModuleList([OPTDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
 
 
+def mask_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """OPT's positions ``[b, s]`` of a padding mask ``[b, s]``: counted over the tokens from 0, ``-1`` on padding."""
+    return (torch.cumsum(attention_mask, dim=1) * attention_mask - 1).long()
+
+
 class OPTPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     config_class = OPTConfig
     config: OPTConfig
@@ -192,16 +199,20 @@ class OPTModel(TransformerStack, OPTPreTrainedModel):
     def stack_inputs(self, shape_like, attention_mask=None, position_ids=None, past_key_values=None, **options):
         """Position ids from a 2D padding mask ``[b, past + s]`` when none are given (``cumsum(mask) * mask - 1``
         after the cached length: left padding does not shift them); without a mask the stack's ``past + arange(s)``,
-        the same numbers. Under context parallelism a padding mask needs the caller's ``position_ids`` (computed on
-        the full sequence): a chunk cannot count the tokens before it."""
-        if position_ids is None and torch.is_tensor(attention_mask) and attention_mask.ndim == 2:
-            if self.parallel_context.cp_size > 1:
-                raise ValueError("OPT derives position ids from the attention mask: under context parallelism pass "
-                                 "position_ids computed on the full sequence (split like input_ids)")
+        the same numbers. Under context parallelism the count runs over the whole sequence's padding, which the
+        context-parallel mask has gathered, and each rank keeps its tokens' positions."""
+        from_mask = position_ids is None and torch.is_tensor(attention_mask) and attention_mask.ndim == 2
+        context = self.parallel_context
+        if from_mask and context.cp_size == 1:
             past = past_key_values.get_seq_length() if past_key_values is not None else 0
-            mask = attention_mask.to(shape_like.device)
-            position_ids = (torch.cumsum(mask, dim=1) * mask - 1).long()[:, past:]
-        return super().stack_inputs(shape_like, attention_mask, position_ids, past_key_values, **options)
+            position_ids = mask_positions(attention_mask.to(shape_like.device))[:, past:]
+        inputs = super().stack_inputs(shape_like, attention_mask, position_ids, past_key_values, **options)
+        cp_mask = inputs.masks.get(FULL)
+        if from_mask and context.cp_size > 1 and cp_mask.key_valid is not None:  # else the global positions
+            mode = context.config.context_parallel_mode
+            full = merge_sequence(list(cp_mask.key_valid.long()), mode)  # [b, s]: the whole padding mask
+            inputs.position_ids = split_sequence(mask_positions(full), context.cp_rank, context.cp_size, mode)
+        return inputs
 
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
         """``transformers``' causal masks, built as OPT builds them: from the padding mask alone (position ids
