@@ -139,6 +139,11 @@ class StackFamilyModel:
 
     parallel_plan = _DerivedPlan()
     head_styles: dict = {}
+
+    @classmethod
+    def head_hidden_size(cls, config) -> int:
+        """The width of the base model's output, which the heads read (OPT: ``word_embed_proj_dim``)."""
+        return config.hidden_size
     #: ``base_model_class``: the family's base model, declared by the family's ``PreTrainedModel`` (not here: this
     #: mixin precedes it in the method resolution order)
 
@@ -193,7 +198,7 @@ class ForCausalLM(HeadModel):
     lm_head_bias = False
 
     def build_head(self, config) -> None:
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=self.lm_head_bias)
+        self.lm_head = Linear(self.head_hidden_size(config), config.vocab_size, bias=self.lm_head_bias)
 
     def get_output_embeddings(self):
         return self.lm_head
@@ -230,7 +235,7 @@ class ForSequenceClassification(HeadModel):
 
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
-        self.score = Linear(config.hidden_size, config.num_labels, bias=False)
+        self.score = Linear(self.head_hidden_size(config), config.num_labels, bias=False)
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -255,7 +260,7 @@ class ForTokenClassification(HeadModel):
         dropout = next((value for value in (getattr(config, "classifier_dropout", None),
                                             getattr(config, "hidden_dropout", None)) if value is not None), 0.1)
         self.dropout = Dropout(dropout)
-        setattr(self, self.classifier_name, Linear(config.hidden_size, config.num_labels,
+        setattr(self, self.classifier_name, Linear(self.head_hidden_size(config), config.num_labels,
                                                    bias=getattr(config, "token_classification_bias", True)))
 
     @can_return_tuple
@@ -272,7 +277,7 @@ class ForQuestionAnswering(HeadModel):
     """Replicated span head ``qa_outputs``: ``start_logits, end_logits [b, s]``."""
 
     def build_head(self, config) -> None:
-        self.qa_outputs = Linear(config.hidden_size, 2)
+        self.qa_outputs = Linear(self.head_hidden_size(config), 2)
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,

@@ -83,8 +83,8 @@ def test_truncated_safetensors(checkpoint, tmp_path):
 
 
 def test_unsupported_model_type(tmp_path):
-    transformers.BloomConfig(hidden_size=16, n_head=2, n_layer=1).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="Unsupported model type 'bloom'"):
+    transformers.CTRLConfig(n_embd=16, n_head=2, n_layer=1).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="Unsupported model type 'ctrl'"):
         om.AutoModelForCausalLM.from_pretrained(tmp_path)
 
 

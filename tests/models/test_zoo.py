@@ -64,7 +64,8 @@ TOY = FamilyRecord(model_type=TOY_TYPE, package=__name__, config="ToyConfig",
 _MOE = {"tp2+sp x dp2 zero3": "sequence_parallel with mixture-of-experts", "cp2 ring x dp2 zero1": "is not implemented",
         "pp2 x tp2": "pipeline_parallel_size > 1 together with"}
 _SOFTCAP = {"cp2 ring x dp2 zero1": "attention logit soft-capping"}
-REFUSED = {"mixtral": _MOE, "qwen2_moe": _MOE, "gemma2": _SOFTCAP}
+REFUSED = {"mixtral": _MOE, "qwen2_moe": _MOE, "qwen3_moe": _MOE, "gemma2": _SOFTCAP,
+           "bloom": {"cp2 ring x dp2 zero1": "ALiBi"}}
 
 
 def _causal_types() -> list[str]:

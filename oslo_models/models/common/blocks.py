@@ -10,7 +10,9 @@ keys stay exactly ``transformers``'::
 The family builds the components (``attn``: an attention module returning ``(output, weights)``; ``mlp``; the
 norms) and hands them to the template's ``__init__`` by role. Templates:
 
-- ``PreNormBlock``: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))`` (GPT-2, Llama, Mistral, Qwen, Mixtral);
+- ``PreNormBlock``: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))`` (GPT-2, Llama, Mistral, Qwen, Mixtral, OPT,
+  Bloom, Falcon with ``parallel_attn=False``); ``residual_after_norm``: ``norm1(x) + attn(norm1(x))`` (Bloom's
+  ``apply_residual_connection_post_layernorm``);
 - ``ParallelResidualBlock``: ``attn(norm1(x)) + mlp(norm2(x)) + x``, ``mlp_norm`` optional (one shared norm:
   GPT-J, Falcon-7B, Phi; two: GPT-NeoX);
 - ``PostNormBlock``: ``norm1(x + attn(x))``, then ``norm2(x + mlp(x))`` (OPT with ``do_layer_norm_before=False``,
@@ -45,6 +47,9 @@ class BlockTemplate(GradientCheckpointingLayer):
     names: ClassVar[Mapping[str, str]] = {}
     #: keyword arguments of the stack meant for the feed-forward, not the attention (the MoE router-logit collector)
     mlp_kwargs: ClassVar[tuple[str, ...]] = ()
+    #: pre-norm only: each residual branch adds to the *normalized* input (Bloom's
+    #: ``apply_residual_connection_post_layernorm``); a family sets it per instance from its config
+    residual_after_norm: bool = False
 
     def __init__(self, *, order: tuple[str, ...] | None = None, **components: nn.Module | None):
         super().__init__()
@@ -76,13 +81,15 @@ class BlockTemplate(GradientCheckpointingLayer):
 
     @classmethod
     def tp_plan(cls, components: Mapping[str, type | tuple[type, ...]]) -> dict:
-        """``{pattern relative to the block: style}`` from each role's component class(es) ``tp_plan``."""
+        """``{pattern relative to the block: style}`` from each role's component class(es) ``tp_plan``. A role
+        named ``""`` keeps its modules on the block itself (OPT's ``fc1``/``fc2``, which ``transformers`` registers
+        on the layer): its patterns are taken as they are."""
         plan = {}
         for role, classes in components.items():
             for component in classes if isinstance(classes, tuple) else (classes,):
                 for pattern, style in getattr(component, "tp_plan", {}).items():
                     name = cls.names[role]
-                    plan[f"{name}.{pattern}" if pattern else name] = style
+                    plan[".".join(part for part in (name, pattern) if part)] = style
         return plan
 
 
@@ -91,9 +98,13 @@ class PreNormBlock(BlockTemplate):
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
         kwargs, mlp_kwargs = self.split_kwargs(kwargs)
-        hidden_states = hidden_states + self.attend(self.part("attn_norm")(hidden_states), attention_mask,
-                                                    position_embeddings, past_key_values, **kwargs)
-        return hidden_states + self.mlp_forward(self.part("mlp_norm")(hidden_states), **mlp_kwargs)
+        normed = self.part("attn_norm")(hidden_states)
+        residual = normed if self.residual_after_norm else hidden_states
+        hidden_states = residual + self.attend(normed, attention_mask, position_embeddings, past_key_values,
+                                              **kwargs)
+        normed = self.part("mlp_norm")(hidden_states)
+        residual = normed if self.residual_after_norm else hidden_states
+        return residual + self.mlp_forward(normed, **mlp_kwargs)
 
 
 class ParallelResidualBlock(BlockTemplate):

@@ -2,8 +2,9 @@
 per-family adapter and no second forward.
 
 The cut is ``transformers``' ``base_model_pp_plan``: the first stage holds the token (and learned position)
-embeddings and the embedding dropout, every stage holds the parameter-free rotary embedding, the last stage holds
-the final norm and ``lm_head`` (a copy of the input embedding when they are tied). A stage runs the base model's
+embeddings, the input projection, the embedding norm and dropout, every stage holds the parameter-free rotary
+embedding, the last stage holds the final norm, the output projection and ``lm_head`` (a copy of the input embedding
+when they are tied); parts a config lacks are left out. A stage runs the base model's
 own phases (``stack_inputs`` and ``run_stack`` with ``first``/``last`` set and its own layers), so a stage computes
 exactly what the same layers compute inside ``forward``. Between stages flows the hidden states ``[mb, s, h]``
 (``[mb, s/tp, h]`` under sequence parallelism; grid blocks under 2D/2.5D/3D).
@@ -31,18 +32,39 @@ class StackPipelineAdapter(CausalLMPipelineAdapter):
     @classmethod
     def of(cls, base_class: type, prefix: str, **attributes) -> type:
         spec = base_class.stack_spec
-        first = {spec.embed_tokens: f"{prefix}.{spec.embed_tokens}"}
-        for name in (spec.position_embedding, spec.embedding_dropout):
-            if name:
-                first[name] = f"{prefix}.{name}"
-        every = {spec.rotary: f"{prefix}.{spec.rotary}"} if spec.rotary else {}
-        last = {"lm_head": "lm_head"}
-        if spec.final_norm:
-            last[spec.final_norm] = f"{prefix}.{spec.final_norm}"
+
+        def stage_parts(*names) -> dict[str, str]:  # {attribute on the stage: module path in the model}
+            return {name.rpartition(".")[2]: f"{prefix}.{name}" for name in names if name}
+
+        first = stage_parts(spec.embed_tokens, spec.position_embedding, spec.input_projection, spec.embedding_norm,
+                            spec.embedding_dropout)
+        every = stage_parts(spec.rotary)
+        last = {**stage_parts(spec.final_norm, spec.output_projection), "lm_head": "lm_head"}
         body = dict(base_class=base_class, prefix=prefix, layer_paths=(f"{prefix}.{spec.layers}",),
                     first_modules=first, every_stage_modules=every, last_modules=last,
                     tied_embedding=f"{prefix}.{spec.embed_tokens}.weight", **attributes)
         return type(f"{base_class.__name__}PipelineAdapter", (cls,), body)
+
+    def absent_modules(self, model) -> set[str]:
+        """Stage module paths this config lacks (OPT's ``project_in`` when the widths agree, its final norm under
+        post-norm): found on the meta-built plain base model, once per model (not on ``model``, whose stages may
+        already have dropped what they do not run)."""
+        found = model.__dict__.get("_oslo_absent_stage_modules")
+        if found is None:
+            base = self._plain_base(model.config)
+            paths = {**self.first_modules, **self.every_stage_modules, **self.last_modules}.values()
+            found = {path for path in paths
+                     if path.startswith(f"{self.prefix}.") and base.part(path[len(self.prefix) + 1:]) is None}
+            model.__dict__["_oslo_absent_stage_modules"] = found
+        return found
+
+    def stage_modules(self, model, layout, stage: int) -> dict[str, str]:
+        absent = self.absent_modules(model)
+        return {name: path for name, path in super().stage_modules(model, layout, stage).items()
+                if path not in absent}
+
+    def optional_modules(self, model, layout) -> set[str]:
+        return super().optional_modules(model, layout) - self.absent_modules(model)
 
     def layer_counts(self, model) -> tuple[int, ...]:
         return (model.config.num_hidden_layers,)
@@ -60,11 +82,11 @@ class StackPipelineAdapter(CausalLMPipelineAdapter):
         def count(module) -> float:
             return float(sum(p.numel() for p in module.parameters())) if module is not None else 0.0
 
-        costs = [count(layer) for layer in getattr(base, spec.layers)]
-        first = sum(count(getattr(base, name)) for name in self.first_modules)
-        embed = getattr(base, spec.embed_tokens).weight
-        last = (count(getattr(base, spec.final_norm)) if spec.final_norm else 0.0) + float(embed.numel())
-        return costs, first, last
+        costs = [count(layer) for layer in base.part(spec.layers)]
+        first = sum(count(base.part(path[len(self.prefix) + 1:])) for path in self.first_modules.values())
+        embed = base.part(spec.embed_tokens).weight
+        last = sum(count(base.part(name)) for name in (spec.final_norm, spec.output_projection))
+        return costs, first, last + float(embed.numel())
 
     def use_sequence_parallel(self, model, batch) -> bool:
         from .sequence_parallel import use_sequence_parallel

@@ -71,3 +71,46 @@ def build_alibi(attention_mask: torch.Tensor, slopes: torch.Tensor, dtype: torch
     values as ``[b * n, 1, s]``."""
     positions = ((attention_mask.cumsum(dim=-1) - 1) * attention_mask)[:, None, None, :]  # [b, 1, 1, s]
     return (slopes.to(attention_mask.device)[None, :, None, None] * positions).to(dtype)
+
+
+def alibi_attention_mask(attention_mask, shape_like: torch.Tensor, past_key_values, slopes: torch.Tensor, *,
+                         divisor: float = 1.0) -> torch.Tensor:
+    """The additive attention mask of a causal ALiBi decoder, the bias inside it: ``[b, n_local, s, k]`` (``k = past
+    + s``), ``build_alibi(...) / divisor`` where a key is visible (causal and not padding) and the dtype's minimum
+    elsewhere, in ``shape_like``'s dtype. Bloom adds the bias unscaled, Falcon divides it by ``sqrt(head_dim)``.
+
+    ``attention_mask``: ``[b, k]`` (1 = token, 0 = padding; covering the cached tokens too) or ``None`` (no
+    padding); ``shape_like``: ``[b, s, ...]`` (batch, length, dtype and device are read); ``slopes``: this rank's
+    ``[n_local]``. A row with no visible key (a left-padded query) is all minimum, so its softmax is uniform, as in
+    ``transformers``' ALiBi decoders. Every attention kernel takes the result as its mask (SDPA: no ``is_causal``).
+    No collective: each tensor-parallel rank builds the mask of its own heads."""
+    batch, length = shape_like.shape[:2]
+    device, dtype = shape_like.device, shape_like.dtype
+    past = past_key_values.get_seq_length() if past_key_values is not None else 0
+    total = past + length
+    if attention_mask is None:
+        attention_mask = torch.ones(batch, total, dtype=torch.long, device=device)
+    elif isinstance(attention_mask, dict) or attention_mask.ndim != 2 or attention_mask.shape[-1] != total:
+        found = "a dict of masks" if isinstance(attention_mask, dict) else f"shape {tuple(attention_mask.shape)}"
+        raise ValueError(f"ALiBi builds its bias from the 2D padding mask [batch, past + length] = [{batch}, {total}]"
+                         f", got {found} (a static cache's prepared 4D masks are not supported)")
+    attention_mask = attention_mask.to(device)
+    bias = build_alibi(attention_mask, slopes, dtype)  # [b, n_local, 1, k]
+    if divisor != 1.0:
+        bias = bias / divisor
+    keys = torch.arange(total, device=device)
+    visible = (keys[None, :] <= past + torch.arange(length, device=device)[:, None])[None] \
+        & attention_mask[:, None, :].bool()  # [b, s, k]
+    hidden = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device)
+    return torch.where(visible[:, None], bias, hidden)  # [b, n_local, s, k]
+
+
+def refuse_alibi_under_context_parallel(family: str, parallel) -> None:
+    """``NotImplementedError`` for ALiBi under context parallelism, raised while the config is validated (before any
+    process group exists): the context-parallel core (ring / all-to-all) runs plain softmax attention on blocks of
+    the sequence and takes no additive per-head bias, so the bias would be silently dropped."""
+    if parallel.context_parallel_size > 1:
+        raise NotImplementedError(f"{family} with ALiBi under context_parallel_size={parallel.context_parallel_size} "
+                                  "is not implemented: ALiBi adds a per-head bias to every attention score, and the "
+                                  "context-parallel core (ring / all-to-all) runs plain softmax attention on blocks "
+                                  "of the sequence with no bias; use context_parallel_size=1")

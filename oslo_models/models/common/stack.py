@@ -38,11 +38,18 @@ from .sequence_parallel import enter_sequence_parallel, leave_sequence_parallel,
 
 @dataclass(frozen=True)
 class StackSpec:
-    """Where a base model keeps each part (``transformers``' attribute names) and what its blocks are made of.
+    """Where a base model keeps each part (``transformers``' attribute names, dotted under a submodule: OPT's
+    ``decoder.layers``) and what its blocks are made of.
 
     ``block``: the family's layer class (a ``blocks`` template subclass); ``components``: role -> component
     class(es) that can fill it (each carries ``tp_plan`` and ``parallel_rules``); ``norm``: the final norm's
-    component (default: the block's ``mlp_norm`` or ``attn_norm`` class)."""
+    component (default: the block's ``mlp_norm`` or ``attn_norm`` class). Parts some configs lack (OPT's
+    ``project_in`` when the widths agree, its final norm under post-norm) are ``None`` attributes: skipped.
+
+    Optional parts run by the embedding and final phases: ``input_projection`` (token embeddings -> hidden, before
+    the learned positions are added: OPT's ``project_in``), ``embedding_norm`` (after the embeddings, on this
+    rank's tokens: Bloom's ``word_embeddings_layernorm``), ``output_projection`` (after the final norm, on the
+    gathered ``[b, s, h]``: OPT's ``project_out``)."""
 
     block: type
     components: Mapping[str, Any]
@@ -56,6 +63,9 @@ class StackSpec:
     extra_plan: Mapping[str, Any] = field(default_factory=dict)
     #: ``token_type_ids`` are looked up in the token table and added (GPT-2, GPT-J: ``transformers``' rule)
     token_types_through_tokens: bool = False
+    input_projection: str | None = None
+    embedding_norm: str | None = None
+    output_projection: str | None = None
 
     @property
     def final_norm_component(self):
@@ -73,9 +83,10 @@ class StackSpec:
             styles[self.embedding_dropout] = TPDropout()
         styles.update({f"{self.layers}.*.{pattern}": style
                        for pattern, style in self.block.tp_plan(self.components).items()})
-        if self.final_norm:
-            styles.update({f"{self.final_norm}.{p}" if p else self.final_norm: s
-                           for p, s in getattr(self.final_norm_component, "tp_plan", {}).items()})
+        for norm in (self.embedding_norm, self.final_norm):  # both of the final norm's kind
+            if norm:
+                styles.update({f"{norm}.{p}" if p else norm: s
+                               for p, s in getattr(self.final_norm_component, "tp_plan", {}).items()})
         styles.update(self.extra_plan)
         return ParallelPlan({**{(f"{prefix}.{p}" if prefix else p): s for p, s in styles.items()}, **head_styles})
 
@@ -111,25 +122,43 @@ class TransformerStack:
     output_class: ClassVar[type] = BaseModelOutputWithPast
 
     # ------------------------------------------------------------------ hooks
+    def part(self, name: str | None) -> nn.Module | None:
+        """The module at the spec's (possibly dotted) attribute ``name``; ``None`` if ``name`` is ``None`` or the
+        model has no such part (a ``None`` attribute: absent for this config, or dropped by a pipeline stage)."""
+        module = self
+        for attribute in name.split(".") if name else ():
+            module = getattr(module, attribute, None)
+            if module is None:
+                return None
+        return module if name else None
+
     def embed(self, input_ids, inputs_embeds, position_ids, token_type_ids=None) -> torch.Tensor:
-        """``[b, s, h]`` on every TP rank: token embeddings (vocab-parallel: all-reduce over TP) plus learned
-        position embeddings when the spec has them, plus token-type ids through the token table when the spec says
-        so (GPT-2, GPT-J)."""
+        """``[b, s, h]`` on every TP rank: token embeddings (vocab-parallel: all-reduce over TP), projected to the
+        hidden width when the spec has an ``input_projection``, plus learned position embeddings when the spec has
+        them, plus token-type ids through the token table when the spec says so (GPT-2, GPT-J)."""
         spec = self.stack_spec
         if inputs_embeds is None:
-            inputs_embeds = getattr(self, spec.embed_tokens)(input_ids)
+            inputs_embeds = self.part(spec.embed_tokens)(input_ids)
         hidden = inputs_embeds
+        projection = self.part(spec.input_projection)
+        if projection is not None:
+            hidden = projection(hidden)
         if spec.position_embedding:
-            hidden = hidden + getattr(self, spec.position_embedding)(position_ids)
+            hidden = hidden + self.position_embeds(position_ids)
         if spec.token_types_through_tokens and token_type_ids is not None:
-            hidden = hidden + getattr(self, spec.embed_tokens)(token_type_ids.view(-1, hidden.shape[1]))
+            hidden = hidden + self.part(spec.embed_tokens)(token_type_ids.view(-1, hidden.shape[1]))
         return hidden
 
+    def position_embeds(self, position_ids) -> torch.Tensor:
+        """The learned position embeddings ``[b, s, h]`` of ``position_ids`` (OPT offsets the rows)."""
+        return self.part(self.stack_spec.position_embedding)(position_ids)
+
     def get_input_embeddings(self):
-        return getattr(self, self.stack_spec.embed_tokens)
+        return self.part(self.stack_spec.embed_tokens)
 
     def set_input_embeddings(self, value):
-        setattr(self, self.stack_spec.embed_tokens, value)
+        owner, _, name = self.stack_spec.embed_tokens.rpartition(".")
+        setattr(self.part(owner) if owner else self, name, value)
 
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
         """``{attention type: mask}`` for ``kinds`` (``transformers``' causal / sliding-window masks)."""
@@ -154,7 +183,7 @@ class TransformerStack:
             masks = {kind: cp_mask for kind in (FULL, SLIDING)}
         else:
             masks = self.layer_masks(shape_like, attention_mask, past_key_values, position_ids, kinds)
-        rotary = getattr(self, self.stack_spec.rotary) if self.stack_spec.rotary else None
+        rotary = self.part(self.stack_spec.rotary)
         position_embeddings = rotary(shape_like, position_ids) if rotary is not None else None
         if sequence_parallel is None:
             sequence_parallel = use_sequence_parallel(self, seq_len)
@@ -182,19 +211,23 @@ class TransformerStack:
         hidden = self.embed(input_ids, inputs_embeds, inputs.position_ids, token_type_ids)
         if inputs.sequence_parallel:  # [b, s, h] -> [b, s/tp, h]
             hidden = enter_sequence_parallel(hidden, self.parallel_context)
-        dropout = self.stack_spec.embedding_dropout
-        return getattr(self, dropout)(hidden) if dropout else hidden
-
-    def _finish_phase(self, hidden: torch.Tensor, inputs: StackInputs) -> torch.Tensor:
-        norm = self.stack_spec.final_norm
-        if norm:
-            hidden = getattr(self, norm)(hidden)
-        if inputs.sequence_parallel:  # [b, s/tp, h] -> [b, s, h]
-            hidden = leave_sequence_parallel(hidden, self.parallel_context)
+        # after the scatter: under SP the norm sees this rank's tokens, and its style sums its gradients over TP
+        for name in (self.stack_spec.embedding_norm, self.stack_spec.embedding_dropout):
+            module = self.part(name)
+            hidden = module(hidden) if module is not None else hidden
         return hidden
 
+    def _finish_phase(self, hidden: torch.Tensor, inputs: StackInputs) -> torch.Tensor:
+        norm = self.part(self.stack_spec.final_norm)
+        if norm is not None:
+            hidden = norm(hidden)
+        if inputs.sequence_parallel:  # [b, s/tp, h] -> [b, s, h]
+            hidden = leave_sequence_parallel(hidden, self.parallel_context)
+        projection = self.part(self.stack_spec.output_projection)  # replicated, on the whole sequence
+        return projection(hidden) if projection is not None else hidden
+
     def _layers(self) -> nn.ModuleList:
-        return getattr(self, self.stack_spec.layers)
+        return self.part(self.stack_spec.layers)
 
     # ------------------------------------------------------------------ forward
     @capture_parallel_outputs

@@ -1,0 +1,155 @@
+"""Bloom, written single-device on the shared stack with the module tree and state-dict keys of ``transformers``'
+Bloom (``transformer.word_embeddings``, ``word_embeddings_layernorm``, ``h.N.self_attention.query_key_value``, ...).
+
+What is particular to Bloom, and where it lives:
+
+- ALiBi instead of positions: the stack's ``layer_masks`` hook builds, once per forward, the additive mask of this
+  rank's heads ``[b, n/tp, s, k]``: head ``i``'s bias ``slope_i * (key position counted over the unmasked keys)``
+  where a key is visible, the dtype's minimum elsewhere (``common/positions.py``). Each tensor-parallel rank takes
+  the slopes of the heads it holds (``local_alibi_slopes``), so no collective is involved;
+- ``query_key_value`` packs ``[q, k, v]`` per head: split by whole heads (``common/grouped_qkv_attention.py``);
+- ``word_embeddings_layernorm`` after the token embedding (the spec's ``embedding_norm``);
+- ``apply_residual_connection_post_layernorm``: the pre-norm template's ``residual_after_norm``;
+- the MLP's GELU is ``transformers``' own Bloom GELU function (its tanh constants and hand-written backward).
+
+Context parallelism is refused: its ring / all-to-all core runs plain softmax attention on blocks of the sequence
+and takes no additive per-head bias. ``pretraining_tp``/``slow_but_exact`` only change the summation order of
+``dense``; they are accepted and ignored, as the plain layers compute the same product.
+
+Shapes: b batch, s sequence, k key length (cache included), h hidden, n heads (n/tp per rank), d head dim.
+"""
+from __future__ import annotations
+
+import transformers
+from torch import nn
+from transformers.generation import GenerationMixin
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
+from transformers.models.bloom.modeling_bloom import GeLUFunction
+
+from ...config import ParallelConfig
+from ...parallel_layers.layers import Embedding
+from ..common.blocks import PreNormBlock
+from ..common.causal_masks import FULL
+from ..common.grouped_qkv_attention import GroupedQKVAttention
+from ..common.layer_norm import LayerNorm
+from ..common.mlp import DenseMLP
+from ..common.parallel_rules import Features
+from ..common.positions import alibi_attention_mask, local_alibi_slopes, refuse_alibi_under_context_parallel
+from ..common.stack import StackSpec, TransformerStack
+from ..heads import (
+    ForCausalLM,
+    ForQuestionAnswering,
+    ForSequenceClassification,
+    ForTokenClassification,
+    StackFamilyModel,
+)
+from ..modeling_utils import OsloPreTrainedModel
+from .configuration_bloom import BloomConfig
+
+
+class BloomAttention(GroupedQKVAttention):
+    """``query_key_value`` ``[n x (q, k, v)]`` (one group per head), ``dense``; positions come from the ALiBi mask."""
+
+
+class BloomMLP(DenseMLP):
+    """``dense_4h_to_h(gelu(dense_h_to_4h(x)))`` then the residual dropout (``hidden_dropout``)."""
+
+    names = ("dense_h_to_4h", "dense_4h_to_h")
+
+    @classmethod
+    def parallel_rules(cls, config) -> list:
+        return [Features("4 * hidden_size", 4 * config.hidden_size)]
+
+
+class BloomBlock(PreNormBlock):
+    """Pre-norm block; with ``apply_residual_connection_post_layernorm`` each residual is the normalized input."""
+
+    names = dict(attn_norm="input_layernorm", attn="self_attention", mlp_norm="post_attention_layernorm", mlp="mlp")
+
+    def __init__(self, config: BloomConfig, layer_idx: int, *, fused: bool = False):
+        hidden, eps = config.hidden_size, config.layer_norm_epsilon
+        super().__init__(attn_norm=LayerNorm(hidden, eps=eps),
+                         attn=BloomAttention(config, layer_idx, attention_dropout=config.attention_dropout,
+                                             output_dropout=config.hidden_dropout, fused=fused),
+                         mlp_norm=LayerNorm(hidden, eps=eps),
+                         mlp=BloomMLP(hidden, 4 * hidden, act=GeLUFunction.apply, dropout=config.hidden_dropout))
+        self.residual_after_norm = bool(config.apply_residual_connection_post_layernorm)
+
+
+BLOOM_SPEC = StackSpec(block=BloomBlock,
+                       components=dict(attn_norm=LayerNorm, attn=BloomAttention, mlp_norm=LayerNorm, mlp=BloomMLP),
+                       embed_tokens="word_embeddings", embedding_norm="word_embeddings_layernorm", layers="h",
+                       final_norm="ln_f")
+
+
+class BloomPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
+    config_class = BloomConfig
+    config: BloomConfig
+    base_model_prefix = "transformer"
+    stack_spec = BLOOM_SPEC
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["BloomBlock"]
+    # eager, as transformers' Bloom: SDPA takes the ALiBi mask as well and gives the same outputs, but its backward
+    # through a query that sees no key (a left-padded position) differs from eager autograd's
+    _supports_sdpa = False
+    _can_record_outputs = {"hidden_states": BloomBlock, "attentions": BloomAttention}
+
+    @classmethod
+    def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
+        super().validate_parallel_config(config, parallel)  # heads, the fused q|k|v groups, 4h
+        if config.hidden_size % config.num_attention_heads:
+            raise ValueError(f"Bloom hidden_size={config.hidden_size} is not divisible by n_head="
+                             f"{config.num_attention_heads}")
+        refuse_alibi_under_context_parallel("Bloom", parallel)
+
+
+class BloomModel(TransformerStack, BloomPreTrainedModel):
+    """Token embedding and its LayerNorm, ``n_layer`` blocks and ``ln_f``; the forward is the shared stack's, with
+    the ALiBi mask from ``layer_masks``. Output ``last_hidden_state``: ``[b, s, h]``."""
+
+    hf_twin = transformers.BloomModel
+    is_base_model = True
+    output_class = BaseModelOutputWithPastAndCrossAttentions
+
+    def __init__(self, config: BloomConfig, *, parallel_context=None, submodule: bool = False):
+        super().__init__(config, parallel_context=parallel_context)
+        fused = self.parallel_context.config.fused_ops
+        self.embed_dim, self.num_heads = config.hidden_size, config.num_attention_heads
+        self.word_embeddings = Embedding(config.vocab_size, self.embed_dim)
+        self.word_embeddings_layernorm = LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
+        self.h = nn.ModuleList([BloomBlock(config, i, fused=fused) for i in range(config.num_hidden_layers)])
+        self.ln_f = LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
+        self.gradient_checkpointing = False
+        self.post_init()
+        if not submodule:
+            self.finish_init()
+
+    def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
+        """``{"full_attention": [b, n/tp, s, k]}``: the causal padding mask with this rank's ALiBi bias in it."""
+        context = self.parallel_context
+        slopes = local_alibi_slopes(self.num_heads, context.tp_rank, context.tp_size, shape_like.device)
+        return {FULL: alibi_attention_mask(attention_mask, shape_like, past_key_values, slopes)}
+
+
+
+BloomPreTrainedModel.base_model_class = BloomModel
+
+
+class BloomForCausalLM(ForCausalLM, BloomPreTrainedModel, GenerationMixin):
+    """Bloom with the LM head tied to ``word_embeddings``."""
+
+    hf_twin = transformers.BloomForCausalLM
+    output_class = CausalLMOutputWithCrossAttentions
+
+
+class BloomForSequenceClassification(ForSequenceClassification, BloomPreTrainedModel):
+    hf_twin = transformers.BloomForSequenceClassification
+
+
+class BloomForTokenClassification(ForTokenClassification, BloomPreTrainedModel):
+    hf_twin = transformers.BloomForTokenClassification
+    classifier_name = "classifier"
+
+
+class BloomForQuestionAnswering(ForQuestionAnswering, BloomPreTrainedModel):
+    hf_twin = transformers.BloomForQuestionAnswering
