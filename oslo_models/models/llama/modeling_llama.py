@@ -111,6 +111,7 @@ class LlamaModel(TransformerStack, LlamaPreTrainedModel):
     is_base_model = True
     _oslo_context_parallel = True
     decoder_layer_class = LlamaDecoderLayer  # the MoE decoders (models/mixtral, qwen2_moe) swap in theirs
+    rotary_class = RotaryEmbedding  # Phi-3: PartialRotaryEmbedding (``partial_rotary_factor``)
 
     def __init__(self, config, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)
@@ -121,7 +122,7 @@ class LlamaModel(TransformerStack, LlamaPreTrainedModel):
         self.layers = nn.ModuleList([self.build_layer(config, i, fused=fused)
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula="llama", fused=fused)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.rotary_emb = self.rotary_class(config)
         self.gradient_checkpointing = False
         self.post_init()
         if not submodule:

@@ -17,11 +17,12 @@ import dataclasses
 
 import torch
 import transformers
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils.generic import can_return_tuple
+from transformers.utils.output_capturing import OutputRecorder
 
 from ...config import ParallelConfig
-from ...parallel_layers.moe import load_balancing_loss
+from ...parallel_layers.moe import TopKRouter, load_balancing_loss
 from ..common.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
 from ..common.mlp import GatedMLP
 from ..common.moe import RouterLogits, SparseMoeBlock, check_expert_layout
@@ -57,6 +58,10 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
     config_class = MixtralConfig
     stack_spec = MOE_SPEC
     _no_split_modules = ["MoeDecoderLayer"]
+    # the base model returns each sparse layer's router logits [b*s, E] with output_router_logits, as transformers'
+    # (recorded by its hooks on the routers; the tokens are whole on every TP rank: nothing to gather)
+    _can_record_outputs = {**llama.LlamaPreTrainedModel._can_record_outputs,
+                           "router_logits": OutputRecorder(TopKRouter, index=0)}
     expert_key_layout = ExpertKeyLayout(gate="w1", up="w3", down="w2", hub_block="block_sparse_moe")
 
     @classmethod
@@ -94,6 +99,7 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
 class MixtralModel(MixtralPreTrainedModel, llama.LlamaModel):
     hf_twin = transformers.MixtralModel
     decoder_layer_class = MoeDecoderLayer
+    output_class = MoeModelOutputWithPast
 
 
 MixtralPreTrainedModel.base_model_class = MixtralModel
