@@ -7,7 +7,9 @@ A ``Layout`` answers, for a full tensor (the checkpoint's, layout-independent) a
   ``read(index)`` (``index`` a tuple of slices: a ``safetensors`` slice, a lazily read checkpoint, a full tensor);
 - ``join(pieces)``: the full tensor from the pieces of ranks ``0 .. size-1`` (the exact inverse of
   ``read_shard``: padding stripped, packed blocks put back, replicated copies counted once);
-- ``replicas(size)``: how many ranks hold each piece (1 unless whole heads are replicated).
+- ``replicas(size)``: how many ranks hold each piece (1 unless whole heads are replicated);
+- ``norm_share(local, p, context)``: this rank's ``sum |x|^p`` counted once over the ranks holding each entry
+  (gradient-norm clipping; per block for packed q|k|v whose key/value heads alone are replicated).
 
 The group is the layout's mesh ``axis`` (``"tp"``, a sub-axis of the 2D/2.5D/3D grid such as ``"tp_row"``, a tuple
 of axes combined outermost first, or ``"ep"`` for stacked experts). The ``*_in`` / ``*_local`` methods read this

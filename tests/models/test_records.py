@@ -29,7 +29,7 @@ AUTO_CLASSES = [getattr(auto, name) for name in dir(auto)
 def test_every_folder_declares_its_model_types():
     assert {r.model_type for r in RECORDS} == {
         "bert", "gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "roberta", "xlm-roberta",
-        "camembert", "switch_transformers", "t5", "mt5"}
+        "camembert", "switch_transformers", "t5", "mt5", "phi3", "starcoder2", "qwen3_moe"}
     by_package = {}
     for record in RECORDS:
         by_package.setdefault(record.package.rsplit(".", 1)[-1], []).append(record.model_type)

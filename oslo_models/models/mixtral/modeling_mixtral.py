@@ -1,7 +1,8 @@
 """Mixtral: the Llama decoder (``models/llama``) whose feed-forward is a sparse mixture of experts
 (``common.moe.SparseMoeBlock``), with ``transformers``' module tree and keys (``mlp.gate.weight``,
-``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``). Qwen2-MoE (``models/qwen2_moe``) is the same code with
-its switches (shared expert, dense layers, ``norm_topk_prob``, q/k/v biases).
+``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``). Qwen2-MoE (``models/qwen2_moe``) and Qwen3-MoE
+(``models/qwen3_moe``) are the same code with their switches (shared expert, dense layers, ``norm_topk_prob``,
+q/k/v biases, q/k norms).
 
 Expert parallelism: ``ParallelConfig(expert_parallel_size=ep)`` splits each layer's experts over ``ep`` of the
 data-parallel ranks (``parallel_plan.py``); tokens travel to their experts and back by all-to-all. Tensor
@@ -10,6 +11,7 @@ parallelism splits attention (and Qwen2-MoE's shared/dense MLPs) as in Llama; ex
 Router losses as ``transformers``: with ``output_router_logits`` (argument or ``config.output_router_logits``)
 the outputs carry ``router_logits`` (one ``[b*s, E]`` per sparse layer) and ``aux_loss`` (the load-balancing loss
 over this rank's tokens), and, when ``labels`` are given, ``loss = lm_loss + router_aux_loss_coef * aux_loss``.
+The base model returns ``MoeModelOutputWithPast`` with the router logits when asked, as ``transformers``' does.
 """
 from __future__ import annotations
 
