@@ -6,7 +6,8 @@ tp 1, tp 2 (+SP for the dense two), the decode loop and pp 2), against ``transfo
   ``transformers``' order; every head (sequence / token classification, Qwen3-MoE's question answering under
   ``transformer``); the MoE base model's router logits; Qwen3-MoE with ``decoder_sparse_step=2``; Phi-3's rotary;
 - one spawned tp 2 group: Phi-3's packed q|k|v attention split (key/value heads split, then replicated) against the
-  single-process module with its negative controls; Phi-3 with 2 key/value heads at tp 2 + SP; gradient-norm
+  single-process module with its negative controls; the dropout RNG rules of the new dropout sites (SP off and on);
+  Phi-3 with 2 key/value heads at tp 2 + SP; gradient-norm
   clipping with replicated key/value blocks; ``save_pretrained`` at tp 2 opening in plain ``transformers``;
 - one spawned group of 4: Qwen3-MoE at ep 2 x tp 2 and ep 4 (logits, router logits, aux loss, loss, every gradient,
   clipping, parameters after 3 AdamW steps; the MoE parity test's helper), the ep 2 x tp 2 save in ``transformers``.
@@ -32,6 +33,7 @@ from oslo_models.parallel_layers.sharding import EvenSplit
 from oslo_models.training import clip_grad_norm_
 from tests.helpers import zoo
 from tests.helpers.dist import run_distributed
+from tests.helpers.dropout import DropoutMasks, check_tp_rules
 from tests.helpers.models import assert_grads_match, padded_batch
 from tests.models.test_components import _attention_call, _attn_config, _check_split, _parallel_copy, _randomize, _x
 
@@ -245,9 +247,33 @@ def _packed_attention_split(ctx) -> None:
                                       summed.qkv_proj.weight.grad[query_rows:], atol=1e-4)
 
 
+def _dropout_rules() -> None:
+    """The tensor-parallel RNG rules (``tests/models/test_tp_dropout_rng.py``) on the new dropout sites: residual
+    and embedding dropouts drop the whole stream alike on both ranks, or (SP) each rank its own chunk; attention
+    probabilities of each rank's heads differ."""
+    p = 0.2
+    cases = {"phi3": (dict(resid_pdrop=p, attention_dropout=p), {r"model\.layers\.\d+\.resid_(attn|mlp)_dropout"}),
+             "starcoder2": (dict(residual_dropout=p, embedding_dropout=p, attention_dropout=p),
+                            {r"model\.embedding_dropout", r"model\.layers\.\d+\.attn_residual_dropout",
+                             r"model\.layers\.\d+\.mlp\.dropout"})}
+    ids, mask, labels = padded_batch(_vocab("phi3"), batch=2, seq=8)
+    for model_type, (overrides, residual) in cases.items():
+        for sp in (False, True):
+            parallel = om.ParallelConfig(tensor_parallel_size=2, sequence_parallel=sp)
+            torch.manual_seed(0)
+            model = _classes(model_type, "ForCausalLM")[0].from_config(zoo.tiny_config(model_type, **overrides),
+                                                                       parallel=parallel).train()
+            with DropoutMasks(model) as recorder:
+                model(ids, attention_mask=mask, labels=labels)
+            rules = {pattern: "split" if sp else "replicated" for pattern in residual}
+            check_tp_rules(recorder.masks, {**rules, r"model\.layers\.\d+\.self_attn": "split"},
+                           what=f"{model_type} tp=2 sp={sp}")
+
+
 def _tp2_worker(paths: dict, out_root: str) -> None:
     ctx = om.ParallelContext.from_config(om.ParallelConfig(tensor_parallel_size=2))
     _packed_attention_split(ctx)
+    _dropout_rules()
     ids, mask, labels = padded_batch(zoo.tiny_kwargs("phi3")["vocab_size"], batch=2, seq=8)
     # Phi-3 with q|k|v blocks of 8|2|2 heads (split, not replicated; the zoo's record replicates 1) at tp 2 + SP
     parallel = om.ParallelConfig(tensor_parallel_size=2, sequence_parallel=True)
