@@ -5,16 +5,18 @@ tp 1, tp 2 (+SP for the dense two), the decode loop and pp 2), against ``transfo
   where ``transformers`` drops the short-factor cache once); the residual / embedding dropouts drawn in
   ``transformers``' order; every head (sequence / token classification, Qwen3-MoE's question answering under
   ``transformer``); the MoE base model's router logits; Qwen3-MoE with ``decoder_sparse_step=2``; Phi-3's rotary;
-- one spawned tp 2 group: Phi-3's packed q|k|v attention split (key/value heads split, then replicated) against the
-  single-process module with its negative controls; the dropout RNG rules of the new dropout sites (SP off and on);
-  Phi-3 with 2 key/value heads at tp 2 + SP; gradient-norm
-  clipping with replicated key/value blocks; ``save_pretrained`` at tp 2 opening in plain ``transformers``;
+- one spawned group of 2: at tp 2, Phi-3's packed q|k|v attention split (key/value heads split, then replicated)
+  against the single-process module with its negative controls; the dropout RNG rules of the new dropout sites (SP
+  off and on); Phi-3 with 2 key/value heads at tp 2 + SP; gradient-norm clipping with replicated key/value blocks;
+  ``save_pretrained`` at tp 2 opening in plain ``transformers``; context parallelism (cp 2, ring, one AdamW step)
+  with Phi-3's longrope switching inside the sequence and StarCoder2's window;
 - one spawned group of 4: Qwen3-MoE at ep 2 x tp 2 and ep 4 (logits, router logits, aux loss, loss, every gradient,
   clipping, parameters after 3 AdamW steps; the MoE parity test's helper), the ep 2 x tp 2 save in ``transformers``.
 
 Each new component has a negative control: a naive split of the packed q|k|v and a missing replica-gradient sum
 fail; a model without its residual dropouts fails; the full-width rotary on a partial-rotary config fails; a summed
-instead of per-block clipping share fails; keeping the short-factor cache past the switch changes the logits.
+instead of per-block clipping share fails; keeping the short-factor cache past the switch changes the logits; a
+context-parallel rank's own positions alone pick other longrope factors than the whole sequence.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3Attention, Phi3RotaryEmbe
 
 import oslo_models as om
 from oslo_models.models.common import PackedQKVAttention, PartialRotaryEmbedding, RotaryEmbedding
+from oslo_models.models.common.context_parallel import rotary_embeddings
 from oslo_models.parallel_layers.sharding import EvenSplit
 from oslo_models.training import clip_grad_norm_
 from tests.helpers import zoo
@@ -271,9 +274,22 @@ def _dropout_rules() -> None:
 
 
 def _tp2_worker(paths: dict, out_root: str) -> None:
+    from tests.parallel_layers.test_context_parallel import _train_matches as context_parallel_step_matches
+
     ctx = om.ParallelContext.from_config(om.ParallelConfig(tensor_parallel_size=2))
     _packed_attention_split(ctx)
     _dropout_rules()
+    # context parallelism (ring, one AdamW step): Phi-3's longrope switching inside the sequence, StarCoder2's window
+    for name in ("phi3_longrope12", "starcoder2"):
+        context_parallel_step_matches(name.split("_")[0], paths[name], context_parallel_size=2, steps=1)
+    # the control: a rank's own positions alone (4..11 on cp rank 1) would pick the short factors
+    model = om.Phi3ForCausalLM.from_pretrained(paths["phi3_longrope12"], parallel=om.ParallelConfig(
+        context_parallel_size=2), progress=False)
+    rotary, cp_rank = model.model.rotary_emb, model.parallel_context.cp_rank
+    x, mine = torch.zeros(1, 16, 64), (torch.arange(12, 16) if cp_rank == 0 else torch.arange(4, 12))[None]
+    cos = rotary_embeddings(model.model, rotary, x, mine)[0]
+    torch.testing.assert_close(cos, rotary(x, torch.arange(16)[None])[0][:, mine[0]], atol=0, rtol=0)
+    assert cp_rank == 0 or not torch.allclose(rotary(x, mine)[0], cos, atol=1e-3)
     ids, mask, labels = padded_batch(zoo.tiny_kwargs("phi3")["vocab_size"], batch=2, seq=8)
     # Phi-3 with q|k|v blocks of 8|2|2 heads (split, not replicated; the zoo's record replicates 1) at tp 2 + SP
     parallel = om.ParallelConfig(tensor_parallel_size=2, sequence_parallel=True)
@@ -316,16 +332,23 @@ def _tp2_worker(paths: dict, out_root: str) -> None:
             torch.testing.assert_close(plain(ids, attention_mask=mask).logits, logits, **ATOL)
 
 
-def _save(root, model_type: str, **overrides) -> str:
+def _save(path, model_type: str, **overrides) -> str:
     torch.manual_seed(0)
-    path = str(root / "-".join([model_type, *map(str, overrides.values())]))
     _classes(model_type, "ForCausalLM")[1](zoo.tiny_config(model_type, **overrides)).save_pretrained(path)
-    return path
+    return str(path)
 
 
-def test_tp2_packed_attention_clipping_and_save(tmp_path):
-    paths = {"phi3": _save(tmp_path, "phi3"), "phi3_kv2": _save(tmp_path, "phi3", num_key_value_heads=2),
-             "starcoder2": _save(tmp_path, "starcoder2")}
+# Phi-3 whose long factors take over past 12 positions: in the context-parallel test's 16-token rows, but not in
+# every rank's chunk (positions 4..11 on cp rank 1), so each rank must pick the frequencies of the whole sequence
+LONGROPE_12 = dict(original_max_position_embeddings=12, rope_parameters={
+    **zoo.tiny_kwargs("phi3")["rope_parameters"], "original_max_position_embeddings": 12})
+
+
+def test_tp2_cp2_packed_attention_clipping_and_save(tmp_path):
+    paths = {"phi3": _save(tmp_path / "phi3", "phi3"),
+             "phi3_kv2": _save(tmp_path / "phi3_kv2", "phi3", num_key_value_heads=2),
+             "phi3_longrope12": _save(tmp_path / "phi3_longrope12", "phi3", **LONGROPE_12),
+             "starcoder2": _save(tmp_path / "starcoder2", "starcoder2")}
     run_distributed(_tp2_worker, 2, paths, str(tmp_path / "saved"), timeout=600)
 
 
@@ -357,4 +380,5 @@ def _expert_parallel_worker(path: str, out_root: str) -> None:
 
 
 def test_qwen3_moe_expert_parallel_matches_transformers(tmp_path):
-    run_distributed(_expert_parallel_worker, 4, _save(tmp_path, "qwen3_moe"), str(tmp_path / "saved"), timeout=600)
+    run_distributed(_expert_parallel_worker, 4, _save(tmp_path / "qwen3_moe", "qwen3_moe"), str(tmp_path / "saved"),
+                    timeout=600)
