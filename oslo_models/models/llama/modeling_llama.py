@@ -111,7 +111,6 @@ class LlamaModel(TransformerStack, LlamaPreTrainedModel):
     is_base_model = True
     _oslo_context_parallel = True
     decoder_layer_class = LlamaDecoderLayer  # the MoE decoders (models/mixtral, qwen2_moe) swap in theirs
-    rotary_class = RotaryEmbedding  # Phi-3: PartialRotaryEmbedding (``partial_rotary_factor``)
 
     def __init__(self, config, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)
@@ -122,7 +121,7 @@ class LlamaModel(TransformerStack, LlamaPreTrainedModel):
         self.layers = nn.ModuleList([self.build_layer(config, i, fused=fused)
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula="llama", fused=fused)
-        self.rotary_emb = self.rotary_class(config)
+        self.rotary_emb = self.build_rotary(config)
         self.gradient_checkpointing = False
         self.post_init()
         if not submodule:
@@ -133,6 +132,11 @@ class LlamaModel(TransformerStack, LlamaPreTrainedModel):
         return cls.decoder_layer_class(config, layer_idx, options=cls.decoder_options(config),
                                        attention_type=cls.attention_types(config)[layer_idx],
                                        mlp=cls.build_mlp(config, layer_idx), fused=fused)
+
+    @classmethod
+    def build_rotary(cls, config) -> nn.Module:
+        """The rotary module (``rotary_emb``): ``transformers``' Llama one here; Gemma 3 has one per layer type."""
+        return RotaryEmbedding(config)
 
     def get_input_embeddings(self):
         return self.embed_tokens

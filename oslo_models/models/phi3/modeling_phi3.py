@@ -80,7 +80,10 @@ class Phi3PreTrainedModel(llama.LlamaPreTrainedModel):
 class Phi3Model(Phi3PreTrainedModel, llama.LlamaModel):
     hf_twin = transformers.Phi3Model
     decoder_layer_class = Phi3DecoderLayer
-    rotary_class = PartialRotaryEmbedding
+
+    @classmethod
+    def build_rotary(cls, config) -> nn.Module:
+        return PartialRotaryEmbedding(config)
 
 
 Phi3PreTrainedModel.base_model_class = Phi3Model
