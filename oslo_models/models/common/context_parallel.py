@@ -41,19 +41,23 @@ def context_parallel_inputs(model, inputs_embeds: torch.Tensor, attention_mask, 
 
 
 def rotary_embeddings(model, rotary, shape_like: torch.Tensor, position_ids: torch.Tensor):
-    """``rotary(shape_like, position_ids)``: ``(cos, sin)`` ``[b, s, d]``. ``transformers``' ``dynamic`` and
-    ``longrope`` rotaries pick their frequencies from ``max(position_ids) + 1`` of the forward; under context
-    parallelism this rank holds a chunk only, so the whole sequence's largest position (one all-reduce of a scalar,
-    max over cp) joins its positions as one extra column, whose ``cos``/``sin`` are dropped. Other rope types and
-    cp=1: the plain call."""
+    """``rotary(shape_like, position_ids)``: ``(cos, sin)`` ``[b, s, d]`` (or a dict of them, one pair per attention
+    type, from a rotary with a rope type per type). ``transformers``' ``dynamic`` and ``longrope`` rotaries pick their
+    frequencies from ``max(position_ids) + 1`` of the forward; under context parallelism this rank holds a chunk
+    only, so the whole sequence's largest position (one all-reduce of a scalar, max over cp) joins its positions as
+    one extra column, whose ``cos``/``sin`` are dropped. Other rope types and cp=1: the plain call."""
     rope_type = getattr(rotary, "rope_type", None)
+    kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    length_dependent = any(isinstance(kind, str) and ("dynamic" in kind or kind == "longrope") for kind in kinds)
     context = model.parallel_context
-    if context.cp_size == 1 or not isinstance(rope_type, str) or not ("dynamic" in rope_type
-                                                                     or rope_type == "longrope"):
+    if context.cp_size == 1 or not length_dependent:
         return rotary(shape_like, position_ids)
     top = position_ids.max().reshape(1, 1).clone()
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=context.cp_group)
-    cos, sin = rotary(shape_like, torch.cat([position_ids, top.expand(position_ids.shape[0], 1)], dim=1))
+    out = rotary(shape_like, torch.cat([position_ids, top.expand(position_ids.shape[0], 1)], dim=1))
+    if isinstance(out, dict):
+        return {kind: (cos[:, :-1], sin[:, :-1]) for kind, (cos, sin) in out.items()}
+    cos, sin = out
     return cos[:, :-1], sin[:, :-1]
 
 
