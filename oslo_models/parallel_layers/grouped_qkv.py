@@ -115,6 +115,12 @@ class GroupedQKVSplit(Layout):
         query, kv = local.split([local.shape[self.dim] - key_value, key_value], dim=self.dim)
         return [(query, 1), (kv, ranks)]
 
+    def norm_share(self, local, norm_type, context):
+        """Each part's ``sum |x|^p`` divided by how many ranks hold it (``replica_parts``)."""
+        _, size = self.position(context)
+        return sum(torch.linalg.vector_norm(part, norm_type).pow(norm_type) / count
+                   for part, count in self.replica_parts(local, size))
+
     def describe(self) -> str:
         return (f" (it packs {self.groups} groups of {self.sizes[0]} query heads, a key and a value head, along dim "
                 f"{self.dim})")

@@ -17,6 +17,12 @@ the original ``[n_kv * head_dim, hidden]`` tensors.
 
 Under the 2D / 2.5D / 3D modes a key/value projection is a column-parallel grid linear (``Linear2D`` /
 ``Linear3D``): ``n_kv/q`` whole heads per hidden block, which needs ``q | n_kv`` (``check_grid_heads``).
+
+A fused q|k|v projection of grouped-query attention (Phi-3's ``qkv_proj``: ``[(n + 2 n_kv) * d, h]``, blocks of
+unequal size) is a ``PackedHeadsLinear``; its column-parallel form ``PackedKVHeadColumnParallelLinear`` holds this
+rank's ``n/tp`` query heads and its key/value heads (``max(n_kv/tp, 1)`` each, replicated as above) from each
+block, in block order: layout ``PackedSplit(0, (n, n_kv, n_kv), heads=True)``. Only the replicated blocks'
+gradients are summed over their replica group. 1D only (the grid layers split packed outputs into equal blocks).
 """
 from __future__ import annotations
 
@@ -26,8 +32,8 @@ import torch
 
 from .layers import Linear, linear_forward
 from .mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, group_size
-from .plan import Style, _weight_out_dim
-from .sharding import HeadSplit
+from .plan import Style, _weight_out_dim, refuse_grid_mode
+from .sharding import HeadSplit, PackedSplit
 from .tensor_parallel import ColumnParallelLinear
 
 
@@ -120,3 +126,86 @@ class KVHeadColwise(Style):
         if getattr(module, "bias", None) is not None:
             specs["bias"] = HeadSplit(0, module.num_heads)
         return specs
+
+
+# ---------------------------------------------------------------------------------------------- packed q|k|v
+class PackedHeadsLinear(Linear):
+    """A plain ``Linear`` whose output packs blocks of whole heads one after the other: ``head_counts`` heads of
+    ``head_dim`` each (Phi-3's ``qkv_proj``: ``(n, n_kv, n_kv)``). It computes exactly ``Linear``; ``blocks`` are the
+    output sizes of the blocks, what a caller splits the output by."""
+
+    def __init__(self, in_features: int, *, head_counts: tuple[int, ...], head_dim: int, **kwargs):
+        self.head_counts, self.head_dim = tuple(head_counts), head_dim
+        super().__init__(in_features, sum(self.head_counts) * head_dim, **kwargs)
+
+    @property
+    def blocks(self) -> list[int]:
+        return [count * self.head_dim for count in self.head_counts]
+
+
+class PackedKVHeadColumnParallelLinear(ColumnParallelLinear):
+    """Column-parallel ``PackedHeadsLinear``: output ``[b, s, sum(blocks)]`` with ``blocks`` this rank's part of
+    each packed block (``n/tp`` query heads, then ``max(n_kv/tp, 1)`` key and value heads).
+
+    Forward collectives: those of ``ColumnParallelLinear`` (none, or the sequence all-gather). Backward: theirs
+    (all-reduce / reduce-scatter of the input gradient over TP) plus, for each block whose heads are replicated
+    (``tp > n_kv``), an all-reduce of that block's weight and bias gradient rows over its replica group: a copy sees
+    only its rank's query heads, the sum is the full gradient, and the copies stay equal under the same optimizer.
+    """
+
+    def __init__(self, in_features: int, *, head_counts: tuple[int, ...], head_dim: int, group, replica_groups,
+                 bias: bool = True, device=None, dtype=None):
+        tp = group_size(group)
+        self.head_counts, self.head_dim = tuple(head_counts), head_dim
+        self.blocks = [HeadSplit(0, count).local_shape((count * head_dim,), tp)[0] for count in self.head_counts]
+        # built as a column split of a virtual ``local * tp`` output, then the real geometry is kept
+        super().__init__(in_features, sum(self.blocks) * tp, group=group, bias=bias, device=device, dtype=dtype)
+        self.full_out_features = sum(self.head_counts) * head_dim
+        self.replica_groups = list(replica_groups)
+
+    @classmethod
+    def from_plain(cls, module: PackedHeadsLinear, group, *, replica_groups) -> "PackedKVHeadColumnParallelLinear":
+        return cls(module.in_features, head_counts=module.head_counts, head_dim=module.head_dim, group=group,
+                   replica_groups=replica_groups, bias=module.bias is not None, device=module.weight.device,
+                   dtype=module.weight.dtype)
+
+    def _summed_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (weight or bias, blocks along dim 0) whose replicated blocks' gradients are summed over their
+        replica groups in the backward (forward: identity)."""
+        pieces = tensor.split(self.blocks, dim=0)
+        return torch.cat([piece if replicas is None else copy_to_tensor_parallel_region(piece, replicas)
+                          for piece, replicas in zip(pieces, self.replica_groups)], dim=0)
+
+    def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
+        if all(replicas is None for replicas in self.replica_groups):
+            return super().forward(x, sequence_parallel=sequence_parallel)
+        if self.sequence_parallel_active(sequence_parallel):
+            x = gather_from_sequence_parallel_region(x, self.group, grad_is_partial=True)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.group)
+        bias = self._summed_over_replicas(self.bias) if self.bias is not None else None
+        return linear_forward(x, self._summed_over_replicas(self.weight), bias, self.layout)
+
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("packed q|k|v head outputs are consumed on their rank; they are never gathered")
+
+
+@dataclass(frozen=True)
+class PackedKVHeadColwise(Style):
+    """Plan style of a fused grouped-query q|k|v projection (a ``PackedHeadsLinear``): see the module docstring.
+    Not published: ``transformers``' vocabulary has no style for unequal packed blocks (its own Phi-3 plan gathers
+    the output instead)."""
+
+    hf_style = None
+
+    def build(self, module, context):
+        refuse_grid_mode(context, "a packed q|k|v projection of unequal blocks (grouped-query attention)")
+        if module.layout != "linear":
+            raise ValueError("PackedKVHeadColwise takes a [out, in] (linear layout) weight")
+        replicas = self.layouts(module)["weight"].block_replicas(context.tp_size)
+        groups = [context.tp_subgroup(count) if count > 1 else None for count in replicas]
+        return PackedKVHeadColumnParallelLinear.from_plain(module, context.tp_group, replica_groups=groups)
+
+    def layouts(self, module):
+        layout = PackedSplit(0, tuple(module.head_counts), heads=True)
+        return {"weight": layout, **({"bias": layout} if getattr(module, "bias", None) is not None else {})}

@@ -7,7 +7,9 @@ A ``Layout`` answers, for a full tensor (the checkpoint's, layout-independent) a
   ``read(index)`` (``index`` a tuple of slices: a ``safetensors`` slice, a lazily read checkpoint, a full tensor);
 - ``join(pieces)``: the full tensor from the pieces of ranks ``0 .. size-1`` (the exact inverse of
   ``read_shard``: padding stripped, packed blocks put back, replicated copies counted once);
-- ``replicas(size)``: how many ranks hold each piece (1 unless whole heads are replicated).
+- ``replicas(size)``: how many ranks hold each piece (1 unless whole heads are replicated);
+- ``norm_share(local, p, context)``: this rank's ``sum |x|^p`` counted once over the ranks holding each entry
+  (gradient-norm clipping; per block for packed q|k|v whose key/value heads alone are replicated).
 
 The group is the layout's mesh ``axis`` (``"tp"``, a sub-axis of the 2D/2.5D/3D grid such as ``"tp_row"``, a tuple
 of axes combined outermost first, or ``"ep"`` for stacked experts). The ``*_in`` / ``*_local`` methods read this
@@ -165,8 +167,19 @@ class Layout:
         """How many tensor-parallel ranks hold each piece (norms over the tensor-parallel group divide by it). A
         piece split over another axis (``"ep"``) is held by every tensor-parallel rank."""
         _, size = self.position(context)
+        return self._tp_holders(context) * self.replicas(size)
+
+    def _tp_holders(self, context) -> int:
+        """Tensor-parallel ranks holding the same piece before any head replication."""
+        _, size = self.position(context)
         split = size if all(name.startswith("tp") for name in axis_names(self.axis)) else 1
-        return context.tp_size // split * self.replicas(size)
+        return context.tp_size // split
+
+    def norm_share(self, local: torch.Tensor, norm_type: float, context) -> torch.Tensor:
+        """``sum |x|^p`` of this rank's piece (p = ``norm_type``, finite) divided by how many tensor-parallel ranks
+        hold each of its entries, so that the sum over the tensor-parallel group counts every entry once
+        (gradient-norm clipping)."""
+        return torch.linalg.vector_norm(local, norm_type).pow(norm_type) / self.num_replicas(context)
 
     def dcp_view(self, local: torch.Tensor, context):
         """``(view, global_shape, shard_dim)``: ``local`` as the ``Shard(shard_dim)`` piece (torch.chunk's uneven
@@ -393,12 +406,29 @@ class PackedSplit(Layout):
         rows = Fraction(local_shape[self.dim]) / sum(weights) * sum(self.sizes)
         return _resized(local_shape, self.dim, int(rows))
 
+    def block_replicas(self, size) -> list[int]:
+        """How many ranks hold each block's piece (``> 1`` only for heads fewer than the ranks)."""
+        return [self._block_layout(i).replicas(size) for i in range(len(self.sizes))]
+
     def replicas(self, size) -> int:
-        counts = {self._block_layout(i).replicas(size) for i in range(len(self.sizes))}
+        counts = set(self.block_replicas(size))
         if len(counts) > 1:
-            raise NotImplementedError(f"packed blocks {self.sizes} replicated unequally over {size} ranks: no single "
-                                      "replica count (gradient-norm clipping of such a parameter is not implemented)")
+            raise NotImplementedError(f"packed blocks {self.sizes} replicated unequally over {size} ranks have no "
+                                      "single replica count (norm_share weighs each block; clipping a ZeRO-3 shard "
+                                      "of such a parameter is not implemented)")
         return counts.pop()
+
+    def norm_share(self, local, norm_type, context):
+        """Per block: its ``sum |x|^p`` over the ranks holding that block's piece (q heads once, replicated
+        key/value heads on ``tp/n_kv`` ranks)."""
+        _, size = self.position(context)
+        replicas = self.block_replicas(size)
+        if len(set(replicas)) == 1:
+            return super().norm_share(local, norm_type, context)
+        pieces = local.split(self._local_blocks(local.shape[self.dim], size), dim=self.dim)
+        holders = self._tp_holders(context)
+        return sum(torch.linalg.vector_norm(piece, norm_type).pow(norm_type) / (holders * count)
+                   for piece, count in zip(pieces, replicas))
 
     def read_shard(self, full_shape, read, rank, size):
         pieces, offset = [], 0

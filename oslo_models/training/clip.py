@@ -74,12 +74,10 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
             continue
         sharded = context.tp_size > 1 and spec.split
         if sharded and not is_inf:  # a piece held by several tp ranks (a replicated key/value head, a 2D bias)
-            parts = getattr(spec, "replica_parts", None)  # rows held by different numbers of ranks (Falcon's
-            if parts is not None and not hasattr(param.grad, "to_local"):  # fused q|k|v): each counted once
-                value = sum(torch.linalg.vector_norm(part.detach().float(), norm_type).pow(norm_type) / count
-                            for part, count in parts(local, spec.position(context)[1]))
-            else:
-                value = value / spec.num_replicas(context)  # is counted once
+            # is counted once; the layout weighs the blocks of a whole tp piece (packed q|k|v with replicated
+            # key/value heads), a ZeRO-3 shard of it (a DTensor's local rows) by one count
+            value = (value / spec.num_replicas(context) if hasattr(param.grad, "to_local")
+                     else spec.norm_share(local.detach().float(), norm_type, context))
         (split if sharded else replicated).append(value)
 
     def combine(values):

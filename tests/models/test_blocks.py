@@ -9,7 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from oslo_models.models.common.blocks import ParallelResidualBlock, PostNormBlock, PreNormBlock, SandwichNormBlock
+from oslo_models.models.common.blocks import (
+    ParallelResidualBlock,
+    PostNormBlock,
+    PreNormBlock,
+    ResidualDropout,
+    SandwichNormBlock,
+)
 from oslo_models.parallel_layers.plan import Colwise, Rowwise
 
 
@@ -45,22 +51,26 @@ def _norm(width: int) -> nn.LayerNorm:
 
 
 NAMES = dict(attn_norm="ln_a", attn="mixer", mlp_norm="ln_m", mlp="ffn", post_attn_norm="ln_pa",
-             post_mlp_norm="ln_pm")
+             post_mlp_norm="ln_pm", attn_dropout="drop_a", mlp_dropout="drop_m")
+
+
+def _part(role: str, width: int) -> nn.Module:
+    if role.endswith("_dropout"):
+        return ResidualDropout(0.5)
+    return Attention(width) if role == "attn" else MLP(width) if role == "mlp" else _norm(width)
 
 
 def _block(template, roles):
     cls = type(f"Toy{template.__name__}", (template,), {"names": {r: NAMES[r] for r in template.roles},
                                                          "mlp_kwargs": ("router",)})
-    width = 8
-    parts = {role: (Attention(width) if role == "attn" else MLP(width) if role == "mlp" else _norm(width))
-             for role in roles}
+    parts = {role: _part(role, 8) for role in roles}
     return cls(**parts), parts
 
 
 def _formulas():
     a = lambda p, x: p["attn"](x)[0]  # noqa: E731
     return {
-        PreNormBlock: (PreNormBlock.roles, lambda p, x: (lambda h: h + p["mlp"](p["mlp_norm"](h)))(
+        PreNormBlock: (("attn_norm", "attn", "mlp_norm", "mlp"), lambda p, x: (lambda h: h + p["mlp"](p["mlp_norm"](h)))(
             x + a(p, p["attn_norm"](x)))),
         ParallelResidualBlock: (ParallelResidualBlock.roles, lambda p, x: a(p, p["attn_norm"](x))
                                 + p["mlp"](p["mlp_norm"](x)) + x),
@@ -98,3 +108,24 @@ def test_optional_roles():
     torch.testing.assert_close(block(x), h + parts["post_mlp_norm"](parts["mlp"](h)))
     with pytest.raises(TypeError, match="missing roles"):
         _block(PreNormBlock, ("attn", "mlp"))
+
+
+def test_pre_norm_residual_dropouts():
+    """Phi-3 / StarCoder2: each branch's output is dropped before the add (attention's first, as they draw); the
+    plan fragment gives each dropout the residual-stream style. Without them (the control) the output differs."""
+    torch.manual_seed(0)
+    roles = ("attn_norm", "attn", "mlp_norm", "mlp", "attn_dropout", "mlp_dropout")
+    block, parts = _block(PreNormBlock, roles)
+    x = torch.randn(2, 5, 8)
+    torch.manual_seed(1)
+    got = block(x)
+    torch.manual_seed(1)
+    h = x + torch.nn.functional.dropout(parts["attn"](parts["attn_norm"](x))[0], 0.5)
+    expected = h + torch.nn.functional.dropout(parts["mlp"](parts["mlp_norm"](h)), 0.5)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    plain, _ = _block(PreNormBlock, roles[:4])
+    plain.load_state_dict(block.state_dict())
+    torch.manual_seed(1)
+    assert not torch.allclose(plain(x), got, atol=1e-3)
+    plan = type(block).tp_plan({"attn_dropout": ResidualDropout, "mlp_dropout": ResidualDropout})
+    assert set(plan) == {"drop_a", "drop_m"} and type(plan["drop_a"]).__name__ == "TPDropout"

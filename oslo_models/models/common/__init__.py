@@ -6,7 +6,7 @@ learned positions and ALiBi, per-layer causal masks, sequence-parallel boundarie
 the checkpoint key views (legacy ``LayerNorm.gamma/beta``; keys ``transformers`` renames, GPT-NeoX's
 ``embed_out``)."""
 from .attention import GroupedQueryAttention, attend, split_heads
-from .attention_variants import FullWidthQKNormAttention, SinkAttention
+from .attention_variants import FullWidthQKNormAttention, PackedQKVAttention, SinkAttention
 from .causal_masks import causal_masks, layer_types
 from .lm_loss import causal_token_loss, full_logits, keep_last_logits, token_loss
 from .full_width_norm import FullWidthRMSNorm
@@ -29,7 +29,8 @@ from .sequence_parallel import enter_sequence_parallel, leave_sequence_parallel,
 __all__ = ["attend", "split_heads", "full_logits", "token_loss", "causal_token_loss", "keep_last_logits",
            "DenseActDense", "DenseGatedActDense", "RMSNorm", "SequenceParallelRMSNorm", "SequenceParallelRMSNormStyle",
            "enter_sequence_parallel", "leave_sequence_parallel", "use_sequence_parallel",
-           "GroupedQueryAttention", "SinkAttention", "FullWidthQKNormAttention", "GatedMLP", "DenseMLP",
+           "GroupedQueryAttention", "PackedQKVAttention", "SinkAttention", "FullWidthQKNormAttention", "GatedMLP",
+           "DenseMLP",
            "PackedGatedMLP", "FullWidthRMSNorm", "LayerNorm", "ParameterFreeLayerNorm", "RotaryEmbedding",
            "PartialRotaryEmbedding", "PerLayerTypeRotary", "apply_rotary", "LearnedPositionalEmbedding",
            "alibi_slopes", "local_alibi_slopes", "build_alibi", "causal_masks", "layer_types", "HeadPackedAttention",

@@ -135,10 +135,7 @@ class GroupedQueryAttention(AttentionModule):
         self.softcap = softcap
         self.is_causal = True
         self.sliding_window, self.fused, self.interleaved_rotary = sliding_window, fused, interleaved_rotary
-        self.q_proj = Linear(config.hidden_size, num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = HeadsLinear(config.hidden_size, num_kv * self.head_dim, num_heads=num_kv, bias=qkv_bias)
-        self.v_proj = HeadsLinear(config.hidden_size, num_kv * self.head_dim, num_heads=num_kv, bias=qkv_bias)
-        self.add_module(self.out_name, Linear(num_heads * self.head_dim, config.hidden_size, bias=o_bias))
+        self.build_projections(config.hidden_size, num_heads, num_kv, qkv_bias=qkv_bias, o_bias=o_bias)
         if qk_norm:  # True: Qwen3's (the "llama" formula); a formula name: that one (Gemma 3: "gemma")
             formula = qk_norm if isinstance(qk_norm, str) else "llama"
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, formula=formula, fused=fused)
@@ -147,6 +144,14 @@ class GroupedQueryAttention(AttentionModule):
         if eager_fallback is None and softcap is not None:  # Gemma 2's eager kernel soft-caps
             from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as eager_fallback
         self._eager_fallback = eager_fallback or llama_eager_attention
+
+    def build_projections(self, hidden_size: int, num_heads: int, num_kv: int, *, qkv_bias: bool, o_bias: bool):
+        """The q/k/v/o projections, registered in ``transformers``' order (a variant with other projection modules,
+        e.g. Phi-3's fused ``qkv_proj``, overrides this with ``project`` and ``num_key_value_groups``)."""
+        self.q_proj = Linear(hidden_size, num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = HeadsLinear(hidden_size, num_kv * self.head_dim, num_heads=num_kv, bias=qkv_bias)
+        self.v_proj = HeadsLinear(hidden_size, num_kv * self.head_dim, num_heads=num_kv, bias=qkv_bias)
+        self.add_module(self.out_name, Linear(num_heads * self.head_dim, hidden_size, bias=o_bias))
 
     @property
     def num_key_value_groups(self) -> int:

@@ -9,6 +9,10 @@ own (a family's ``StackSpec`` names the class, and the plan is read from it):
 - ``FullWidthQKNormAttention`` (OLMo 2): RMS norms over the whole ``q_proj``/``k_proj`` output (``n*d`` and
   ``n_kv*d`` wide), before the heads are split and before rotary; under TP their statistic is all-reduced
   (``full_width_norm.py``).
+- ``PackedQKVAttention`` (Phi-3): one ``qkv_proj`` ``[(n + 2 n_kv) * d, h]`` packing q|k|v of unequal sizes under
+  grouped-query attention. Under TP (``PackedKVHeadColwise``, ``parallel_layers/kv_heads.py``) each rank holds its
+  ``n/tp`` query heads and the key/value heads they read from each block (replicated when ``tp > n_kv``), so the
+  local output splits into q|k|v with no communication.
 
 Shapes as ``GroupedQueryAttention``: input/output ``[b, s, h]`` (``[b, s/tp, h]`` under sequence parallelism).
 """
@@ -19,7 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...parallel_layers.plan import Style, refuse_grid_mode
+from ...parallel_layers.kv_heads import PackedHeadsLinear, PackedKVHeadColwise
+from ...parallel_layers.layers import Linear
+from ...parallel_layers.plan import Rowwise, Style, TPDropout, refuse_grid_mode
 from ...parallel_layers.sharding import EvenSplit
 from .attention import GroupedQueryAttention, refuse_context_parallel, split_heads
 from .full_width_norm import FullWidthRMSNorm, FullWidthRMSNormStyle
@@ -92,3 +98,32 @@ class FullWidthQKNormAttention(GroupedQueryAttention):
         key = split_heads(self.k_norm(self.k_proj(hidden_states)), self.head_dim)  # [b, n_kv/tp, s, d]
         value = split_heads(self.v_proj(hidden_states), self.head_dim)
         return query, key, value
+
+
+class PackedQKVAttention(GroupedQueryAttention):
+    """``GroupedQueryAttention`` whose q|k|v come from one fused projection ``qkv_proj`` (Phi-3; keys as
+    ``Phi3Attention``, registered in its order: ``o_proj``, then ``qkv_proj``). Its local output
+    ``[b, s, (n/tp + 2 * max(n_kv/tp, 1)) * d]`` is split by ``qkv_proj.blocks`` into query, key and value heads;
+    everything after (rotary, partial or full; cache; kernel; ``o_proj``) is ``GroupedQueryAttention``'s. No q/k
+    norms (no family packs q|k|v and norms them)."""
+
+    tp_plan = {"qkv_proj": PackedKVHeadColwise(), "o_proj": Rowwise(), "attn_dropout": TPDropout(always_split=True)}
+
+    def __init__(self, config, layer_idx: int, **options):
+        if options.get("qk_norm"):
+            raise ValueError("PackedQKVAttention has no q/k norms; leave qk_norm off")
+        super().__init__(config, layer_idx, **options)
+
+    def build_projections(self, hidden_size, num_heads, num_kv, *, qkv_bias, o_bias):
+        self.o_proj = Linear(num_heads * self.head_dim, hidden_size, bias=o_bias)
+        self.qkv_proj = PackedHeadsLinear(hidden_size, head_counts=(num_heads, num_kv, num_kv),
+                                          head_dim=self.head_dim, bias=qkv_bias)
+
+    @property
+    def num_key_value_groups(self) -> int:
+        query, key, _ = self.qkv_proj.blocks
+        return query // key
+
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        query, key, value = self.qkv_proj(hidden_states).split(self.qkv_proj.blocks, dim=-1)
+        return tuple(split_heads(part, self.head_dim) for part in (query, key, value))

@@ -12,7 +12,9 @@ norms) and hands them to the template's ``__init__`` by role. Templates:
 
 - ``PreNormBlock``: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))`` (GPT-2, Llama, Mistral, Qwen, Mixtral, OPT,
   Bloom, Falcon with ``parallel_attn=False``); ``residual_after_norm``: ``norm1(x) + attn(norm1(x))`` (Bloom's
-  ``apply_residual_connection_post_layernorm``);
+  ``apply_residual_connection_post_layernorm``); optional residual dropouts ``attn_dropout`` / ``mlp_dropout`` on
+  each branch's output before the add (``ResidualDropout``: Phi-3's ``resid_attn_dropout`` /
+  ``resid_mlp_dropout``, StarCoder2's attention one);
 - ``ParallelResidualBlock``: ``attn(norm1(x)) + mlp(norm2(x)) + x``, ``mlp_norm`` optional (one shared norm:
   GPT-J, Falcon-7B, Phi; two: GPT-NeoX);
 - ``PostNormBlock``: ``norm1(x + attn(x))``, then ``norm2(x + mlp(x))`` (OPT with ``do_layer_norm_before=False``,
@@ -36,6 +38,9 @@ from typing import ClassVar, Mapping
 import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
+
+from ...parallel_layers.layers import Dropout
+from ...parallel_layers.plan import TPDropout
 
 
 class BlockTemplate(GradientCheckpointingLayer):
@@ -93,18 +98,31 @@ class BlockTemplate(GradientCheckpointingLayer):
         return plan
 
 
+class ResidualDropout(Dropout):
+    """Dropout on a branch's output before it joins the residual stream (a block role, see ``PreNormBlock``). The
+    stream is whole on every TP rank (same mask on each) or, under sequence parallelism, this rank's chunk of the
+    sequence (its own mask): ``TPDropout()``."""
+
+    tp_plan = {"": TPDropout()}
+
+
 class PreNormBlock(BlockTemplate):
-    roles = ("attn_norm", "attn", "mlp_norm", "mlp")
+    roles = ("attn_norm", "attn", "mlp_norm", "mlp", "attn_dropout", "mlp_dropout")
+    optional_roles = ("attn_dropout", "mlp_dropout")
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
         kwargs, mlp_kwargs = self.split_kwargs(kwargs)
         normed = self.part("attn_norm")(hidden_states)
         residual = normed if self.residual_after_norm else hidden_states
-        hidden_states = residual + self.attend(normed, attention_mask, position_embeddings, past_key_values,
-                                              **kwargs)
+        attn_out = self.attend(normed, attention_mask, position_embeddings, past_key_values, **kwargs)
+        hidden_states = residual + self.residual_dropout("attn_dropout", attn_out)
         normed = self.part("mlp_norm")(hidden_states)
         residual = normed if self.residual_after_norm else hidden_states
-        return residual + self.mlp_forward(normed, **mlp_kwargs)
+        return residual + self.residual_dropout("mlp_dropout", self.mlp_forward(normed, **mlp_kwargs))
+
+    def residual_dropout(self, role: str, x: torch.Tensor) -> torch.Tensor:
+        dropout = self.part(role)
+        return dropout(x) if dropout is not None else x
 
 
 class ParallelResidualBlock(BlockTemplate):

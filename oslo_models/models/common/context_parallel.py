@@ -7,11 +7,14 @@ change in a forward, all of them here so the families call the same code:
   ``[b, 1, s, s]`` mask, which routes every attention layer to the context-parallel core;
 - default ``position_ids``: the *global* positions of this rank's tokens (learned position embeddings, rotary);
 - the loss: targets are pre-shifted (``shift_labels``) for causal LMs, since a chunk cannot see the next chunk's
-  first token, and the mean runs over the labelled tokens of the whole sequence (``context_parallel/loss.py``).
+  first token, and the mean runs over the labelled tokens of the whole sequence (``context_parallel/loss.py``);
+- a rotary whose frequencies depend on the longest position of the forward (``transformers``' ``dynamic`` and
+  ``longrope`` types: Phi-3's short/long factors) is told the whole sequence's (``rotary_embeddings``).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ...parallel_layers.context_parallel import build_context_parallel_mask, context_num_items, sum_over_context
 
@@ -35,6 +38,27 @@ def context_parallel_inputs(model, inputs_embeds: torch.Tensor, attention_mask, 
     if position_ids is None:
         position_ids = mask.token_index[context.cp_rank][None]
     return mask, position_ids
+
+
+def rotary_embeddings(model, rotary, shape_like: torch.Tensor, position_ids: torch.Tensor):
+    """``rotary(shape_like, position_ids)``: ``(cos, sin)`` ``[b, s, d]`` (or a dict of them, one pair per attention
+    type, from a rotary with a rope type per type). ``transformers``' ``dynamic`` and ``longrope`` rotaries pick their
+    frequencies from ``max(position_ids) + 1`` of the forward; under context parallelism this rank holds a chunk
+    only, so the whole sequence's largest position (one all-reduce of a scalar, max over cp) joins its positions as
+    one extra column, whose ``cos``/``sin`` are dropped. Other rope types and cp=1: the plain call."""
+    rope_type = getattr(rotary, "rope_type", None)
+    kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    length_dependent = any(isinstance(kind, str) and ("dynamic" in kind or kind == "longrope") for kind in kinds)
+    context = model.parallel_context
+    if context.cp_size == 1 or not length_dependent:
+        return rotary(shape_like, position_ids)
+    top = position_ids.max().reshape(1, 1).clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=context.cp_group)
+    out = rotary(shape_like, torch.cat([position_ids, top.expand(position_ids.shape[0], 1)], dim=1))
+    if isinstance(out, dict):
+        return {kind: (cos[:, :-1], sin[:, :-1]) for kind, (cos, sin) in out.items()}
+    cos, sin = out
+    return cos[:, :-1], sin[:, :-1]
 
 
 def context_parallel_loss_items(model, labels, num_items_in_batch, *, shift_labels=None, causal: bool):

@@ -31,7 +31,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ...parallel_layers.plan import ParallelPlan, PositionEmbedding, TPDropout, VocabEmbedding
 from .causal_masks import FULL, SLIDING, causal_masks
-from .context_parallel import context_parallel_inputs
+from .context_parallel import context_parallel_inputs, rotary_embeddings
 from .outputs import capture_parallel_outputs
 from .sequence_parallel import enter_sequence_parallel, leave_sequence_parallel, use_sequence_parallel
 
@@ -184,7 +184,7 @@ class TransformerStack:
         else:
             masks = self.layer_masks(shape_like, attention_mask, past_key_values, position_ids, kinds)
         rotary = self.part(self.stack_spec.rotary)
-        position_embeddings = rotary(shape_like, position_ids) if rotary is not None else None
+        position_embeddings = rotary_embeddings(self, rotary, shape_like, position_ids) if rotary is not None else None
         if sequence_parallel is None:
             sequence_parallel = use_sequence_parallel(self, seq_len)
         return StackInputs(position_ids, masks, position_embeddings, past_key_values, sequence_parallel, seq_len)

@@ -174,7 +174,6 @@ class LlamaModel(TransformerStack, LlamaPreTrainedModel):
         return RotaryEmbedding(config)
 
 
-
 LlamaPreTrainedModel.base_model_class = LlamaModel
 
 

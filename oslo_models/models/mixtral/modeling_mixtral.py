@@ -1,7 +1,8 @@
 """Mixtral: the Llama decoder (``models/llama``) whose feed-forward is a sparse mixture of experts
 (``common.moe.SparseMoeBlock``), with ``transformers``' module tree and keys (``mlp.gate.weight``,
-``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``). Qwen2-MoE (``models/qwen2_moe``) is the same code with
-its switches (shared expert, dense layers, ``norm_topk_prob``, q/k/v biases).
+``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``). Qwen2-MoE (``models/qwen2_moe``) and Qwen3-MoE
+(``models/qwen3_moe``) are the same code with their switches (shared expert, dense layers, ``norm_topk_prob``,
+q/k/v biases, q/k norms).
 
 Expert parallelism: ``ParallelConfig(expert_parallel_size=ep)`` splits each layer's experts over ``ep`` of the
 data-parallel ranks (``parallel_plan.py``); tokens travel to their experts and back by all-to-all. Tensor
@@ -10,6 +11,7 @@ parallelism splits attention (and Qwen2-MoE's shared/dense MLPs) as in Llama; ex
 Router losses as ``transformers``: with ``output_router_logits`` (argument or ``config.output_router_logits``)
 the outputs carry ``router_logits`` (one ``[b*s, E]`` per sparse layer) and ``aux_loss`` (the load-balancing loss
 over this rank's tokens), and, when ``labels`` are given, ``loss = lm_loss + router_aux_loss_coef * aux_loss``.
+The base model returns ``MoeModelOutputWithPast`` with the router logits when asked, as ``transformers``' does.
 """
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ import dataclasses
 
 import torch
 import transformers
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils.generic import can_return_tuple
+from transformers.utils.output_capturing import OutputRecorder
 
 from ...config import ParallelConfig
-from ...parallel_layers.moe import load_balancing_loss
+from ...parallel_layers.moe import TopKRouter, load_balancing_loss
 from ..common.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
 from ..common.mlp import GatedMLP
 from ..common.moe import RouterLogits, SparseMoeBlock, check_expert_layout
@@ -57,6 +60,10 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
     config_class = MixtralConfig
     stack_spec = MOE_SPEC
     _no_split_modules = ["MoeDecoderLayer"]
+    # the base model returns each sparse layer's router logits [b*s, E] with output_router_logits, as transformers'
+    # (recorded by its hooks on the routers; the tokens are whole on every TP rank: nothing to gather)
+    _can_record_outputs = {**llama.LlamaPreTrainedModel._can_record_outputs,
+                           "router_logits": OutputRecorder(TopKRouter, index=0)}
     expert_key_layout = ExpertKeyLayout(gate="w1", up="w3", down="w2", hub_block="block_sparse_moe")
 
     @classmethod
@@ -94,6 +101,7 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
 class MixtralModel(MixtralPreTrainedModel, llama.LlamaModel):
     hf_twin = transformers.MixtralModel
     decoder_layer_class = MoeDecoderLayer
+    output_class = MoeModelOutputWithPast
 
 
 MixtralPreTrainedModel.base_model_class = MixtralModel

@@ -1,0 +1,28 @@
+"""Phi-3: the Llama decoder with a fused grouped-query ``qkv_proj``, a fused ``gate_up_proj``, partial / longrope
+rotary and residual dropouts (``modeling_phi3.py``). Names are imported on first use (PEP 562): importing this
+package, as ``models.registry`` does to read ``FAMILIES``, imports no model code."""
+from ..family import FamilyRecord, lazy_exports
+from ..llama import TINY_DECODER
+
+_EXPORTS = {
+    ".configuration_phi3": ["Phi3Config"],
+    ".modeling_phi3": ["Phi3Model", "Phi3ForCausalLM", "Phi3ForSequenceClassification", "Phi3ForTokenClassification",
+                       "Phi3PreTrainedModel", "Phi3DecoderLayer", "PHI3_SPEC"],
+}
+# Phi-3's tiny model: q|k|v blocks of 8, 1 and 1 heads (unequal; tp=2 replicates the key/value head), half the head
+# rotary (head_dim 8, rotary 4), longrope whose long factors take over past 6 positions (inside the tests' 8-token
+# sequences and decode loops), so short and long factors and the attention factor of 64/6 all act.
+FAMILIES = (
+    FamilyRecord(model_type="phi3", package=__name__, config="Phi3Config",
+                 classes={"base": "Phi3Model", "causal_lm": "Phi3ForCausalLM",
+                          "sequence_classification": "Phi3ForSequenceClassification",
+                          "token_classification": "Phi3ForTokenClassification"},
+                 tiny_config={**TINY_DECODER, "num_key_value_heads": 1, "original_max_position_embeddings": 6,
+                              "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.5, "short_factor": [1.0, 1.25],
+                                                  "long_factor": [2.0, 3.5]}},
+                 spec="PHI3_SPEC"),
+)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = [name for names in _EXPORTS.values() for name in names]

@@ -1,0 +1,29 @@
+"""Qwen3-MoE: a thin class over the Mixtral / Qwen2-MoE code (``modeling_qwen3_moe.py``). Names are imported on first
+use (PEP 562): importing this package, as ``models.registry`` does to read ``FAMILIES``, imports no model code."""
+from ..family import FamilyRecord, lazy_exports
+from ..mixtral import TINY_MOE
+
+_EXPORTS = {
+    ".configuration_qwen3_moe": ["Qwen3MoeConfig"],
+    ".modeling_qwen3_moe": ["Qwen3MoeModel", "Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification",
+                            "Qwen3MoeForTokenClassification", "Qwen3MoeForQuestionAnswering",
+                            "Qwen3MoePreTrainedModel"],
+}
+# Qwen3-MoE's tiny model: q/k norms with head_dim 12 (not hidden/heads) and attention biases; layers 0 and 2 sparse,
+# layer 1 dense (decoder_sparse_step=1 with mlp_only_layers=[1]); top-k renormalized (norm_topk_prob); the router
+# logits and the load-balancing loss on (TINY_MOE).
+FAMILIES = (
+    FamilyRecord(model_type="qwen3_moe", package=__name__, config="Qwen3MoeConfig",
+                 classes={"base": "Qwen3MoeModel", "causal_lm": "Qwen3MoeForCausalLM",
+                          "sequence_classification": "Qwen3MoeForSequenceClassification",
+                          "token_classification": "Qwen3MoeForTokenClassification",
+                          "question_answering": "Qwen3MoeForQuestionAnswering"},
+                 tiny_config={**TINY_MOE, "intermediate_size": 40, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+                              "num_experts": 4, "mlp_only_layers": [1], "decoder_sparse_step": 1,
+                              "norm_topk_prob": True, "head_dim": 12, "attention_bias": True},
+                 spec="MOE_SPEC"),
+)
+_EXPORTS["..mixtral.modeling_mixtral"] = ["MOE_SPEC"]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = [name for names in _EXPORTS.values() for name in names]
