@@ -115,7 +115,37 @@ def _load(model_class, path, config, context, dtype, download_kwargs):
         dtype_plan=dtype_plan, device_mesh=context.mesh["tp"] if plan else None, weight_mapping=conversions)
     info, _ = model_class._load_pretrained_model(model, None, files, load_config)
     model_class._finalize_model_loading(model, load_config, info)
+    if plan:
+        _own_storage(model)
     return model, plan, info
+
+
+@torch.no_grad()
+def _own_storage(model) -> None:
+    """Copy every parameter and buffer into memory of its own (tensor parallelism only).
+
+    ``transformers`` reads checkpoint tensors as views of the memory-mapped safetensors file (zero copy). A row
+    slice (``Shard(0)``) is then a view into the whole tensor, and any view keeps the whole file mapped, with the
+    pages the load touched (and the kernel's read-around) resident: measured on a 110 MB checkpoint at tp 2, about
+    0.8x the checkpoint per rank instead of 0.5x. After the copies nothing refers to the mapping, which is released:
+    a rank holds exactly its shard. Tied parameters stay one object (each is replaced once, under every name)."""
+    from torch.distributed.tensor import DTensor
+
+    replaced = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in replaced:
+                own = (param._local_tensor if isinstance(param, DTensor) else param.data).clone()
+                if isinstance(param, DTensor):
+                    own = DTensor.from_local(own, param.device_mesh, param.placements, run_check=False,
+                                             shape=param.shape, stride=param.stride())
+                replaced[id(param)] = torch.nn.Parameter(own, requires_grad=param.requires_grad)
+            module._parameters[name] = replaced[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = buffer.clone()
 
 
 def from_pretrained(model_class, pretrained_model_name_or_path, *, parallel=None, dtype=None, config=None,

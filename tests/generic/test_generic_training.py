@@ -6,7 +6,9 @@ Two spawned groups of 4 gloo processes (few spawned runs on purpose: 2 shared CP
 - dp 4: stablelm (ZeRO-1), mpt (ZeRO-2), mamba (ZeRO-3 + CPU offload), megatron-bert MLM (ZeRO-3), xglm (DDP,
   Accelerate, activation checkpointing);
 
-and for each: every rank holds exactly its shard after ``from_pretrained`` (values and bytes), each of 3 AdamW
+and for each: every rank holds exactly its shard after ``from_pretrained`` (its values, and storages of exactly
+their size: no slice is a view into a whole tensor; the resident memory of a larger load is measured in
+``test_generic_load_memory.py``), each of 3 AdamW
 steps (clipped at 0.5) has the loss and gradient norm of the single-process run on the full global batch (fp32,
 1e-5), and the parameters after 3 steps, read back with plain ``transformers`` from ``training.save_pretrained``,
 equal the reference's. granite and olmoe also save a training checkpoint after step 2 at tp 2 x dp 2, which the dp 4
@@ -76,6 +78,13 @@ def _check_shards(model, path, name, context):
         assert torch.equal(local.detach(), expected), pname
         local_bytes += local.numel() * local.element_size()
         full_bytes += full[pname].numel() * full[pname].element_size()
+    # what the rank holds in memory: the storages behind its local tensors are exactly their size (no slice is a
+    # view into a whole tensor kept alive behind it)
+    storages = {}
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "placements") else param
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    assert sum(storages.values()) == local_bytes, (name, sum(storages.values()), local_bytes)
     if context.tp_size > 1:  # most weights are split: this rank holds about half
         assert local_bytes < 0.62 * full_bytes, (name, local_bytes, full_bytes)
         assert any(hasattr(p, "placements") for p in model.parameters())
