@@ -147,8 +147,8 @@ def test_registered_family_is_built_by_auto(test_llama_record):
 
 
 def test_unknown_model_type_raises():
-    config = transformers.BloomConfig()
-    with pytest.raises(ValueError, match="Unsupported model type 'bloom' for AutoModelForCausalLM; supported: "):
+    config = transformers.ViTConfig()  # no native family, and transformers has no causal LM for it (generic path)
+    with pytest.raises(ValueError, match="Unsupported model type 'vit' for AutoModelForCausalLM; supported: "):
         om.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match="Unsupported model type 'oslo_test_llama'"):
         registry.family_record("oslo_test_llama")  # unregistered by the fixture
