@@ -20,6 +20,7 @@ import os
 import shutil
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 import transformers
@@ -99,13 +100,25 @@ def _train(model, opt, context, steps, accelerator=None):
         local = batches()[step].chunk(context.dp_size)[context.dp_rank]
         loss = model(local, labels=local).loss
         (accelerator.backward(loss) if accelerator is not None else loss.backward())
+        if step == 0:
+            local_norm = _local_only_norm(model)  # negative control: what one rank sees is not the model's norm
         norms.append(training.clip_grad_norm_(model, MAX_NORM))
+        if step == 0 and (context.tp_size > 1 or training.zero_stage_of(model) >= 2):
+            assert not torch.allclose(local_norm, norms[0], rtol=1e-3), (local_norm, norms[0])
         opt.step(), opt.zero_grad()
         mean = loss.detach().clone()
         if context.dp_group is not None:
             dist.all_reduce(mean, group=context.dp_group)
         losses.append(mean / context.dp_size)
     return losses, norms
+
+
+def _local_only_norm(model):
+    """The gradient norm of this rank's local pieces alone (what ``torch.nn.utils.clip_grad_norm_`` over local
+    tensors would clip by)."""
+    grads = [p.grad for p in training.unwrap_model(model).parameters() if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in local]))
 
 
 def _check_saved(model, name, out, expected_state, context):
@@ -196,6 +209,7 @@ def _push(paths, work, context):
     assert (result == "uploaded") == (context.rank == 0)
 
 
+@pytest.mark.slow
 def test_generic_types_train_like_transformers(tmp_path):
     names = [*TP_GROUP, *DP_GROUP]
     paths = save(tmp_path / "models", names)
