@@ -15,13 +15,17 @@ Loading follows ``transformers``' own ``from_pretrained`` step by step, with one
 3. ``transformers``' loader fills the model: for a DTensor parameter it reads only this rank's slice of the
    checkpoint tensor (``DtensorShardOperation`` on safetensors slices), renaming and converting keys as it always
    does (e.g. per-expert checkpoint weights into fused expert tensors); then missing keys and non-persistent
-   buffers (rotary frequencies) are initialized and tied weights tied, as in ``transformers``.
+   buffers (rotary frequencies) are initialized and tied weights tied, as in ``transformers``;
+4. with tp, every tensor is copied out of the memory-mapped checkpoint (``_own_storage``), so no slice stays a view
+   into the whole tensor and the file is unmapped.
 
 So each rank materializes only its shard: with tp, the split tensors at ``1/tp`` of their size and the rest (norms,
-replicated weights) whole; with data parallelism only, the whole model (its replica).
+replicated weights) whole; with data parallelism only, the whole model (its replica; as in ``transformers``, its
+tensors stay zero-copy views of the mapped checkpoint until written).
 
-Steps 1 and 3 use ``transformers``' loading internals (``_get_resolved_checkpoint_files``, ``_get_dtype``,
-``LoadStateDictConfig``, ``PreTrainedModel._load_pretrained_model`` / ``_finalize_model_loading``), exactly as its
+Steps 1-3 use ``transformers``' loading internals (``_get_resolved_checkpoint_files``, ``_get_dtype``,
+``LoadStateDictConfig``, ``_resolve_parallel_plans``, ``PreTrainedModel._load_pretrained_model`` /
+``_finalize_model_loading``), exactly as its
 ``from_pretrained`` calls them in 5.24: its public ``from_pretrained(distributed_config=...)`` builds a mesh of its
 own and applies its own FSDP at load, while the training helpers need the tensor-parallel DTensors on the
 ``ParallelContext``'s mesh and no data-parallel wrapping yet. Collectives: none beyond the context's (the slices
@@ -94,14 +98,15 @@ def _attach(model, context, plan: dict[str, str]):
 
 
 def _load(model_class, path, config, context, dtype, download_kwargs):
-    """Steps 1-3 of the module docstring: meta model, tensor-parallel DTensors, this rank's slices."""
+    """Steps 1-4 of the module docstring: meta model, tensor-parallel DTensors, this rank's slices, own storage."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.modeling_utils import LoadStateDictConfig, _get_dtype, _get_resolved_checkpoint_files
     from transformers.utils.generic import ContextManagers
 
     files, sharded_metadata = _get_resolved_checkpoint_files(
-        path, None, None, None, None, model_class.is_remote_code(),
-        getattr(config, "transformers_weights", None), download_kwargs)
+        path, variant=None, gguf_file=None, use_safetensors=None, user_agent=None,
+        is_remote_code=model_class.is_remote_code(),
+        transformers_explicit_filename=getattr(config, "transformers_weights", None), download_kwargs=download_kwargs)
     config, dtype = _get_dtype(dtype, files, config, sharded_metadata, None, True, None)
     config.name_or_path = str(path)
     with ContextManagers(model_class.get_init_context(dtype, False, False, False)):
