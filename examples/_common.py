@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 import oslo_models as om
 from oslo_models import training
 from oslo_models.cli import HelpFormatter
+from oslo_models.generic import is_generic
 from _evaluate import Evaluator
 from _report import Reporter, check_trackers, export_files, trackers
 
@@ -43,6 +44,9 @@ def build_parser(doc: str, *, output: str, model_help: str, lr: float = 3e-3,
     add = parser.add_argument
     add("--config", help="YAML file with any of the options below as keys (dashes or underscores)")
     add("--model", help=model_help)
+    add("--model-type", help="build a small random model of this transformers model type (any: 'mamba', "
+                             "'granite', ...; a type without a native family trains on the generic path), sized by "
+                             "--n-layer / --n-embd / --n-head")
     add("--tokenizer", help="tokenizer folder or Hub id; default: --model's, or one trained on --data")
     add("--data", help="corpus prefix (.bin/.idx) or a text/jsonl file; default: the built-in corpus")
     add("--text-field", default="text", help="the field holding the text in a jsonl --data / --eval-data")
@@ -119,9 +123,45 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     return args
 
 
-def check_launch(args) -> om.ParallelConfig:
+def small_config(args, vocab_size: int, **overrides):
+    """``--model-type``: the config of a small model of that type (``transformers``' own config class). The sizes
+    are set through the common names, which every config maps to its own (``hidden_size`` is GPT-2's ``n_embd``);
+    a name a type does not use is kept as an unused attribute."""
+    sizes = dict(vocab_size=vocab_size, hidden_size=args.n_embd, num_hidden_layers=args.n_layer,
+                 num_attention_heads=args.n_head, num_key_value_heads=args.n_head, intermediate_size=4 * args.n_embd,
+                 max_position_embeddings=max(64, args.seq_len))
+    try:
+        return transformers.AutoConfig.for_model(args.model_type, **{**sizes, **overrides})
+    except Exception as error:  # noqa: BLE001 - unknown type, or sizes the config's own validation refuses
+        raise UsageError(f"--model-type {args.model_type!r}: {error}") from None
+
+
+def check_model(args, cfg: om.ParallelConfig, auto) -> None:
+    """The model against the layout, before any process group: a type neither this project nor ``transformers``
+    has for the script's task, or a layout the model's path refuses (e.g. ``--tp 2`` for a type without a
+    tensor-parallel plan), is one clean ``UsageError``."""
+    if args.model and args.model_type:
+        raise UsageError("pass --model (a checkpoint) or --model-type (a new small model), not both")
+    if not (args.model or args.model_type):
+        return
+    try:
+        config = (transformers.AutoConfig.from_pretrained(args.model) if args.model
+                  else small_config(args, args.vocab_size))
+        model_class = auto.model_class_for(config)
+        if hasattr(model_class, "parallel_plan"):  # a native family
+            model_class.validate_parallel_config(config, cfg)
+        else:
+            from oslo_models.generic.support import check_parallel
+
+            check_parallel(config, cfg, model_class)
+    except (ValueError, NotImplementedError) as error:
+        raise UsageError(str(error)) from None
+
+
+def check_launch(args, auto=None) -> om.ParallelConfig:
     """Everything about the launch that can be wrong, from the options and the launcher's environment alone (no
-    process group, no model): the world against tp x pp, pipeline limits, ZeRO options. Raises ``UsageError``."""
+    process group, no model): the world against tp x pp, pipeline limits, ZeRO options, and with ``auto`` (the
+    script's Auto class) ``--model`` / ``--model-type`` against the layout. Raises ``UsageError``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = om.ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel=args.sequence_parallel,
@@ -162,6 +202,8 @@ def check_launch(args) -> om.ParallelConfig:
         if args.compile.upper() not in DynamoBackend.__members__:
             raise UsageError(f"--compile {args.compile}: unknown backend; use one of "
                              f"{', '.join(b.lower() for b in DynamoBackend.__members__ if b != 'NO')}")
+    if auto is not None:
+        check_model(args, cfg, auto)
     problem = check_trackers(args)
     if problem:
         raise UsageError(problem)
@@ -333,6 +375,7 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler, reporter:
                                  scaler=accelerator.scaler, step=step_now, extra={"losses": losses})
 
     pipelined = training.unwrap_model(model).parallel_context.pp_size > 1
+    only_loss = {} if is_generic(model) else {"skip_logits": True}  # transformers' own classes: plain forward
     progress = tqdm(total=args.steps, initial=step, desc="training", disable=not accelerator.is_main_process,
                     mininterval=1.0)
     running = torch.zeros((), device=accelerator.device)
@@ -345,8 +388,8 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler, reporter:
             if pipelined:  # the schedule runs forward and backward of every microbatch; loss on every rank
                 loss = model.train_step(batch)
             else:
-                # only the loss is needed: the head's fused, chunked loss never builds [tokens, vocab] logits
-                loss = model(**batch, skip_logits=True).loss
+                # only the loss is needed: a native head's fused, chunked loss never builds [tokens, vocab] logits
+                loss = model(**batch, **only_loss).loss
                 accelerator.backward(loss)
             running += loss.detach() / args.grad_accum
             if accelerator.sync_gradients and args.max_grad_norm > 0:

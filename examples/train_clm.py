@@ -1,5 +1,5 @@
-"""Train a causal LM (GPT-2, Llama, Mistral, Qwen2, Qwen3) with tensor parallelism, ZeRO over data parallelism
-and Accelerate.
+"""Train a causal LM (any transformers type: the native families, and every other type on the generic path) with
+tensor parallelism, ZeRO over data parallelism and Accelerate.
 
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 4 examples/train_clm.py --tp 2   # CPU
     accelerate launch --num_processes 4 examples/train_clm.py --model gpt2 --tp 2 --zero 2 --bf16 --data corpus
@@ -8,10 +8,15 @@ and Accelerate.
     ... examples/train_clm.py --model path/to/llama-or-qwen --tp 2 --sequence-parallel   # fine-tune a checkpoint
     ... examples/train_clm.py --model path/to/llama --tp 2 --cp 2 --cp-mode all_to_all   # long sequences
     ... examples/train_clm.py --model path/to/mixtral --ep 2 --tp 2                   # experts over ranks
+    ... examples/train_clm.py --model path/to/granite --tp 2 --zero 3   # no native family: transformers' own class
+    ... examples/train_clm.py --model-type mamba --zero 2   # a small new model of any type (here a state space model)
     python examples/train_clm.py --config run.yaml          # any option below as a YAML key (dashes or underscores)
 
-``--model`` takes any causal LM the Auto classes know (a Hub id or a local folder with its tokenizer): every family
-of the README's support matrix. Without ``--model`` a small GPT-2 is built from config; without ``--data`` the
+``--model`` takes any causal LM (a Hub id or a local folder with its tokenizer): the native class when the type has a
+family (the README's support matrix), otherwise ``transformers``' own class on the generic path
+(``om.capabilities(type)`` says which axes apply; a refused layout is one clean error before anything starts).
+``--model-type TYPE`` builds a small random model of any type; without either a small GPT-2 is built from config;
+without ``--data`` the
 built-in public-domain corpus (examples/data) is tokenized with a byte-level BPE trained on it offline
 (``tokenizers``). ``--data`` takes a ``.bin/.idx`` prefix written by ``python -m oslo_models.data preprocess`` or a
 text/jsonl file (tokenized here).
@@ -31,14 +36,14 @@ import transformers
 
 import oslo_models as om
 from _common import build_parser, check_launch, export, finish, fit, make_accelerator, prepare_data as _prepare_data
-from _common import parse_args as _parse_args, run
+from _common import parse_args as _parse_args, run, small_config
 from _evaluate import evaluator_for
 
 
 def parse_args(argv=None):
     parser = build_parser(__doc__, output="train_clm_out",
-                          model_help="Hub id or folder to fine-tune (any causal LM of the README's support "
-                                     "matrix); default: a small GPT-2 from config")
+                          model_help="Hub id or folder to fine-tune, of any causal-LM type (native family or "
+                                     "generic path); default: a small GPT-2 from config")
     parser.add_argument("--prompt", default="Shall I compare thee", help="sampled from the saved model at the end")
     return _parse_args(parser, argv)
 
@@ -64,6 +69,10 @@ def build_model(args, tokenizer, context):
     torch.manual_seed(args.seed)  # every rank alike: the same full initial weights, sliced per rank
     if args.model:
         return om.AutoModelForCausalLM.from_pretrained(args.model, parallel=context, progress=False).train()
+    if args.model_type:  # any transformers type, native or generic
+        config = small_config(args, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        return om.AutoModelForCausalLM.from_config(config, parallel=context).train()
     eos = tokenizer.eos_token_id
     config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=args.seq_len, n_embd=args.n_embd,
                                      n_layer=args.n_layer, n_head=args.n_head, bos_token_id=eos, eos_token_id=eos,
@@ -75,7 +84,7 @@ def build_model(args, tokenizer, context):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cfg = check_launch(args)  # before any process group or model: one clean error per job
+    cfg = check_launch(args, om.AutoModelForCausalLM)  # before any process group or model: one clean error per job
     accelerator, context = make_accelerator(args, cfg)
     prefix, eval_prefix, tokenizer = prepare_data(args, context)
     model = build_model(args, tokenizer, context)

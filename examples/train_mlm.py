@@ -4,7 +4,8 @@
     accelerate launch --num_processes 4 examples/train_mlm.py --model bert-base-uncased --tp 2 --zero 2 --bf16
     torchrun --nproc_per_node 2 examples/train_mlm.py --tp 2 --sequence-parallel --steps 50
 
-Without ``--model`` a tiny BERT is built from config; without ``--data`` the built-in public-domain corpus
+``--model`` takes a masked LM of any type (native family or, e.g. ``megatron-bert``, the generic path); ``--model-type
+TYPE`` builds a small new one of any type. Without either a tiny BERT is built from config; without ``--data`` the built-in public-domain corpus
 (examples/data) is tokenized with a WordPiece vocabulary ([PAD] [UNK] [CLS] [SEP] [MASK]) trained on it offline.
 Samples are packed ``--seq-len`` windows of the corpus, masked 80/10/10 by ``om.data.MLMCollator``.
 
@@ -21,7 +22,7 @@ import transformers
 
 import oslo_models as om
 from _common import build_parser, check_launch, export, finish, fit, make_accelerator, parse_args as _parse_args
-from _common import prepare_data, run
+from _common import prepare_data, run, small_config
 from _evaluate import evaluator_for
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -29,7 +30,8 @@ SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 def parse_args(argv=None):
     parser = build_parser(__doc__, output="train_mlm_out", lr=1e-3,
-                          model_help="Hub id or folder to fine-tune; default: a tiny BERT from config",
+                          model_help="Hub id or folder to fine-tune, of any masked-LM type; default: a tiny BERT "
+                                     "from config",
                           vocab_help="WordPiece size when training a tokenizer")
     parser.add_argument("--mlm-probability", type=float, default=0.15, help="fraction of tokens masked (80/10/10)")
     parser.add_argument("--whole-word-mask", action="store_true", help="mask all pieces of a chosen word")
@@ -59,6 +61,10 @@ def build_model(args, tokenizer, context):
     torch.manual_seed(args.seed)  # every rank alike: the same full initial weights, sliced per rank
     if args.model:
         return om.AutoModelForMaskedLM.from_pretrained(args.model, parallel=context, progress=False).train()
+    if args.model_type:  # any transformers type, native or generic
+        config = small_config(args, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        return om.AutoModelForMaskedLM.from_config(config, parallel=context).train()
     config = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=args.n_embd,
                                      num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
                                      intermediate_size=4 * args.n_embd, max_position_embeddings=max(64, args.seq_len),
@@ -68,7 +74,7 @@ def build_model(args, tokenizer, context):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cfg = check_launch(args)  # before any process group or model: one clean error per job
+    cfg = check_launch(args, om.AutoModelForMaskedLM)  # before any process group or model: one clean error per job
     accelerator, context = make_accelerator(args, cfg)
     prefix, eval_prefix, tokenizer = prepare_data(args, context, train_tokenizer)
     model = build_model(args, tokenizer, context)

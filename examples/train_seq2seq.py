@@ -24,13 +24,14 @@ import transformers
 
 import oslo_models as om
 from _common import build_parser, check_launch, export, finish, fit, make_accelerator, parse_args as _parse_args
-from _common import prepare_data, run
+from _common import prepare_data, run, small_config
 from _evaluate import evaluator_for
 
 
 def parse_args(argv=None):
     parser = build_parser(__doc__, output="train_seq2seq_out", lr=3e-3,
-                          model_help="Hub id or folder to fine-tune; default: a tiny T5 from config",
+                          model_help="Hub id or folder to fine-tune, of any seq2seq type; default: a tiny T5 from "
+                                     "config",
                           vocab_help="BPE size (sentinels included) when training a tokenizer")
     parser.add_argument("--d-kv", type=int, default=32, help="per-head size of the tiny T5")
     parser.add_argument("--sentinels", type=int, default=100, help="<extra_id_N> tokens of a trained tokenizer")
@@ -61,6 +62,11 @@ def build_model(args, tokenizer, context):
     torch.manual_seed(args.seed)  # every rank alike: the same full initial weights, sliced per rank
     if args.model:
         return om.AutoModelForSeq2SeqLM.from_pretrained(args.model, parallel=context, progress=False).train()
+    if args.model_type:  # any transformers type, native or generic
+        config = small_config(args, len(tokenizer), decoder_start_token_id=tokenizer.pad_token_id,
+                              pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=tokenizer.eos_token_id)
+        return om.AutoModelForSeq2SeqLM.from_config(config, parallel=context).train()
     config = transformers.T5Config(vocab_size=len(tokenizer), d_model=args.n_embd, d_kv=args.d_kv,
                                    d_ff=4 * args.n_embd, num_layers=args.n_layer, num_decoder_layers=args.n_layer,
                                    num_heads=args.n_head, dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id,
@@ -71,7 +77,7 @@ def build_model(args, tokenizer, context):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cfg = check_launch(args)  # before any process group or model: one clean error per job
+    cfg = check_launch(args, om.AutoModelForSeq2SeqLM)  # before any process group or model: one clean error per job
     accelerator, context = make_accelerator(args, cfg)
     prefix, eval_prefix, tokenizer = prepare_data(args, context, tokenizer_trainer(args.sentinels))
     model = build_model(args, tokenizer, context)

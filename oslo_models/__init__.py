@@ -30,6 +30,7 @@ _LAZY = {
                      "AutoModelForNextSentencePrediction"],
     ".models.family": ["FamilyRecord"],
     ".models.registry": ["register_family"],
+    ".generic.capabilities": ["capabilities"],
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
 

@@ -1,8 +1,11 @@
-"""Auto classes: dispatch on ``config.model_type`` to this project's model classes.
+"""Auto classes: dispatch on ``config.model_type`` to this project's model classes, or to ``transformers``' own.
 
 Each Auto class has a task (``AutoModelForCausalLM.task == "causal_lm"``); the class for a model type is the one
 its family record names for that task (``models/registry.py``: the records of the family folders, plus those added
 with ``oslo_models.register_family``). A family's model code is imported when one of its models is first built.
+A type with no record for the task is built by the generic path (``oslo_models/generic``): ``transformers``' own
+class for it, loaded shard by shard and trained with the same helpers. Only a type that ``transformers`` has no
+class for either is "Unsupported".
 """
 from __future__ import annotations
 
@@ -21,9 +24,24 @@ class _AutoModel:
 
     @classmethod
     def model_class_for(cls, config: PretrainedConfig) -> type:
-        """The class for ``config.model_type`` and this Auto class's task; ``ValueError`` ("Unsupported model
-        type ...", with the supported types) if no family record has one."""
-        return registry.model_class(cls.task, config.model_type, owner=cls.__name__)
+        """The class for ``config.model_type`` and this Auto class's task: the native one when a family record has
+        it, else ``transformers``' own (the generic path); ``ValueError`` ("Unsupported model type ...", with the
+        supported types) when neither has one."""
+        from ..generic.support import transformers_class
+
+        try:
+            return registry.model_class(cls.task, config.model_type, owner=cls.__name__)
+        except ValueError as error:
+            generic = transformers_class(cls.task, config)
+            if generic is None:
+                raise ValueError(f"{error} (natively), and transformers has no {cls.__name__} class for it "
+                                 f"either") from None
+            return generic
+
+    @classmethod
+    def _is_generic(cls, model_class: type) -> bool:
+        """A ``transformers`` class (the generic path) rather than an ``oslo_models`` one (which has a plan)."""
+        return not hasattr(model_class, "parallel_plan")
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *, parallel=None, revision=None,
@@ -54,6 +72,12 @@ class _AutoModel:
                                             cache_dir=cache_dir, local_files_only=local_files_only,
                                             subfolder=subfolder)
         model_class = cls.model_class_for(config)
+        if cls._is_generic(model_class):
+            from ..generic.loading import from_pretrained
+
+            return from_pretrained(model_class, pretrained_model_name_or_path, parallel=parallel, revision=revision,
+                                   token=token, cache_dir=cache_dir, local_files_only=local_files_only,
+                                   subfolder=subfolder, **kwargs)
         return model_class.from_pretrained(pretrained_model_name_or_path, parallel=parallel, revision=revision,
                                            token=token, cache_dir=cache_dir, local_files_only=local_files_only,
                                            subfolder=subfolder, **kwargs)
@@ -65,6 +89,10 @@ class _AutoModel:
         as ``transformers`` would from the current seed, then sliced: seed every rank alike first
         (``torch.manual_seed``), and every layout starts from the model tp=1 would."""
         model_class = cls.model_class_for(config)
+        if cls._is_generic(model_class):
+            from ..generic.loading import from_config
+
+            return from_config(model_class, config, parallel=parallel, **kwargs)
         if not isinstance(config, model_class.config_class):
             config = model_class.config_class.from_dict(config.to_dict())
         return model_class.from_config(config, parallel=parallel, **kwargs)

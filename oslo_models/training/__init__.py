@@ -9,7 +9,7 @@ tensor-parallel-correct gradient clipping, mixed precision kept in step, resumab
 """
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checkpoint_folders import find_checkpoint
-from .export import plain_copy, save_pretrained, unsharded
+from .export import plain_copy, push_to_hub, save_pretrained, unsharded
 from .clip import clip_grad_norm_, grad_norm
 from .mixed_precision import check_mixed_precision, mark_overflow, sync_overflow
 from .prepare import prepare
@@ -17,7 +17,7 @@ from .zero import ZERO_STAGES, shard_data_parallel, unwrap_model, unwrap_optimiz
 
 __all__ = [
     "ZERO_STAGES", "check_mixed_precision", "clip_grad_norm_", "grad_norm", "load_checkpoint", "mark_overflow", "plain_copy",
-    "prepare", "save_checkpoint", "save_pretrained", "unsharded", "shard_data_parallel", "sync_overflow", "unwrap_model", "unwrap_optimizer",
+    "prepare", "push_to_hub", "save_checkpoint", "save_pretrained", "unsharded", "shard_data_parallel", "sync_overflow", "unwrap_model", "unwrap_optimizer",
     "zero_stage_of",
     "find_checkpoint",
 ]

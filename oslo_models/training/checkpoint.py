@@ -42,6 +42,7 @@ from ..conversion.saving import run_on_main_process
 from ..distributed.agreement import agree_on_failure, all_or_none, check_arrival
 from .checkpoint_folders import (describe_missing, find_checkpoint, partial_dir, prepare_partial, publish_step,
                                  step_dir_name)
+from ..generic import is_generic
 from .zero import unwrap_model, unwrap_optimizer
 
 _TRAINER_STATE = "trainer_state.pt"
@@ -155,26 +156,8 @@ def _unwrap_scheduler(scheduler):
     return getattr(scheduler, "scheduler", scheduler)
 
 
-def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=None, scaler=None, step: int = 0,
-                    extra: dict | None = None, keep: int = 1) -> str:
-    """Save a resumable training checkpoint as ``path/step-<step>`` and point ``path/latest`` at it (call on every
-    rank). Returns the step folder. ``keep``: how many step folders to keep (the newest ones).
-
-    ``model``/``optimizer``/``scheduler`` may be the objects returned by :func:`prepare` or
-    :func:`shard_data_parallel`. ``dataloader``: anything with ``state_dict()`` (``oslo_models.data`` loaders).
-    ``scaler``: a ``GradScaler`` (``accelerator.scaler``). ``extra``: small picklable-free values (numbers,
-    strings, lists, dicts, tensors) returned by :func:`load_checkpoint`.
-    """
-    path = os.path.abspath(os.fspath(path))
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"save_checkpoint keep= must be a positive int, got {keep!r}")
-    inner = unwrap_model(model)
-    context, plan = inner.parallel_context, inner.parallel_plan
-    _refuse_context_parallel(context, "save_checkpoint")
-    check_arrival(context, "save_checkpoint", _RULE)
-    partial = partial_dir(path, step)
-    run_on_main_process(context, prepare_partial, path, step, what=f"save_checkpoint({path!r}) preparing")
-
+def _native_state(inner, opt, context, plan) -> dict:
+    """The DCP state dict of a native model (canonical views from its plan) and this rank's optimizer state."""
     state = {}
     params = dict(inner.named_parameters())
     for name, param in params.items():
@@ -184,7 +167,6 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
     for name, buffer in inner.state_dict().items():
         if name not in all_param_names:  # persistent buffers: replicated
             state[f"model/{name}"] = buffer.detach()
-    opt = unwrap_optimizer(optimizer)
     if opt is not None:
         for name, param in params.items():
             holder = _state_holder(opt, param)
@@ -199,6 +181,35 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
                     spec = plan.shard_spec(inner, name)
                     view, full, shard_dim = _canonical(value, spec, context)
                     state[f"optim/{name}/{key}"] = _to_dcp(view.contiguous(), full, shard_dim, context, spec.axis)
+    return state
+
+
+def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=None, scaler=None, step: int = 0,
+                    extra: dict | None = None, keep: int = 1) -> str:
+    """Save a resumable training checkpoint as ``path/step-<step>`` and point ``path/latest`` at it (call on every
+    rank). Returns the step folder. ``keep``: how many step folders to keep (the newest ones).
+
+    ``model``/``optimizer``/``scheduler`` may be the objects returned by :func:`prepare` or
+    :func:`shard_data_parallel`. ``dataloader``: anything with ``state_dict()`` (``oslo_models.data`` loaders).
+    ``scaler``: a ``GradScaler`` (``accelerator.scaler``). ``extra``: small picklable-free values (numbers,
+    strings, lists, dicts, tensors) returned by :func:`load_checkpoint`.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"save_checkpoint keep= must be a positive int, got {keep!r}")
+    inner = unwrap_model(model)
+    context, plan = inner.parallel_context, getattr(inner, "parallel_plan", None)
+    _refuse_context_parallel(context, "save_checkpoint")
+    check_arrival(context, "save_checkpoint", _RULE)
+    partial = partial_dir(path, step)
+    run_on_main_process(context, prepare_partial, path, step, what=f"save_checkpoint({path!r}) preparing")
+    opt = unwrap_optimizer(optimizer)
+    if is_generic(inner):  # a transformers model: its DTensors go to DCP as they are
+        from ..generic.checkpoint import state_to_save
+
+        state = state_to_save(inner, opt)
+    else:
+        state = _native_state(inner, opt, context, plan)
     import torch.distributed.checkpoint as dcp  # here, not at import: it costs ~1 s of `import oslo_models`
 
     dcp.save(state, checkpoint_id=partial)  # DCP reports a failed write on every rank itself
@@ -260,7 +271,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
     """
     path = os.fspath(path)
     inner = unwrap_model(model)
-    context, plan = inner.parallel_context, inner.parallel_plan
+    context, plan = inner.parallel_context, getattr(inner, "parallel_plan", None)
     _refuse_context_parallel(context, "load_checkpoint")
     check_arrival(context, "load_checkpoint", _RULE)
     folder, error = find_checkpoint(path), None
@@ -288,6 +299,10 @@ def _load_targets(path, inner, optimizer, context, plan):
     import torch.distributed.checkpoint as dcp  # here, not at import (see save_checkpoint)
 
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if is_generic(inner):  # a transformers model: its DTensors go to DCP as they are
+        from ..generic.checkpoint import load_targets
+
+        return (*load_targets(path, inner, unwrap_optimizer(optimizer), metadata), {}, trainer_state)
 
     state, pending = {}, []  # pending: (key, tp-local buffer, canonical view, cut(), apply(buffer))
     params = dict(inner.named_parameters())

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..generic import is_generic
 from ..pipeline.stage import tied_duplicates
 from .mixed_precision import mark_overflow
 from .zero import unwrap_model
@@ -52,6 +53,10 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     if not (norm_type > 0):
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
     inner = unwrap_model(model)
+    if is_generic(inner):  # a transformers model: its gradients' DTensor placements say where they live
+        from ..generic.clip import grad_norm as generic_grad_norm
+
+        return generic_grad_norm(inner, inner.parallel_context, norm_type)
     context, plan = inner.parallel_context, inner.parallel_plan
     is_inf = math.isinf(norm_type)
     split, replicated, experts = [], [], []  # per-tensor partial values: sum of |g|^p, or max |g| for inf

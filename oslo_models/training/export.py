@@ -55,9 +55,28 @@ def plain_copy(model: nn.Module) -> nn.Module:
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -> None:
     """``save_pretrained`` of the ``oslo_models`` model inside ``model`` (DDP, ZeRO-1, FSDP2). Call on every rank;
-    global rank 0 writes a folder plain ``transformers`` loads. ``push_to_hub`` works the same way on the result."""
+    global rank 0 writes a folder plain ``transformers`` loads. A generic model (``transformers``' own class) is
+    gathered and written by ``transformers``' ``save_pretrained`` (``generic/saving.py``)."""
     from ..conversion.saving import SAVE_RULE
     from ..distributed.agreement import check_arrival
+    from ..generic import is_generic
 
+    if is_generic(unwrap_model(model)):
+        from ..generic.saving import save_pretrained as generic_save_pretrained
+
+        return generic_save_pretrained(unwrap_model(model), save_directory, **kwargs)
     check_arrival(unwrap_model(model).parallel_context, "training.save_pretrained", SAVE_RULE)  # before FSDP gathers
     plain_copy(model).save_pretrained(save_directory, **kwargs)
+
+
+def push_to_hub(model: nn.Module, repo_id: str, **kwargs):
+    """Upload the plain Hub folder :func:`save_pretrained` writes (native or generic, any wrapper) from global rank 0
+    while the other ranks wait. Call on every rank. Options as ``push_to_hub`` of the native models (``private``,
+    ``token``, ``commit_message``, ``revision``, ``max_shard_size``)."""
+    from ..generic import is_generic
+
+    if is_generic(unwrap_model(model)):
+        from ..generic.saving import push_to_hub as generic_push_to_hub
+
+        return generic_push_to_hub(unwrap_model(model), repo_id, **kwargs)
+    return plain_copy(model).push_to_hub(repo_id, **kwargs)

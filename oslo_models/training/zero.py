@@ -103,6 +103,12 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The submodules that become their own FSDP unit: the model's blocks (``_no_split_modules``) that share no
     parameter with a module outside them. A block holding a tied weight (BERT/RoBERTa embeddings, tied to the MLM
     decoder in the root) stays in the root unit with the other copy."""
+    from ..generic import is_generic
+
+    if is_generic(model):  # a transformers model (the generic path): its own rules
+        from ..generic.data_parallel import fsdp_units as generic_units
+
+        return generic_units(model)
     block_types = set(getattr(model, "_no_split_modules", None) or ())
     return [module for prefix, module in model.named_modules()
             if module is not model and type(module).__name__ in block_types
@@ -226,6 +232,10 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     if context.pp_size > 1:
         return _pipeline_data_parallel(model, optimizer, context, stage, ddp_kwargs)
     if stage <= 1:
+        from ..generic.data_parallel import has_dtensor_parameters, shard_tensor_parallel
+
+        if has_dtensor_parameters(model):  # a tensor-parallel generic model: DDP cannot hold DTensors
+            return shard_tensor_parallel(model, optimizer, context, stage, ddp_kwargs)
         wrapped = data_parallel(model, context, **ddp_kwargs)
         if stage == 1 and optimizer is not None:
             optimizer = _zero_redundancy(optimizer, context, model)

@@ -1,0 +1,20 @@
+"""The generic path: any ``transformers`` model type without a native family trains with the same helpers.
+
+``om.AutoModelFor*.from_pretrained`` returns the native class when a family record has one for the task, and
+otherwise ``transformers``' own class, loaded shard by shard (``loading.py``), tensor parallel through the type's
+own ``base_model_tp_plan`` (DTensor on the ``tp`` axis of the model's DeviceMesh) where it has one, and checked
+before any process group against what the path supports (``support.py``). The training helpers
+(``om.training.prepare`` / ``shard_data_parallel``, ``clip_grad_norm_``, ``save_checkpoint`` /
+``load_checkpoint``, ``save_pretrained`` / ``push_to_hub``) recognize such a model (:func:`is_generic`) and hand it
+to the modules here: ``data_parallel.py`` (DDP / ZeRO-1 for DTensor parameters, FSDP2 units), ``clip.py`` (the
+global gradient norm from DTensor placements), ``checkpoint.py`` (DCP, resharding at any layout), ``saving.py``
+(a plain Hub folder written by ``transformers``' own ``save_pretrained``). ``om.capabilities`` says, for a native
+or a generic type, which axes and features apply and why not the others (``capabilities.py``).
+"""
+from __future__ import annotations
+
+
+def is_generic(model) -> bool:
+    """Whether ``model`` (possibly inside DDP) is a ``transformers`` model loaded by the generic path."""
+    inner = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
+    return "_oslo_generic_tp_plan" in getattr(inner, "__dict__", {})

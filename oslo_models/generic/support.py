@@ -1,0 +1,129 @@
+"""What the generic path can do for a ``transformers`` model type, decided from its config alone.
+
+A model type with no family record is trained as ``transformers``' own class (``generic/loading.py``). What that
+class supports is read from ``transformers`` itself, never from a table kept here:
+
+- tensor parallelism: the config's ``base_model_tp_plan`` (plus the class's own ``_tp_plan`` entries for its head),
+  applied by ``transformers``' DTensor styles on the ``tp`` axis of the model's DeviceMesh. A type with no plan runs
+  data parallel only.
+- pipeline parallelism: refused. A ``base_model_pp_plan`` names the stage boundaries, but ``transformers``' pipeline
+  (``transformers.distributed.pipeline_parallel``) runs a forward pass only: activations are sent without autograd,
+  so no gradient crosses a stage, and there is no training schedule to drive it.
+- data parallelism, ZeRO 1/2/3, CPU offload, mixed precision, gradient clipping and resumable checkpoints need
+  nothing from the model and always apply; activation checkpointing is ``transformers``' own
+  (``gradient_checkpointing_enable``), i.e. ``activation_checkpointing="full"``.
+- sequence / context / expert parallelism and the 2D / 2.5D / 3D tensor modes need the native layers: refused.
+
+:func:`check_parallel` raises before any process group exists, so a request the path cannot honour is a clear
+``ValueError`` naming the type and what it supports, never a hang or a silently different layout.
+"""
+from __future__ import annotations
+
+# oslo task -> the transformers Auto class whose mapping names the class for a config type
+AUTO_CLASS_OF_TASK = {
+    "base": "AutoModel", "causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM",
+    "sequence_classification": "AutoModelForSequenceClassification", "pretraining": "AutoModelForPreTraining",
+    "seq2seq_lm": "AutoModelForSeq2SeqLM", "token_classification": "AutoModelForTokenClassification",
+    "question_answering": "AutoModelForQuestionAnswering", "text_encoding": "AutoModelForTextEncoding",
+    "multiple_choice": "AutoModelForMultipleChoice", "next_sentence_prediction": "AutoModelForNextSentencePrediction",
+}
+# projections whose colwise split cuts attention heads (transformers' names across its models)
+_HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "query", "key", "value")
+_CHECKPOINTING_MODES = ("full",)
+
+DATA_PARALLEL_FEATURES = ("data parallelism (DDP over the dp axis), ZeRO 1/2/3 (FSDP2 units from _no_split_modules "
+                          "or the repeated blocks), CPU offload, activation_checkpointing='full', mixed precision, "
+                          "gradient clipping, resumable checkpoints, save_pretrained / push_to_hub")
+
+
+def transformers_class(task: str, config) -> type | None:
+    """``transformers``' class for ``config``'s type and ``task`` (the one its Auto class builds), or ``None``."""
+    import transformers
+
+    auto = getattr(transformers, AUTO_CLASS_OF_TASK[task])
+    mapping = auto._model_mapping  # transformers' lazy {config class: model class} table, read-only here
+    try:
+        found = mapping[type(config)]
+    except (KeyError, ValueError):
+        return None
+    return found[0] if isinstance(found, (list, tuple)) else found
+
+
+def tensor_parallel_plan(config, model_class: type | None = None) -> dict[str, str]:
+    """The tensor-parallel plan ``transformers`` would apply: the config's ``base_model_tp_plan`` (under the base
+    model's prefix when ``model_class`` is a head class) plus ``model_class._tp_plan`` (e.g. ``lm_head``). Empty when
+    the type has no base plan: a head's entry alone does not make a type tensor parallel."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    base = dict(getattr(text, "base_model_tp_plan", None) or {})
+    if not base:
+        return {}
+    prefix = getattr(model_class, "base_model_prefix", "") if model_class is not None else ""
+    plan = {f"{prefix}.{key}" if prefix else key: style for key, style in base.items()}
+    plan.update(getattr(model_class, "_tp_plan", None) or {})
+    return plan
+
+
+def pipeline_plan(config) -> dict:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return dict(getattr(text, "base_model_pp_plan", None) or {})
+
+
+def _splits_heads(plan: dict[str, str]) -> bool:
+    return any(key.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS and style == "colwise" for key, style in plan.items())
+
+
+def refusals(config, parallel, model_class: type | None = None) -> list[str]:
+    """Why ``parallel`` (a ``ParallelConfig``) cannot run ``config``'s type on the generic path: one sentence per
+    request it cannot honour (empty when it can). Reads only the configs: no model, no collective."""
+    model_type = config.model_type
+    reasons = []
+    tp = parallel.tensor_parallel_size
+    plan = tensor_parallel_plan(config, model_class)
+    if tp > 1 and not plan:
+        reasons.append(f"tensor_parallel_size={tp}: {model_type!r} has no native family in oslo_models and "
+                       f"transformers gives it no tensor-parallel plan (config.base_model_tp_plan), so it runs data "
+                       f"parallel only; use tensor_parallel_size=1")
+    if tp > 1 and plan and _splits_heads(plan):
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(text, name, None)
+            if isinstance(heads, int) and heads % tp:
+                reasons.append(f"{name}={heads} is not divisible by tensor_parallel_size={tp}: transformers' plan for "
+                               f"{model_type!r} splits whole heads over the tensor-parallel ranks (no replication on "
+                               f"the generic path)")
+    if parallel.tensor_parallel_mode != "1d":
+        reasons.append(f"tensor_parallel_mode={parallel.tensor_parallel_mode!r}: the 2D/2.5D/3D grids need the "
+                       f"native layers; the generic path applies transformers' 1D plan")
+    if parallel.sequence_parallel:
+        reasons.append("sequence_parallel=True: transformers' plans have no sequence-parallel regions "
+                       "(DistributedConfig.enable_sequence_parallel is not wired up in transformers)")
+    if parallel.pipeline_parallel_size > 1:
+        why = ("its base_model_pp_plan names the stages, but transformers' pipeline runs forward only (activations "
+               "cross stages without autograd, no training schedule)" if pipeline_plan(config) else
+               "it has no base_model_pp_plan")
+        reasons.append(f"pipeline_parallel_size={parallel.pipeline_parallel_size}: {model_type!r} cannot be "
+                       f"pipelined on the generic path: {why}")
+    if parallel.context_parallel_size > 1:
+        reasons.append(f"context_parallel_size={parallel.context_parallel_size}: context parallelism needs the "
+                       f"native attention (ring / all-to-all over the cp axis)")
+    if parallel.expert_parallel_size > 1:
+        reasons.append(f"expert_parallel_size={parallel.expert_parallel_size}: the generic path splits experts only "
+                       f"as the tensor-parallel plan does (transformers' expert-parallel plan is not applied)")
+    mode = parallel.activation_checkpointing
+    if mode is not None and mode not in _CHECKPOINTING_MODES:
+        reasons.append(f"activation_checkpointing={mode!r}: the generic path has transformers' own checkpointing "
+                       f"of whole layers only ('full')")
+    return reasons
+
+
+def check_parallel(config, parallel, model_class: type | None = None) -> None:
+    """``ValueError`` naming the type, every request the generic path cannot honour, and what it does support.
+    Call before any process group exists."""
+    reasons = refusals(config, parallel, model_class)
+    if reasons:
+        plan = tensor_parallel_plan(config, model_class)
+        supported = DATA_PARALLEL_FEATURES + (", tensor parallelism over its base_model_tp_plan" if plan else "")
+        raise ValueError(f"{config.model_type!r} runs on the generic path (transformers' own "
+                         f"{getattr(model_class, '__name__', 'model class')}), which cannot honour: "
+                         + "; ".join(reasons) + f". It supports: {supported}.")
+

@@ -1,0 +1,65 @@
+"""Tiny models of types that have no native family, each different from the others, for the generic path's tests.
+
+Hidden 64, 2 layers, vocabulary 101, no dropout. Each exercises something of its own:
+
+- granite: decoder with a ``base_model_tp_plan`` (colwise/rowwise heads and MLP), GQA, scaling multipliers.
+- cohere: decoder with a plan, tied embeddings (the vocab-split embedding is the head), parallel block, logit scale.
+- olmoe: mixture of experts with a plan (fused experts ``packed_colwise`` + ``moe_tp_experts``, gathered q/k/v);
+  its checkpoint stores one tensor per expert, which ``transformers`` fuses on load.
+- stablelm: decoder without a plan, partial rotary, LayerNorm.
+- mpt: decoder without a plan, ALiBi, tied embeddings.
+- mamba: a state space model (no attention), nested ``_no_split_modules`` (``MambaBlock`` > ``MambaMixer``).
+- megatron-bert: masked-LM encoder, tied decoder, no ``_no_split_modules`` (FSDP2 units: the repeated layers).
+- xglm: decoder without a plan, sinusoidal positions, scaled tied embeddings.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+
+_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+CONFIGS = {
+    "granite": lambda: transformers.GraniteConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0,
+        attention_multiplier=0.2, max_position_embeddings=64, **_IDS),
+    "cohere": lambda: transformers.CohereConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, logit_scale=0.5, max_position_embeddings=64, tie_word_embeddings=True, **_IDS),
+    "olmoe": lambda: transformers.OlmoeConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, **_IDS),
+    "stablelm": lambda: transformers.StableLmConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, partial_rotary_factor=0.5, max_position_embeddings=64, **_IDS),
+    "mpt": lambda: transformers.MptConfig(vocab_size=101, d_model=64, n_heads=4, n_layers=2, expansion_ratio=2,
+                                          max_seq_len=64, **_IDS),
+    "mamba": lambda: transformers.MambaConfig(vocab_size=101, hidden_size=64, num_hidden_layers=2, state_size=8,
+                                              expand=2, **_IDS),
+    "megatron-bert": lambda: transformers.MegatronBertConfig(
+        vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64, pad_token_id=0),
+    "xglm": lambda: transformers.XGLMConfig(
+        vocab_size=101, d_model=64, num_layers=2, attention_heads=4, ffn_dim=96, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, max_position_embeddings=64, **_IDS),
+}
+MASKED_LM = {"megatron-bert"}
+
+
+def auto_class(name: str, library=transformers):
+    """The Auto class of the model's task, from ``transformers`` or ``oslo_models``."""
+    return library.AutoModelForMaskedLM if name in MASKED_LM else library.AutoModelForCausalLM
+
+
+def save(root, names) -> dict[str, str]:
+    """Save each named tiny model (seed 0) under ``root/name`` in Hub format."""
+    paths = {}
+    for name in names:
+        torch.manual_seed(0)
+        path = os.path.join(str(root), name)
+        auto_class(name).from_config(CONFIGS[name]()).save_pretrained(path)
+        paths[name] = path
+    return paths
