@@ -26,7 +26,8 @@ setup(
         "data": ["datasets>=2.18"],
         "triton": ["triton>=3.0"],
         "plot": ["matplotlib>=3.6"],
-        "dev": ["datasets>=2.18", "triton>=3.0", "matplotlib>=3.6", "pytest>=7", "pytest-xdist>=3",
+        "peft": ["peft>=0.17"],  # oslo_models.adapters (LoRA); imported only there
+        "dev": ["datasets>=2.18", "triton>=3.0", "matplotlib>=3.6", "pytest>=7", "pytest-xdist>=3", "peft>=0.17",
                 "hypothesis>=6.100",
                 "parameterized>=0.9"],  # parameterized: transformers' common model tests import it
     },

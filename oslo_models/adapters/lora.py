@@ -1,0 +1,349 @@
+"""LoRA (``peft``) on the tensor-parallel linear layers, with the sharding rules of Megatron-LM / NeMo.
+
+``peft`` knows ``nn.Linear``; our parallel layers hold a slice of the weight, so ``peft``'s default LoRA layer would
+build adapters of the local sizes and compute them without the collectives they need. ``ParallelLoraLinear`` is a
+``peft.tuners.lora.Linear`` registered through ``peft``'s public custom-module mapping
+(``LoraConfig._register_custom_module``, done by ``lora_config`` / ``register_parallel_layers``); ``peft`` then
+builds, trains, merges and unloads it like its own layer. Nothing is patched and no state is global.
+
+Shapes (``r`` the rank, ``tp`` the tensor-parallel size; LoRA's ``A`` is ``[r, in]``, ``B`` is ``[out, r]`` as
+``nn.Linear`` weights, whatever the base layer's weight layout):
+
+- column-parallel base (``ColumnParallelLinear``, ``KVHeadColumnParallelLinear``, the vocabulary-parallel head):
+  ``A`` replicated ``[r, in]``; ``B`` split by output like the base weight's rows: ``[out/tp, r]`` (packed q|k|v
+  per block, whole key/value heads, padded vocabulary: the base's own ``Layout``). Forward: ``x`` (all-gathered along
+  the sequence under sequence parallelism, backward split) -> ``A`` -> ``copy_to_tensor_parallel_region`` (backward
+  all-reduce: each rank holds the gradient of its output slice only) -> ``B``. Replicated key/value heads sum the
+  gradient of ``B``'s copies over their replica group, as the base weight does.
+- row-parallel base (``RowParallelLinear``): ``A`` split by input ``[r, in/tp]``; ``B`` replicated ``[out, r]``.
+  Forward: ``A x_local`` (partial sums) -> all-reduce (sequence parallel: reduce-scatter along the sequence) ->
+  ``B``; under sequence parallelism ``B``'s gradient is summed over the ranks (each saw its tokens only).
+- a plain ``Linear`` (tp 1, or a replicated module): ``peft``'s own computation; GPT-2's ``conv1d`` weight layout
+  merges transposed (``fan_in_fan_out``).
+
+Adapters are initialized exactly as ``peft`` initializes them on the single-process model: full-size ``A`` and
+``B`` are built and drawn by ``peft``'s own ``update_layer`` (same shapes, same order, same generator), then sliced.
+``load_state_dict`` slices full (saved) tensors to the local piece; ``adapter_state_dict`` / ``save_adapter``
+gather them back (collective), so a saved folder is a plain ``peft`` adapter. ``merge`` / ``merge_and_unload`` add
+the local ``B A`` to the local weight slice, which is the slice of the full merged weight.
+
+Refused with a reason: DoRA (its magnitude normalizes each column of ``W + BA`` over the full input, a per-forward
+collective under row parallelism that is not implemented), ``init_lora_weights`` methods that read the base weight
+(PiSSA, OLoRA, LoftQ, EVA, CorDA...: they would see a slice), the other LoRA variants, mixed-adapter batches, and the
+2D/2.5D/3D grid layers. rsLoRA (``use_rslora``) works: it only changes the scaling.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, PeftModel
+from peft.tuners.lora.layer import Embedding as PeftLoraEmbedding
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from ..conversion.saving import run_on_main_process
+from ..distributed.agreement import check_arrival
+from ..parallel_layers.kv_heads import KVHeadColumnParallelLinear
+from ..parallel_layers.layers import Linear
+from ..parallel_layers.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    group_rank,
+    group_size,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from ..parallel_layers.sharding import REPLICATED, EvenSplit, HeadSplit, Layout, split_layout
+from ..parallel_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..parallel_layers.tensor_parallel_2d import Linear2D, VocabEmbedding2D
+from ..parallel_layers.tensor_parallel_3d import Linear3D, VocabEmbedding3D
+
+# init_lora_weights values that only draw from the generator (the others read the base weight)
+_SEEDED_INITS = (True, False, "gaussian")
+SAVE_RULE = ("every rank calls adapters.save_adapter() / adapter_state_dict() (the adapters are gathered over the "
+             "tensor-parallel ranks, then rank 0 alone writes): do not guard it with `if rank == 0:`")
+
+
+def _base(layer: nn.Module) -> nn.Module:
+    return layer.get_base_layer() if isinstance(layer, BaseTunerLayer) else layer
+
+
+def adapter_layouts(base: nn.Module) -> tuple[Layout, Layout]:
+    """``(layout of A's weight [r, in], layout of B's weight [out, r] and bias [out])`` for a base layer."""
+    if isinstance(base, RowParallelLinear):
+        return EvenSplit(1), REPLICATED
+    if isinstance(base, KVHeadColumnParallelLinear):
+        return REPLICATED, HeadSplit(0, base.num_heads)
+    if isinstance(base, ColumnParallelLinear):
+        return REPLICATED, split_layout(0, num_packed=base.num_packed, vocab_size=base.vocab_size)
+    return REPLICATED, REPLICATED
+
+
+def full_features(base: nn.Module) -> tuple[int, int]:
+    """``(in, out)`` of the unsplit layer (the single-process model's)."""
+    if isinstance(base, RowParallelLinear):
+        return base.full_in_features, base.out_features
+    if isinstance(base, ColumnParallelLinear):
+        return base.in_features, base.full_out_features
+    return base.in_features, base.out_features
+
+
+def refuse_options(config: LoraConfig, where: str) -> None:
+    """``NotImplementedError`` for the LoRA options this integration does not compute (see the module docstring)."""
+    if config.use_dora:
+        raise NotImplementedError(
+            f"DoRA (use_dora=True) is not supported on oslo_models layers ({where}): its magnitude vector normalizes "
+            "each column of W + BA over the full input dimension, which under tensor parallelism needs a collective "
+            "in every forward that is not implemented. Use plain LoRA (use_dora=False); rsLoRA (use_rslora=True) "
+            "works")
+    if config.init_lora_weights not in _SEEDED_INITS:
+        raise NotImplementedError(
+            f"init_lora_weights={config.init_lora_weights!r} is not supported on oslo_models layers ({where}): it "
+            "derives the adapters from the base weight, of which each rank holds a slice. Initialize with "
+            "True / False / 'gaussian', or load an adapter initialized on the single-process model")
+
+
+class ParallelLoraLinear(PeftLoraLinear):
+    """``peft``'s LoRA ``Linear`` on a (tensor-parallel) ``oslo_models`` linear layer; see the module docstring.
+
+    Built by ``peft`` through the custom-module mapping: ``ParallelLoraLinear(target, adapter_name, config=...)``.
+    Parameters keep ``peft``'s names (``lora_A.<adapter>.weight`` ...), holding this rank's piece."""
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: LoraConfig, **kwargs):
+        base = _base(base_layer)
+        if isinstance(base, (Linear2D, Linear3D)):
+            raise NotImplementedError(
+                f"LoRA on {type(base).__name__} (tensor_parallel_mode 2d / 2.5d / 3d) is not implemented: its weight "
+                "is split in q x q blocks over two axes and the low-rank path would need its own SUMMA products. Use "
+                "tensor_parallel_mode='1d' for LoRA")
+        self.lora_group = getattr(base, "group", None)
+        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+        # The weight layout decides the merge's transpose, not the config: GPT-2's c_attn is a Linear with the
+        # ``conv1d`` layout ([in, out], as transformers' Conv1D), Llama's q_proj the ``linear`` one.
+        self.fan_in_fan_out = getattr(base, "layout", "linear") == "conv1d"
+
+    # ------------------------------------------------------------------ construction
+    def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
+        """``peft``'s ``update_layer`` at the full (single-process) sizes, so the draws are exactly its own, then
+        each adapter weight is replaced by this rank's piece."""
+        refuse_options(config, kwargs.get("target_name", type(self.get_base_layer()).__name__))
+        if self.resolve_lora_variant(config=config) is not None:
+            raise NotImplementedError("LoRA variants (DoRA, aLoRA, Arrow, BD-LoRA, ...) are not supported on "
+                                      "oslo_models layers; use plain LoRA")
+        local = (self.in_features, self.out_features)
+        self.in_features, self.out_features = full_features(self.get_base_layer())
+        try:
+            super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+        finally:
+            self.in_features, self.out_features = local
+        for key, layout in self._adapter_param_layouts(adapter_name).items():
+            module_name, param_name = key.rsplit(".", 1)
+            module = self.get_submodule(module_name)
+            full = getattr(module, param_name)
+            piece = self._slice(layout, full.data)
+            setattr(module, param_name, nn.Parameter(piece.contiguous(), requires_grad=full.requires_grad))
+        self.lora_A[adapter_name].in_features = self.lora_A[adapter_name].weight.shape[1]
+        self.lora_B[adapter_name].out_features = self.lora_B[adapter_name].weight.shape[0]
+
+    def _adapter_param_layouts(self, adapter_name: str) -> dict[str, Layout]:
+        """``{"lora_A.<adapter>.weight": layout, ...}`` for one adapter (names relative to this layer)."""
+        layout_a, layout_b = adapter_layouts(self.get_base_layer())
+        out = {f"lora_A.{adapter_name}.weight": layout_a, f"lora_B.{adapter_name}.weight": layout_b}
+        if self.lora_B[adapter_name].bias is not None:
+            out[f"lora_B.{adapter_name}.bias"] = layout_b
+        return out
+
+    def adapter_param_layouts(self) -> dict[str, Layout]:
+        """The layouts of every adapter parameter of this layer (names relative to it)."""
+        out = {}
+        for name in self.lora_A:
+            out.update(self._adapter_param_layouts(name))
+        return out
+
+    def _slice(self, layout: Layout, full: torch.Tensor) -> torch.Tensor:
+        return layout.read_shard(tuple(full.shape), lambda index: full[index], group_rank(self.lora_group),
+                                 group_size(self.lora_group))
+
+    def gather_adapter(self, key: str, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor of adapter parameter ``key`` from every rank's piece. Collective over the TP group."""
+        return self.adapter_param_layouts()[key].gather(local, self.lora_group)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A saved adapter holds full tensors: keep this rank's piece (a local piece, e.g. a resumed training
+        # state, loads as is). Runs before the children load, which read the rewritten entries.
+        size = group_size(self.lora_group)
+        for key, layout in self.adapter_param_layouts().items():
+            tensor = state_dict.get(prefix + key)
+            local_shape = tuple(self.get_parameter(key).shape)
+            if tensor is None or tuple(tensor.shape) == local_shape:
+                continue
+            if tuple(tensor.shape) == layout.full_shape(local_shape, size):
+                state_dict[prefix + key] = self._slice(layout, tensor)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The base layer's output (its own collectives, ``sequence_parallel`` honoured) plus each active adapter's
+        ``scaling * B(A(dropout(x)))``, computed with the collectives of the module docstring."""
+        self._check_forward_args(x, *args, **kwargs)
+        if kwargs.pop("adapter_names", None) is not None:
+            raise NotImplementedError("mixed-adapter batches (adapter_names=...) are not supported on oslo_models "
+                                      "layers; activate one adapter set with set_adapter()")
+        base = self.get_base_layer()
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return base(x, *args, **kwargs)
+        result = base(x, *args, **kwargs)
+        if self.merged:
+            return result
+        sp_active = getattr(base, "sequence_parallel_active", None)
+        sequence_parallel = bool(sp_active(kwargs.get("sequence_parallel"))) if sp_active is not None else False
+        dtype = result.dtype
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            delta = self._lora_path(x.to(self.lora_A[name].weight.dtype), name, sequence_parallel)
+            result = result + delta * self.scaling[name]
+        return result.to(dtype)
+
+    def _lora_path(self, x: torch.Tensor, name: str, sequence_parallel: bool) -> torch.Tensor:
+        base, group = self.get_base_layer(), self.lora_group
+        lora_a, lora_b, dropout = self.lora_A[name], self.lora_B[name], self.lora_dropout[name]
+        if isinstance(base, RowParallelLinear):
+            a = lora_a(dropout(x))  # [b, s, r] partial sums over this rank's input slice
+            weight, bias = lora_b.weight, lora_b.bias
+            if sequence_parallel:
+                a = reduce_scatter_to_sequence_parallel_region(a, group)  # [b, s/tp, r]
+                weight = copy_to_tensor_parallel_region(weight, group)  # this rank's tokens only: sum the grads
+                bias = copy_to_tensor_parallel_region(bias, group) if bias is not None else None
+            else:
+                a = reduce_from_tensor_parallel_region(a, group)
+            return F.linear(a, weight, bias)
+        if isinstance(base, ColumnParallelLinear):
+            if sequence_parallel:  # the gradient of the gathered x is complete (see below): split, not reduce
+                x = gather_from_sequence_parallel_region(x, group, grad_is_partial=False)
+            a = copy_to_tensor_parallel_region(lora_a(dropout(x)), group)  # backward: sum the output slices' grads
+            weight, bias = lora_b.weight, lora_b.bias
+            replica_group = getattr(base, "replica_group", None)
+            if replica_group is not None:  # replicated key/value heads: sum the copies' gradients
+                weight = copy_to_tensor_parallel_region(weight, replica_group)
+                bias = copy_to_tensor_parallel_region(bias, replica_group) if bias is not None else None
+            y = F.linear(a, weight, bias)  # [b, s, out/tp]
+            if base.gather_output:
+                y = base.gather(y)
+            return y
+        return lora_b(lora_a(dropout(x)))
+
+
+def _lora_embedding(base_layer: nn.Module, adapter_name: str, config: LoraConfig, **kwargs) -> nn.Module:
+    """``peft``'s LoRA ``Embedding`` on a whole table (tp 1); a vocabulary split over ranks is refused."""
+    base = _base(base_layer)
+    if getattr(base, "tp_size", 1) > 1 or isinstance(base, (VocabEmbedding2D, VocabEmbedding3D)):
+        raise NotImplementedError(
+            f"LoRA on a vocabulary-parallel embedding ({type(base).__name__} at tensor_parallel_size > 1) is not "
+            "implemented: leave the embeddings out of target_modules (or train them with modules_to_save at tp 1)")
+    refuse_options(config, type(base).__name__)
+    return PeftLoraEmbedding(base_layer, adapter_name, config=config, **kwargs)
+
+
+def register_parallel_layers(config: LoraConfig) -> LoraConfig:
+    """Register ``ParallelLoraLinear`` for the ``oslo_models`` linear layers on ``config`` (in place; returned).
+    Uses ``peft``'s custom-module mapping, which is not written to ``adapter_config.json``: the saved config is a
+    plain ``peft`` one."""
+    if not isinstance(config, LoraConfig):
+        raise TypeError(f"oslo_models adapters support LoRA (peft.LoraConfig), got {type(config).__name__}")
+    # First match wins (isinstance): grid and parallel layers before the plain Linear they subclass.
+    config._register_custom_module({
+        Linear2D: ParallelLoraLinear, Linear3D: ParallelLoraLinear,  # refused in __init__, with the reason
+        ColumnParallelLinear: ParallelLoraLinear, RowParallelLinear: ParallelLoraLinear, Linear: ParallelLoraLinear,
+        VocabParallelEmbedding: _lora_embedding, VocabEmbedding2D: _lora_embedding, VocabEmbedding3D: _lora_embedding,
+    })
+    return config
+
+
+def lora_config(**kwargs) -> LoraConfig:
+    """``peft.LoraConfig(**kwargs)`` that knows the ``oslo_models`` parallel layers (``register_parallel_layers``)."""
+    return register_parallel_layers(LoraConfig(**kwargs))
+
+
+def _context_of(model: nn.Module):
+    inner = model.get_base_model() if isinstance(model, PeftModel) else model
+    context = getattr(inner, "parallel_context", None)
+    if context is None:
+        raise TypeError(f"{type(inner).__name__} is not an oslo_models model (no parallel_context)")
+    return context
+
+
+def adapter_state_dict(model: PeftModel) -> dict[str, torch.Tensor] | None:
+    """The full adapter tensors (``peft``'s key names, adapter name included) on global rank 0, ``None`` elsewhere.
+
+    Collective: call on every rank. ZeRO-3 (FSDP2) shards are all-gathered over data parallelism first, then the
+    tensor-parallel pieces joined by their ``Layout``; pipeline stages send theirs to rank 0."""
+    context = _context_of(model)
+    check_arrival(context, "save_adapter", SAVE_RULE)
+    owners = {name: module for name, module in model.named_modules() if isinstance(module, ParallelLoraLinear)}
+    keep = context.tp_rank == 0 and context.dp_rank == 0
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if "lora_" not in key and "modules_to_save" not in key:
+            continue
+        tensor = tensor.detach()
+        if hasattr(tensor, "full_tensor"):  # a ZeRO-3 (FSDP2) DTensor: gather its data-parallel shards
+            tensor = tensor.full_tensor()
+        for owner_name, owner in owners.items():
+            if key.startswith(owner_name + ".") and key[len(owner_name) + 1:] in owner.adapter_param_layouts():
+                tensor = owner.gather_adapter(key[len(owner_name) + 1:], tensor)
+                break
+        if keep:
+            out[key] = tensor.to("cpu", copy=True).contiguous()
+    if context.pp_size > 1:  # stages hold disjoint adapters: merge them on global rank 0
+        from ..pipeline.checkpoint import collect_stage_state_dicts
+
+        return collect_stage_state_dicts(out if keep else None, context)
+    return out if context.rank == 0 else None
+
+
+def save_adapter(model: PeftModel, save_directory: str | os.PathLike, **kwargs) -> None:
+    """Write a plain ``peft`` adapter folder (``adapter_config.json`` + ``adapter_model.safetensors`` of full
+    tensors) that ``peft.PeftModel.from_pretrained`` opens on any model, parallel or not. Call on every rank:
+    the adapters are gathered (``adapter_state_dict``) and rank 0 writes through ``PeftModel.save_pretrained``."""
+    from ..training.zero import unwrap_model
+
+    model = unwrap_model(model)
+    context = _context_of(model)
+    full = adapter_state_dict(model)
+    run_on_main_process(context, _write_adapter, model, save_directory, full, context.pp_size > 1,
+                        what="save_adapter (writing on rank 0)", **kwargs)
+    context.barrier()
+
+
+def _write_adapter(model: PeftModel, save_directory, full: dict[str, torch.Tensor], all_stages: bool,
+                   **kwargs) -> None:
+    """``PeftModel.save_pretrained`` on rank 0. Under pipeline parallelism ``peft`` keeps only the adapters of the
+    modules rank 0 holds (its stage), so each adapter's weights file is then rewritten with every stage's tensors,
+    in ``peft``'s format (adapter name dropped from the keys, ``adapter_model.safetensors``, format ``pt``)."""
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME
+    from safetensors.torch import save_file
+
+    model.save_pretrained(save_directory, state_dict=full, is_main_process=True, **kwargs)
+    if not all_stages:
+        return
+    names = kwargs.get("selected_adapters") or list(model.peft_config)
+    for name in names:
+        folder = save_directory if name == "default" else os.path.join(save_directory, name)
+        tensors = {key.replace(f".{name}.", "."): tensor for key, tensor in full.items()
+                   if "lora_" in key and f".{name}." in key}
+        save_file(tensors, os.path.join(folder, SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def load_adapter(model: nn.Module, model_id: str | os.PathLike, adapter_name: str = "default", *,
+                 is_trainable: bool = False, **kwargs) -> PeftModel:
+    """``peft.PeftModel.from_pretrained(model, model_id, ...)`` with the saved ``LoraConfig`` registered for the
+    parallel layers: each rank loads the full tensors and keeps its piece. ``kwargs`` go to ``from_pretrained``."""
+    config = register_parallel_layers(LoraConfig.from_pretrained(model_id))
+    return PeftModel.from_pretrained(model, model_id, adapter_name=adapter_name, is_trainable=is_trainable,
+                                     config=config, **kwargs)

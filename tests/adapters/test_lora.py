@@ -1,0 +1,194 @@
+"""LoRA through ``peft`` on parallel models, against plain ``peft`` on plain ``transformers`` (fp32, atol 1e-5).
+
+An adapter made by plain ``peft`` (random ``A`` and ``B``: ``init_lora_weights=False``) is loaded onto our model
+(sliced), trained 3 AdamW steps: losses and every adapter piece equal the reference's; the gathered save opens in
+plain ``peft`` with the reference's logits; ``merge_and_unload`` + ``save_pretrained`` opens in plain
+``transformers`` with the merged reference's logits. Layouts (4 ranks, one group per family): tp2 + SP x dp2,
+tp4, tp2 x dp2 ZeRO-3, pp2 x tp2 (Llama). tp 1 runs in the test process, with ``get_peft_model``'s own init.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+peft = pytest.importorskip("peft")
+
+import oslo_models as om  # noqa: E402
+from oslo_models import adapters, training  # noqa: E402
+from oslo_models.adapters.lora import ParallelLoraLinear  # noqa: E402
+from tests.helpers.dist import run_distributed  # noqa: E402
+from tests.helpers.models import padded_batch  # noqa: E402
+from tests.helpers.pipeline import ADAMW, local_rows  # noqa: E402
+from tests.helpers.zoo import tiny_config  # noqa: E402
+
+CASES = {  # model type: (transformers class, oslo auto class, LoRA targets)
+    "gpt2": (transformers.GPT2LMHeadModel, "AutoModelForCausalLM", ["c_attn", "c_proj"]),
+    "llama": (transformers.LlamaForCausalLM, "AutoModelForCausalLM", ["q_proj", "v_proj", "down_proj", "gate_proj"]),
+    "bert": (transformers.BertForMaskedLM, "AutoModelForMaskedLM", ["query", "value", "dense"]),
+}
+STEPS = 3
+
+
+def _save_case(model_type: str, root) -> tuple[str, str]:
+    """The tiny base model and a plain-peft adapter on it (random A and B), both saved; returns both paths."""
+    hf_class, _, targets = CASES[model_type]
+    torch.manual_seed(0)
+    base = os.path.join(root, "base")
+    hf_class(tiny_config(model_type)).save_pretrained(base)
+    torch.manual_seed(1)
+    reference = peft.get_peft_model(hf_class.from_pretrained(base),
+                                    peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    adapter = os.path.join(root, "adapter")
+    reference.save_pretrained(adapter)
+    return base, adapter
+
+
+def _reference(model_type: str, base: str, adapter: str):
+    hf_class = CASES[model_type][0]
+    return peft.PeftModel.from_pretrained(hf_class.from_pretrained(base), adapter, is_trainable=True).train()
+
+
+def _ours(model_type: str, base: str, adapter: str | None, **layout):
+    auto = getattr(om, CASES[model_type][1])
+    model = auto.from_pretrained(base, parallel=om.ParallelConfig(**layout), progress=False).train()
+    return model if adapter is None else adapters.load_adapter(model, adapter, is_trainable=True)
+
+
+def _batch(model_type: str, rows: int = 4, seq: int = 8) -> dict:
+    ids, mask, labels = padded_batch(tiny_config(model_type).vocab_size, batch=rows, seq=seq)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def assert_adapters_match(model, reference, atol: float = 1e-5) -> int:
+    """Every adapter piece of ``model`` equals its slice of the reference's full tensor; returns how many."""
+    full = dict(reference.named_parameters())
+    checked = 0
+    for owner_name, owner in model.named_modules():
+        if not isinstance(owner, ParallelLoraLinear):
+            continue
+        for key, layout in owner.adapter_param_layouts().items():
+            local = owner.get_parameter(key).detach()
+            local = local.full_tensor() if hasattr(local, "full_tensor") else local
+            expected = owner._slice(layout, full[f"{owner_name}.{key}"].detach())
+            torch.testing.assert_close(local, expected, atol=atol, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+            checked += 1
+    assert checked, "no adapter found"
+    return checked
+
+
+def _trainable(model):
+    return [param for param in model.parameters() if param.requires_grad]
+
+
+def _train(model, reference, batch: dict, *, zero_stage: int = 0) -> None:
+    """3 AdamW steps on the adapters; data-parallel replica ``d`` takes rows ``d::dp``; loss and adapters compared."""
+    context = model.parallel_context
+    ref_opt = torch.optim.AdamW(_trainable(reference), **ADAMW)
+    opt = torch.optim.AdamW(_trainable(model), **ADAMW)
+    assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
+    if context.pp_size > 1:
+        local = local_rows(context, batch)
+        for _ in range(STEPS):
+            expected = reference(**batch).loss
+            expected.backward()
+            torch.testing.assert_close(model.train_step(local), expected.detach(), atol=1e-5, rtol=1e-5)
+            ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+        assert_adapters_match(model, reference)
+        return
+    replicas = [{k: v[d::context.dp_size].contiguous() for k, v in batch.items()} for d in range(context.dp_size)]
+    wrapped = model
+    if zero_stage:
+        from accelerate import Accelerator
+
+        wrapped, opt = training.prepare(Accelerator(cpu=True), model, opt, zero_stage=zero_stage)
+    elif context.dp_size > 1:
+        wrapped, opt = training.shard_data_parallel(model, opt)
+    for _ in range(STEPS):
+        outputs = [reference(**replica) for replica in replicas]
+        got = wrapped(**replicas[context.dp_rank])
+        torch.testing.assert_close(got.loss, outputs[context.dp_rank].loss, atol=1e-5, rtol=1e-5)
+        (sum(out.loss for out in outputs) / len(outputs)).backward()
+        got.loss.backward()
+        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+    assert_adapters_match(model, reference)
+
+
+def _check_saved(model_type: str, model, reference, base: str, folder: str, *, merge: bool) -> None:
+    """The gathered adapter opens in plain peft with the trained reference's logits; merged weights (``merge``)
+    saved by our model open in plain transformers with the merged reference's logits."""
+    context = model.parallel_context
+    ids = _batch(model_type)["input_ids"]
+    adapters.save_adapter(model, os.path.join(folder, "adapter"))
+    with torch.no_grad():
+        expected = reference.eval()(input_ids=ids).logits
+    if context.rank == 0:
+        reopened = peft.PeftModel.from_pretrained(CASES[model_type][0].from_pretrained(base),
+                                                  os.path.join(folder, "adapter")).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(reopened(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+    if not merge:
+        return
+    merged = model.merge_and_unload()
+    assert not any("lora_" in name for name, _ in merged.named_parameters())
+    merged.save_pretrained(os.path.join(folder, "merged"))
+    if context.rank == 0:
+        plain = CASES[model_type][0].from_pretrained(os.path.join(folder, "merged")).eval()
+        with torch.no_grad():
+            merged_reference = reference.merge_and_unload()(input_ids=ids).logits
+            torch.testing.assert_close(plain(input_ids=ids).logits, merged_reference, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(merged_reference, expected, atol=1e-5, rtol=1e-5)
+    context.barrier()
+
+
+def _layouts_worker(model_type: str, base: str, adapter: str, root: str) -> None:
+    layouts = [("tp2_sp_dp2", 0, dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)),
+               ("tp4", 0, dict(tensor_parallel_size=4)),
+               ("tp2_dp2_zero3", 3, dict(tensor_parallel_size=2, data_parallel_size=2))]
+    if model_type == "llama":  # GPT-2 ties its head to wte, which its last stage lacks: peft's tie check fails there
+        layouts.append(("pp2_tp2", 0, dict(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2)))
+    for name, zero_stage, layout in layouts:
+        model, reference = _ours(model_type, base, adapter, **layout), _reference(model_type, base, adapter)
+        assert_adapters_match(model, reference)
+        _train(model, reference, _batch(model_type), zero_stage=zero_stage)
+        folder = os.path.join(root, name)
+        _check_saved(model_type, model, reference, base, folder, merge=zero_stage == 0)
+
+
+@pytest.mark.parametrize("model_type", sorted(CASES))
+def test_lora_matches_peft_at_every_layout(model_type, tmp_path):
+    base, adapter = _save_case(model_type, tmp_path)
+    # tp 1: get_peft_model's own init equals plain peft's (same seed), then the loaded-adapter checks
+    hf_class, _, targets = CASES[model_type]
+    torch.manual_seed(3)
+    fresh = peft.get_peft_model(_ours(model_type, base, None), adapters.lora_config(r=4, target_modules=targets))
+    torch.manual_seed(3)
+    plain = peft.get_peft_model(hf_class.from_pretrained(base), peft.LoraConfig(r=4, target_modules=targets))
+    assert_adapters_match(fresh, plain, atol=0)
+    model, reference = _ours(model_type, base, adapter), _reference(model_type, base, adapter)
+    _train(model, reference, _batch(model_type))
+    _check_saved(model_type, model, reference, base, str(tmp_path / "tp1"), merge=True)
+    run_distributed(_layouts_worker, 4, model_type, base, adapter, str(tmp_path))
+
+
+def test_refusals_and_negative_control(tmp_path):
+    """DoRA and base-weight inits are refused with the reason; a square conv1d-layout layer merged as if its weight
+    were [out, in] (the transpose the layout decides, broken on purpose) misses the merged reference."""
+    base, adapter = _save_case("gpt2", tmp_path)
+    with pytest.raises(NotImplementedError, match="DoRA"):
+        peft.get_peft_model(_ours("gpt2", base, None), adapters.lora_config(r=4, target_modules=["c_attn"],
+                                                                            use_dora=True))
+    with pytest.raises(NotImplementedError, match="base weight"):
+        peft.get_peft_model(_ours("gpt2", base, None), adapters.lora_config(r=4, target_modules=["c_attn"],
+                                                                            init_lora_weights="pissa"))
+    ids = _batch("gpt2")["input_ids"]
+    with torch.no_grad():
+        expected = _reference("gpt2", base, adapter).merge_and_unload().eval()(input_ids=ids).logits
+        model = _ours("gpt2", base, adapter).eval()
+        for name, module in model.named_modules():
+            if isinstance(module, ParallelLoraLinear) and name.endswith("attn.c_proj"):  # [32, 32]: merges either way
+                module.fan_in_fan_out = False
+        broken = model.merge_and_unload()(input_ids=ids).logits
+    assert not torch.allclose(broken, expected, atol=1e-3)
