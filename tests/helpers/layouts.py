@@ -20,7 +20,6 @@ from tests.helpers.models import assert_grads_match, assert_params_match
 from tests.helpers.pipeline import ADAMW
 
 
-
 def _local_batch(context, replica: dict, shift_labels: bool) -> dict:
     if context.cp_size == 1:
         return replica

@@ -130,7 +130,6 @@ def test_legacy_bin_and_prefixless_checkpoints_load(tmp_path):
     torch.testing.assert_close(model(ids, attention_mask=mask).logits, expected, atol=1e-6, rtol=1e-6)
 
 
-
 def test_sequence_classification_matches_transformers(tmp_path):
     path = save_tiny_gpt2(tmp_path / "cls", cls=transformers.GPT2ForSequenceClassification, num_labels=3)
     run_distributed(_classification_worker, 2, path)

@@ -172,7 +172,6 @@ def test_published_tensor_parallel_plans():
         assert "base_model_tp_plan" not in getattr(om, f"{name}Config")().to_dict()
 
 
-
 def test_bf16_load_keeps_rotary_frequencies_fp32_like_transformers(tmp_path):
     """Models are built on the meta device and then allocated: the rotary frequencies (in no checkpoint) are
     recomputed in fp32, so bf16 logits equal transformers' bf16 logits exactly."""

@@ -131,7 +131,6 @@ class BloomModel(TransformerStack, BloomPreTrainedModel):
         return {FULL: alibi_attention_mask(attention_mask, shape_like, past_key_values, slopes)}
 
 
-
 BloomPreTrainedModel.base_model_class = BloomModel
 
 

@@ -27,7 +27,6 @@ from transformers.utils.output_capturing import capture_outputs
 from ...parallel_layers.mappings import gather_from_sequence_parallel_region, gather_from_tensor_parallel_region
 
 
-
 def passed_on(base_outputs) -> dict:
     """The hidden states and attentions a head model returns from its base model's output (``None`` if absent)."""
     return dict(hidden_states=getattr(base_outputs, "hidden_states", None),

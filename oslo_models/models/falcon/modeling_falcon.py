@@ -183,7 +183,6 @@ class FalconModel(TransformerStack, FalconPreTrainedModel):
                                            divisor=math.sqrt(self.embed_dim // self.num_heads))}
 
 
-
 FalconPreTrainedModel.base_model_class = FalconModel
 
 

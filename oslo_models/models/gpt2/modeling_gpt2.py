@@ -173,7 +173,6 @@ class GPT2Model(TransformerStack, GPT2PreTrainedModel):
             self.finish_init()
 
 
-
 GPT2PreTrainedModel.base_model_class = GPT2Model
 
 

@@ -139,7 +139,6 @@ class GPTNeoXModel(TransformerStack, GPTNeoXPreTrainedModel):
             self.finish_init()
 
 
-
 GPTNeoXPreTrainedModel.base_model_class = GPTNeoXModel
 
 

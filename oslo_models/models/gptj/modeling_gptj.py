@@ -123,7 +123,6 @@ class GPTJModel(TransformerStack, GPTJPreTrainedModel):
             self.finish_init()
 
 
-
 GPTJPreTrainedModel.base_model_class = GPTJModel
 
 

@@ -135,7 +135,6 @@ class PhiModel(TransformerStack, PhiPreTrainedModel):
             self.finish_init()
 
 
-
 PhiPreTrainedModel.base_model_class = PhiModel
 
 

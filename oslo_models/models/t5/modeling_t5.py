@@ -63,8 +63,6 @@ from .layers_t5 import T5Attention, T5Block, T5LayerCrossAttention, T5LayerSelfA
 from .pipeline_t5 import T5PipelineAdapter
 
 
-
-
 class T5PreTrainedModel(OsloPreTrainedModel):
     config_class = T5Config
     config: T5Config
