@@ -150,7 +150,15 @@ class ParallelContext:
             axes["dp_cp"] = axes["dp"]
         grid = mesh.mesh.reshape(sizes["pp"], sizes["dp"] * sizes["cp"], sizes["tp"])  # tp sub-axes flattened
         axes.update(_expert_axes(grid, rank, config.expert_parallel_size, axes["dp"]))
-        return cls(config, world_size=world_size, rank=rank, device=device, mesh=mesh, axes=axes)
+        context = cls(config, world_size=world_size, rank=rank, device=device, mesh=mesh, axes=axes)
+        if config.collective_timeout is not None:
+            # a peer that stops participating: a clear error naming group, op and missing ranks (watchdog.py)
+            from .watchdog import ensure_watchdog
+
+            watchdog = ensure_watchdog(rank, world_size, config.collective_timeout)
+            for name, axis in axes.items():
+                watchdog.watch_group(axis.group, name)
+        return context
 
     @classmethod
     def single_process(cls, config: ParallelConfig | None = None, *, device=None) -> "ParallelContext":
@@ -293,6 +301,12 @@ class ParallelContext:
                     if self.rank in ranks:
                         mine = group
             groups[size] = mine
+            if self.config.collective_timeout is not None:
+                from .watchdog import current_watchdog
+
+                watchdog = current_watchdog()
+                if watchdog is not None:
+                    watchdog.watch_group(mine, f"tp[{size}]")
         return groups[size]
 
     def barrier(self) -> None:
