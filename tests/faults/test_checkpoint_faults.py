@@ -1,4 +1,5 @@
-"""A full disk at every write of a save, on every rank; a corrupt checkpoint on resume. One tp=2 gloo world.
+"""A full disk at every write of a save, on every rank; a corrupt checkpoint on resume; a NaN on one rank only.
+One tp=2 gloo world.
 
 Full disk (``write_faults.WriteFaults``): for ``training.save_checkpoint`` each write site of each rank in turn
 (files, native writers, mkdir, fsync), and for ``training.save_pretrained`` each of rank 0's (it alone writes),
@@ -12,10 +13,16 @@ and a write guarded by one rank alone (the other rank does not fail) are reporte
 Corrupt checkpoint: a truncated file and a flipped byte in the newest step are found before anything is loaded, on
 every rank, naming the file; ``fallback=True`` loads the previous step (its exact parameters). Negative control:
 with the checksums removed (a folder saved before they existed) the flipped byte loads silently as other weights.
+
+NaN on one rank: a loss that is NaN on rank 1 only is found on both ranks together (``find_nonfinite``), and
+``check_finite`` raises the same ``NonFiniteError`` on both (negative control: each rank's own ``isfinite`` answers
+differently, which the same comparison catches); a NaN in rank 1's shard of a weight makes ``save_checkpoint``
+refuse on both ranks, ``latest`` unchanged.
 """
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
 
@@ -222,6 +229,30 @@ def _corruption(model, opt, root, snapshots):
     assert any(differs), "the flipped byte changed no weight: the negative control shows nothing"
 
 
+def _nonfinite(model, opt, root):
+    context = model.parallel_context
+    loss = torch.tensor(float("nan") if context.rank == 1 else 2.5)
+    found = training.find_nonfinite(model, loss=loss, grad_norm=torch.tensor(1.0))
+    assert _gather(found) == [{"loss": [1], "grad_norm": []}] * 2
+    outcomes = _gather(_outcome(lambda: training.check_finite(model, loss=loss, step=7)))
+    assert outcomes[0] == outcomes[1] == ("NonFiniteError", "non-finite (NaN/inf) values at step 7: the loss on "
+                                                           "rank(s) [1]", None), outcomes
+    local = _gather(math.isfinite(loss.item()))  # negative control: the per-rank check disagrees
+    assert local == [True, False]
+    weight = dict(model.named_parameters())["transformer.h.1.mlp.c_proj.weight"]
+    kept = weight.detach().clone()
+    if context.rank == 1:
+        with torch.no_grad():
+            weight[0, 0] = float("nan")
+    outcomes = _gather(_outcome(lambda: training.save_checkpoint(root, model, opt, step=3, keep=2)))
+    assert outcomes[0] == outcomes[1] and outcomes[0][0] == "NonFiniteError", outcomes
+    assert "failed on rank 1: NonFiniteError: parameter transformer.h.1.mlp.c_proj.weight holds NaN" in outcomes[0][1]
+    assert training.find_checkpoint(root).endswith("step-00000002") and not os.path.exists(
+        os.path.join(root, ".step-00000003.partial"))
+    with torch.no_grad():
+        weight.copy_(kept)
+
+
 def _worker(tmp):
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -241,8 +272,9 @@ def _worker(tmp):
     training.save_checkpoint(root, model, opt, step=2, keep=2)  # after all that, a save still works
     snapshots[2] = _snapshot(model)
     assert sorted(e for e in os.listdir(root) if e.startswith("step-")) == [PREVIOUS, "step-00000002"]
+    _nonfinite(model, opt, root)
     _corruption(model, opt, root, snapshots)
 
 
-def test_full_disk_at_every_write_and_corrupt_checkpoints(tmp_path):
+def test_full_disk_corrupt_checkpoint_and_nan_on_one_rank(tmp_path):
     run_distributed(_worker, 2, str(tmp_path), timeout=400)
