@@ -78,7 +78,8 @@ def build_parser(doc: str, *, output: str, model_help: str, lr: float = 3e-3,
         help="continue from OUTPUT/checkpoint (automatic after an elastic restart: torchrun --max-restarts)")
     add("--collective-timeout", type=float, default=600.0,
         help="seconds a rank waits in a collective for a stopped or dead peer before every rank fails with an "
-             "error naming the group, the operation and the missing ranks (0: the backend's own timeout)")
+             "error naming the group, the operation and the missing ranks (0: the backend's own timeout); raise it "
+             "when rank 0 alone tokenizes a large --data for longer")
     add("--stop-at", type=int, default=0,
         help="end this run (checkpointed) at this step, to --resume later (a time-limited job)")
     add("--report-to", default="none",

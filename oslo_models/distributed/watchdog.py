@@ -16,8 +16,9 @@ rank that never came. ``ParallelConfig.collective_timeout`` (seconds, default 60
   hung in native code, or dead) or a rank that is alive but never entered the collective (and what it waits in
   instead). It prints that report to stderr and keeps it (:func:`timeout_report`); the backend raises ``grace``
   seconds later in the main thread, and ``CollectiveTimeoutError`` (:func:`raise_for_timeout`) carries the
-  report. If the main thread is still stuck ``grace`` seconds after that (a group with a longer backend timeout),
-  the watchdog ends the process (exit status 1), as NCCL's own watchdog does: never a silent hang.
+  report. If the collective belongs to a group whose backend timeout is longer (one created elsewhere, not given
+  this timeout) and it is still stuck ``grace`` seconds after that, the watchdog ends the process (exit status 1),
+  as NCCL's own watchdog does: never a silent hang.
 
 The store is the launcher's (torchrun's agent hosts it; without torchrun, rank 0's process does, so a stopped rank 0
 also stops the store: launch with torchrun). Point-to-point transfers (pipeline send/recv) are not in the flight
@@ -139,8 +140,9 @@ class Watchdog:
                         self.report = report
                     print(f"[oslo_models watchdog] {report}", file=self.stream, flush=True)
                     reported_at = time.monotonic()
-                elif time.monotonic() - reported_at > 2 * self.grace:
-                    # the backend did not end the collective (a group with a longer timeout): do not hang
+                elif (time.monotonic() - reported_at > 2 * self.grace
+                      and stuck.get("timeout_ms", 0) > 1000 * (self.timeout + self.grace)):
+                    # a group with a longer backend timeout than ours (one this module did not set): do not hang
                     print(f"[oslo_models watchdog] rank {self.rank} is still stuck {2 * self.grace:.0f} s after the "
                           "report above; ending the process (exit status 1)", file=self.stream, flush=True)
                     os._exit(1)
@@ -271,7 +273,7 @@ def ensure_watchdog(rank: int, world_size: int, timeout: float) -> Watchdog:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         watchdog = Watchdog(_own_store(timeout), rank, world_size, timeout, attempt=attempt)
         _PROCESS["watchdog"] = watchdog
-        atexit.register(watchdog.stop)
+        atexit.register(watchdog._stop.set)  # no join at exit: a store that is already gone must not delay it
     else:
         watchdog.set_timeout(timeout)
     watchdog.watch_group(dist.group.WORLD, "world")

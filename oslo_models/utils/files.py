@@ -23,14 +23,14 @@ def atomic_write_file(path, write_fn, *, mode: int = 0o644) -> None:
     except BaseException as error:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(error, OSError) and error.filename is None:  # a write or fsync error: name the file
+        if isinstance(error, OSError) and error.errno is not None and error.filename is None:  # name the file
             error.filename = str(path)
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     except OSError as error:
-        if error.filename is None:
+        if error.errno is not None and error.filename is None:
             error.filename = str(path.parent)
         raise
     finally:
