@@ -84,6 +84,8 @@ class Watchdog:
         self.stream = stream if stream is not None else sys.stderr
         self.groups: dict[str, tuple[str, tuple[int, ...]]] = {}  # pg name -> (label, global ranks)
         self.report: str | None = None
+        self.world_group = dist.group.WORLD  # the default group this watchdog belongs to (a new one: a new watchdog)
+        self._complained = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -124,8 +126,8 @@ class Watchdog:
     def _run(self) -> None:
         reported_at = None
         while not self._stop.wait(self.interval):
-            if not dist.is_initialized():
-                return
+            if not dist.is_initialized() or dist.group.WORLD is not self.world_group:
+                return  # the default group was destroyed (and maybe another one made): this watchdog is done
             try:
                 stuck = self.beat()
                 if stuck is None:
@@ -147,8 +149,10 @@ class Watchdog:
                           "report above; ending the process (exit status 1)", file=self.stream, flush=True)
                     os._exit(1)
             except Exception as error:  # noqa: BLE001 - never take training down for a diagnostic
-                print(f"[oslo_models watchdog] rank {self.rank}: heartbeat failed ({error!r}); retrying",
-                      file=self.stream, flush=True)
+                if not self._complained:  # once: a store that went away would repeat it every interval
+                    self._complained = True
+                    print(f"[oslo_models watchdog] rank {self.rank}: heartbeat failed ({error!r}); retrying "
+                          "quietly", file=self.stream, flush=True)
 
     # ------------------------------------------------------------------ heartbeats
     def _key(self, rank: int) -> str:
@@ -269,6 +273,8 @@ def _own_store(timeout: float):
 def ensure_watchdog(rank: int, world_size: int, timeout: float) -> Watchdog:
     """The process's watchdog (started on first use) with ``timeout``; it watches the default group."""
     watchdog = _PROCESS.get("watchdog")
+    if watchdog is not None and watchdog.world_group is not dist.group.WORLD:
+        watchdog.stop()  # it watched a default group that has since been destroyed
     if watchdog is None or watchdog._stop.is_set():
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         watchdog = Watchdog(_own_store(timeout), rank, world_size, timeout, attempt=attempt)

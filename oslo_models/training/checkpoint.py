@@ -23,8 +23,12 @@ under ZeRO-1 only the rank that owns a parameter's optimizer state writes it and
 Folders (``checkpoint_folders``): ``path`` holds ``step-N`` folders and a ``latest`` pointer. A save goes to
 ``.step-N.partial``, is fsynced, renamed into place and pointed at; older steps are removed only after that, so a
 crash at any instant leaves the last complete checkpoint loadable (``find_checkpoint`` finds it). A rank that
-fails to write makes every rank raise the same error (``distributed.agreement``), and a rank that calls
-``save_checkpoint``/``load_checkpoint`` alone gets a clear error within seconds instead of a hang.
+fails to write makes every rank raise the same error (``distributed.agreement``; DCP's ``CheckpointException`` is
+turned into the failing rank's own ``OSError``, errno kept), the partial folder is removed and ``latest`` keeps
+naming the previous step; a rank that calls ``save_checkpoint``/``load_checkpoint`` alone gets a clear error within
+seconds instead of a hang. Non-finite weights are refused before anything is written. Each step folder records the
+size and SHA-256 of its files (``checkpoint_integrity``); a load verifies them before reading any tensor and, with
+``fallback=True``, falls back to the previous complete step.
 
 Collectives: a store-based arrival check, DCP's plan exchange (gather/scatter of metadata), FSDP2 all-gathers,
 and small ``all_gather_object`` agreements after the rank-local steps.
@@ -167,6 +171,11 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
     :func:`shard_data_parallel`. ``dataloader``: anything with ``state_dict()`` (``oslo_models.data`` loaders).
     ``scaler``: a ``GradScaler`` (``accelerator.scaler``). ``extra``: small picklable-free values (numbers,
     strings, lists, dicts, tensors) returned by :func:`load_checkpoint`.
+
+    Raises on every rank alike: ``NonFiniteError`` when a weight holds NaN/inf on any rank (nothing written), and the
+    failing rank's error (e.g. ``OSError`` ENOSPC, naming rank and file) when a write fails anywhere; either way
+    ``latest`` still names the previous step. Collectives: an arrival check, small ``all_gather_object``
+    agreements, DCP's plan exchange, FSDP2 all-gathers.
     """
     path = os.path.abspath(os.fspath(path))
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -180,7 +189,7 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
     run_on_main_process(context, prepare_partial, path, step, what=f"save_checkpoint({path!r}) preparing")
     try:
         return _save_step(path, inner, context, plan, optimizer, scheduler, dataloader, scaler, step, extra, keep)
-    except BaseException:
+    except Exception:
         # every rank raised the same (agreed) error and stopped writing: free the space the partial save took
         if context.is_main_process:
             remove_partial(path, step)

@@ -3,6 +3,7 @@
     <path>/
       latest                 "step-00000200": the newest complete checkpoint (replaced atomically)
       step-00000100/         complete: oslo_checkpoint.txt written last, after every rank's files are fsynced
+                             and checksums.json (size and SHA-256 of every file, see checkpoint_integrity)
       step-00000200/
       .step-00000300.partial being written (never read)
 
