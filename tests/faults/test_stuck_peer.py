@@ -5,8 +5,8 @@ World 4 = tp 2 x dp 2 (ranks 2 and 3 hold replica 1). Rank 3 stops itself just b
 tensor-parallel peer, waits in the forward's all-reduce over ``tp``; ranks 0 and 1 finish their forward/backward
 and wait in the gradient all-reduce over ``dp``: rank 1 for rank 3 (stopped), rank 0 for rank 2 (alive, but itself
 waiting in ``tp``). Every one of them must fail with a report saying exactly that. Then the negative control: the
-same stop under ``collective_timeout=None`` (the backend's 30-minute default) leaves rank 2 blocked long past the
-timeout; the rank is released (SIGCONT) and the collective completes, which shows the test would see a hang.
+same stop under ``collective_timeout=None`` (the backend's 30-minute default) leaves rank 2 blocked past where the
+watchdog would have failed it; the rank is released (SIGCONT) and the collective completes, which shows the test would see a hang.
 """
 from __future__ import annotations
 
@@ -89,8 +89,10 @@ def _worker():
     if rank == 2:
         released = threading.Event()
 
-        def release():  # after twice what the watchdog would have allowed, continue rank 3
-            if not released.wait(2 * (TIMEOUT + watchdog_module.grace_for(TIMEOUT))):
+        waited_for = TIMEOUT + watchdog_module.grace_for(TIMEOUT) + 2.0  # past where the watchdog would have failed
+
+        def release():  # then continue rank 3
+            if not released.wait(waited_for):
                 os.kill(pids[3], signal.SIGCONT)
 
         threading.Thread(target=release, daemon=True).start()
@@ -99,7 +101,7 @@ def _worker():
         dist.all_reduce(ping, group=quiet.tp_group)  # waits for rank 3; the backend never gives up on its own
         released.set()
         waited = time.monotonic() - start
-        assert waited >= 2 * TIMEOUT, f"the unguarded collective returned after {waited:.1f} s: no hang to catch"
+        assert waited >= waited_for, f"the unguarded collective returned after {waited:.1f} s: no hang to catch"
     if rank == 3:
         dist.all_reduce(torch.ones(1), group=quiet.tp_group)
 

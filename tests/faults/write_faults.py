@@ -57,7 +57,7 @@ def _writes(mode) -> bool:
 
 
 class WriteFaults:
-    """See the module docstring. ``rank_label`` only decorates ``sites``."""
+    """See the module docstring."""
 
     def __init__(self, fail_at: int = -1):
         self.fail_at = fail_at
