@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import sys
 import warnings
@@ -89,7 +88,14 @@ def build_parser(doc: str, *, output: str, model_help: str, lr: float = 3e-3,
     add("--n-head", type=int, default=4, help="attention heads of a model built from config")
     add("--vocab-size", type=int, default=512, help=vocab_help)
     add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    add("--resume", action="store_true", help="continue from OUTPUT/checkpoint")
+    add("--keep-checkpoints", type=int, default=2,
+        help="newest step folders kept in OUTPUT/checkpoint (2: a corrupt newest one falls back to the previous)")
+    add("--resume", action="store_true",
+        help="continue from OUTPUT/checkpoint (automatic after an elastic restart: torchrun --max-restarts)")
+    add("--collective-timeout", type=float, default=600.0,
+        help="seconds a rank waits in a collective for a stopped or dead peer before every rank fails with an "
+             "error naming the group, the operation and the missing ranks (0: the backend's own timeout); raise it "
+             "when rank 0 alone tokenizes a large --data for longer")
     add("--stop-at", type=int, default=0,
         help="end this run (checkpointed) at this step, to --resume later (a time-limited job)")
     add("--report-to", default="none",
@@ -170,12 +176,13 @@ def check_launch(args, auto=None) -> om.ParallelConfig:
                                 expert_parallel_size=args.ep, zero_stage=args.zero, pipeline_parallel_size=args.pp,
                                 num_microbatches=args.microbatches, pipeline_schedule=args.schedule,
                                 virtual_pipeline_size=args.virtual_stages,
-                                activation_checkpointing=args.activation_checkpointing)
+                                activation_checkpointing=args.activation_checkpointing,
+                                collective_timeout=args.collective_timeout or None)
         dp = cfg.resolve_data_parallel_size(world)
     except (ValueError, NotImplementedError) as error:
         raise UsageError(str(error)) from None
     mixed = args.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    for name in ("steps", "seq_len", "batch_size", "grad_accum"):
+    for name in ("steps", "seq_len", "batch_size", "grad_accum", "keep_checkpoints"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.pp > 1:
@@ -235,6 +242,14 @@ def run(main, argv=None) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.exit(2)
+    except training.NonFiniteError as error:  # agreed on every rank: stop together, one message
+        print_once(f"{os.path.basename(sys.argv[0])}: stopped: {error}")
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        sys.exit(3)
+    except RuntimeError as error:  # a collective that timed out: the watchdog's report names who is missing
+        om.distributed.raise_for_timeout(error)
+        raise
     teardown()
 
 
@@ -308,6 +323,12 @@ def prepare_data(args, context, train_tokenizer) -> tuple[str, str | None, trans
     context.barrier()
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     check_tokenizer(args, tokenizer)
+    vocab = transformers.AutoConfig.from_pretrained(args.model).vocab_size if args.model else len(tokenizer)
+    for corpus in filter(None, (prefix, eval_prefix)):
+        try:  # before training: files that do not match, truncated ones, ids past the embedding (every rank alike)
+            om.data.check_token_ids(corpus, vocab, parallel_context=context)
+        except (ValueError, OSError) as error:
+            raise UsageError(f"bad corpus {corpus}: {error}") from None
     check_corpus(tokenizer, prefix, eval_prefix)
     return prefix, eval_prefix, tokenizer
 
@@ -331,6 +352,10 @@ def make_accelerator(args, cfg: om.ParallelConfig):
     ``accelerate launch`` / the accelerate config file set (``None`` lets the Accelerator read them)."""
     from accelerate import Accelerator
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # before Accelerate would: the collective timeout, and a store prefix per elastic restart (see there)
+        om.distributed.init_process_group_from_environment(timeout=cfg.collective_timeout and (
+            cfg.collective_timeout + om.distributed.watchdog.grace_for(cfg.collective_timeout)))
     # cpu=True on a machine without GPUs: torchrun ranks would otherwise each run alone (DistributedType.NO).
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.grad_accum, log_with=trackers(args) or None,
@@ -345,18 +370,32 @@ def optimizer_and_scheduler(args, model):
     return optimizer, scheduler
 
 
+def elastic_restart() -> int:
+    """How many times torchrun's elastic agent has restarted this job's workers (0: first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def resume(args, accelerator, model, optimizer, scheduler, loader) -> tuple[int, list[float]]:
-    """``(step, losses)`` to start from: ``OUTPUT/checkpoint`` with ``--resume``, else ``(0, [])``."""
+    """``(step, losses)`` to start from: ``OUTPUT/checkpoint`` with ``--resume`` or after an elastic restart
+    (``torchrun --max-restarts N`` relaunches the same command: the restarted workers resume by themselves), else
+    ``(0, [])``. A corrupt newest checkpoint falls back to the previous one (loudly)."""
     checkpoint_dir = os.path.join(args.output, "checkpoint")
-    if args.resume:
-        # A folder that exists but holds no complete checkpoint is an error (load_checkpoint raises on every rank):
-        # starting fresh there would overwrite what a crash left. Only a run that never saved starts fresh.
-        if not os.path.exists(checkpoint_dir):
-            accelerator.print(f"WARNING: --resume: no checkpoint at {checkpoint_dir} yet; STARTING FRESH at step 0")
+    restart = elastic_restart()
+    if args.resume or restart:
+        why = f"elastic restart #{restart}" if restart else "--resume"
+        found = training.find_checkpoint(checkpoint_dir)
+        # A folder that exists but holds no complete checkpoint is an error for --resume (load_checkpoint raises on
+        # every rank): starting fresh there would overwrite what an earlier crash left. After an elastic restart it
+        # is this job's own first save that was cut short, and the first attempt started fresh too.
+        if not os.path.exists(checkpoint_dir) or (restart and found is None and not args.resume):
+            accelerator.print(f"WARNING: {why}: no checkpoint at {checkpoint_dir} yet; STARTING FRESH at step 0")
         else:
             info = training.load_checkpoint(checkpoint_dir, model, optimizer, scheduler, dataloader=loader,
-                                            scaler=accelerator.scaler)
-            accelerator.print(f"resumed at step {info['step']} from {info['path']} (saved at {info['layout']})")
+                                            scaler=accelerator.scaler, fallback=True)
+            for folder, reason in info["skipped"]:
+                accelerator.print(f"WARNING: SKIPPED the corrupt checkpoint {folder}: {reason}")
+            accelerator.print(f"resumed at step {info['step']} from {info['path']} (saved at {info['layout']}; "
+                              f"{why})")
             return info["step"], list(info["extra"].get("losses", []))
     return 0, []
 
@@ -372,7 +411,8 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler, reporter:
         if args.cp > 1:  # resumable checkpoints under cp are not verified yet (save_checkpoint refuses them)
             return
         training.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, dataloader=loader,
-                                 scaler=accelerator.scaler, step=step_now, extra={"losses": losses})
+                                 scaler=accelerator.scaler, step=step_now, extra={"losses": losses},
+                                 keep=args.keep_checkpoints)
 
     pipelined = training.unwrap_model(model).parallel_context.pp_size > 1
     only_loss = {} if is_generic(model) else {"skip_logits": True}  # transformers' own classes: plain forward
@@ -392,8 +432,8 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler, reporter:
                 loss = model(**batch, **only_loss).loss
                 accelerator.backward(loss)
             running += loss.detach() / args.grad_accum
-            if accelerator.sync_gradients and args.max_grad_norm > 0:
-                training.clip_grad_norm_(model, args.max_grad_norm, accelerator=accelerator)
+            if accelerator.sync_gradients:
+                check_step(args, accelerator, model, running, step + 1, checkpoint_dir)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -417,12 +457,34 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler, reporter:
         if step >= last:
             break
     progress.close()
-    if not math.isfinite(losses[-1] if losses else 0.0):
-        raise RuntimeError("the loss is not finite")
     if evaluator is not None:
         reporter.log_eval(evaluator(model), step, accelerator.print)
     save(step)
     return step, losses
+
+
+def check_step(args, accelerator, model, loss, step: int, checkpoint_dir: str) -> None:
+    """Before ``optimizer.step()``: clip (``--max-grad-norm``) or just measure the global gradient norm, and decide
+    on every rank together whether this rank's loss or the norm is NaN/inf (``training.find_nonfinite``). Under
+    fp16 loss scaling the scaler skips the step on every rank (``clip_grad_norm_`` marked it) and training goes
+    on; otherwise every rank raises ``NonFiniteError`` here, before the weights or a checkpoint see the values."""
+    if args.max_grad_norm > 0:
+        norm = training.clip_grad_norm_(model, args.max_grad_norm, accelerator=accelerator)
+    else:
+        norm = training.grad_norm(model)
+        if accelerator.scaler is not None and not torch.isfinite(norm):
+            training.mark_overflow(accelerator.scaler)
+    text = training.describe_nonfinite(training.find_nonfinite(model, loss=loss, grad_norm=norm), step=step)
+    if text is None:
+        return
+    if accelerator.scaler is not None:
+        accelerator.print(f"{text}: fp16 loss scaling skips this step on every rank (scale "
+                          f"{accelerator.scaler.get_scale():g} is lowered)")
+        return
+    last = training.find_checkpoint(checkpoint_dir)
+    raise training.NonFiniteError(f"{text}; stopped before the optimizer step, nothing saved over the last good "
+                                  f"checkpoint ({last or 'none yet'}): resume from it with a lower --lr, or "
+                                  "check the data")
 
 
 def fit(args, accelerator, context, model, dataset, collator, tokens: str, evaluator: Evaluator | None = None):

@@ -23,7 +23,7 @@ _LAZY = {
     ".training": ["training"],
     ".pipeline": ["pipeline"],
     ".config": ["ParallelConfig"],
-    ".distributed": ["ParallelContext", "data_parallel"],
+    ".distributed": ["distributed", "ParallelContext", "data_parallel"],
     ".models.auto": ["AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForPreTraining",
                      "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
                      "AutoModelForTextEncoding", "AutoModelForTokenClassification", "AutoModelForMultipleChoice",

@@ -72,6 +72,10 @@ class ParallelConfig:
         activation_checkpointing: ``None`` (off), ``"full"`` (every block recomputed), ``"selective"`` (the
             attention core only), ``"offload"`` (full, block inputs kept in host memory) or ``"partitioned"`` (full,
             each TP rank keeps ``1/tp`` of a block's input). See ``models/common/checkpointing.py``.
+        collective_timeout: seconds a rank may wait in one collective (all-reduce, all-gather, send/recv, barrier)
+            for a peer that stopped participating (hung, stopped, dead) before it fails with an error naming the
+            group, the operation and the missing rank(s) (``distributed/watchdog.py``). Default 600 (10 minutes,
+            NCCL's own default; gloo's is 30). ``None`` leaves the backend's timeouts alone and starts no watchdog.
     """
 
     tensor_parallel_size: int = 1
@@ -91,6 +95,7 @@ class ParallelConfig:
     fused_ops: bool = True
     seed: int = 1234
     activation_checkpointing: str | None = None
+    collective_timeout: float | None = 600.0
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "tensor_parallel_depth", "pipeline_parallel_size",
@@ -123,6 +128,11 @@ class ParallelConfig:
                 and self.data_parallel_size % self.expert_parallel_size):
             raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must divide "
                              f"data_parallel_size={self.data_parallel_size}")
+        timeout = self.collective_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < float("inf")):
+            raise ValueError(f"ParallelConfig.collective_timeout must be a positive number of seconds or None, "
+                             f"got {timeout!r}")
         self._check_implemented()
         if self.activation_checkpointing is not None and self.activation_checkpointing not in _ACTIVATION_CHECKPOINTING:
             raise ValueError(f"ParallelConfig.activation_checkpointing={self.activation_checkpointing!r} is unknown; "

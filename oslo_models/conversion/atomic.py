@@ -36,6 +36,8 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     except OSError as error:  # some file systems refuse fsync on folders
         if error.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            if error.filename is None:  # which file a deferred write error (ENOSPC, EIO) belongs to
+                error.filename = path
             raise
     finally:
         os.close(fd)

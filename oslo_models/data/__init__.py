@@ -12,7 +12,7 @@ Typical use::
 from .blended import BlendedDataset, exact_counts
 from .collators import (CausalLMCollator, ContextParallelSplitter, MLMCollator, Seq2SeqCollator, SequenceParallelSplitter,
                         T5SpanCorruptionCollator, t5_lengths)
-from .indexed import FORMAT_VERSION, MMapTokenDataset, tokenizer_identity, write_token_file
+from .indexed import FORMAT_VERSION, MMapTokenDataset, check_token_ids, tokenizer_identity, write_token_file
 from .loader import ResumableDataLoader, build_dataloader
 from .packed import PackedCausalLMDataset
 from .preprocessing import preprocess
@@ -22,6 +22,7 @@ from .sampler import DistributedResumableSampler
 __all__ = [
     "BlendedDataset", "CausalLMCollator", "ContextParallelSplitter", "DistributedResumableSampler", "FORMAT_VERSION", "MLMCollator",
     "MMapTokenDataset", "PackedCausalLMDataset", "ResumableDataLoader", "Seq2SeqCollator",
-    "SequenceParallelSplitter", "T5SpanCorruptionCollator", "build_dataloader", "exact_counts", "preprocess",
+    "SequenceParallelSplitter", "T5SpanCorruptionCollator", "build_dataloader", "check_token_ids", "exact_counts",
+    "preprocess",
     "t5_lengths", "tokenizer_identity", "write_token_file",
 ]

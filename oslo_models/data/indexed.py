@@ -38,6 +38,8 @@ _PREFIX = struct.Struct("<8sII")
 # kernels, whole large page-cache folios (up to 2 MiB). On the benchmark box (kernel 6.18) counting 64 KiB per read
 # let RSS grow by 340 MB over a random pass of a 1 GB corpus and 512 KiB by 169 MB, so count a whole 2 MiB folio.
 _FAULT_AROUND_BYTES = 2 * 1024 * 1024
+_FINGERPRINT_BYTES = 64 * 1024
+_SCAN_TOKENS = 16 * 1024 * 1024  # tokens per chunk when checking ids (32-64 MiB of the memory map at a time)
 
 
 def tokenizer_identity(tokenizer) -> dict:
@@ -131,6 +133,7 @@ def write_token_batches(prefix, batches: Iterable[tuple[np.ndarray, np.ndarray]]
             raise ValueError(f"empty corpus: no tokens to write to {bpath}")
 
     atomic_write_file(bpath, write_bin)
+    fingerprint = bin_fingerprint(bpath)
     all_lengths = np.concatenate(lengths)
     offsets = np.zeros(all_lengths.size + 1, dtype=np.int64)
     np.cumsum(all_lengths, out=offsets[1:])
@@ -141,9 +144,23 @@ def write_token_batches(prefix, batches: Iterable[tuple[np.ndarray, np.ndarray]]
         "num_tokens": int(offsets[-1]),
         "eos_token_id": None if eos_token_id is None else int(eos_token_id),
         "tokenizer": tokenizer_identity(tokenizer) if tokenizer is not None else None,
+        "bin_fingerprint": fingerprint,
     }
     atomic_write_file(idx_path(prefix), lambda f: f.write(_idx_bytes(header, offsets)))
     return header
+
+
+def bin_fingerprint(path) -> str:
+    """SHA-256 of a ``.bin``'s size and its first and last 64 KiB: cheap to check on every open, and different for
+    a ``.bin`` of another corpus of the same size (its index would cut it at the wrong places)."""
+    sha = hashlib.sha256()
+    size = os.path.getsize(path)
+    sha.update(str(size).encode())
+    with open(path, "rb") as handle:
+        sha.update(handle.read(_FINGERPRINT_BYTES))
+        handle.seek(max(0, size - _FINGERPRINT_BYTES))
+        sha.update(handle.read(_FINGERPRINT_BYTES))
+    return sha.hexdigest()
 
 
 def read_index(prefix) -> tuple[dict, np.ndarray]:
@@ -175,6 +192,11 @@ def read_index(prefix) -> tuple[dict, np.ndarray]:
     if int(offsets[-1]) != int(header["num_tokens"]):
         raise ValueError(f"{path} is corrupt: offsets end at {int(offsets[-1])}, header says "
                          f"{header['num_tokens']} tokens")
+    steps = np.diff(np.asarray(offsets))
+    if int(offsets[0]) != 0 or (steps.size and int(steps.min()) < 0):
+        bad = 0 if int(offsets[0]) != 0 else int(np.argmax(steps < 0)) + 1
+        raise ValueError(f"{path} is corrupt: document offsets must start at 0 and never decrease (offset {bad} "
+                         f"is {int(offsets[bad])}, after {int(offsets[bad - 1]) if bad else 'nothing'})")
     return header, offsets
 
 
@@ -212,6 +234,10 @@ class MMapTokenDataset:
                              f"{self.dtype.name} tokens ({expected} bytes): truncated or from another run")
         if self.num_tokens == 0 or len(self) == 0:
             raise ValueError(f"empty corpus: {bpath} holds no tokens")
+        recorded = self.header.get("bin_fingerprint")
+        if recorded is not None and bin_fingerprint(bpath) != recorded:
+            raise ValueError(f"{bpath} does not belong to {idx_path(prefix)}: same size, but not the tokens the index "
+                             "was written for (another corpus, or the file was changed); re-run preprocess")
         if tokenizer is not None:
             self.check_tokenizer(tokenizer)
         self.tokens = np.memmap(bpath, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
@@ -232,6 +258,21 @@ class MMapTokenDataset:
             raise ValueError(f"tokenizer mismatch: {self.prefix} was tokenized with {stored['name_or_path']!r} "
                              f"(vocab hash {stored['vocab_hash'][:12]}), got {ident['name_or_path']!r} "
                              f"(vocab hash {ident['vocab_hash'][:12]})")
+
+    def check_ids(self, vocab_size: int, *, start: int = 0, stop: int | None = None) -> None:
+        """Raise ``ValueError`` naming the file, the id and where it is when a token in ``tokens[start:stop]``
+        is ``>= vocab_size`` (it would index past the embedding: an error on one rank, silently masked to a zero
+        embedding by a vocabulary-parallel one). Reads the range once, in chunks."""
+        stop = self.num_tokens if stop is None else min(stop, self.num_tokens)
+        for begin in range(start, stop, _SCAN_TOKENS):
+            chunk = self._tokens[begin:min(stop, begin + _SCAN_TOKENS)]
+            if chunk.size and int(chunk.max()) >= vocab_size:
+                position = begin + int(np.argmax(chunk >= vocab_size))
+                document = int(np.searchsorted(self._offsets, position, side="right")) - 1
+                raise ValueError(f"{bin_path(self.prefix)} holds token id {int(self._tokens[position])} at token "
+                                 f"{position} (document {document}), but the model's vocabulary has {vocab_size} "
+                                 f"ids (0..{vocab_size - 1}): written with another tokenizer, or corrupt")
+            self.release_memory()
 
     def __len__(self) -> int:
         return self.doc_offsets.shape[0] - 1
@@ -276,3 +317,24 @@ class MMapTokenDataset:
     def __repr__(self) -> str:
         return (f"MMapTokenDataset({self.prefix!r}, documents={len(self)}, tokens={self.num_tokens}, "
                 f"dtype={self.dtype.name}, vocab_size={self.vocab_size})")
+
+
+def check_token_ids(prefix, vocab_size: int, *, parallel_context=None) -> None:
+    """Before training: open ``prefix`` (``.bin``/``.idx`` sizes, offsets, fingerprint) and check that every id
+    is below ``vocab_size``. With ``parallel_context`` every rank reads ``1/world`` of the tokens and every rank
+    raises the same ``ValueError``/``FileNotFoundError`` naming the file (one ``all_gather_object``)."""
+    from ..distributed.agreement import agree_on_failure
+
+    world, rank = (parallel_context.world_size, parallel_context.rank) if parallel_context is not None else (1, 0)
+    error = None
+    try:
+        data = MMapTokenDataset(prefix, release_every_bytes=None)
+        total = data.num_tokens
+        data.check_ids(vocab_size, start=total * rank // world, stop=total * (rank + 1) // world)
+    except (ValueError, OSError) as caught:
+        error = caught
+    if parallel_context is None:
+        if error is not None:
+            raise error
+        return
+    agree_on_failure(parallel_context, error, what=f"checking the corpus {os.fspath(prefix)}")

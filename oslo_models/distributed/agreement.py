@@ -57,18 +57,27 @@ def agree_on_failure(context, error: BaseException | None, *, what: str, value=N
         if error is not None:
             raise error
         return [value]
-    mine = None if error is None else (_lineage(type(error)), _describe(error))
+    mine = None if error is None else (_lineage(type(error)), _describe(error), getattr(error, "errno", None))
     gathered: list = [None] * context.world_size
     dist.all_gather_object(gathered, (mine, value))
     failures = [(rank, item[0]) for rank, item in enumerate(gathered) if item[0] is not None]
     if not failures:
         return [item[1] for item in gathered]
-    rank, (lineage, message) = failures[0]
+    rank, (lineage, message, code) = failures[0]
     others = [r for r, _ in failures[1:]]
     text = f"{what} failed on rank {rank}: {message}"
     if others:
         text += f" (ranks {others} failed too)"
-    raise _rebuild(lineage)(text) from error
+    raise rebuild_error(lineage, text, code) from error
+
+
+def rebuild_error(lineage, text: str, code: int | None = None) -> BaseException:
+    """The exception every rank raises for a failure of type ``lineage`` (see :func:`_rebuild`); an ``OSError``
+    keeps its ``errno`` (``ENOSPC`` stays recognizable) while its message stays ``text``."""
+    error = _rebuild(lineage)(text)
+    if isinstance(error, OSError) and code is not None:
+        error.errno = code
+    return error
 
 
 def _lineage(cls: type) -> list[tuple[str, str]]:

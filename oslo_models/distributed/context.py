@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from ..config import ParallelConfig
 from ..parallel_layers.random import RNGTracker
 from ..parallel_layers.sequence_parallel import SequenceParallelRegion
+from .watchdog import grace_for
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 TP_SUB_AXES = {"1d": (), "2d": ("tp_col", "tp_row"), "2.5d": ("tp_dep", "tp_col", "tp_row"),
@@ -50,14 +52,32 @@ def _world_from_environment() -> tuple[int, int]:
     return world, rank
 
 
-def _init_process_group_from_environment(device_type: str) -> None:
-    """Initialize the default group from torchrun's environment (NCCL on CUDA, gloo on CPU)."""
+def init_process_group_from_environment(device_type: str | None = None, *, timeout: float | None = None) -> None:
+    """Initialize the default group from torchrun's environment (NCCL on CUDA, gloo on CPU); a no-op when it is.
+
+    ``timeout``: the backend's collective timeout in seconds (``None``: its default). Under torchrun's elastic
+    agent the workers share the agent's key-value store, which outlives a restart: the keys of the previous
+    attempt (gloo's peer addresses, barrier counters) would be read by the next one, which then connects to dead
+    ranks. Each attempt (``TORCHELASTIC_RESTART_COUNT``) therefore gets its own key prefix."""
+    if dist.is_initialized():
+        return
     missing = [key for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if key not in os.environ]
     if missing:
         raise ValueError(f"torch.distributed is not initialized and the environment lacks {missing}; "
                          "launch with torchrun / accelerate launch, or call torch.distributed.init_process_group")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend)
+    kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=kwargs.get("timeout", timedelta(minutes=30)))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"oslo_models/attempt{attempt}", store),
+                                rank=rank, world_size=world, **kwargs)
+    else:
+        dist.init_process_group(backend=backend, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -121,7 +141,8 @@ class ParallelContext:
             return cls.single_process(config, device=torch.device(device_type))
 
         if not dist.is_initialized():
-            _init_process_group_from_environment(device_type)
+            init_process_group_from_environment(device_type, timeout=config.collective_timeout and (
+                config.collective_timeout + grace_for(config.collective_timeout)))
         if device_type == "cuda":
             local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
             torch.cuda.set_device(local_rank)
@@ -150,7 +171,15 @@ class ParallelContext:
             axes["dp_cp"] = axes["dp"]
         grid = mesh.mesh.reshape(sizes["pp"], sizes["dp"] * sizes["cp"], sizes["tp"])  # tp sub-axes flattened
         axes.update(_expert_axes(grid, rank, config.expert_parallel_size, axes["dp"]))
-        return cls(config, world_size=world_size, rank=rank, device=device, mesh=mesh, axes=axes)
+        context = cls(config, world_size=world_size, rank=rank, device=device, mesh=mesh, axes=axes)
+        if config.collective_timeout is not None:
+            # a peer that stops participating: a clear error naming group, op and missing ranks (watchdog.py)
+            from .watchdog import ensure_watchdog
+
+            watchdog = ensure_watchdog(rank, world_size, config.collective_timeout)
+            for name, axis in axes.items():
+                watchdog.watch_group(axis.group, name)
+        return context
 
     @classmethod
     def single_process(cls, config: ParallelConfig | None = None, *, device=None) -> "ParallelContext":
@@ -293,6 +322,12 @@ class ParallelContext:
                     if self.rank in ranks:
                         mine = group
             groups[size] = mine
+            if self.config.collective_timeout is not None:
+                from .watchdog import current_watchdog
+
+                watchdog = current_watchdog()
+                if watchdog is not None:
+                    watchdog.watch_group(mine, f"tp[{size}]")
         return groups[size]
 
     def barrier(self) -> None:

@@ -6,9 +6,15 @@ tensor-parallel-correct gradient clipping, mixed precision kept in step, resumab
     om.training.clip_grad_norm_(model, 1.0, accelerator=accelerator)
     om.training.save_checkpoint("ckpt", model, optimizer, scheduler, dataloader=loader, step=100)  # ckpt/step-00000100
     om.training.load_checkpoint("ckpt", model, optimizer, scheduler, dataloader=loader)  # the newest complete one
+    om.training.check_finite(model, loss=loss, grad_norm=norm, step=step)  # NaN/inf on any rank: every rank raises
+
+Checkpoints record checksums, verified before loading (``fallback=True``: the previous step when the newest is
+corrupt); a save that fails on any rank (a full disk) fails on every rank and leaves ``latest`` where it was.
 """
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checkpoint_folders import find_checkpoint
+from .checkpoint_integrity import CorruptCheckpointError, verify_checksums
+from .finite import NonFiniteError, check_finite, describe_nonfinite, find_nonfinite
 from .export import plain_copy, push_to_hub, save_pretrained, unsharded
 from .clip import clip_grad_norm_, grad_norm
 from .mixed_precision import check_mixed_precision, mark_overflow, sync_overflow
@@ -19,5 +25,6 @@ __all__ = [
     "ZERO_STAGES", "check_mixed_precision", "clip_grad_norm_", "grad_norm", "load_checkpoint", "mark_overflow", "plain_copy",
     "prepare", "push_to_hub", "save_checkpoint", "save_pretrained", "unsharded", "shard_data_parallel", "sync_overflow", "unwrap_model", "unwrap_optimizer",
     "zero_stage_of",
-    "find_checkpoint",
+    "find_checkpoint", "CorruptCheckpointError", "verify_checksums", "NonFiniteError", "check_finite",
+    "describe_nonfinite", "find_nonfinite",
 ]

@@ -23,8 +23,12 @@ under ZeRO-1 only the rank that owns a parameter's optimizer state writes it and
 Folders (``checkpoint_folders``): ``path`` holds ``step-N`` folders and a ``latest`` pointer. A save goes to
 ``.step-N.partial``, is fsynced, renamed into place and pointed at; older steps are removed only after that, so a
 crash at any instant leaves the last complete checkpoint loadable (``find_checkpoint`` finds it). A rank that
-fails to write makes every rank raise the same error (``distributed.agreement``), and a rank that calls
-``save_checkpoint``/``load_checkpoint`` alone gets a clear error within seconds instead of a hang.
+fails to write makes every rank raise the same error (``distributed.agreement``; DCP's ``CheckpointException`` is
+turned into the failing rank's own ``OSError``, errno kept), the partial folder is removed and ``latest`` keeps
+naming the previous step; a rank that calls ``save_checkpoint``/``load_checkpoint`` alone gets a clear error within
+seconds instead of a hang. Non-finite weights are refused before anything is written. Each step folder records the
+size and SHA-256 of its files (``checkpoint_integrity``); a load verifies them before reading any tensor and, with
+``fallback=True``, falls back to the previous complete step.
 
 Collectives: a store-based arrival check, DCP's plan exchange (gather/scatter of metadata), FSDP2 all-gathers,
 and small ``all_gather_object`` agreements after the rank-local steps.
@@ -33,15 +37,18 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 
 import numpy as np
 import torch
 
 from ..conversion.atomic import fsync_path
 from ..conversion.saving import run_on_main_process
-from ..distributed.agreement import agree_on_failure, all_or_none, check_arrival
-from .checkpoint_folders import (describe_missing, find_checkpoint, partial_dir, prepare_partial, publish_step,
-                                 step_dir_name)
+from ..distributed.agreement import _lineage, agree_on_failure, all_or_none, check_arrival, rebuild_error
+from .checkpoint_folders import (MARKER, describe_missing, find_checkpoint, older_complete, partial_dir,
+                                 prepare_partial, publish_step, remove_partial, step_dir_name)
+from .checkpoint_integrity import CHECKSUMS, CorruptCheckpointError, record_checksums, verify_checksums
+from .finite import NonFiniteError
 from ..generic import is_generic
 from .zero import unwrap_model, unwrap_optimizer
 
@@ -156,6 +163,62 @@ def _unwrap_scheduler(scheduler):
     return getattr(scheduler, "scheduler", scheduler)
 
 
+def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=None, scaler=None, step: int = 0,
+                    extra: dict | None = None, keep: int = 1) -> str:
+    """Save a resumable training checkpoint as ``path/step-<step>`` and point ``path/latest`` at it (call on every
+    rank). Returns the step folder. ``keep``: how many step folders to keep (the newest ones).
+
+    ``model``/``optimizer``/``scheduler`` may be the objects returned by :func:`prepare` or
+    :func:`shard_data_parallel`. ``dataloader``: anything with ``state_dict()`` (``oslo_models.data`` loaders).
+    ``scaler``: a ``GradScaler`` (``accelerator.scaler``). ``extra``: small picklable-free values (numbers,
+    strings, lists, dicts, tensors) returned by :func:`load_checkpoint`.
+
+    Raises on every rank alike: ``NonFiniteError`` when a weight holds NaN/inf on any rank (nothing written), and the
+    failing rank's error (e.g. ``OSError`` ENOSPC, naming rank and file) when a write fails anywhere; either way
+    ``latest`` still names the previous step. Collectives: an arrival check, small ``all_gather_object``
+    agreements, DCP's plan exchange, FSDP2 all-gathers.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"save_checkpoint keep= must be a positive int, got {keep!r}")
+    inner = unwrap_model(model)
+    context, plan = inner.parallel_context, getattr(inner, "parallel_plan", None)
+    _refuse_context_parallel(context, "save_checkpoint")
+    check_arrival(context, "save_checkpoint", _RULE)
+    with all_or_none(context, f"save_checkpoint({path!r}) at step {step}"):
+        _refuse_nonfinite(inner)  # never a NaN checkpoint over the last good one
+    run_on_main_process(context, prepare_partial, path, step, what=f"save_checkpoint({path!r}) preparing")
+    try:
+        return _save_step(path, inner, context, plan, optimizer, scheduler, dataloader, scaler, step, extra, keep)
+    except Exception:
+        # every rank raised the same (agreed) error and stopped writing: free the space the partial save took
+        if context.is_main_process:
+            remove_partial(path, step)
+        raise
+
+
+def _refuse_nonfinite(inner) -> None:
+    for name, param in inner.named_parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if not torch.isfinite(local.detach()).all():
+            raise NonFiniteError(f"parameter {name} holds NaN/inf on rank {inner.parallel_context.rank}: refusing to "
+                                 "save it (the last good checkpoint is kept)")
+
+
+def _raise_clear(error: BaseException, what: str):
+    """DCP's ``CheckpointException`` (a ``BaseException`` listing each failing rank's exception, raised on every
+    rank) as the first failing rank's own error type and message, the same on every rank."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        raise error
+    rank = min(failures)
+    original = failures[rank][0]
+    text = f"{what} failed on rank {rank}: {type(original).__name__}: {original}"
+    if len(failures) > 1:
+        text += f" (ranks {sorted(failures)[1:]} failed too)"
+    raise rebuild_error(_lineage(type(original)), text, getattr(original, "errno", None)) from None
+
+
 def _native_state(inner, opt, context, plan) -> dict:
     """The DCP state dict of a native model (canonical views from its plan) and this rank's optimizer state."""
     state = {}
@@ -184,25 +247,8 @@ def _native_state(inner, opt, context, plan) -> dict:
     return state
 
 
-def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=None, scaler=None, step: int = 0,
-                    extra: dict | None = None, keep: int = 1) -> str:
-    """Save a resumable training checkpoint as ``path/step-<step>`` and point ``path/latest`` at it (call on every
-    rank). Returns the step folder. ``keep``: how many step folders to keep (the newest ones).
-
-    ``model``/``optimizer``/``scheduler`` may be the objects returned by :func:`prepare` or
-    :func:`shard_data_parallel`. ``dataloader``: anything with ``state_dict()`` (``oslo_models.data`` loaders).
-    ``scaler``: a ``GradScaler`` (``accelerator.scaler``). ``extra``: small picklable-free values (numbers,
-    strings, lists, dicts, tensors) returned by :func:`load_checkpoint`.
-    """
-    path = os.path.abspath(os.fspath(path))
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"save_checkpoint keep= must be a positive int, got {keep!r}")
-    inner = unwrap_model(model)
-    context, plan = inner.parallel_context, getattr(inner, "parallel_plan", None)
-    _refuse_context_parallel(context, "save_checkpoint")
-    check_arrival(context, "save_checkpoint", _RULE)
+def _save_step(path, inner, context, plan, optimizer, scheduler, dataloader, scaler, step, extra, keep) -> str:
     partial = partial_dir(path, step)
-    run_on_main_process(context, prepare_partial, path, step, what=f"save_checkpoint({path!r}) preparing")
     opt = unwrap_optimizer(optimizer)
     if is_generic(inner):  # a transformers model: its DTensors go to DCP as they are
         from ..generic.checkpoint import state_to_save
@@ -212,7 +258,12 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
         state = _native_state(inner, opt, context, plan)
     import torch.distributed.checkpoint as dcp  # here, not at import: it costs ~1 s of `import oslo_models`
 
-    dcp.save(state, checkpoint_id=partial)  # DCP reports a failed write on every rank itself
+    try:
+        dcp.save(state, checkpoint_id=partial)  # DCP reports a failed write on every rank (CheckpointException)
+    except BaseException as error:  # noqa: BLE001 - CheckpointException is a BaseException
+        if type(error).__name__ != "CheckpointException":
+            raise
+        _raise_clear(error, f"save_checkpoint({path!r}) writing tensors")
 
     with all_or_none(context, f"save_checkpoint({path!r}) writing the RNG / trainer state"):
         os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
@@ -227,7 +278,10 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
                 "scaler": scaler.state_dict() if scaler is not None else None,
             }
             _save_synced(trainer_state, os.path.join(partial, _TRAINER_STATE))
-    run_on_main_process(context, publish_step, path, step, keep=keep, what=f"save_checkpoint({path!r}) publishing")
+    checksums = record_checksums(context, partial, exclude=(MARKER, CHECKSUMS),
+                                 what=f"save_checkpoint({path!r}) recording checksums")
+    run_on_main_process(context, publish_step, path, step, keep=keep, checksums=checksums,
+                        what=f"save_checkpoint({path!r}) publishing")
     return os.path.join(path, step_dir_name(step))
 
 
@@ -260,14 +314,20 @@ def _read_back(view: torch.Tensor, loaded) -> None:
         view.copy_(local)
 
 
-def load_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=None, scaler=None) -> dict:
+def load_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=None, scaler=None,
+                    fallback: bool = False) -> dict:
     """Restore what :func:`save_checkpoint` wrote into objects built at this (possibly different) layout.
 
     ``path`` is the folder given to :func:`save_checkpoint` (its newest complete step is loaded, see
     ``find_checkpoint``) or one ``step-N`` folder. Build the model, shard it (same ZeRO stage or another), build
     the optimizer/scheduler/loader as for a fresh run, then call this on every rank. Returns ``{"step", "extra",
-    "layout", "same_layout", "path"}``. Raises on every rank ``FileNotFoundError`` when there is no complete
-    checkpoint and ``ValueError`` for a checkpoint of another model.
+    "layout", "same_layout", "path", "skipped"}``. Raises on every rank ``FileNotFoundError`` when there is no
+    complete checkpoint and ``ValueError`` for a checkpoint of another model.
+
+    Every file is checked against the checksums recorded at save time before any state is read
+    (``checkpoint_integrity``): a corrupt one raises ``CorruptCheckpointError`` naming the file, or, with
+    ``fallback=True``, the next older complete step is tried instead (a warning on stderr says which and why;
+    ``"skipped"`` lists ``(folder, reason)`` of the corrupt steps passed over).
     """
     path = os.fspath(path)
     inner = unwrap_model(model)
@@ -281,6 +341,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
     if len(set(folders)) > 1:
         raise RuntimeError(f"load_checkpoint({path!r}): ranks found different checkpoints {sorted(set(folders))}; "
                            "is the folder on a file system every rank sees the same way?")
+    folder, skipped = _verified(path, folder, context, fallback)
     with all_or_none(context, f"load_checkpoint({folder!r})"):
         state, pending, restored_optimizer_state, trainer_state = _load_targets(folder, inner, optimizer, context,
                                                                                 plan)
@@ -290,7 +351,32 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
     with all_or_none(context, f"load_checkpoint({folder!r}) restoring"):
         info = _apply_loaded(folder, state, pending, restored_optimizer_state, trainer_state, optimizer, scheduler,
                              dataloader, scaler, context)
+    info["skipped"] = skipped
     return info
+
+
+def _verified(path: str, folder: str, context, fallback: bool) -> tuple[str, list]:
+    """``(folder to load, [(corrupt folder, reason), ...])``: ``folder`` when its checksums hold, else (with
+    ``fallback``) the newest older complete step whose checksums hold. Collective (agreed on every rank)."""
+    skipped = []
+    candidates = [folder] + (older_complete(path, folder) if fallback else [])
+    for candidate in candidates:
+        try:
+            verify_checksums(context, candidate)
+            break
+        except CorruptCheckpointError as error:
+            if not fallback:
+                raise
+            skipped.append((candidate, str(error)))
+            if context.is_main_process:
+                nxt = candidates[len(skipped)] if len(skipped) < len(candidates) else None
+                print(f"WARNING: {error}\nWARNING: load_checkpoint: "
+                      + (f"FALLING BACK to the previous complete checkpoint {nxt}" if nxt else
+                         "no older complete checkpoint to fall back to"), file=sys.stderr, flush=True)
+    else:
+        raise CorruptCheckpointError(f"every complete checkpoint under {path} is corrupt: "
+                                     + "; ".join(reason for _, reason in skipped))
+    return candidate, skipped
 
 
 def _load_targets(path, inner, optimizer, context, plan):

@@ -3,6 +3,7 @@
     <path>/
       latest                 "step-00000200": the newest complete checkpoint (replaced atomically)
       step-00000100/         complete: oslo_checkpoint.txt written last, after every rank's files are fsynced
+                             and checksums.json (size and SHA-256 of every file, see checkpoint_integrity)
       step-00000200/
       .step-00000300.partial being written (never read)
 
@@ -68,6 +69,23 @@ def find_checkpoint(path: str | os.PathLike) -> str | None:
     return os.path.join(path, complete[-1]) if complete else None
 
 
+def older_complete(path: str, folder: str) -> list[str]:
+    """The complete ``step-N`` folders under ``path`` older than ``folder``, newest first (where a load falls back
+    to when ``folder`` is corrupt). Never a newer step: that could be another run's left in the same folder."""
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    match = _STEP_DIR.match(os.path.basename(folder))
+    if not match or os.path.dirname(folder) != path:
+        return []
+    step = int(match.group(1))
+    return [os.path.join(path, name) for number, name in reversed(_step_folders(path))
+            if number < step and is_complete(os.path.join(path, name))]
+
+
+def remove_partial(path: str, step: int) -> None:
+    """Rank 0, after a failed save (every rank has stopped writing): free what the partial folder holds."""
+    shutil.rmtree(partial_dir(path, step), ignore_errors=True)
+
+
 def describe_missing(path: str) -> str:
     """Why :func:`find_checkpoint` found nothing, for the error message."""
     if not os.path.exists(path):
@@ -84,17 +102,34 @@ def describe_missing(path: str) -> str:
     return text
 
 
-def publish_step(path: str, step: int, *, keep: int = 1) -> str:
-    """Rank 0, after every rank's files are in ``partial_dir(path, step)``: mark complete, publish, point
-    ``latest`` at it, remove older step folders beyond ``keep`` and stale partial folders. Returns the folder."""
+def publish_step(path: str, step: int, *, keep: int = 1, checksums: dict | None = None) -> str:
+    """Rank 0, after every rank's files are in ``partial_dir(path, step)``: record ``checksums`` (see
+    ``checkpoint_integrity``), mark complete, publish, point ``latest`` at it, remove older step folders beyond
+    ``keep`` and stale partial folders. Returns the folder."""
     partial = partial_dir(path, step)
     name = step_dir_name(step)
+    if checksums is not None:
+        from .checkpoint_integrity import write_checksums
+
+        write_checksums(partial, checksums)
     with open(os.path.join(partial, MARKER), "w", encoding="utf-8") as handle:
         handle.write(f"complete oslo_models training checkpoint, step {int(step)}\n")
     final = os.path.join(path, name)
     recover_folder(final)
+    pointer = os.path.join(path, LATEST)
+    previous = os.path.basename(find_checkpoint(path) or "") if os.path.isfile(pointer) else ""
     publish_dir(partial, final)  # fsyncs the tree first; replaces a same-step folder atomically
-    write_text_atomic(os.path.join(path, LATEST), name + "\n")
+    try:
+        write_text_atomic(pointer, name + "\n")
+    except BaseException:
+        # e.g. the folder's fsync after the rename failed: the save raises, so `latest` must go on naming the
+        # previous step (the new folder stays, complete, for the next save of this step to replace)
+        if _STEP_DIR.match(previous) and previous != name:
+            try:
+                write_text_atomic(pointer, previous + "\n")
+            except OSError:
+                pass
+        raise
     others = [entry for _, entry in _step_folders(path) if entry != name]
     for entry in others[: max(0, len(others) - (keep - 1))]:
         shutil.rmtree(os.path.join(path, entry), ignore_errors=True)

@@ -20,12 +20,18 @@ def atomic_write_file(path, write_fn, *, mode: int = 0o644) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(error, OSError) and error.errno is not None and error.filename is None:  # name the file
+            error.filename = str(path)
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
+    except OSError as error:
+        if error.errno is not None and error.filename is None:
+            error.filename = str(path.parent)
+        raise
     finally:
         os.close(dir_fd)

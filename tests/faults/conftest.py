@@ -1,0 +1,26 @@
+"""A tokenizer and a token corpus built once per test process for the fault tests' example runs (each run then
+skips training a tokenizer and tokenizing: ``--data PREFIX --tokenizer DIR``)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.helpers import examples
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> dict:
+    import oslo_models as om
+
+    folder = tmp_path_factory.mktemp("fault_corpus")
+    sys.path.insert(0, examples.EXAMPLES)
+    try:
+        import train_clm
+
+        train_clm.train_tokenizer(examples.CORPUS, str(folder / "tokenizer"), 512)  # the examples' default
+    finally:
+        sys.path.remove(examples.EXAMPLES)
+        sys.modules.pop("train_clm", None)
+    om.data.preprocess(examples.CORPUS, str(folder / "corpus"), str(folder / "tokenizer"), show_progress=False)
+    return {"data": str(folder / "corpus"), "tokenizer": str(folder / "tokenizer")}
