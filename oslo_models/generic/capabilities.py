@@ -98,7 +98,7 @@ def _native(model_type: str, config, model_class) -> Capabilities:
 
     record = registry.family_record(model_type)
     if model_class is None:
-        model_class = record.model_class(next(iter(record.classes)))
+        model_class = record.model_class(record.main_task())
     if config is None:
         config = record.config_class()(**record.tiny_config)
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)

@@ -20,7 +20,6 @@ from .registry import families
 #: column -> the ``om.capabilities`` feature it shows
 AXES = {"tp": "tensor_parallel", "sp": "sequence_parallel", "2d/2.5d/3d": "tensor_parallel_grid",
         "pp": "pipeline_parallel", "cp": "context_parallel", "ep": "expert_parallel"}
-_MAIN_TASKS = ("masked_lm", "causal_lm", "seq2seq_lm", "base")  # an encoder's main head is its masked LM
 _START, _END = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"
 _NO_EXPERTS = "has no mixture-of-experts layers"
 
@@ -32,8 +31,7 @@ def support_rows() -> list[dict]:
 
     rows = []
     for record in families():
-        task = next(task for task in _MAIN_TASKS if task in record.classes)
-        found = capabilities(record.model_type, task=task)
+        found = capabilities(record.model_type, task=record.main_task())
         rows.append(dict(model_type=record.model_type, classes=tuple(record.classes.values()),
                          axes={column: None if found.supports(name) else found[name].why
                                for column, name in AXES.items()}))
