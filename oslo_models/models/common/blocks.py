@@ -70,6 +70,11 @@ class BlockTemplate(GradientCheckpointingLayer):
     def part(self, role: str) -> nn.Module | None:
         return self._modules.get(self.names.get(role, ""), None)
 
+    def residual_dropout(self, role: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` through the block's dropout module of ``role`` when it has one (Phi-3's residual dropouts)."""
+        dropout = self.part(role)
+        return dropout(x) if dropout is not None else x
+
     def split_kwargs(self, kwargs: dict) -> tuple[dict, dict]:
         """``(attention kwargs, feed-forward kwargs)`` of a block call."""
         mlp = {key: kwargs.pop(key) for key in self.mlp_kwargs if key in kwargs}
@@ -119,10 +124,6 @@ class PreNormBlock(BlockTemplate):
         normed = self.part("mlp_norm")(hidden_states)
         residual = normed if self.residual_after_norm else hidden_states
         return residual + self.residual_dropout("mlp_dropout", self.mlp_forward(normed, **mlp_kwargs))
-
-    def residual_dropout(self, role: str, x: torch.Tensor) -> torch.Tensor:
-        dropout = self.part(role)
-        return dropout(x) if dropout is not None else x
 
 
 class ParallelResidualBlock(BlockTemplate):
