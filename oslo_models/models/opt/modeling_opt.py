@@ -94,7 +94,7 @@ class OPTDecoderLayer(PreNormBlock):
     ``do_layer_norm_before``, the post-norm one without. Both residual branches end in ``dropout``."""
 
     names = dict(attn_norm="self_attn_layer_norm", attn="self_attn", mlp_norm="final_layer_norm", mlp="")
-    optional_roles = ("mlp",)
+    optional_roles = (*PreNormBlock.optional_roles, "mlp")
 
     def __init__(self, config: OPTConfig, layer_idx: int):
         def norm():
