@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import torch
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
-from transformers.models.gptj.modeling_gptj import GPTJRotaryEmbedding, create_sinusoidal_positions
+from torch import nn
+from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ... import fused_ops
@@ -89,7 +90,7 @@ class PerLayerTypeRotary:
         self.max_seq_len_cached = fresh.max_seq_len_cached
 
 
-class InterleavedRotaryEmbedding(GPTJRotaryEmbedding):
+class InterleavedRotaryEmbedding(nn.Module):
     """GPT-J's rotary: ``forward(x, position_ids) -> (cos, sin)``, each ``[b, s, rotary_dim]`` with every frequency
     repeated twice in a row (``cos[..., 2i] == cos[..., 2i+1]``), for ``apply_rotary(..., interleaved=True)``.
 
@@ -97,6 +98,15 @@ class InterleavedRotaryEmbedding(GPTJRotaryEmbedding):
     rotary_dim]``, fp32, ``sin | cos``) cast to ``x``'s dtype, then ``repeat_interleave`` as GPT-J's
     ``apply_rotary_pos_emb`` does (``GPTJConfig`` requires an integer ``rotary_dim``). Positions past the table
     raise, as in ``transformers``."""
+
+    # written here, not inherited: transformers before 5.2x has no GPTJRotaryEmbedding module (the table was built
+    # inside GPTJAttention), and the package must import on those versions too
+    def __init__(self, config):
+        super().__init__()
+        self.max_positions = config.max_position_embeddings
+        self.pos_embd_dim = config.rotary_dim or config.hidden_size
+        self.register_buffer("embed_positions", create_sinusoidal_positions(self.max_positions, self.pos_embd_dim),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         sincos = self.embed_positions[position_ids].to(x.dtype)  # [b, s, rotary_dim]: sin | cos
