@@ -23,7 +23,18 @@ from __future__ import annotations
 import transformers
 from torch import nn
 from transformers.generation import GenerationMixin
-from transformers.models.gptj.modeling_gptj import eager_attention_forward
+try:
+    from transformers.models.gptj.modeling_gptj import eager_attention_forward
+except ImportError:  # transformers < 5.2x (e.g. 5.17) computes GPT-J's eager attention inside GPTJAttention
+    def eager_attention_forward(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
+                                **kwargs):
+        """GPT-J's eager kernel: scores in fp32 (overflow), the softmax cast back to the value dtype."""
+        weights = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling
+        if attention_mask is not None:
+            weights = weights + attention_mask
+        weights = torch.nn.functional.softmax(weights, dim=-1).to(value.dtype)
+        weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 from ...parallel_layers.kv_heads import KVHeadColwise
 from ...parallel_layers.layers import Dropout, Embedding
