@@ -20,6 +20,7 @@ Shapes: b batch, s sequence, h hidden, n heads (n/tp per rank), d head dim, V vo
 """
 from __future__ import annotations
 
+import torch
 import transformers
 from torch import nn
 from transformers.generation import GenerationMixin
