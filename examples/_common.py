@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 import oslo_models as om
 from oslo_models import training
 from oslo_models.cli import HelpFormatter
+from oslo_models.training.layout_rules import check_training_layout
 from oslo_models.generic import is_generic
 from _evaluate import Evaluator
 from _report import Reporter, check_trackers, export_files, trackers
@@ -155,7 +156,9 @@ def check_model(args, cfg: om.ParallelConfig, auto) -> None:
                   else small_config(args, args.vocab_size))
         model_class = auto.model_class_for(config)
         if hasattr(model_class, "parallel_plan"):  # a native family
-            model_class.validate_parallel_config(config, cfg)
+            from oslo_models.composition import check_model_layout
+
+            check_model_layout(model_class, config, cfg)
         else:
             from oslo_models.generic.support import check_parallel
 
@@ -185,22 +188,18 @@ def check_launch(args, auto=None) -> om.ParallelConfig:
     for name in ("steps", "seq_len", "batch_size", "grad_accum", "keep_checkpoints"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    try:  # what training.prepare refuses (ZeRO stages, offload, precision, accumulation under pp)
+        check_training_layout(cfg, cpu_offload=args.cpu_offload, mixed_precision=mixed,
+                              gradient_accumulation_steps=args.grad_accum)
+    except (ValueError, NotImplementedError) as error:
+        raise UsageError(str(error)) from None
     if args.pp > 1:
-        # --zero 2/3 with --pp is refused by ParallelConfig above; bf16 runs (each stage autocasts in the schedule)
-        if mixed == "fp16":
-            raise UsageError("mixed precision (fp16) with --pp is not implemented: it needs loss scaling inside the "
-                             "schedule; use bf16 or --mixed_precision no")
-        if args.grad_accum > 1:
-            raise UsageError("--grad-accum with --pp: the pipeline already accumulates over its microbatches; "
-                             "raise --microbatches and --batch-size instead")
         microbatches = cfg.num_microbatches or args.pp  # the runner's default
         if args.batch_size % microbatches:
             raise UsageError(f"--batch-size {args.batch_size} does not split into --microbatches {microbatches}")
     if args.cp > 1 and (args.resume or args.save_every or args.stop_at):
         raise UsageError("--cp with --resume / --save-every / --stop-at: resumable checkpoints under context "
                          "parallelism are not implemented yet (the final Hub folder is written)")
-    if args.cpu_offload and args.zero < 2:
-        raise UsageError(f"--cpu-offload needs --zero 2 or 3, got --zero {args.zero}")
     if mixed == "fp16" and not torch.cuda.is_available():
         raise UsageError("fp16 needs a GPU (loss scaling); use bf16 on CPU")
     if args.compile:

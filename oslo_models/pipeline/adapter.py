@@ -175,10 +175,28 @@ class CausalLMPipelineAdapter(PipelineAdapter):
         return int((labels[..., 1:] != -100).sum())
 
 
+def _adapter_class(model_class: type) -> type:
+    adapter_class = getattr(model_class, "pipeline_adapter", None)
+    if adapter_class is None:
+        raise NotImplementedError(f"pipeline_parallel_size > 1 is not implemented for {model_class.__name__} (it "
+                                  f"has no pipeline_adapter)")
+    return adapter_class
+
+
+def check_pipeline_support(model_class: type, parallel) -> None:
+    """Before anything is built: ``NotImplementedError`` when ``model_class`` cannot be cut into
+    ``parallel.pipeline_parallel_size`` stages (no pipeline adapter, or a grid tensor-parallel mode its adapter
+    does not run); nothing at pp 1."""
+    if parallel.pipeline_parallel_size == 1:
+        return
+    mode, adapter_class = parallel.tensor_parallel_mode, _adapter_class(model_class)
+    if mode != "1d" and not adapter_class.grid_modes:
+        raise NotImplementedError(f"pipeline_parallel_size > 1 with tensor_parallel_mode={mode!r} is not "
+                                  f"implemented for {model_class.__name__}; use tensor_parallel_mode='1d' or no "
+                                  "pipeline parallelism for it")
+
+
 def adapter_for(model) -> PipelineAdapter:
     """The pipeline adapter of ``model``'s class; ``NotImplementedError`` naming the class when there is none."""
-    adapter_class = getattr(type(model), "pipeline_adapter", None)
-    if adapter_class is None:
-        raise NotImplementedError(f"pipeline_parallel_size > 1 is not implemented for {type(model).__name__} (it "
-                                  f"has no pipeline_adapter)")
-    return adapter_class()
+    check_pipeline_support(type(model), model.parallel_context.config)
+    return _adapter_class(type(model))()

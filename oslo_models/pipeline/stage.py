@@ -100,11 +100,6 @@ def _set_module(model, path: str, module) -> None:
 def keep_stage_modules(model, context) -> PipelineLayout:
     """Drop every module this rank's stages do not run (call on the meta device, before allocation)."""
     adapter = adapter_for(model)
-    mode = context.tensor_parallel_mode
-    if context.is_grid and not adapter.grid_modes:
-        raise NotImplementedError(f"pipeline_parallel_size > 1 with tensor_parallel_mode={mode!r} is not "
-                                  f"implemented for {type(model).__name__}; use tensor_parallel_mode='1d' or no "
-                                  "pipeline parallelism for it")
     layout = build_layout(model, context)
     layer_ids = adapter.layer_ids(model)
     local = [layer_ids[i] for i in layout.local_layers()]

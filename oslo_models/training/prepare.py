@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import torch
 
+from .layout_rules import check_training_layout
 from .mixed_precision import check_mixed_precision
 from .zero import shard_data_parallel, unwrap_model
 
@@ -69,23 +70,6 @@ def _check_world(accelerator, context) -> None:
     if "DEEPSPEED" in kind and context.tp_size > 1:
         raise ValueError("DeepSpeed ZeRO through Accelerate shards over the whole world and cannot be combined with "
                          "tensor_parallel_size > 1; use zero_stage=1/2/3 of oslo_models.training.prepare instead")
-
-
-def _check_pipeline(accelerator, context, zero_stage: int | None) -> None:
-    """What the pipelined ``model.train_step`` does not combine with (yet): clear errors, before anything is
-    wrapped and before any collective."""
-    stage = context.config.zero_stage if zero_stage is None else zero_stage
-    if stage >= 2:
-        raise NotImplementedError(f"zero_stage={stage} with pipeline_parallel_size > 1 is not implemented; use "
-                                  f"zero_stage=1 (optimizer state sharded over the data-parallel group)")
-    if accelerator.gradient_accumulation_steps > 1:
-        raise ValueError("gradient_accumulation_steps > 1 with pipeline_parallel_size > 1: the pipeline already "
-                         "accumulates over its microbatches; raise ParallelConfig.num_microbatches (and the batch) "
-                         "instead")
-    if str(accelerator.mixed_precision) not in ("no", "bf16"):
-        raise NotImplementedError(f"mixed_precision={accelerator.mixed_precision!r} with pipeline_parallel_size > "
-                                  f"1 is not implemented (fp16 needs loss scaling inside the schedule's backward); "
-                                  f"use mixed_precision='bf16', or load the model with dtype=torch.bfloat16")
 
 
 def _prepare_dataloader(accelerator, loader, context):
@@ -119,9 +103,9 @@ def prepare(accelerator, model, *objects, zero_stage: int | None = None, cpu_off
     """
     context = _context_of(model)
     _check_world(accelerator, context)
-    check_mixed_precision(accelerator)
-    if context.pp_size > 1:
-        _check_pipeline(accelerator, context, zero_stage)
+    check_training_layout(context.config, zero_stage=zero_stage, cpu_offload=cpu_offload,
+                          mixed_precision=check_mixed_precision(accelerator),
+                          gradient_accumulation_steps=accelerator.gradient_accumulation_steps)
     optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
     if len(optimizers) > 1:
         raise ValueError("pass at most one optimizer (one model, one optimizer)")

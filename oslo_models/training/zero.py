@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from ..distributed.data_parallel import data_parallel
+from .layout_rules import check_training_layout
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -179,9 +180,6 @@ def _zero_redundancy(optimizer: torch.optim.Optimizer, context, model=None):
 def _pipeline_data_parallel(model, optimizer, context, stage: int, ddp_kwargs: dict):
     """pp > 1: ``model.train_step`` already all-reduces each stage's gradients over dp (the schedule, not
     ``forward``, runs the stage, so a DDP wrapper would never fire). Only the optimizer is sharded (ZeRO-1)."""
-    if stage >= 2:
-        raise NotImplementedError(f"zero_stage={stage} with pipeline_parallel_size > 1 is not implemented; use "
-                                  f"zero_stage=1 (optimizer state sharded over the data-parallel group)")
     if ddp_kwargs:
         raise ValueError(f"DDP options {sorted(ddp_kwargs)} do not apply with pipeline_parallel_size > 1 (the "
                          f"pipeline runner synchronizes gradients itself)")
@@ -212,10 +210,7 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     if model is not unwrap_model(model) or getattr(model, "_oslo_zero_stage", None) is not None:
         raise ValueError("the model is already wrapped for data parallelism; pass the plain model")
     stage = context.config.zero_stage if zero_stage is None else zero_stage
-    if stage not in ZERO_STAGES:
-        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {stage!r}")
-    if cpu_offload and stage < 2:
-        raise ValueError(f"cpu_offload needs zero_stage 2 or 3 (FSDP2 offload), got zero_stage={stage}")
+    check_training_layout(context.config, zero_stage=stage, cpu_offload=cpu_offload)
     if optimizer is not None:
         optimizer = unwrap_optimizer(optimizer)
         _check_fresh(optimizer)
@@ -223,12 +218,6 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         model._oslo_zero_stage = stage
         return model, optimizer
 
-    if context.cp_size > 1 and stage >= 2:
-        raise NotImplementedError(f"context_parallel_size > 1 with zero_stage={stage} is not implemented; use "
-                                  f"zero_stage 0 or 1 (gradients and optimizer state over dp x cp)")
-    if context.ep_size > 1 and context.pp_size > 1:
-        raise NotImplementedError(f"expert_parallel_size > 1 with pipeline_parallel_size={context.pp_size} is not "
-                                  "implemented")
     if context.pp_size > 1:
         return _pipeline_data_parallel(model, optimizer, context, stage, ddp_kwargs)
     if stage <= 1:

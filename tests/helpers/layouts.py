@@ -20,7 +20,7 @@ from tests.helpers.models import assert_grads_match, assert_params_match
 from tests.helpers.pipeline import ADAMW
 
 
-def _local_batch(context, replica: dict, shift_labels: bool) -> dict:
+def local_batch(context, replica: dict, shift_labels: bool) -> dict:
     if context.cp_size == 1:
         return replica
     mode = context.config.context_parallel_mode
@@ -42,7 +42,7 @@ def train_matches(model, reference, batch: dict, *, zero_stage: int = 0, steps: 
     call = call or {}
     context = model.parallel_context
     replicas = [{k: v[d::context.dp_size].contiguous() for k, v in batch.items()} for d in range(context.dp_size)]
-    local = _local_batch(context, replicas[context.dp_rank], shift_labels)
+    local = local_batch(context, replicas[context.dp_rank], shift_labels)
     ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
     if zero_stage:
         from accelerate import Accelerator

@@ -73,10 +73,10 @@ def test_check_launch_refuses_before_building(examples, monkeypatch):
     cases = {
         ("--tp", "3"): "does not divide",
         ("--pp", "2", "--zero", "2"): "zero_stage=2 with pipeline_parallel_size > 1 is not implemented",
-        ("--pp", "2", "--mixed-precision", "fp16"): r"mixed precision \(fp16\) with --pp",
-        ("--pp", "2", "--grad-accum", "2"): "--grad-accum with --pp",
+        ("--pp", "2", "--mixed-precision", "fp16"): r"mixed_precision='fp16' with pipeline_parallel_size > 1",
+        ("--pp", "2", "--grad-accum", "2"): "gradient_accumulation_steps > 1 with pipeline_parallel_size > 1",
         ("--pp", "2", "--microbatches", "3"): "does not split into --microbatches 3",
-        ("--tp", "2", "--cpu-offload"): "--cpu-offload needs --zero 2 or 3",
+        ("--tp", "2", "--cpu-offload"): "cpu_offload needs zero_stage 2 or 3",
         ("--report-to", "nosuchtracker"): "unknown tracker",
         ("--cp", "3"): "context_parallel_size=3",
         ("--cp", "2", "--cp-mode", "all_to_all", "--tp", "3"): "does not divide",

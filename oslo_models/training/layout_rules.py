@@ -1,0 +1,41 @@
+"""What the training wrappers refuse about a layout, decided from the options alone (no model, no process group).
+
+``training.prepare`` and ``training.shard_data_parallel`` call :func:`check_training_layout` before they wrap
+anything, and the composition table (``oslo_models/composition``) is generated from the same function, so a rule
+written here is both enforced and documented.
+"""
+from __future__ import annotations
+
+from ..config import ParallelConfig
+
+
+def check_training_layout(parallel: ParallelConfig, *, zero_stage: int | None = None, cpu_offload: bool = False,
+                          mixed_precision: str = "no", gradient_accumulation_steps: int = 1) -> None:
+    """``ValueError`` / ``NotImplementedError`` for training options that do not fit ``parallel``.
+
+    ``zero_stage``: ``None`` takes ``parallel.zero_stage``; ``mixed_precision``: ``"no"``, ``"bf16"`` or
+    ``"fp16"`` (Accelerate's names)."""
+    stage = parallel.zero_stage if zero_stage is None else zero_stage
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be one of (0, 1, 2, 3), got {stage!r}")
+    if cpu_offload and stage < 2:
+        raise ValueError(f"cpu_offload needs zero_stage 2 or 3 (FSDP2 offload), got zero_stage={stage}")
+    pp = parallel.pipeline_parallel_size
+    if parallel.context_parallel_size > 1 and stage >= 2:
+        raise NotImplementedError(f"context_parallel_size > 1 with zero_stage={stage} is not implemented; use "
+                                  f"zero_stage 0 or 1 (gradients and optimizer state over dp x cp)")
+    if parallel.expert_parallel_size > 1 and pp > 1:
+        raise NotImplementedError(f"expert_parallel_size > 1 with pipeline_parallel_size={pp} is not implemented")
+    if pp == 1:
+        return
+    if stage >= 2:
+        raise NotImplementedError(f"zero_stage={stage} with pipeline_parallel_size > 1 is not implemented; use "
+                                  f"zero_stage=1 (optimizer state sharded over the data-parallel group)")
+    if gradient_accumulation_steps > 1:
+        raise ValueError("gradient_accumulation_steps > 1 with pipeline_parallel_size > 1: the pipeline already "
+                         "accumulates over its microbatches; raise ParallelConfig.num_microbatches (and the batch) "
+                         "instead")
+    if mixed_precision not in ("no", "bf16"):
+        raise NotImplementedError(f"mixed_precision={mixed_precision!r} with pipeline_parallel_size > 1 is not "
+                                  f"implemented (fp16 needs loss scaling inside the schedule's backward); use "
+                                  f"mixed_precision='bf16', or load the model with dtype=torch.bfloat16")

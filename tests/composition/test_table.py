@@ -1,0 +1,51 @@
+"""The composition table is generated from the validation code, and the docs page is that table."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from oslo_models.composition import AXIS, check_layout, combine
+from oslo_models.composition.table import counts, pairs, render, representative
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "composition.md"
+
+
+def test_docs_page_is_the_generated_table():
+    assert DOCS.read_text(encoding="utf-8") == render(), \
+        "regenerate: python -m oslo_models.composition --write docs/composition.md"
+
+
+def test_every_pair_is_decided_with_a_reason():
+    cells = pairs()
+    pair_cells = [c for c in cells if len(c.axes) == 2]
+    assert len(pair_cells) == 16 * 15 // 2
+    assert sum(counts(pair_cells).values()) == len(pair_cells)
+    for c in cells:
+        assert c.status in ("composes", "refused", "exclusive")
+        assert (c.status == "composes") == (c.reason == ""), c
+    assert {c.name for c in cells if c.status == "exclusive"} == {"tp x grid", "z1 x z2", "z1 x z3", "z2 x z3",
+                                                                 "fp16 x bf16"}
+
+
+def test_a_refused_cell_raises_the_same_error_from_check_layout():
+    """The table's reason is the error ``check_layout`` raises (a ``ValueError``/``NotImplementedError``, no
+    process group needed); and a layout the table accepts passes it."""
+    refused = [c for c in pairs() if c.status == "refused"]
+    assert refused, "nothing refused: check that the table still reads the validation code"
+    for c in refused:
+        with pytest.raises((ValueError, NotImplementedError)) as error:
+            check_layout(c.layout, *representative(c.model_type))
+        assert str(error.value) == c.reason
+    check_layout(combine("tp", "dp"), *representative("llama"))
+
+
+def test_combine_merges_sizes_and_training_options():
+    layout = combine("sp", "z3")
+    assert layout.parallel == {"tensor_parallel_size": 2, "sequence_parallel": True, "data_parallel_size": 2}
+    assert layout.zero_stage == 3 and layout.world_size == 4
+    assert combine("off", "z2").zero_stage == 2 and combine("off").zero_stage == 3
+    assert combine("ep", "tp").parallel["data_parallel_size"] == 2 and combine("ep").moe
+    with pytest.raises(ValueError, match="zero_stage chooses one stage"):
+        combine("z1", "z2")
+    assert AXIS["grid"].layout.parallel["tensor_parallel_mode"] == "2d"
