@@ -35,8 +35,8 @@ What each piece becomes:
 
 Pipelined models (``pipeline_parallel_size > 1``) train with ``loss = model.train_step(batch)`` in place of forward
 and ``accelerator.backward``; they are not wrapped (the runner all-reduces gradients over dp), ZeRO-1 shards the
-optimizer; Accelerate's bf16 autocast runs inside each stage's forward (``pipeline/stage.py``); ZeRO-2/3,
-fp16 and gradient accumulation are refused with a clear error before anything is wrapped.
+optimizer and ZeRO-2/3 make each stage an FSDP2 root (``zero.py``); Accelerate's bf16 autocast runs inside each
+stage's forward (``pipeline/stage.py``); fp16 and gradient accumulation are refused with a clear error before anything is wrapped.
 
 Collectives: none here beyond what DDP/FSDP2 run at construction (a parameter broadcast/none).
 """
@@ -74,10 +74,6 @@ def _check_world(accelerator, context) -> None:
 def _check_pipeline(accelerator, context, zero_stage: int | None) -> None:
     """What the pipelined ``model.train_step`` does not combine with (yet): clear errors, before anything is
     wrapped and before any collective."""
-    stage = context.config.zero_stage if zero_stage is None else zero_stage
-    if stage >= 2:
-        raise NotImplementedError(f"zero_stage={stage} with pipeline_parallel_size > 1 is not implemented; use "
-                                  f"zero_stage=1 (optimizer state sharded over the data-parallel group)")
     if accelerator.gradient_accumulation_steps > 1:
         raise ValueError("gradient_accumulation_steps > 1 with pipeline_parallel_size > 1: the pipeline already "
                          "accumulates over its microbatches; raise ParallelConfig.num_microbatches (and the batch) "
