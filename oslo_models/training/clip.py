@@ -18,7 +18,8 @@ place that says which parameter is split):
 - pipeline stages hold different parameters: partial sums are added over pp; a tied tensor with copies on several
   stages (input and output embedding) is counted once, on the lowest pipeline rank holding it.
 
-Collectives: one all-reduce over the dp shard group (only for FSDP2 gradients), one over tp, one over pp, each of two numbers.
+Collectives: one all-reduce over the dp shard group (only for FSDP2 gradients), one over tp, one over pp, each of
+two numbers.
 Padded vocabulary rows have zero gradient, so they do not change the norm.
 """
 from __future__ import annotations

@@ -148,17 +148,19 @@ def _data_parallel_mesh(context):
     dp shards are spread (what the gradient norm adds partial sums over). dp (``dp x cp`` flattened under context
     parallelism); HSDP: the 2D ``(dp_replicate, dp_shard)`` mesh (collective: every rank builds the whole
     ``(pp, dp_replicate, dp_shard, cp, tp)`` mesh, dp ranks of one shard group adjacent)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     shard = context.config.data_parallel_shard_size
     if shard is not None and shard < context.dp_size:
-        from torch.distributed.device_mesh import init_device_mesh
-
         sizes = (context.pp_size, context.dp_size // shard, shard, context.cp_size, context.tp_size)
         mesh = init_device_mesh(context.device.type, sizes,
                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
         hybrid = mesh["dp_replicate", "dp_shard"]
         return hybrid, hybrid.get_group("dp_shard")
-    if context.cp_size > 1:
-        return context.mesh["dp_cp"], context.dp_cp_group
+    if context.cp_size > 1:  # dp x cp as one axis of its own mesh (the same ranks as context.dp_cp_group)
+        sizes = (context.pp_size, context.dp_size * context.cp_size, context.tp_size)
+        flat = init_device_mesh(context.device.type, sizes, mesh_dim_names=("pp", "dp_cp", "tp"))["dp_cp"]
+        return flat, flat.get_group()
     return context.mesh["dp"], context.dp_group
 
 

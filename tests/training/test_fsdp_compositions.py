@@ -6,8 +6,8 @@ parameters after 3 AdamW steps):
 
 tiny Llama (untied, biases):
 
-- pp2 x dp2 at ZeRO-2 (+ CPU offload) and ZeRO-3: each pipeline stage an FSDP2 root over dp; gradients are
-  reduce-scattered once per step, not once per microbatch (counted);
+- pp2 x dp2 at ZeRO-2 (+ CPU offload, 1f1b) and ZeRO-3 (zero-bubble, 2 stages per rank): each pipeline stage an
+  FSDP2 root over dp; gradients are reduce-scattered once per step, not once per microbatch (counted);
 - cp2 x dp2 at ZeRO-3: sharded over dp x cp;
 - HSDP: dp4 with ``data_parallel_shard_size=2`` at ZeRO-3 (shards over pairs, replicated across them).
 
@@ -63,19 +63,31 @@ class _CountReduceScatters:
         dist.reduce_scatter_single = self.original
 
 
+def _fsdp_units(model) -> int:
+    """FSDP2 parameter groups on this rank: each stage's layers, and its root when it holds parameters."""
+    units = 0
+    for module in model._oslo_stage_modules.values():
+        in_layers = {id(p) for layer in module.layers for p in layer.parameters()}
+        units += len(module.layers) + any(id(p) not in in_layers for p in module.parameters())
+    return units
+
+
 def _pipeline_fsdp(path: str) -> None:
-    for stage, offload in ((2, True), (3, False)):
-        cfg = om.ParallelConfig(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, zero_stage=stage)
+    # ZeRO-2 + offload under 1f1b; ZeRO-3 under zero-bubble with 2 stages per rank (its backward run whole)
+    for stage, offload, schedule in ((2, True, dict(pipeline_schedule="1f1b")),
+                                     (3, False, dict(pipeline_schedule="zero_bubble", virtual_pipeline_size=2))):
+        cfg = om.ParallelConfig(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, zero_stage=stage,
+                                **schedule)
         model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
         model, optimizer = training.shard_data_parallel(model, torch.optim.AdamW(model.parameters(), **ADAMW),
                                                         cpu_offload=offload)
         assert all(hasattr(p, "to_local") for p in model.parameters())  # every parameter sharded over dp
         reference = hf_class("llama").from_pretrained(path).train()
         assert_pipeline_matches(model, reference, _dense_batch(), optimizer=optimizer, max_grad_norm=0.5)
-        # one reduce-scatter per FSDP unit per step (2 layers + the stage root), not one per microbatch
+        # one reduce-scatter per FSDP unit per step, not one per microbatch
         with _CountReduceScatters() as counter:
             model.train_step(local_rows(model.parallel_context, _dense_batch()))
-        assert counter.count == 3, counter.count
+        assert counter.count == _fsdp_units(model) == 3, (counter.count, _fsdp_units(model))
         optimizer.zero_grad()
 
 
@@ -128,6 +140,11 @@ def _resharding_chain(path: str, folder: str) -> None:
     model, opt = _build(path, pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, zero_stage=3)
     assert_pipeline_matches(model, reference, batch, steps=1, optimizer=opt, reference_optimizer=ref_opt)
     training.save_checkpoint(folder, model, opt, step=1)
+    training.save_pretrained(model, folder + "-hub")  # gathered over dp, then over the stages: one Hub folder
+    if dist.get_rank() == 0:
+        saved = transformers.GPT2LMHeadModel.from_pretrained(folder + "-hub").state_dict()
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
     # pp1, HSDP dp4 in pairs: reads the pp2 checkpoint (its AdamW moments included), saves its own
     model, opt = _build(path, data_parallel_size=4, data_parallel_shard_size=2, zero_stage=3)
     info = training.load_checkpoint(folder, model, opt)
