@@ -267,6 +267,10 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {stage!r}")
     if cpu_offload and stage < 2:
         raise ValueError(f"cpu_offload needs zero_stage 2 or 3 (FSDP2 offload), got zero_stage={stage}")
+    shard = context.config.data_parallel_shard_size
+    if shard is not None and shard < context.dp_size and stage < 2:
+        raise ValueError(f"the model's ParallelConfig asks for HSDP (data_parallel_shard_size={shard}), which needs "
+                         f"zero_stage 2 or 3, got zero_stage={stage}")
     if optimizer is not None:
         optimizer = unwrap_optimizer(optimizer)
         _check_fresh(optimizer)

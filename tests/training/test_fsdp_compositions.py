@@ -101,6 +101,9 @@ def _data_context_fsdp(path: str) -> None:
                     dict(data_parallel_size=4, data_parallel_shard_size=2)):
         cfg = om.ParallelConfig(zero_stage=3, **options)
         model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
+        if "data_parallel_shard_size" in options:  # HSDP is FSDP2's: never silently dropped for ZeRO-1
+            with pytest.raises(ValueError, match="HSDP .* needs zero_stage 2 or 3, got zero_stage=1"):
+                training.shard_data_parallel(model, zero_stage=1)
         model, _ = train_matches(model, hf_class("llama").from_pretrained(path).train(), _llama_batch(),
                                  zero_stage=3, steps=3, max_grad_norm=0.5)
         weight = model.model.layers[0].mlp.up_proj.weight
