@@ -68,6 +68,8 @@ def build_parser(doc: str, *, output: str, model_help: str, lr: float = 3e-3,
     add("--virtual-stages", type=int, default=1, help="stages per rank (interleaved_1f1b, zero_bubble)")
     add("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the data-parallel group")
     add("--cpu-offload", action="store_true", help="ZeRO 2/3: params/grads/optimizer on CPU")
+    add("--dp-shard", type=int, default=None, metavar="K",
+        help="HSDP with --zero 2/3: shard over groups of K data-parallel ranks, replicate across the groups")
     add("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
         help="overrides `accelerate launch --mixed_precision` and the accelerate config file (default: theirs)")
     add("--bf16", action="store_true", help="same as --mixed-precision bf16")
@@ -177,6 +179,7 @@ def check_launch(args, auto=None) -> om.ParallelConfig:
                                 tensor_parallel_mode=args.tp_mode, tensor_parallel_depth=args.tp_depth,
                                 context_parallel_size=args.cp, context_parallel_mode=args.cp_mode,
                                 expert_parallel_size=args.ep, zero_stage=args.zero, pipeline_parallel_size=args.pp,
+                                data_parallel_shard_size=args.dp_shard,
                                 num_microbatches=args.microbatches, pipeline_schedule=args.schedule,
                                 virtual_pipeline_size=args.virtual_stages,
                                 activation_checkpointing=args.activation_checkpointing,

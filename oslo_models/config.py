@@ -66,6 +66,11 @@ class ParallelConfig:
             core; each rank holds one contiguous chunk, sequence length divisible by ``cp``, heads per tensor-
             parallel rank divisible by ``cp``).
         data_parallel_size: model replicas; ``None`` infers it from the world size.
+        data_parallel_shard_size: HSDP (hybrid sharding): ZeRO-2/3 shards over groups of this many adjacent
+            data-parallel ranks and replicates across the groups (FSDP2 on a 2D ``(replicate, shard)`` dp mesh:
+            all-gathers and reduce-scatters stay inside a group, one all-reduce of the gradient shards runs across
+            groups). ``None``: shard over all of dp. Must divide ``data_parallel_size``; needs ``zero_stage`` 2 or 3
+            (ZeRO-1's optimizer partition is always over the whole dp group).
         zero_stage: ZeRO stage (0 = plain data parallel) for the training helpers.
         fused_ops: use the fused Triton kernels where they run (CUDA); the torch reference runs elsewhere.
         seed: base seed of the tensor-parallel RNG tracker (dropout inside split regions).
@@ -91,6 +96,7 @@ class ParallelConfig:
     context_parallel_size: int = 1
     context_parallel_mode: str = "ring"
     data_parallel_size: int | None = None
+    data_parallel_shard_size: int | None = None
     zero_stage: int = 0
     fused_ops: bool = True
     seed: int = 1234
@@ -101,7 +107,7 @@ class ParallelConfig:
         for name in ("tensor_parallel_size", "tensor_parallel_depth", "pipeline_parallel_size",
                      "virtual_pipeline_size", "expert_parallel_size", "context_parallel_size"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("num_microbatches", "data_parallel_size"):
+        for name in ("num_microbatches", "data_parallel_size", "data_parallel_shard_size"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         for name in ("sequence_parallel", "fused_ops"):
@@ -134,6 +140,7 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.collective_timeout must be a positive number of seconds or None, "
                              f"got {timeout!r}")
         self._check_implemented()
+        self._check_hybrid_sharding()
         if self.activation_checkpointing is not None and self.activation_checkpointing not in _ACTIVATION_CHECKPOINTING:
             raise ValueError(f"ParallelConfig.activation_checkpointing={self.activation_checkpointing!r} is unknown; "
                              f"choose None or one of {_ACTIVATION_CHECKPOINTING}")
@@ -142,18 +149,33 @@ class ParallelConfig:
         if self.tensor_parallel_mode not in _IMPLEMENTED_TENSOR_PARALLEL_MODES:
             raise NotImplementedError(f"tensor_parallel_mode={self.tensor_parallel_mode!r} is not implemented yet; "
                                       f"available: {_IMPLEMENTED_TENSOR_PARALLEL_MODES}")
-        if self.zero_stage >= 2 and self.pipeline_parallel_size > 1:
-            raise NotImplementedError(f"zero_stage={self.zero_stage} with pipeline_parallel_size > 1 is not "
-                                      f"implemented yet; use zero_stage=1 (optimizer state sharded over dp)")
         if self.context_parallel_size > 1:
             for name, trivial in (("pipeline_parallel_size", 1), ("expert_parallel_size", 1),
                                   ("tensor_parallel_mode", "1d")):
                 if getattr(self, name) != trivial:
                     raise NotImplementedError(f"context_parallel_size > 1 with {name}={getattr(self, name)!r} is "
                                               f"not implemented yet")
-            if self.zero_stage >= 2:
-                raise NotImplementedError(f"context_parallel_size > 1 with zero_stage={self.zero_stage} is not "
-                                          f"implemented yet; use zero_stage 0 or 1 (sharded over dp x cp)")
+
+    # ------------------------------------------------------------------ HSDP (data_parallel_shard_size)
+    def _check_hybrid_sharding(self) -> None:
+        """``data_parallel_shard_size``: a divisor of dp, for ZeRO-2/3 only (the model-free part; the world-size
+        part is in ``resolve_data_parallel_size``)."""
+        shard = self.data_parallel_shard_size
+        if shard is None:
+            return
+        if self.zero_stage < 2:
+            raise ValueError(f"data_parallel_shard_size={shard} (HSDP) shards parameters/gradients with FSDP2: it "
+                             f"needs zero_stage 2 or 3, got zero_stage={self.zero_stage} (ZeRO-1 partitions the "
+                             "optimizer state over the whole data-parallel group)")
+        if self.data_parallel_size is not None and self.data_parallel_size % shard:
+            raise ValueError(f"data_parallel_shard_size={shard} must divide data_parallel_size="
+                             f"{self.data_parallel_size} (shard groups of {shard} replicas)")
+        if shard > 1 and self.context_parallel_size > 1:
+            raise NotImplementedError("data_parallel_shard_size with context_parallel_size > 1 is not implemented "
+                                      "yet (the shard groups would span dp x cp); shard over all of dp x cp instead")
+        if shard > 1 and self.expert_parallel_size > 1:
+            raise NotImplementedError("data_parallel_shard_size with expert_parallel_size > 1 is not implemented "
+                                      "yet (experts shard over the expert-data-parallel group)")
 
     def _check_tensor_parallel_mode(self) -> None:
         """The grid of the 2D/2.5D/3D modes must exist for ``tensor_parallel_size`` (see ``grid_shape``)."""
@@ -237,6 +259,9 @@ class ParallelConfig:
         """The data-parallel size for ``world_size`` processes; ``ValueError`` when they do not fit (or when
         ``expert_parallel_size`` does not divide it)."""
         dp = self._resolve_data_parallel_size(world_size)
+        if self.data_parallel_shard_size is not None and dp % self.data_parallel_shard_size:
+            raise ValueError(f"data_parallel_shard_size={self.data_parallel_shard_size} must divide data_parallel_size="
+                             f"{dp} (world {world_size} / (tensor x pipeline x context = {self.model_parallel_size}))")
         if dp % self.expert_parallel_size:
             raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must divide data_parallel_size={dp} "
                              f"(expert parallelism is carved out of the data-parallel ranks: world {world_size} / "

@@ -22,7 +22,9 @@ their gradients) between neighbouring stages of one pipeline group:
 
 - tied weights: one all-reduce (sum) of the gradient of each tied tensor over the ranks holding a copy (GPT-2:
   ``wte``/``lm_head`` between the first and last stage);
-- data parallelism: one all-reduce (mean) of every local gradient over the data-parallel group;
+- data parallelism: one all-reduce (mean) of every local gradient over the data-parallel group; under ZeRO-2/3
+  (FSDP2 per stage, ``training/zero.py``) instead one reduce-scatter per step after the last microbatch, which
+  torch's ``PipelineStage`` runs for an ``FSDPModule`` stage (the tied copies then sum their local shards);
 - the loss: one broadcast from the last stage over the pipeline group (and a mean over data parallelism).
 """
 from __future__ import annotations
@@ -109,8 +111,17 @@ class PipelineRunner:
 
         stages = []
         whole_backward = adapter.whole_backward_stages(model, layout)
+        sharded = getattr(model, "_oslo_stage_modules", None)  # ZeRO-2/3: the FSDP2 roots, one per local stage
+        if sharded is not None and getattr(model, "_oslo_zero_stage", 0) >= 3:
+            # ZeRO-3 reshards a layer's parameters between the split backward's input pass and its weight pass,
+            # so the weight pass would miss them: every stage runs its backward whole (zero-bubble gives up the
+            # split, not correctness; ZeRO-2 keeps parameters gathered and keeps it)
+            whole_backward = set(layout.local_stages)
         for stage_index in layout.local_stages:
-            module = StageModule(model, stage_index, layout, sequence_parallel=sp)
+            if sharded is not None:
+                module = sharded[stage_index]  # its sequence_parallel is set before each step (_run)
+            else:
+                module = StageModule(model, stage_index, layout, sequence_parallel=sp)
             # Static shapes: no shape-inference forward (which would run the TP collectives on empty tensors).
             inputs, outputs = adapter.stage_io(model, layout, stage_index, microbatch, sp)
             # A dw_builder makes torch run the stage's whole backward at once; the weight step is then a no-op.
@@ -121,8 +132,8 @@ class PipelineRunner:
         cls = schedule_class(self.schedule_name)
         loss_fn = _LossFn(model, self.num_microbatches)
         if self.schedule_name in MULTI_STAGE_SCHEDULES:
-            return cls(stages, self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
-        return cls(stages[0], self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+            return cls(stages, self.num_microbatches, loss_fn=loss_fn, scale_grads=False), sp
+        return cls(stages[0], self.num_microbatches, loss_fn=loss_fn, scale_grads=False), sp
 
     # ------------------------------------------------------------------ steps
     def _prepare(self, batch, labels, attention_mask) -> dict[str, torch.Tensor]:
@@ -155,7 +166,9 @@ class PipelineRunner:
         batch = self._prepare(batch, labels, attention_mask)
         if not self.pipelined:
             return self._run_unpipelined(batch, training)
-        schedule = self._schedule(batch, training)
+        schedule, sp = self._schedule(batch, training)
+        for module in (getattr(self.model, "_oslo_stage_modules", None) or {}).values():
+            module.sequence_parallel = sp  # shared FSDP2 stage modules serve every batch shape
         layout, adapter = self.layout, self.adapter
         labels = batch.pop("labels")
         args = tuple(batch.pop(name) for name in adapter.first_inputs)
@@ -196,12 +209,20 @@ class PipelineRunner:
         Gradients accumulate into ``.grad`` (tied copies summed, data-parallel replicas averaged). With
         ``optimizer``, also runs ``optimizer.step()`` and ``optimizer.zero_grad()``.
         """
+        self._check_dtype()
         loss = self._run(batch, labels, attention_mask, training=True)
         self.sync_gradients()
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad()
         return loss
+
+    def _check_dtype(self) -> None:
+        if self.pipelined and any(p.dtype == torch.float16 for p in self.model.parameters()):
+            # fp16 gradients need a loss scale applied to every microbatch's loss inside the schedule and an
+            # unscale/skip before the step; none runs here, so small gradients would underflow silently.
+            raise NotImplementedError("training a pipelined model in float16 is not implemented (it needs loss "
+                                      "scaling inside the schedule's backward); use bfloat16 or float32")
 
     @torch.no_grad()
     def eval_step(self, batch, *, labels=None, attention_mask=None) -> torch.Tensor:
@@ -210,10 +231,11 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ gradients
     def sync_gradients(self) -> None:
-        """Sum the tied embedding's gradient over its two copies; average every gradient over data parallel."""
+        """Sum the tied embedding's gradient over its two copies; average every gradient over data parallel
+        (under ZeRO-2/3 the schedule already reduce-scattered them over dp: the tied copies sum their shards)."""
         if self.tied is not None:
             self.tied.sum_gradients()
-        if self.context.dp_size > 1:
+        if self.context.dp_size > 1 and getattr(self.model, "_oslo_stage_modules", None) is None:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             if grads:
                 flat = torch._utils._flatten_dense_tensors(grads)

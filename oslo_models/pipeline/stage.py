@@ -212,7 +212,9 @@ class TiedCopies:
         for param, group in self.groups:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=group)
+            # ZeRO-2/3: every copy is sharded alike over dp (same shape, same dp mesh): sum the local shards
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            dist.all_reduce(grad, group=group)
 
 
 def tied_duplicates(model) -> set[str]:

@@ -14,6 +14,10 @@ Format: a folder written with ``torch.distributed.checkpoint`` (DCP) plus two sm
   ``expert_parallel_size`` (layout axis ``"ep"``) are ``Shard(0)`` over a one-axis mesh of the rank's ep
   group (the same on every tp rank), so ep 2 resumes at ep 4 the same way; their ZeRO-1 state lives in the
   experts' own optimizer (``SplitOptimizer``, sharded over edp), their ZeRO-2/3 shards on the edp mesh.
+- Pipeline stages hold disjoint parameters, so their entries are disjoint and the same canonical names are written
+  at every pp layout: a tied tensor with copies on several stages (GPT-2's ``wte``/``lm_head``, a tied Qwen2's
+  embedding) is written once, under the name its lowest pipeline rank holds (the name a pp=1 model keeps); a stage
+  whose copy has another name reads it (and its optimizer state) from there. pp 2 resumes at pp 1 or pp 2 x tp 2.
 - ``trainer_state.pt`` (rank 0): step, scheduler, loader/sampler position, optimizer hyperparameters, loss scaler,
   the layout, user extras. ``rng/rank<k>.pt`` (every rank): torch/CUDA/numpy/python RNG and the tensor-parallel RNG
   tracker. RNG is restored only at the same layout (a rank of another layout has another role).
@@ -98,13 +102,19 @@ def _tp_local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _set_tp_local(target: torch.Tensor, value: torch.Tensor, context) -> None:
     """Write a tp-local ``value`` into ``target``; for an FSDP2 DTensor only this rank's dim-0 chunk over the
-    DTensor's own mesh (dp, or edp for experts split over ep)."""
+    DTensor's own mesh (dp, dp x cp, or edp for experts split over ep; HSDP: a 2D ``(replicate, shard)`` mesh,
+    chunked over its ``Shard`` dim only)."""
     if hasattr(target, "to_local"):
         mesh = target.device_mesh
-        chunks = value.chunk(mesh.size(), dim=0)  # FSDP2's Shard(0) uses torch.chunk's uneven split
-        local, rank = target.to_local(), mesh.get_local_rank()
-        if rank < len(chunks):
-            local.copy_(chunks[rank])
+        local = target.to_local()
+        for dim, placement in enumerate(target.placements):
+            if placement.is_shard():
+                chunks = value.chunk(mesh.size(dim), dim=0)  # FSDP2's Shard(0) uses torch.chunk's uneven split
+                rank = mesh.get_local_rank(dim)
+                if rank < len(chunks):
+                    local.copy_(chunks[rank])
+                return
+        local.copy_(value)
         return
     target.copy_(value)
 
@@ -219,10 +229,30 @@ def _raise_clear(error: BaseException, what: str):
     raise rebuild_error(_lineage(type(original)), text, getattr(original, "errno", None)) from None
 
 
+def _tied_aliases(inner, metadata) -> dict[str, str]:
+    """Pipeline stages: ``{parameter name: stored name}`` for this rank's copies of a tied tensor stored under
+    another name of its group (a last stage's ``lm_head.weight`` saved as ``transformer.wte.weight``)."""
+    if getattr(inner, "pipeline_layout", None) is None:
+        return {}
+    from ..pipeline.adapter import adapter_for
+
+    aliases = {}
+    for names in adapter_for(inner).tied_groups(inner):
+        stored = [name for name in names if f"model/{name}" in metadata]
+        for name in names:
+            if f"model/{name}" not in metadata and stored:
+                aliases[name] = stored[0]
+    return aliases
+
+
 def _native_state(inner, opt, context, plan) -> dict:
-    """The DCP state dict of a native model (canonical views from its plan) and this rank's optimizer state."""
+    """The DCP state dict of a native model (canonical views from its plan) and this rank's optimizer state.
+    Copies of a tied tensor on higher pipeline ranks are left out (the lowest rank's copy stands for them)."""
+    from ..pipeline.stage import tied_duplicates
+
     state = {}
-    params = dict(inner.named_parameters())
+    duplicates = tied_duplicates(inner)
+    params = {name: param for name, param in inner.named_parameters() if name not in duplicates}
     for name, param in params.items():
         view, full, shard_dim = _canonical(_tp_local(param.detach()), plan.shard_spec(inner, name), context)
         state[f"model/{name}"] = _to_dcp(view.contiguous(), full, shard_dim, context, plan.shard_spec(inner, name).axis)
@@ -392,8 +422,9 @@ def _load_targets(path, inner, optimizer, context, plan):
 
     state, pending = {}, []  # pending: (key, tp-local buffer, canonical view, cut(), apply(buffer))
     params = dict(inner.named_parameters())
+    aliases = _tied_aliases(inner, metadata)  # another pipeline layout: a tied copy stored under its group's name
     for name, param in params.items():
-        key = f"model/{name}"
+        key = f"model/{aliases.get(name, name)}"
         buffer, view, state[key], cut = _target(param.shape, param.dtype, plan.shard_spec(inner, name), context, key,
                                                 metadata)
         pending.append((key, buffer, view, cut, lambda b, p=param: _set_tp_local(p.data, b, context)))
@@ -409,7 +440,7 @@ def _load_targets(path, inner, optimizer, context, plan):
         for name, param in params.items():
             if _state_holder(opt, param) is None:  # ZeRO-1: another dp rank owns this state
                 continue
-            prefix = f"optim/{name}/"
+            prefix = f"optim/{aliases.get(name, name)}/"
             for key in (k for k in metadata if k.startswith(prefix)):
                 entry = metadata[key]
                 dtype = entry.properties.dtype

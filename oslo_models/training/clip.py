@@ -10,13 +10,16 @@ place that says which parameter is split):
 - a replicated parameter (norms, biases of row-parallel layers) holds the same gradient on every tp rank and is
   counted once: no reduction over tp;
 - under ZeRO-2/3 (FSDP2) every gradient is additionally split over the dp group (a DTensor): partial sums are added
-  over dp as well; under DDP/ZeRO-1 gradients are already identical over dp and are not reduced again;
+  over the group it is sharded over (dp; dp x cp under context parallelism; under HSDP the shard group only, the
+  replicate groups holding the same shards); under DDP/ZeRO-1 gradients are already identical over dp and are not
+  reduced again;
 - stacked expert weights split over the expert-parallel group (layout axis ``"ep"``) hold different experts
   on each ep rank and the same on every tp rank: their partial sums are added over ep only;
 - pipeline stages hold different parameters: partial sums are added over pp; a tied tensor with copies on several
   stages (input and output embedding) is counted once, on the lowest pipeline rank holding it.
 
-Collectives: one all-reduce over dp (only for FSDP2 gradients), one over tp, one over pp, each of two numbers.
+Collectives: one all-reduce over the dp shard group (only for FSDP2 gradients), one over tp, one over pp, each of
+two numbers.
 Padded vocabulary rows have zero gradient, so they do not change the norm.
 """
 from __future__ import annotations
@@ -93,8 +96,8 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
 
     parts = torch.stack([combine(split), combine(replicated), combine(experts)])
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-    if dp_sharded:
-        _all_reduce(parts, context.dp_group, op)
+    if dp_sharded:  # the group FSDP2 spread the shards over (zero.py), dp for older wrappings
+        _all_reduce(parts, getattr(inner, "_oslo_fsdp_shard_group", context.dp_group), op)
     # Only the tp-split part is reduced over tp; the replicated part is already the full value on every tp rank.
     split_total = _all_reduce(parts[0].clone(), context.tp_group, op)
     # each ep rank holds other experts; under FSDP2 the dp all-reduce above already added every (ep, edp) piece

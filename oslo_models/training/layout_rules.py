@@ -21,16 +21,11 @@ def check_training_layout(parallel: ParallelConfig, *, zero_stage: int | None = 
     if cpu_offload and stage < 2:
         raise ValueError(f"cpu_offload needs zero_stage 2 or 3 (FSDP2 offload), got zero_stage={stage}")
     pp = parallel.pipeline_parallel_size
-    if parallel.context_parallel_size > 1 and stage >= 2:
-        raise NotImplementedError(f"context_parallel_size > 1 with zero_stage={stage} is not implemented; use "
-                                  f"zero_stage 0 or 1 (gradients and optimizer state over dp x cp)")
     if parallel.expert_parallel_size > 1 and pp > 1:
-        raise NotImplementedError(f"expert_parallel_size > 1 with pipeline_parallel_size={pp} is not implemented")
+        raise NotImplementedError(f"expert_parallel_size > 1 with pipeline_parallel_size={pp} through the training "
+                                  f"wrappers (ZeRO, Accelerate) is not implemented")
     if pp == 1:
         return
-    if stage >= 2:
-        raise NotImplementedError(f"zero_stage={stage} with pipeline_parallel_size > 1 is not implemented; use "
-                                  f"zero_stage=1 (optimizer state sharded over the data-parallel group)")
     if gradient_accumulation_steps > 1:
         raise ValueError("gradient_accumulation_steps > 1 with pipeline_parallel_size > 1: the pipeline already "
                          "accumulates over its microbatches; raise ParallelConfig.num_microbatches (and the batch) "

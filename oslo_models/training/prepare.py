@@ -35,8 +35,8 @@ What each piece becomes:
 
 Pipelined models (``pipeline_parallel_size > 1``) train with ``loss = model.train_step(batch)`` in place of forward
 and ``accelerator.backward``; they are not wrapped (the runner all-reduces gradients over dp), ZeRO-1 shards the
-optimizer; Accelerate's bf16 autocast runs inside each stage's forward (``pipeline/stage.py``); ZeRO-2/3,
-fp16 and gradient accumulation are refused with a clear error before anything is wrapped.
+optimizer and ZeRO-2/3 make each stage an FSDP2 root (``zero.py``); Accelerate's bf16 autocast runs inside each
+stage's forward (``pipeline/stage.py``); fp16 and gradient accumulation are refused with a clear error before anything is wrapped.
 
 Collectives: none here beyond what DDP/FSDP2 run at construction (a parameter broadcast/none).
 """

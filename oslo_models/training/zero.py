@@ -19,10 +19,20 @@ stage  what is sharded over dp                     engine and collectives (per o
                                                    all-gather again before backward (1.5x stage 2 traffic)
 =====  ==========================================  =====================================================
 
-With pipeline parallelism (``pipeline_parallel_size > 1``) ``model.train_step`` runs the schedule and all-reduces
-each stage's gradients over dp itself, so the model is not wrapped; stage 1 shards the optimizer state of each
-stage over its dp group; stages 2/3 raise ``NotImplementedError`` (not built yet; ``ParallelConfig`` and
-``prepare`` refuse them before anything is built).
+With pipeline parallelism (``pipeline_parallel_size > 1``) ``model.train_step`` runs the schedule, so the model is
+not wrapped. Stages 0/1: the runner all-reduces each stage's gradients over dp itself; stage 1 shards the
+optimizer state of each stage over its dp group. Stages 2/3 (torchtitan's FSDP x PP): each local pipeline stage
+(the ``StageModule`` the schedule runs) is an FSDP2 root over the dp mesh with one unit per layer; torch's
+``PipelineStage`` sees the ``FSDPModule`` and keeps gradients unsharded and unreduced between the microbatches of
+a step (no reshard after backward), then reduce-scatters them once after the last microbatch.
+
+Context parallelism (cp > 1): cp ranks hold the same weights, so every stage shards over ``dp x cp`` flattened
+(``dp_cp``), as DDP and ZeRO-1 reduce over it.
+
+HSDP (``ParallelConfig.data_parallel_shard_size = k < dp``): FSDP2 on a 2D ``(dp_replicate, dp_shard)`` mesh of the
+dp ranks (shard groups of ``k`` adjacent dp ranks): all-gathers and reduce-scatters run inside a shard group, and
+an all-reduce of the gradient shards across the ``dp / k`` groups; parameters and optimizer state are sharded
+``k`` ways and replicated ``dp / k`` ways.
 
 ``cpu_offload`` (stages 2 and 3) keeps the sharded parameters, gradients and optimizer state in host memory
 (FSDP2 ``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
@@ -134,6 +144,27 @@ def _expert_data_parallel_mesh(context):
     return mesh["edp"]
 
 
+def _data_parallel_mesh(context):
+    """``(mesh, shard group)``: the mesh FSDP2 shards dense parameters over and the group over which a gradient's
+    dp shards are spread (what the gradient norm adds partial sums over). dp (``dp x cp`` flattened under context
+    parallelism); HSDP: the 2D ``(dp_replicate, dp_shard)`` mesh (collective: every rank builds the whole
+    ``(pp, dp_replicate, dp_shard, cp, tp)`` mesh, dp ranks of one shard group adjacent)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shard = context.config.data_parallel_shard_size
+    if shard is not None and shard < context.dp_size:
+        sizes = (context.pp_size, context.dp_size // shard, shard, context.cp_size, context.tp_size)
+        mesh = init_device_mesh(context.device.type, sizes,
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+        hybrid = mesh["dp_replicate", "dp_shard"]
+        return hybrid, hybrid.get_group("dp_shard")
+    if context.cp_size > 1:  # dp x cp as one axis of its own mesh (the same ranks as context.dp_cp_group)
+        sizes = (context.pp_size, context.dp_size * context.cp_size, context.tp_size)
+        flat = init_device_mesh(context.device.type, sizes, mesh_dim_names=("pp", "dp_cp", "tp"))["dp_cp"]
+        return flat, flat.get_group()
+    return context.mesh["dp"], context.dp_group
+
+
 def _fully_shard(model: nn.Module, mesh, *, reshard_after_forward: bool, cpu_offload: bool,
                  expert_mesh=None, dp_size: int = 1) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -178,8 +209,8 @@ def _zero_redundancy(optimizer: torch.optim.Optimizer, context, model=None):
 
 
 def _pipeline_data_parallel(model, optimizer, context, stage: int, ddp_kwargs: dict):
-    """pp > 1: ``model.train_step`` already all-reduces each stage's gradients over dp (the schedule, not
-    ``forward``, runs the stage, so a DDP wrapper would never fire). Only the optimizer is sharded (ZeRO-1)."""
+    """pp > 1, stages 0/1: ``model.train_step`` already all-reduces each stage's gradients over dp (the schedule,
+    not ``forward``, runs the stage, so a DDP wrapper would never fire). Only the optimizer is sharded (ZeRO-1)."""
     if ddp_kwargs:
         raise ValueError(f"DDP options {sorted(ddp_kwargs)} do not apply with pipeline_parallel_size > 1 (the "
                          f"pipeline runner synchronizes gradients itself)")
@@ -187,6 +218,29 @@ def _pipeline_data_parallel(model, optimizer, context, stage: int, ddp_kwargs: d
         optimizer = _zero_redundancy(optimizer, context)
     model._oslo_zero_stage = stage
     return model, optimizer
+
+
+def _pipeline_fully_shard(model, mesh, *, reshard_after_forward: bool, cpu_offload: bool) -> None:
+    """pp > 1, stages 2/3: every local pipeline stage becomes an FSDP2 root (``StageModule``, built once here and
+    reused by the runner's schedules), each of its layers a unit inside it; the root keeps the stage's embeddings,
+    final norm and head. torch's ``PipelineStage`` drives it: no gradient sync nor reshard after the backward of
+    every microbatch but the last, one reduce-scatter per step (``perform_reduce_grad``)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    from ..pipeline.stage import StageModule
+
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+    layout = model.pipeline_layout
+    modules = {}
+    for index in layout.local_stages:
+        # sequence_parallel is set per schedule by the runner (it depends on the batch's sequence length)
+        module = StageModule(model, index, layout, sequence_parallel=False)
+        for layer in module.layers:
+            fully_shard(layer, **options)
+        fully_shard(module, **{**options, "reshard_after_forward": False})
+        modules[index] = module
+    model._oslo_stage_modules = modules
 
 
 def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -211,6 +265,10 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         raise ValueError("the model is already wrapped for data parallelism; pass the plain model")
     stage = context.config.zero_stage if zero_stage is None else zero_stage
     check_training_layout(context.config, zero_stage=stage, cpu_offload=cpu_offload)
+    shard = context.config.data_parallel_shard_size
+    if shard is not None and shard < context.dp_size and stage < 2:
+        raise ValueError(f"the model's ParallelConfig asks for HSDP (data_parallel_shard_size={shard}), which needs "
+                         f"zero_stage 2 or 3, got zero_stage={stage}")
     if optimizer is not None:
         optimizer = unwrap_optimizer(optimizer)
         _check_fresh(optimizer)
@@ -218,7 +276,7 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         model._oslo_zero_stage = stage
         return model, optimizer
 
-    if context.pp_size > 1:
+    if context.pp_size > 1 and stage <= 1:
         return _pipeline_data_parallel(model, optimizer, context, stage, ddp_kwargs)
     if stage <= 1:
         from ..generic.data_parallel import has_dtensor_parameters, shard_tensor_parallel
@@ -237,9 +295,14 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     if ddp_kwargs:
         raise ValueError(f"DDP options {sorted(ddp_kwargs)} do not apply to zero_stage {stage} (FSDP2)")
     groups = _param_groups_by_name(model, optimizer) if optimizer is not None else None
-    expert_mesh = _expert_data_parallel_mesh(context) if context.ep_size > 1 else None
-    _fully_shard(model, context.mesh["dp"], reshard_after_forward=stage == 3, cpu_offload=cpu_offload,
-                 expert_mesh=expert_mesh, dp_size=context.dp_size)
+    mesh, shard_group = _data_parallel_mesh(context)
+    if context.pp_size > 1:
+        _pipeline_fully_shard(model, mesh, reshard_after_forward=stage == 3, cpu_offload=cpu_offload)
+    else:
+        expert_mesh = _expert_data_parallel_mesh(context) if context.ep_size > 1 else None
+        _fully_shard(model, mesh, reshard_after_forward=stage == 3, cpu_offload=cpu_offload,
+                     expert_mesh=expert_mesh, dp_size=context.dp_size)
+    model._oslo_fsdp_shard_group = shard_group  # the gradient norm adds dp partial sums over it (clip.py)
     model._oslo_zero_stage = stage
     if optimizer is not None:
         params = dict(model.named_parameters())

@@ -35,10 +35,11 @@ def local_batch(context, replica: dict, shift_labels: bool) -> dict:
 
 
 def train_matches(model, reference, batch: dict, *, zero_stage: int = 0, steps: int = 1, shift_labels: bool = True,
-                  call: dict | None = None) -> tuple:
+                  call: dict | None = None, max_grad_norm: float | None = None) -> tuple:
     """See the module docstring; returns ``(model, reference)`` after the steps (the model unwrapped).
     ``shift_labels``: causal LM targets (``False`` for masked LM); ``call``: extra keyword arguments of both
-    forwards (e.g. ``use_cache=False``)."""
+    forwards (e.g. ``use_cache=False``); ``max_grad_norm``: also clip both, the global norms and the clipped
+    gradients equal."""
     call = call or {}
     context = model.parallel_context
     replicas = [{k: v[d::context.dp_size].contiguous() for k, v in batch.items()} for d in range(context.dp_size)]
@@ -65,6 +66,11 @@ def train_matches(model, reference, batch: dict, *, zero_stage: int = 0, steps: 
         (sum(out.loss for out in outputs) / len(outputs)).backward()
         got.loss.backward()
         assert assert_grads_match(inner, reference) == len(list(inner.parameters()))
+        if max_grad_norm is not None:
+            expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
+            torch.testing.assert_close(training.clip_grad_norm_(model, max_grad_norm), expected_norm, atol=1e-5,
+                                       rtol=1e-5)
+            assert_grads_match(inner, reference)
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
         assert_params_match(inner, reference)

@@ -1,9 +1,12 @@
 """Pipeline parallelism with Accelerate's bf16 mixed precision: ``om.training.prepare`` makes each stage run under
 autocast inside the schedule (Accelerate's wrapper of ``model.forward`` never runs there), so pp=2 GPT-2 equals
 ``transformers`` under the same autocast: loss and every gradient over 2 AdamW steps to bf16 tolerance, the
-first loss to fp32 rounding (the fp32 run misses it), every stage matmul in bf16, fp32 master weights. ZeRO-2/3 with pp is
-refused before anything is wrapped, in ``prepare`` and in ``ParallelConfig``."""
+first loss to fp32 rounding (the fp32 run misses it), every stage matmul in bf16, fp32 master weights. fp16 with pp
+(no loss scaling inside the schedule) is refused before anything runs: ``prepare`` with ``mixed_precision="fp16"``
+and ``train_step`` of a model loaded in float16."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from accelerate import Accelerator
 
 import oslo_models as om
 from oslo_models import training
+from oslo_models.training.prepare import _check_pipeline
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import expected_shard, save_tiny_gpt2
 from tests.helpers.pipeline import ADAMW
@@ -47,9 +51,11 @@ def _worker(path: str) -> None:
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
 
     refused = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False)
-    with pytest.raises(NotImplementedError, match="zero_stage=2 with pipeline_parallel_size > 1"):
-        training.prepare(accelerator, refused, torch.optim.AdamW(refused.parameters()), zero_stage=2)
-    assert not hasattr(refused, "_original_forward") and not hasattr(refused, "_oslo_autocast_dtype")  # untouched
+    fp16 = SimpleNamespace(gradient_accumulation_steps=1, mixed_precision="fp16")  # one Accelerator per process
+    with pytest.raises(NotImplementedError, match=r"mixed_precision='fp16' with pipeline_parallel_size > 1"):
+        _check_pipeline(fp16, refused.parallel_context, None)
+    with pytest.raises(NotImplementedError, match="pipelined model in float16"):
+        refused.half().train_step(_batch())  # before the schedule runs: no collective
 
     model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
     model, opt = training.prepare(accelerator, model, torch.optim.AdamW(model.parameters(), **ADAMW))
@@ -80,8 +86,6 @@ def test_bf16_autocast_with_pipeline_matches_transformers(checkpoint):
     run_distributed(_worker, 2, checkpoint, timeout=180)
 
 
-def test_config_refuses_zero23_with_pipeline():
-    for stage in (2, 3):
-        with pytest.raises(NotImplementedError, match=f"zero_stage={stage} with pipeline_parallel_size > 1"):
-            om.ParallelConfig(pipeline_parallel_size=2, zero_stage=stage)
-    om.ParallelConfig(pipeline_parallel_size=2, zero_stage=1)  # ZeRO-1 composes with pp
+def test_config_takes_zero23_with_pipeline():
+    for stage in (1, 2, 3):  # ZeRO-2/3: an FSDP2 root per stage (tests/training/test_fsdp_compositions.py)
+        assert om.ParallelConfig(pipeline_parallel_size=2, zero_stage=stage).zero_stage == stage

@@ -72,7 +72,8 @@ def test_check_launch_refuses_before_building(examples, monkeypatch):
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     cases = {
         ("--tp", "3"): "does not divide",
-        ("--pp", "2", "--zero", "2"): "zero_stage=2 with pipeline_parallel_size > 1 is not implemented",
+        ("--dp-shard", "3", "--zero", "3"): "data_parallel_shard_size=3 must divide data_parallel_size=4",
+        ("--dp-shard", "2", "--zero", "1"): "data_parallel_shard_size=2 .* needs zero_stage 2 or 3",
         ("--pp", "2", "--mixed-precision", "fp16"): r"mixed_precision='fp16' with pipeline_parallel_size > 1",
         ("--pp", "2", "--grad-accum", "2"): "gradient_accumulation_steps > 1 with pipeline_parallel_size > 1",
         ("--pp", "2", "--microbatches", "3"): "does not split into --microbatches 3",
@@ -94,6 +95,8 @@ def test_check_launch_refuses_before_building(examples, monkeypatch):
     assert common.check_launch(parse(["--pp", "2", "--mixed-precision", "no"])).pipeline_parallel_size == 2
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
     assert common.check_launch(parse(["--tp", "2", "--zero", "2"])).resolve_data_parallel_size(4) == 2
+    assert common.check_launch(parse(["--pp", "2", "--zero", "3"])).zero_stage == 3  # FSDP2 per pipeline stage
+    assert common.check_launch(parse(["--zero", "3", "--dp-shard", "2"])).data_parallel_shard_size == 2
     with pytest.raises(SystemExit):  # argparse: conflicting precision flags
         parse(["--bf16", "--mixed-precision", "no"])
     # every axis reaches the config; no option is a prefix of another (``--cp 2`` is not ``--cpu-offload 2``)
