@@ -146,8 +146,8 @@ class ParallelConfig:
             raise NotImplementedError(f"zero_stage={self.zero_stage} with pipeline_parallel_size > 1 is not "
                                       f"implemented yet; use zero_stage=1 (optimizer state sharded over dp)")
         if self.context_parallel_size > 1:
-            for name, trivial in (("pipeline_parallel_size", 1), ("expert_parallel_size", 1),
-                                  ("tensor_parallel_mode", "1d")):
+            # pipeline stages and the 2D / 2.5D / 3D grids run on the local chunk like the 1D layers do
+            for name, trivial in (("expert_parallel_size", 1),):
                 if getattr(self, name) != trivial:
                     raise NotImplementedError(f"context_parallel_size > 1 with {name}={getattr(self, name)!r} is "
                                               f"not implemented yet")
