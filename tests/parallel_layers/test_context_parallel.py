@@ -135,8 +135,8 @@ def test_config_errors():
         om.ParallelConfig(context_parallel_size=2, context_parallel_mode="ulysses")
     with pytest.raises(ValueError, match="positive int"):
         om.ParallelConfig(context_parallel_size=0)
-    with pytest.raises(NotImplementedError, match="pipeline_parallel_size"):
-        om.ParallelConfig(context_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="expert_parallel_size"):
+        om.ParallelConfig(context_parallel_size=2, expert_parallel_size=2)
     with pytest.raises(ValueError, match="context_parallel_size=2"):
         om.ParallelConfig(context_parallel_size=2, tensor_parallel_size=2, data_parallel_size=2
                           ).resolve_data_parallel_size(4)
@@ -175,13 +175,3 @@ def test_model_level_errors_before_any_collective():
         check_context_parallel(om.GPT2LMHeadModel, tiny_gpt2_config(attn_pdrop=0.1),
                                om.ParallelConfig(context_parallel_size=2))
 
-
-def test_resumable_checkpoints_refused_under_cp_before_any_collective():
-    """Refused (not silently trusted) until a dp x cp resume is verified; the check runs before check_arrival."""
-    from types import SimpleNamespace
-
-    from oslo_models.training.checkpoint import _refuse_context_parallel
-
-    with pytest.raises(NotImplementedError, match="context_parallel_size=2"):
-        _refuse_context_parallel(SimpleNamespace(cp_size=2), "save_checkpoint")
-    _refuse_context_parallel(SimpleNamespace(cp_size=1), "save_checkpoint")
