@@ -95,7 +95,78 @@ def _head_matches(path: str, head: str, mode: str) -> None:
                   shift_labels=False, outputs=HEADS[head], chunked=head == "ForTokenClassification")
 
 
+def _dense_dropout_attention(q, k, v, valid, dropout, scaling):
+    """The reference: causal, padded attention over the whole sequence with the keep bits of ``keep_mask``."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    seq = q.shape[2]
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :].bool()
+    probs = torch.softmax((q @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, float("-inf")), dim=-1)
+    index = torch.arange(seq)
+    return (probs * dropout.keep_scale(q.shape[0], torch.arange(q.shape[1]), index, index)) @ v
+
+
+def _dropout_follows_the_chunk(mode: str) -> None:
+    """Ring / all-to-all attention with dropout at cp2 equal the dense computation over the whole sequence with
+    the same keep bits (outputs and the gradients of q, k, v), and the bits are Bernoulli(1 - p)."""
+    from oslo_models.distributed.context import ParallelContext
+    from oslo_models.parallel_layers.context_parallel import (AttentionDropout, all_to_all_attention,
+                                                              build_context_parallel_mask, keep_mask, ring_attention,
+                                                              split_sequence)
+
+    context = ParallelContext.from_config(om.ParallelConfig(context_parallel_size=2, context_parallel_mode=mode))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(2, heads, SEQ, 8, generator=gen) for heads in (4, 2, 2, 4))
+    valid = torch.ones(2, SEQ, dtype=torch.long)
+    valid[1, 11:] = 0  # a padded row
+    dropout, scaling = AttentionDropout(0.3, seed=1234), 8 ** -0.5
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = _dense_dropout_attention(*full, valid, dropout, scaling)
+    expected.backward(dout)
+    split = (lambda t: split_sequence(t, context.cp_rank, 2, mode, dim=2))
+    local = [split(t).detach().requires_grad_() for t in (q, k, v)]
+    mask = build_context_parallel_mask(context, split(valid[:, None])[:, 0], local[0].transpose(1, 2), causal=True)
+    core = ring_attention if mode == "ring" else all_to_all_attention
+    got = core(*local, mask, scaling=scaling, dropout=dropout)
+    got.backward(split(dout))
+    torch.testing.assert_close(got, split(expected), atol=1e-5, rtol=1e-5)
+    for mine, theirs in zip(local, full):
+        torch.testing.assert_close(mine.grad, split(theirs.grad), atol=1e-5, rtol=1e-5)
+    bits = keep_mask(7, 0.3, 4, torch.arange(8), torch.arange(128), torch.arange(128))
+    assert abs(bits.float().mean().item() - 0.7) < 0.01
+    assert not torch.equal(bits[:, :, :64], bits[:, :, 64:])  # chunks draw independent bits
+    assert not torch.equal(bits, keep_mask(8, 0.3, 4, torch.arange(8), torch.arange(128), torch.arange(128)))
+
+
+def _model_dropout_is_layout_invariant(path: str) -> None:
+    """A Llama with attention dropout at cp2 x dp2: ring and all-to-all draw the same masks (same loss and
+    gradients), which do drop (the loss differs from the dropout-free one)."""
+    batch = dict(zip(("input_ids", "attention_mask", "labels"), padded_batch(VOCAB, batch=2, seq=SEQ)))
+    results = []
+    for mode in ("ring", "all_to_all", None):
+        model = decoders.om_class("llama").from_pretrained(path, progress=False, parallel=om.ParallelConfig(
+            context_parallel_size=2, context_parallel_mode=mode or "ring")).train()
+        if mode is None:
+            model.config.attention_dropout = 0.0
+            for module in model.modules():
+                if hasattr(module, "attn_dropout"):
+                    module.attn_dropout.p = 0.0
+        local = ContextParallelSplitter(model.parallel_context)(batch)
+        torch.manual_seed(11)
+        loss = model(**local).loss
+        loss.backward()
+        grad = model.model.layers[0].self_attn.q_proj.weight.grad  # this rank's share: the layouts' chunks differ
+        torch.distributed.all_reduce(grad, group=model.parallel_context.cp_group)
+        results.append((loss.detach(), grad))
+    (ring_loss, ring_grad), (a2a_loss, a2a_grad), (plain_loss, _) = results
+    torch.testing.assert_close(ring_loss, a2a_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ring_grad, a2a_grad, atol=1e-5, rtol=1e-5)
+    assert (ring_loss - plain_loss).abs() > 1e-4
+
+
 def _worker(paths: dict, folder: str) -> None:
+    for mode in ("ring", "all_to_all"):
+        _dropout_follows_the_chunk(mode)
+    _model_dropout_is_layout_invariant(paths["dropout"])
     for head in HEADS:
         _head_matches(paths[head], head, "ring")
     _head_matches(paths["ForSequenceClassification"], "ForSequenceClassification", "all_to_all")
@@ -106,6 +177,7 @@ def _worker(paths: dict, folder: str) -> None:
 
 def test_context_parallel_with_pipeline_heads_and_checkpoints_match(tmp_path):
     paths = {"llama": decoders.save_tiny(tmp_path / "llama", "llama", num_hidden_layers=4)}
+    paths["dropout"] = decoders.save_tiny(tmp_path / "dropout", "llama", attention_dropout=0.2)
     for head in HEADS:  # pad 0 (the padded batch's), no classifier dropout (parity in training mode)
         paths[head] = decoders.save_tiny(tmp_path / head, "llama", head, pad_token_id=0, classifier_dropout=0.0)
     run_distributed(_worker, 4, paths, str(tmp_path / "checkpoint"), timeout=600)

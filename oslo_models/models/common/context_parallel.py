@@ -164,11 +164,6 @@ def check_context_parallel(model_class, config, parallel) -> None:
             raise ValueError(f"context_parallel_mode='all_to_all' needs the attention heads per tensor-parallel rank "
                              f"({config.num_attention_heads} / tensor_parallel_size={parallel.tensor_parallel_size} "
                              f"= {heads}) divisible by context_parallel_size={cp}; use context_parallel_mode='ring'")
-    dropout = max(float(getattr(config, name, 0.0) or 0.0)
-                  for name in ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout"))
-    if dropout:
-        raise NotImplementedError(f"attention-probability dropout ({dropout}) under context parallelism is not "
-                                  f"implemented; load the model with the attention dropout set to 0")
 
 
 def causal_lm_head_outputs(model, hidden_states: torch.Tensor, labels=None, *, logits_to_keep=0,
