@@ -181,3 +181,17 @@ def test_context_parallel_with_pipeline_heads_and_checkpoints_match(tmp_path):
     for head in HEADS:  # pad 0 (the padded batch's), no classifier dropout (parity in training mode)
         paths[head] = decoders.save_tiny(tmp_path / head, "llama", head, pad_token_id=0, classifier_dropout=0.0)
     run_distributed(_worker, 4, paths, str(tmp_path / "checkpoint"), timeout=600)
+
+
+def _grid_worker(path: str) -> None:
+    """cp2 x 2D (tp4, q=2): the grid splits batch and hidden, the cp group (same grid position) the sequence."""
+    for mode, steps in (("ring", 3), ("all_to_all", 1)):
+        model = decoders.om_class("llama").from_pretrained(path, progress=False, parallel=om.ParallelConfig(
+            context_parallel_size=2, context_parallel_mode=mode, tensor_parallel_size=4,
+            tensor_parallel_mode="2d")).train()
+        assert model.parallel_context.dp_size == 1
+        train_matches(model, decoders.hf_class("llama").from_pretrained(path).train(), _batch(), steps=steps)
+
+
+def test_context_parallel_with_2d_tensor_parallel_matches_transformers(tmp_path):
+    run_distributed(_grid_worker, 8, decoders.save_tiny(tmp_path / "llama", "llama"), timeout=600)
