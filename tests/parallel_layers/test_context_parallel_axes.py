@@ -173,6 +173,12 @@ def _worker(paths: dict, folder: str) -> None:
     for mode in ("ring", "all_to_all"):
         _pipeline_matches(paths["llama"], mode)
     _checkpoint_resumes(paths["llama"], folder)
+    # the other grids on this world: 2.5D of depth 2 (q=1: the batch split over the depth) x cp2, 3D (q=1) x cp2 x dp2
+    for options in (dict(tensor_parallel_mode="2.5d", tensor_parallel_size=2, tensor_parallel_depth=2),
+                    dict(tensor_parallel_mode="3d")):
+        model = decoders.om_class("llama").from_pretrained(paths["llama"], progress=False, parallel=om.ParallelConfig(
+            context_parallel_size=2, **options)).train()
+        train_matches(model, decoders.hf_class("llama").from_pretrained(paths["llama"]).train(), _batch())
 
 
 def test_context_parallel_with_pipeline_heads_and_checkpoints_match(tmp_path):
