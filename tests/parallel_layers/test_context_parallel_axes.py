@@ -4,13 +4,15 @@ each step, logits, every gradient, the parameters after the AdamW steps), Llama 
 One group of 4 ranks: attention dropout (ring and all-to-all at cp2 equal a dense computation with the same keep
 bits, outputs and q/k/v gradients; a model's ring and all-to-all runs draw the same masks); the classification heads
 at cp2 x dp2 (sequence classification pools the last non-padding token from the rank holding it, token
-classification, question answering); cp2 x pp2 through ``model.train_step`` (ring 3 steps, all-to-all 1); a
+classification, question answering); cp2 x pp2 through ``model.train_step`` (Llama ring 3 steps, all-to-all 1;
+GPT-2, tied embeddings across the stages, ring 3); a
 resumable checkpoint saved at cp2 x dp2 (ZeRO-1 over dp x cp) resumes equal to the uninterrupted run, at cp2 x dp2
 and resharded to cp1 x dp4; cp2 x 2.5D (depth 2) and cp2 x 3D (q=1) x dp2. One group of 8: cp2 x 2D (tp4, q=2).
 """
 from __future__ import annotations
 
 import torch
+import transformers
 
 import oslo_models as om
 from oslo_models import training
@@ -18,7 +20,7 @@ from oslo_models.data import ContextParallelSplitter
 from tests.helpers import decoders
 from tests.helpers.dist import run_distributed
 from tests.helpers.layouts import train_matches
-from tests.helpers.models import padded_batch
+from tests.helpers.models import padded_batch, save_tiny_gpt2
 from tests.helpers.pipeline import ADAMW, assert_pipeline_matches
 
 VOCAB, SEQ = 101, 16
@@ -29,16 +31,24 @@ def _batch(rows: int = 4) -> dict:
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
-def _pipeline_matches(path: str, mode: str, steps: int) -> None:
+def _pipeline_matches(path: str, mode: str, steps: int, out: str | None = None) -> None:
+    """cp2 x pp2 (1F1B, 2 microbatches) through ``model.train_step`` on the splitter's chunks (with shift_labels);
+    ``out``: then ``save_pretrained`` there (the stages' tensors merged from cp rank 0) and reload in transformers."""
     cfg = om.ParallelConfig(pipeline_parallel_size=2, context_parallel_size=2, context_parallel_mode=mode,
                             num_microbatches=2)
     model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
     context = model.parallel_context
     assert (context.pp_size, context.cp_size, context.dp_size) == (2, 2, 1)
-    reference = decoders.hf_class("llama").from_pretrained(path).train()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).train()
     batch = _batch()
     local = ContextParallelSplitter(context)(batch)
     assert_pipeline_matches(model, reference, batch, local=local, steps=steps)
+    if out is not None:
+        model.save_pretrained(out)
+        if torch.distributed.get_rank() == 0:
+            saved = type(reference).from_pretrained(out).state_dict()
+            for name, tensor in reference.state_dict().items():
+                torch.testing.assert_close(saved[name], tensor, atol=1e-5, rtol=1e-5)
 
 
 def _zero1(path: str, **options):
@@ -178,6 +188,7 @@ def _worker(paths: dict, folder: str) -> None:
     _head_matches(paths["ForSequenceClassification"], "ForSequenceClassification", "all_to_all", steps=1)
     for mode, steps in (("ring", 3), ("all_to_all", 1)):
         _pipeline_matches(paths["llama"], mode, steps)
+    _pipeline_matches(paths["gpt2"], "ring", 3, folder + "-gpt2")  # learned positions, tied across the stages
     _checkpoint_resumes(paths["llama"], folder)
     # the other grids on this world: 2.5D of depth 2 (q=1: the batch split over the depth) x cp2, 3D (q=1) x cp2 x dp2
     for options in (dict(tensor_parallel_mode="2.5d", tensor_parallel_size=2, tensor_parallel_depth=2),
@@ -188,7 +199,8 @@ def _worker(paths: dict, folder: str) -> None:
 
 
 def test_context_parallel_with_pipeline_heads_and_checkpoints_match(tmp_path):
-    paths = {"llama": decoders.save_tiny(tmp_path / "llama", "llama")}  # 2 layers: 1 per pipeline stage
+    paths = {"llama": decoders.save_tiny(tmp_path / "llama", "llama"),  # 2 layers: 1 per pipeline stage
+             "gpt2": save_tiny_gpt2(tmp_path / "gpt2")}
     paths["dropout"] = decoders.save_tiny(tmp_path / "dropout", "llama", attention_dropout=0.2)
     for head in HEADS:  # pad 0 (the padded batch's), no classifier dropout (parity in training mode)
         paths[head] = decoders.save_tiny(tmp_path / head, "llama", head, pad_token_id=0, classifier_dropout=0.0)
