@@ -200,9 +200,6 @@ def check_launch(args, auto=None) -> om.ParallelConfig:
         microbatches = cfg.num_microbatches or args.pp  # the runner's default
         if args.batch_size % microbatches:
             raise UsageError(f"--batch-size {args.batch_size} does not split into --microbatches {microbatches}")
-    if args.cp > 1 and (args.resume or args.save_every or args.stop_at):
-        raise UsageError("--cp with --resume / --save-every / --stop-at: resumable checkpoints under context "
-                         "parallelism are not implemented yet (the final Hub folder is written)")
     if mixed == "fp16" and not torch.cuda.is_available():
         raise UsageError("fp16 needs a GPU (loss scaling); use bf16 on CPU")
     if args.compile:
@@ -410,8 +407,6 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler, reporter:
     step, losses = resume(args, accelerator, model, optimizer, scheduler, loader)
 
     def save(step_now: int) -> None:
-        if args.cp > 1:  # resumable checkpoints under cp are not verified yet (save_checkpoint refuses them)
-            return
         training.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, dataloader=loader,
                                  scaler=accelerator.scaler, step=step_now, extra={"losses": losses},
                                  keep=args.keep_checkpoints)

@@ -76,9 +76,7 @@ def build_model(args, tokenizer, context):
     eos = tokenizer.eos_token_id
     config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=args.seq_len, n_embd=args.n_embd,
                                      n_layer=args.n_layer, n_head=args.n_head, bos_token_id=eos, eos_token_id=eos,
-                                     pad_token_id=eos,
-                                     # context parallelism refuses attention-probability dropout (not yet split)
-                                     attn_pdrop=0.0 if args.cp > 1 else 0.1)
+                                     pad_token_id=eos)
     return om.AutoModelForCausalLM.from_config(config, parallel=context).train()
 
 

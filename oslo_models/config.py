@@ -149,12 +149,10 @@ class ParallelConfig:
         if self.tensor_parallel_mode not in _IMPLEMENTED_TENSOR_PARALLEL_MODES:
             raise NotImplementedError(f"tensor_parallel_mode={self.tensor_parallel_mode!r} is not implemented yet; "
                                       f"available: {_IMPLEMENTED_TENSOR_PARALLEL_MODES}")
-        if self.context_parallel_size > 1:
-            for name, trivial in (("pipeline_parallel_size", 1), ("expert_parallel_size", 1),
-                                  ("tensor_parallel_mode", "1d")):
-                if getattr(self, name) != trivial:
-                    raise NotImplementedError(f"context_parallel_size > 1 with {name}={getattr(self, name)!r} is "
-                                              f"not implemented yet")
+        # pipeline stages and the 2D / 2.5D / 3D grids run on the local chunk like the 1D layers do; experts not yet
+        if self.context_parallel_size > 1 and self.expert_parallel_size > 1:
+            raise NotImplementedError(f"context_parallel_size > 1 with expert_parallel_size={self.expert_parallel_size}"
+                                      f" is not implemented yet")
 
     # ------------------------------------------------------------------ HSDP (data_parallel_shard_size)
     def _check_hybrid_sharding(self) -> None:

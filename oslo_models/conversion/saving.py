@@ -40,7 +40,7 @@ def gather_full_state_dict(model: torch.nn.Module, *, plan, context: ParallelCon
     if context.edp_rank != 0:  # edp is dp at expert_parallel_size 1
         return None
     # Each stage's tp rank 0 keeps its stage's tensors; at pipeline_parallel_size == 1 that is global rank 0.
-    keep = context.tp_rank == 0 and context.dp_rank == 0
+    keep = context.tp_rank == 0 and context.dp_rank == 0 and context.cp_rank == 0  # cp ranks: replicas
     full_state = {} if keep else None
     seen: set[int] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():

@@ -4,6 +4,8 @@ v5 writes ``GenericFor*``), and the outputs and loss rules every family's heads 
 ``transformers``). Classification heads are replicated (never split): their inputs are full ``[b, s, h]``."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import (
@@ -17,6 +19,7 @@ from transformers.utils.generic import can_return_tuple
 
 from ..parallel_layers.layers import Dropout, Linear
 from ..parallel_layers.plan import Colwise
+from .common import context_parallel as cp
 from .common.context_parallel import causal_lm_head_outputs
 from .common.outputs import passed_on
 from .common.pipeline_stack import StackPipelineAdapter
@@ -231,7 +234,11 @@ class ForCausalLM(HeadModel):
 
 
 class ForSequenceClassification(HeadModel):
-    """Replicated ``score`` read at each row's last non-padding token (as ``transformers``): ``[b, num_labels]``."""
+    """Replicated ``score`` read at each row's last non-padding token (as ``transformers``): ``[b, num_labels]``.
+    Under context parallelism the token's row comes from the cp rank holding it (``context_parallel.
+    last_token_logits``): every rank returns the whole ``[b, num_labels]`` and the same loss."""
+
+    _oslo_context_parallel = True
 
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
@@ -243,7 +250,8 @@ class ForSequenceClassification(HeadModel):
         outputs = self.base_outputs(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                     past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                                     use_cache=use_cache, **kwargs)
-        logits = last_token_logits(self.score(outputs.last_hidden_state), input_ids, self.config.pad_token_id)
+        pool = last_token_logits if self.parallel_context.cp_size == 1 else partial(cp.last_token_logits, self)
+        logits = pool(self.score(outputs.last_hidden_state), input_ids, self.config.pad_token_id)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
         return SequenceClassifierOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                                 **passed_on(outputs))
@@ -251,9 +259,11 @@ class ForSequenceClassification(HeadModel):
 
 class ForTokenClassification(HeadModel):
     """Replicated classifier (after ``dropout``) on every token: ``logits [b, s, num_labels]``. ``classifier_name``
-    is ``transformers``' attribute (``score``; GPT-2: ``classifier``)."""
+    is ``transformers``' attribute (``score``; GPT-2: ``classifier``). Under context parallelism ``logits`` are this
+    rank's chunk(s) and the loss is the mean over the whole sequence (``context_parallel.token_loss``)."""
 
     classifier_name = "score"
+    _oslo_context_parallel = True
 
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
@@ -270,11 +280,19 @@ class ForTokenClassification(HeadModel):
                                     past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                                     use_cache=use_cache, **kwargs)
         classifier = getattr(self, self.classifier_name)
-        return token_classification_output(classifier(self.dropout(outputs.last_hidden_state)), labels, outputs)
+        logits = classifier(self.dropout(outputs.last_hidden_state))
+        if self.parallel_context.cp_size > 1:
+            loss = cp.token_loss(self, logits, labels) if labels is not None else None
+            return TokenClassifierOutput(loss=loss, logits=logits, **passed_on(outputs))
+        return token_classification_output(logits, labels, outputs)
 
 
 class ForQuestionAnswering(HeadModel):
-    """Replicated span head ``qa_outputs``: ``start_logits, end_logits [b, s]``."""
+    """Replicated span head ``qa_outputs``: ``start_logits, end_logits [b, s]``. Under context parallelism the
+    ``[b, s_local, 2]`` logits are gathered to the whole sequence first (``context_parallel.gather_over_context``,
+    ``2 * b * s`` values): every rank returns the whole ``[b, s]`` logits and the same loss."""
+
+    _oslo_context_parallel = True
 
     def build_head(self, config) -> None:
         self.qa_outputs = Linear(self.head_hidden_size(config), 2)
@@ -286,5 +304,5 @@ class ForQuestionAnswering(HeadModel):
         outputs = self.base_outputs(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                     past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=False,
                                     **kwargs)
-        return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions,
-                                         outputs)
+        logits = cp.gather_over_context(self, self.qa_outputs(outputs.last_hidden_state))
+        return question_answering_output(logits, start_positions, end_positions, outputs)

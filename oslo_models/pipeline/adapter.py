@@ -131,6 +131,18 @@ class PipelineAdapter:
         """Tokens the loss averages over in the whole (local) batch."""
         return int((labels != -100).sum())
 
+    def loss_items(self, model, labels: torch.Tensor) -> int:
+        """Tokens the loss of this step averages over: ``num_loss_items`` at cp=1; under context parallelism the
+        labelled tokens of the whole sequences (``labels`` are this rank's chunk of targets already aligned with
+        the logits: a causal LM's ``shift_labels``; one all-reduce over cp), so each cp rank's microbatch loss is
+        its share of the whole sequence's mean (``runner._LossFn`` sums the shares over cp)."""
+        context = model.parallel_context
+        if context.cp_size == 1:
+            return self.num_loss_items(labels)
+        count = (labels != -100).sum().to(torch.float32).reshape(1)
+        torch.distributed.all_reduce(count, group=context.cp_group)
+        return int(count.item())
+
 
 class CausalLMPipelineAdapter(PipelineAdapter):
     """A decoder-only causal LM: the embeddings on the first stage (``first_modules``), parameter-free helpers such
@@ -163,12 +175,29 @@ class CausalLMPipelineAdapter(PipelineAdapter):
         return self.hidden_state_io(model, layout, stage, microbatch, sequence_parallel,
                                     lambda: (mb, seq_len, model.lm_head.out_features))
 
+    def prepare_batch(self, model, batch):
+        """Under context parallelism the targets must come shifted on the whole sequence (``shift_labels``, as
+        ``ContextParallelSplitter`` makes them): they replace ``labels`` (a chunk cannot shift its own)."""
+        if model.parallel_context.cp_size == 1:
+            batch.pop("shift_labels", None)
+            return batch
+        if "shift_labels" not in batch:
+            raise ValueError("a pipelined causal LM under context parallelism needs shift_labels in the batch (the "
+                             "targets shifted on the full sequence before the split: ContextParallelSplitter("
+                             "shift_labels=True) makes them)")
+        batch["labels"] = batch.pop("shift_labels")
+        return batch
+
     def loss(self, model, local_logits, labels, num_items_in_batch):
+        """``transformers``' causal-LM loss; under context parallelism ``labels`` are already shifted (see
+        ``prepare_batch``) and the result is this chunk's share (``runner._LossFn`` sums it over cp)."""
         from ..parallel_layers.cross_entropy import causal_lm_loss
 
         head = model.lm_head
+        shifted = labels if model.parallel_context.cp_size > 1 else None
         return causal_lm_loss(local_logits, labels, group=getattr(head, "group", None),
-                              vocab_start=getattr(head, "vocab_start_index", 0), num_items_in_batch=num_items_in_batch)
+                              vocab_start=getattr(head, "vocab_start_index", 0), num_items_in_batch=num_items_in_batch,
+                              shift_labels=shifted)
 
     def num_loss_items(self, labels: torch.Tensor) -> int:
         """Tokens the causal loss averages over: labels shifted left, ``-100`` excluded."""

@@ -72,7 +72,7 @@ def collect_stage_state_dicts(stage_state: dict[str, torch.Tensor] | None, conte
     Collective over the pipeline group of global rank 0 (``gather_object``, pickled CPU tensors); other ranks
     return at once. Keys are disjoint across stages by construction (tied copies are skipped by the caller).
     """
-    if context.dp_rank != 0 or context.tp_rank != 0:
+    if context.dp_rank != 0 or context.tp_rank != 0 or context.cp_rank != 0:  # cp ranks hold replicas, like dp
         return None
     gathered = [None] * context.pp_size if context.rank == 0 else None
     dist.gather_object(stage_state, gathered, dst=0, group=context.pp_group)

@@ -22,10 +22,12 @@ their gradients) between neighbouring stages of one pipeline group:
 
 - tied weights: one all-reduce (sum) of the gradient of each tied tensor over the ranks holding a copy (GPT-2:
   ``wte``/``lm_head`` between the first and last stage);
-- data parallelism: one all-reduce (mean) of every local gradient over the data-parallel group; under ZeRO-2/3
-  (FSDP2 per stage, ``training/zero.py``) instead one reduce-scatter per step after the last microbatch, which
-  torch's ``PipelineStage`` runs for an ``FSDPModule`` stage (the tied copies then sum their local shards);
-- the loss: one broadcast from the last stage over the pipeline group (and a mean over data parallelism).
+- data parallelism: one all-reduce (mean) of every local gradient over the data-parallel group (dp x cp under
+  context parallelism); under ZeRO-2/3 (FSDP2 per stage, ``training/zero.py``) instead one reduce-scatter per step
+  after the last microbatch, which torch's ``PipelineStage`` runs for an ``FSDPModule`` stage (the tied copies then
+  sum their local shards);
+- the loss: one broadcast from the last stage over the pipeline group (and a mean over data parallelism); under
+  context parallelism one all-reduce of the loss-token count and one per microbatch of its loss over cp.
 """
 from __future__ import annotations
 
@@ -67,7 +69,14 @@ class _LossFn:
         self.model, self.adapter, self.num_microbatches = model, adapter_for(model), num_microbatches
 
     def __call__(self, outputs, labels, num_items_in_batch=None):
-        return self.adapter.microbatch_loss(self.model, outputs, labels, num_items_in_batch, self.num_microbatches)
+        loss = self.adapter.microbatch_loss(self.model, outputs, labels, num_items_in_batch, self.num_microbatches)
+        if self.model.parallel_context.cp_size > 1:
+            # this chunk's share of the whole sequence's loss: summed over cp (every cp rank of the last stage runs
+            # the same schedule, so these all-reduces line up); backward x cp, which the dp x cp mean undoes
+            from ..parallel_layers.context_parallel import sum_over_context
+
+            loss = sum_over_context(loss, self.model.parallel_context)
+        return loss
 
 
 def _no_weight_step():
@@ -149,7 +158,7 @@ class PipelineRunner:
         if accepted is not None and set(batch) - set(accepted):
             raise ValueError(f"Pipelined {type(self.model).__name__} batches take {list(accepted)}; got unknown "
                              f"{sorted(set(batch) - set(accepted))}")
-        if "labels" not in batch:
+        if "labels" not in batch and "shift_labels" not in batch:
             raise ValueError("A pipeline step computes the loss: pass labels (or a batch with 'labels')")
         input_ids = batch.get("input_ids")
         if input_ids is None or input_ids.ndim != 2:
@@ -176,7 +185,7 @@ class PipelineRunner:
             args = ()
         target = labels if layout.has_last else None
         losses: list[torch.Tensor] = []
-        loss_kwargs = {"num_items_in_batch": max(adapter.num_loss_items(labels), 1)}
+        loss_kwargs = {"num_items_in_batch": max(adapter.loss_items(self.model, labels), 1)}
         if training:
             schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs,
                           **batch)
@@ -231,15 +240,16 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ gradients
     def sync_gradients(self) -> None:
-        """Sum the tied embedding's gradient over its two copies; average every gradient over data parallel
-        (under ZeRO-2/3 the schedule already reduce-scattered them over dp: the tied copies sum their shards)."""
+        """Sum the tied embedding's gradient over its two copies; average every gradient over data parallel (dp x
+        cp under context parallelism: cp ranks hold the same weights, each gradient ``cp`` x its chunk's share; under
+        ZeRO-2/3 the schedule already reduce-scattered them: the tied copies sum their shards)."""
         if self.tied is not None:
             self.tied.sum_gradients()
-        if self.context.dp_size > 1 and getattr(self.model, "_oslo_stage_modules", None) is None:
+        if self.context.dp_cp_size > 1 and getattr(self.model, "_oslo_stage_modules", None) is None:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             if grads:
                 flat = torch._utils._flatten_dense_tensors(grads)
-                dist.all_reduce(flat, group=self.context.dp_group)
-                flat /= self.context.dp_size
+                dist.all_reduce(flat, group=self.context.dp_cp_group)
+                flat /= self.context.dp_cp_size
                 for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                     grad.copy_(synced)

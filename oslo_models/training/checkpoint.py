@@ -10,7 +10,9 @@ Format: a folder written with ``torch.distributed.checkpoint`` (DCP) plus two sm
   expresses (grouped-query key/value heads replicated over tp ranks at ``tp > num_key_value_heads``, unequal packed
   blocks) is gathered and stored whole, each element once. DCP stores each chunk
   once (replicas over dp are de-duplicated) and on load reads, for every rank of the *new* layout, just the slice
-  it owns - so tp=2 x dp=2 resumes at tp=4 or tp=1 x dp=2 with no conversion step. Stacked experts split over
+  it owns - so tp=2 x dp=2 resumes at tp=4 or tp=1 x dp=2 with no conversion step. Context-parallel ranks hold
+  replicas like dp ranks (ZeRO-1 shards the optimizer state over dp x cp, each shard written by its owner), so
+  cp2 x dp2 resumes at cp1 x dp4 the same way. Stacked experts split over
   ``expert_parallel_size`` (layout axis ``"ep"``) are ``Shard(0)`` over a one-axis mesh of the rank's ep
   group (the same on every tp rank), so ep 2 resumes at ep 4 the same way; their ZeRO-1 state lives in the
   experts' own optimizer (``SplitOptimizer``, sharded over edp), their ZeRO-2/3 shards on the edp mesh.
@@ -154,18 +156,12 @@ def _restore_rng(state: dict, context) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _refuse_context_parallel(context, what: str) -> None:
-    # Before any collective: cp ranks hold one replica like dp ranks, but a resume across dp x cp (ZeRO-1 shards
-    # over dp_cp) has not been verified, so it is refused rather than silently trusted.
-    if getattr(context, "cp_size", 1) > 1:
-        raise NotImplementedError(f"{what} with context_parallel_size={context.cp_size} is not implemented yet; "
-                                  "save_pretrained works under context parallelism")
-
-
 def _layout(context) -> dict:
     layout = {"tp": context.tp_size, "dp": context.dp_size, "pp": context.pp_size, "world": context.world_size}
     if context.ep_size > 1:  # only then: layouts saved without experts compare as before
         layout["ep"] = context.ep_size
+    if context.cp_size > 1:  # (likewise) a cp rank's RNG belongs to its chunk: restored at the same cp only
+        layout["cp"] = context.cp_size
     return layout
 
 
@@ -193,7 +189,6 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
         raise ValueError(f"save_checkpoint keep= must be a positive int, got {keep!r}")
     inner = unwrap_model(model)
     context, plan = inner.parallel_context, getattr(inner, "parallel_plan", None)
-    _refuse_context_parallel(context, "save_checkpoint")
     check_arrival(context, "save_checkpoint", _RULE)
     with all_or_none(context, f"save_checkpoint({path!r}) at step {step}"):
         _refuse_nonfinite(inner)  # never a NaN checkpoint over the last good one
@@ -362,7 +357,6 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
     path = os.fspath(path)
     inner = unwrap_model(model)
     context, plan = inner.parallel_context, getattr(inner, "parallel_plan", None)
-    _refuse_context_parallel(context, "load_checkpoint")
     check_arrival(context, "load_checkpoint", _RULE)
     folder, error = find_checkpoint(path), None
     if folder is None:

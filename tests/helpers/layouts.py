@@ -28,6 +28,8 @@ def local_batch(context, replica: dict, shift_labels: bool) -> dict:
     local = splitter(replica)
     whole = ContextParallelSplitter(cp_rank=0, cp_size=1, shift_labels=shift_labels)(replica)
     for key, value in local.items():  # the chunks of every rank reassemble to the replica's batch exactly
+        if value.dim() < 2:  # per-row values (a sequence label, a span's ends) are not split
+            continue
         parts = [torch.empty_like(value) for _ in range(context.cp_size)]
         torch.distributed.all_gather(parts, value, group=context.cp_group)
         assert torch.equal(merge_sequence(parts, mode), whole[key]), key
@@ -35,12 +37,14 @@ def local_batch(context, replica: dict, shift_labels: bool) -> dict:
 
 
 def train_matches(model, reference, batch: dict, *, zero_stage: int = 0, steps: int = 1, shift_labels: bool = True,
-                  call: dict | None = None, max_grad_norm: float | None = None) -> tuple:
+                  call: dict | None = None, outputs: tuple[str, ...] = ("logits",), chunked: bool = True,
+                  max_grad_norm: float | None = None) -> tuple:
     """See the module docstring; returns ``(model, reference)`` after the steps (the model unwrapped).
     ``shift_labels``: causal LM targets (``False`` for masked LM); ``call``: extra keyword arguments of both
-    forwards (e.g. ``use_cache=False``); ``max_grad_norm``: also clip both, the global norms and the clipped
-    gradients equal."""
-    call = call or {}
+    forwards (e.g. ``use_cache=False``); ``outputs``: the output tensors compared, this rank's chunks of the
+    reference's when ``chunked`` (else whole: a sequence classifier's pooled logits, a span head's gathered ones);
+    ``max_grad_norm``: also clip both, the global norms and the clipped gradients equal."""
+    call, names = call or {}, outputs
     context = model.parallel_context
     replicas = [{k: v[d::context.dp_size].contiguous() for k, v in batch.items()} for d in range(context.dp_size)]
     local = local_batch(context, replicas[context.dp_rank], shift_labels)
@@ -59,10 +63,11 @@ def train_matches(model, reference, batch: dict, *, zero_stage: int = 0, steps: 
         expected = outputs[context.dp_rank]
         got = model(**local, **call)
         torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
-        expected_logits = expected.logits
-        if context.cp_size > 1:
-            expected_logits = split_sequence(expected_logits, context.cp_rank, context.cp_size, mode)
-        torch.testing.assert_close(got.logits, expected_logits, atol=1e-5, rtol=1e-5)
+        for name in names:
+            expected_logits = expected[name]
+            if context.cp_size > 1 and chunked:
+                expected_logits = split_sequence(expected_logits, context.cp_rank, context.cp_size, mode)
+            torch.testing.assert_close(got[name], expected_logits, atol=1e-5, rtol=1e-5)
         (sum(out.loss for out in outputs) / len(outputs)).backward()
         got.loss.backward()
         assert assert_grads_match(inner, reference) == len(list(inner.parameters()))

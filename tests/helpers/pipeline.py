@@ -21,16 +21,18 @@ ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-5)
 
 def assert_pipeline_matches(model, reference, batch: dict[str, torch.Tensor], *, steps: int = 3,
                             reference_loss: Callable | None = None, optimizer=None,
-                            max_grad_norm: float | None = None, reference_optimizer=None) -> None:
+                            max_grad_norm: float | None = None, reference_optimizer=None,
+                            local: dict | None = None) -> None:
     """``steps`` AdamW steps through ``model.train_step`` equal the reference's: loss, every local gradient and
     every local parameter after each step (fp32, atol 1e-5); then ``eval_step`` equals the reference's loss.
 
     ``batch``: the global batch (every replica's rows); ``reference_loss(reference, batch)`` computes the
     reference loss (default: ``reference(**batch).loss``). The model must be pipelined already. ``optimizer`` /
-    ``reference_optimizer``: the optimizers to step (default: fresh AdamW on each).
+    ``reference_optimizer``: the optimizers to step (default: fresh AdamW on each). ``local``: this rank's batch
+    when it is not just its replica's rows (its context-parallel chunks).
     """
     reference_loss = reference_loss or (lambda ref, b: ref(**b).loss)
-    local = local_rows(model.parallel_context, batch)
+    local = local_rows(model.parallel_context, batch) if local is None else local
     ref_opt = reference_optimizer or torch.optim.AdamW(reference.parameters(), **ADAMW)
     opt = optimizer if optimizer is not None else torch.optim.AdamW(model.parameters(), **ADAMW)
     num_params = len(list(model.parameters()))

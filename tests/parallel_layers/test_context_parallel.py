@@ -135,8 +135,8 @@ def test_config_errors():
         om.ParallelConfig(context_parallel_size=2, context_parallel_mode="ulysses")
     with pytest.raises(ValueError, match="positive int"):
         om.ParallelConfig(context_parallel_size=0)
-    with pytest.raises(NotImplementedError, match="pipeline_parallel_size"):
-        om.ParallelConfig(context_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="expert_parallel_size"):
+        om.ParallelConfig(context_parallel_size=2, expert_parallel_size=2)
     with pytest.raises(ValueError, match="context_parallel_size=2"):
         om.ParallelConfig(context_parallel_size=2, tensor_parallel_size=2, data_parallel_size=2
                           ).resolve_data_parallel_size(4)
@@ -171,17 +171,16 @@ def test_model_level_errors_before_any_collective():
     with pytest.raises(NotImplementedError, match="T5ForConditionalGeneration"):
         check_context_parallel(om.T5ForConditionalGeneration, transformers.T5Config(),
                                om.ParallelConfig(context_parallel_size=2))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        check_context_parallel(om.GPT2LMHeadModel, tiny_gpt2_config(attn_pdrop=0.1),
-                               om.ParallelConfig(context_parallel_size=2))
+    # attention dropout and the stack decoders' classification heads run under cp; the encoders' heads do not
+    cp2 = om.ParallelConfig(context_parallel_size=2)
+    for cls in (om.GPT2LMHeadModel, om.GPT2ForSequenceClassification, om.GPT2ForTokenClassification,
+                om.GPT2ForQuestionAnswering):
+        check_context_parallel(cls, tiny_gpt2_config(attn_pdrop=0.1), cp2)
+    with pytest.raises(NotImplementedError, match="BertForSequenceClassification"):
+        check_context_parallel(om.BertForSequenceClassification, transformers.BertConfig(), cp2)
+    # all-to-all under a grid: the heads per grid column block (8 / q=2 = 4) must split over cp
+    grid = om.ParallelConfig(context_parallel_size=3, context_parallel_mode="all_to_all", tensor_parallel_size=4,
+                             tensor_parallel_mode="2d")
+    with pytest.raises(ValueError, match=r"grid's q \(2d\)=2 = 4\) divisible by context_parallel_size=3"):
+        check_context_parallel(om.GPT2LMHeadModel, tiny_gpt2_config(n_head=8), grid)
 
-
-def test_resumable_checkpoints_refused_under_cp_before_any_collective():
-    """Refused (not silently trusted) until a dp x cp resume is verified; the check runs before check_arrival."""
-    from types import SimpleNamespace
-
-    from oslo_models.training.checkpoint import _refuse_context_parallel
-
-    with pytest.raises(NotImplementedError, match="context_parallel_size=2"):
-        _refuse_context_parallel(SimpleNamespace(cp_size=2), "save_checkpoint")
-    _refuse_context_parallel(SimpleNamespace(cp_size=1), "save_checkpoint")

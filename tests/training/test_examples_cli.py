@@ -83,7 +83,6 @@ def test_check_launch_refuses_before_building(examples, monkeypatch):
         ("--cp", "2", "--cp-mode", "all_to_all", "--tp", "3"): "does not divide",
         ("--tp", "2", "--tp-mode", "2d"): "2d",
         ("--compile", "nosuchbackend"): "unknown backend",
-        ("--cp", "2", "--save-every", "2"): "resumable checkpoints under context parallelism",
     }
     for argv, message in cases.items():
         with pytest.raises(common.UsageError, match=message):

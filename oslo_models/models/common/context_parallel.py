@@ -9,14 +9,22 @@ change in a forward, all of them here so the families call the same code:
 - the loss: targets are pre-shifted (``shift_labels``) for causal LMs, since a chunk cannot see the next chunk's
   first token, and the mean runs over the labelled tokens of the whole sequence (``context_parallel/loss.py``);
 - a rotary whose frequencies depend on the longest position of the forward (``transformers``' ``dynamic`` and
-  ``longrope`` types: Phi-3's short/long factors) is told the whole sequence's (``rotary_embeddings``).
+  ``longrope`` types: Phi-3's short/long factors) is told the whole sequence's (``rotary_embeddings``);
+- the classification heads: the last non-padding token's logits come from the cp rank holding it
+  (``last_token_logits``), a span head's start/end logits are gathered to the whole sequence
+  (``gather_over_context``), a token classifier's loss is a mean over the whole sequence (``token_loss``).
+
+Gradient convention (as ``context_parallel/loss.py``): every cp rank's backward is ``cp`` times its share, which the
+gradient mean over dp x cp turns into the whole sequence's gradient.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from ...parallel_layers.context_parallel import build_context_parallel_mask, context_num_items, sum_over_context
+from ...parallel_layers.context_parallel import (build_context_parallel_mask, context_num_items, merge_sequence,
+                                                  split_sequence, sum_over_context, token_index)
 
 
 def context_parallel_inputs(model, inputs_embeds: torch.Tensor, attention_mask, position_ids, past_key_values=None,
@@ -81,29 +89,84 @@ def context_parallel_loss(model, loss):
     return sum_over_context(loss, model.parallel_context)
 
 
+class _GatherOverContext(torch.autograd.Function):
+    """Forward: the whole sequence from every cp rank's chunk(s) (all-gather, then ``merge_sequence``). Backward:
+    this rank's chunk(s) of the gradient, times ``cp`` (every rank computes the same loss from the gathered tensor:
+    the gradient convention of the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, context, dim):
+        ctx.context, ctx.dim = context, dim
+        parts = [torch.empty_like(x) for _ in range(context.cp_size)]
+        dist.all_gather(parts, x.contiguous(), group=context.cp_group)
+        return merge_sequence(parts, context.config.context_parallel_mode, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        context = ctx.context
+        local = split_sequence(grad, context.cp_rank, context.cp_size, context.config.context_parallel_mode, ctx.dim)
+        return local * context.cp_size, None, None
+
+
+def gather_over_context(model, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """``x`` with this rank's chunk(s) along ``dim`` -> the whole sequence (one all-gather over cp); ``x`` at
+    cp=1."""
+    context = model.parallel_context
+    return x if context.cp_size == 1 else _GatherOverContext.apply(x, context, dim)
+
+
+def last_token_logits(model, logits: torch.Tensor, input_ids, pad_token_id) -> torch.Tensor:
+    """``logits [b, s_local, L]`` of this rank's chunk(s) -> ``[b, L]`` at each row's rightmost non-padding token
+    of the *whole* sequence (as ``heads.last_token_logits`` at cp=1): its global position is a max over cp (one
+    all-reduce of ``[b]``), the rank holding it contributes the row and the rows are summed over cp (one
+    all-reduce of ``[b, L]``; backward ``x cp``)."""
+    context = model.parallel_context
+    batch, seq = logits.shape[:2]
+    if pad_token_id is None and batch != 1:
+        raise ValueError("Cannot handle batch sizes > 1 if no padding token is defined.")
+    positions = token_index(seq, context.cp_rank, context.cp_size, context.config.context_parallel_mode,
+                            device=logits.device)
+    if pad_token_id is None or input_ids is None:
+        last = torch.full((batch,), seq * context.cp_size - 1, dtype=torch.long, device=logits.device)
+    else:  # transformers: argmax(positions * non_pad), i.e. the largest non-padding position (0 if none)
+        last = (positions * (input_ids.to(logits.device) != pad_token_id)).amax(-1)
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=context.cp_group)
+    pick = (positions[None, :] == last[:, None]).to(logits.dtype)  # [b, s_local]: one 1 per row on one rank
+    return sum_over_context((logits * pick[..., None]).sum(1), context)
+
+
+def token_loss(model, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a token classifier's ``logits [b, s_local, L]``: the mean over the labelled tokens of the
+    whole sequence (count and loss summed over cp, as the masked-LM loss)."""
+    labels = labels.to(logits.device)
+    count = context_parallel_loss_items(model, labels, None, causal=False)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+    return context_parallel_loss(model, total / count)
+
+
 def check_context_parallel(model_class, config, parallel) -> None:
     """Before any collective: ``NotImplementedError`` for a model class that does not run under context parallelism
     (``_oslo_context_parallel``, not ``transformers``' own ``_supports_context_parallel``, which is ``True`` on every
-    model: the base models and LM heads of GPT-2, BERT and the Llama family; heads that pool one token or average per
-    chunk do not), ``ValueError`` for heads that all-to-all cannot split."""
+    model: the base models and LM heads of GPT-2, BERT and the stack decoders, and the stack decoders'
+    classification heads; heads that pool one token of an encoder do not), ``ValueError`` for heads that all-to-all
+    cannot split."""
     cp = parallel.context_parallel_size
     if cp == 1:
         return
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if experts or not getattr(model_class, "_oslo_context_parallel", False):  # MoE: the router loss is per chunk
         raise NotImplementedError(f"{model_class.__name__} under context_parallel_size={cp} is not implemented; "
-                                  f"the base models and LM heads of GPT-2, BERT and the Llama family are")
+                                  f"the base models and LM heads of GPT-2, BERT and the stack decoders are, and "
+                                  f"the stack decoders' sequence/token classification and question answering heads")
     if parallel.context_parallel_mode == "all_to_all":
-        heads = config.num_attention_heads // parallel.tensor_parallel_size
+        # the heads follow the tensor-parallel split: tp blocks at 1D, the grid's q hidden blocks at 2D/2.5D/3D
+        split, name = ((parallel.tensor_parallel_size, "tensor_parallel_size") if parallel.tensor_parallel_mode == "1d"
+                       else (parallel.grid_shape[-1], f"the grid's q ({parallel.tensor_parallel_mode})"))
+        heads = config.num_attention_heads // split
         if heads % cp:
             raise ValueError(f"context_parallel_mode='all_to_all' needs the attention heads per tensor-parallel rank "
-                             f"({config.num_attention_heads} / tensor_parallel_size={parallel.tensor_parallel_size} "
-                             f"= {heads}) divisible by context_parallel_size={cp}; use context_parallel_mode='ring'")
-    dropout = max(float(getattr(config, name, 0.0) or 0.0)
-                  for name in ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout"))
-    if dropout:
-        raise NotImplementedError(f"attention-probability dropout ({dropout}) under context parallelism is not "
-                                  f"implemented; load the model with the attention dropout set to 0")
+                             f"({config.num_attention_heads} / {name}={split} = {heads}) divisible by "
+                             f"context_parallel_size={cp}; use context_parallel_mode='ring'")
 
 
 def causal_lm_head_outputs(model, hidden_states: torch.Tensor, labels=None, *, logits_to_keep=0,

@@ -27,7 +27,7 @@ class StackPipelineAdapter(CausalLMPipelineAdapter):
 
     base_class: type = None
     prefix: str = ""
-    batch_keys = ("input_ids", "labels", "attention_mask", "position_ids")
+    batch_keys = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")
 
     @classmethod
     def of(cls, base_class: type, prefix: str, **attributes) -> type:

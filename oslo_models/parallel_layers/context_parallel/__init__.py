@@ -3,16 +3,18 @@ ring (``ring.py``) or all-to-all (``all_to_all.py``), one core for every family 
 
 - ``chunking.py``: which tokens each rank holds (mirrored chunks for the ring), split/merge of a batch;
 - ``mask.py``: ``ContextParallelMask``, built once per forward, carried in place of the attention mask;
-- ``loss.py``: the loss mean over the whole sequence, gradients that the dp x cp average sums.
+- ``loss.py``: the loss mean over the whole sequence, gradients that the dp x cp average sums;
+- ``dropout.py``: attention-probability dropout whose keep bits are a hash of global coordinates.
 """
 from .all_to_all import all_to_all_attention, heads_to_sequence, sequence_to_heads
 from .attention import attention_function, context_parallel_attention
 from .chunking import check_sequence_length, merge_sequence, split_sequence, token_index
+from .dropout import AttentionDropout, keep_mask
 from .loss import context_num_items, sum_over_context
 from .mask import ContextParallelMask, build_context_parallel_mask
 from .ring import ring_attention
 
-__all__ = ["ContextParallelMask", "all_to_all_attention", "attention_function", "build_context_parallel_mask",
+__all__ = ["AttentionDropout", "ContextParallelMask", "keep_mask", "all_to_all_attention", "attention_function", "build_context_parallel_mask",
            "check_sequence_length", "context_num_items", "context_parallel_attention", "heads_to_sequence",
            "merge_sequence", "ring_attention", "sequence_to_heads", "split_sequence", "sum_over_context",
            "token_index"]

@@ -11,6 +11,7 @@ import torch
 
 from .all_to_all import all_to_all_attention
 from .chunking import RING
+from .dropout import AttentionDropout
 from .mask import ContextParallelMask
 from .ring import ring_attention
 
@@ -19,16 +20,15 @@ def context_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, v
                                attention_mask: ContextParallelMask, dropout: float = 0.0, scaling: float | None = None,
                                sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """``query [b, n, s_local, d]``, ``key, value [b, n_kv, s_local, d]`` -> ``([b, s_local, n, d], None)``:
-    attention over the whole sequence of the cp group, by ring or all-to-all as the mask says. Attention-
-    probability dropout and additive position biases (T5) are not supported under context parallelism."""
-    if dropout:
-        raise NotImplementedError("attention dropout under context parallelism is not implemented; set the "
-                                  "attention dropout probability to 0 (or call model.eval())")
+    attention over the whole sequence of the cp group, by ring or all-to-all as the mask says. ``dropout``: the
+    attention-probability dropout, with keep bits that follow the global coordinates (``dropout.py``; one seed
+    drawn per call from the current generator). Additive position biases (T5) are not supported."""
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("an additive position bias (T5) under context parallelism is not implemented")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     core = ring_attention if attention_mask.mode == RING else all_to_all_attention
-    out = core(query, key, value, attention_mask, scaling=scaling, window=sliding_window)
+    out = core(query, key, value, attention_mask, scaling=scaling, window=sliding_window,
+               dropout=AttentionDropout.draw(dropout, query.device))
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .chunking import chunk_ids
+from .dropout import AttentionDropout
 from .mask import ContextParallelMask
 
 
@@ -102,6 +103,13 @@ class _Block:
         causal_hidden = self.mask.causal and bool(self.k_index.min() > self.q_index.max())
         return causal_hidden or (self.k_valid is not None and not bool(self.k_valid.any()))
 
+    def keep_scale(self, dropout: AttentionDropout | None, q: torch.Tensor, rows: slice):
+        """The dropout factors ``[b, n, len(rows), s_k]`` of the query rows ``rows`` (``dropout.py``), or 1."""
+        if dropout is None:
+            return 1.0
+        heads = torch.arange(q.shape[1], device=q.device)
+        return dropout.keep_scale(q.shape[0], heads, self.q_index[rows], self.k_index, q.dtype)
+
     def scores(self, q_rows: torch.Tensor, rows: slice, k: torch.Tensor, scaling: float) -> torch.Tensor:
         """Masked scores ``[b, n, len(rows), s_k]`` of the query rows ``rows``."""
         doc = None if self.q_document is None else self.q_document[:, rows]
@@ -110,10 +118,11 @@ class _Block:
         return scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
 
 
-def _block_forward(block: _Block, q, k, v, scaling):
+def _block_forward(block: _Block, q, k, v, scaling, dropout=None):
     """``(out, lse)`` of the queries ``q`` over one block: chunk pairs through torch's CPU flash kernel where they
-    cover the mask exactly, else tile by tile."""
-    pairs = block.chunk_pairs(q)
+    cover the mask exactly, else tile by tile. ``dropout`` (an ``AttentionDropout``): the kept probabilities,
+    scaled, times ``v`` (tiles only); ``lse`` is the undropped one, so the online merge stays exact."""
+    pairs = None if dropout is not None else block.chunk_pairs(q)
     if pairs is not None:
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
@@ -127,16 +136,19 @@ def _block_forward(block: _Block, q, k, v, scaling):
     for rows in _row_tiles(q.shape[2], q.shape[0] * q.shape[1] * k.shape[2]):
         scores = block.scores(q[:, :, rows], rows, k, scaling)
         lse = torch.logsumexp(scores, dim=-1)
-        outs.append(torch.matmul(torch.exp(scores - _finite(lse)[..., None]), v))
+        probs = torch.exp(scores - _finite(lse)[..., None])
+        outs.append(torch.matmul(probs * block.keep_scale(dropout, q, rows), v))
         lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
-def _block_backward(block: _Block, q, k, v, dout, out, raw_lse, delta, lse, dq, scaling):
+def _block_backward(block: _Block, q, k, v, dout, out, raw_lse, delta, lse, dq, scaling, dropout=None):
     """Add this block's share to ``dq`` (in place); return its ``(dk, dv)``. ``out``/``raw_lse``: the final
-    attention output and log-sum-exp (the flash backward's inputs); ``lse``/``delta`` ``[b, n, s, 1]``."""
+    attention output and log-sum-exp (the flash backward's inputs); ``lse``/``delta`` ``[b, n, s, 1]``. With
+    ``dropout`` the same keep bits as the forward: ``dV = (P*M)^T dO``, ``dS = P * ((dO V^T) * M - delta)`` (``M``
+    the scaled keep mask; ``delta = rowsum(dO * O)`` holds with dropout too)."""
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    pairs = block.chunk_pairs(q)
+    pairs = None if dropout is not None else block.chunk_pairs(q)
     if pairs is not None:
         for rows, cols, causal in pairs:
             grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -149,8 +161,10 @@ def _block_backward(block: _Block, q, k, v, dout, out, raw_lse, delta, lse, dq, 
         return dk, dv
     for rows in _row_tiles(q.shape[2], q.shape[0] * q.shape[1] * k.shape[2]):
         probs = torch.exp(block.scores(q[:, :, rows], rows, k, scaling) - lse[:, :, rows])
-        dv += torch.matmul(probs.transpose(-1, -2), dout[:, :, rows])
-        dscores = probs * (torch.matmul(dout[:, :, rows], v.transpose(-1, -2)) - delta[:, :, rows]) * scaling
+        keep = block.keep_scale(dropout, q, rows)
+        dv += torch.matmul((probs * keep).transpose(-1, -2), dout[:, :, rows])
+        dprobs = torch.matmul(dout[:, :, rows], v.transpose(-1, -2)) * keep
+        dscores = probs * (dprobs - delta[:, :, rows]) * scaling
         dq[:, :, rows] += torch.matmul(dscores, k)
         dk += torch.matmul(dscores.transpose(-1, -2), q[:, :, rows])
     return dk, dv
@@ -171,7 +185,7 @@ def _blocks(mask: ContextParallelMask, window):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, mask: ContextParallelMask, scaling: float, window):
+    def forward(ctx, query, key, value, mask: ContextParallelMask, scaling: float, window, dropout):
         groups = query.shape[1] // key.shape[1]
         q = query.float()
         out = torch.zeros_like(q)
@@ -181,11 +195,11 @@ class _RingAttention(torch.autograd.Function):
             pending = _start_exchange(kv, mask) if step + 1 < mask.size else None
             if not block.hidden:
                 k, v = (_expand(t.float(), groups) for t in kv)
-                out, lse = _merge(out, lse, *_block_forward(block, q, k, v, scaling))
+                out, lse = _merge(out, lse, *_block_forward(block, q, k, v, scaling, dropout))
             if pending is not None:
                 kv = _finish(*pending)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.mask, ctx.scaling, ctx.window, ctx.groups = mask, scaling, window, groups
+        ctx.mask, ctx.scaling, ctx.window, ctx.groups, ctx.dropout = mask, scaling, window, groups, dropout
         return out.to(query.dtype)
 
     @staticmethod
@@ -202,20 +216,21 @@ class _RingAttention(torch.autograd.Function):
             pending = _start_exchange(kv, mask) if step + 1 < mask.size else None
             if not block.hidden:
                 k, v = (_expand(t.float(), groups) for t in kv)
-                dk, dv = _block_backward(block, q, k, v, dout, out, raw_lse, delta, lse, dq, scaling)
+                dk, dv = _block_backward(block, q, k, v, dout, out, raw_lse, delta, lse, dq, scaling, ctx.dropout)
                 dkv += torch.stack([_fold(dk, groups), _fold(dv, groups)])
             if pending is not None:
                 kv = _finish(*pending)
             if mask.size > 1:  # the gradients follow their block; after the last step this hop brings them home
                 dkv = _finish(*_start_exchange(dkv, mask))
-        return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None
+        return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: ContextParallelMask, *,
-                   scaling: float, window: int | None = None) -> torch.Tensor:
+                   scaling: float, window: int | None = None, dropout: AttentionDropout | None = None
+                   ) -> torch.Tensor:
     """Attention of this rank's ``query [b, n, s, d]`` over the keys/values of every rank of the cp group
     (``key, value [b, n_kv, s, d]``, ``n`` a multiple of ``n_kv``); returns ``[b, n, s, d]``.
 
     Forward: ``cp - 1`` ring hops of the key/value blocks. Backward: ``cp - 1`` hops of key/value and ``cp`` hops of
-    their fp32 gradients. See the module docstring."""
-    return _RingAttention.apply(query, key, value, mask, scaling, window)
+    their fp32 gradients. ``dropout``: attention-probability dropout (``dropout.py``). See the module docstring."""
+    return _RingAttention.apply(query, key, value, mask, scaling, window, dropout)
