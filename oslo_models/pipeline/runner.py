@@ -209,12 +209,27 @@ class PipelineRunner:
         return self._run(batch, labels, attention_mask, training=False)
 
     # ------------------------------------------------------------------ gradients
+    def _expert_parameters(self) -> dict:
+        """This stage's parameters split over the expert-parallel group (none at ep 1), by id."""
+        if self.context.ep_size == 1:
+            return {}
+        from ..distributed.expert_parallel import expert_parameter_names
+
+        params = dict(self.model.named_parameters())
+        return {id(params[name]): params[name] for name in expert_parameter_names(self.model)}
+
     def sync_gradients(self) -> None:
         """Sum the tied embedding's gradient over its two copies; average every gradient over data parallel."""
         if self.tied is not None:
             self.tied.sum_gradients()
         if self.context.dp_size > 1:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            experts = self._expert_parameters()
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None and id(p) not in experts]
+            for param in experts.values():  # split over ep: summed over edp, then / dp (expert_parallel.py)
+                if param.grad is not None:
+                    if self.context.edp_group is not None:
+                        dist.all_reduce(param.grad, group=self.context.edp_group)
+                    param.grad.div_(self.context.dp_size)
             if grads:
                 flat = torch._utils._flatten_dense_tensors(grads)
                 dist.all_reduce(flat, group=self.context.dp_group)
