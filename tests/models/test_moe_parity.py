@@ -103,7 +103,8 @@ def _resident_experts_are_own(model) -> None:
         experts = layer.mlp.experts
         assert experts.gate_up_proj.shape[0] == experts.down_proj.shape[0] == EXPERTS // ctx.ep_size
         # expert tensor parallelism: 1/etp of each expert's feed-forward
-        assert experts.gate_up_proj.shape[1] == 2 * experts.down_proj.shape[2] == 2 * experts.intermediate_dim // ctx.etp_size
+        per_rank = experts.intermediate_dim // ctx.etp_size
+        assert experts.gate_up_proj.shape[1] == 2 * experts.down_proj.shape[2] == 2 * per_rank
         assert experts.first_expert == ctx.ep_rank * EXPERTS // ctx.ep_size
 
 
@@ -177,7 +178,8 @@ def test_clear_errors(checkpoints):
     with pytest.raises(ValueError, match="expert_tensor_parallel_size=3 must divide tensor_parallel_size=2"):
         om.ParallelConfig(tensor_parallel_size=2, expert_tensor_parallel_size=3)
     with pytest.raises(ValueError, match="expert feed-forward size 24 is not divisible"):
-        check_expert_layout("mixtral", EXPERTS, om.ParallelConfig(tensor_parallel_size=5, expert_tensor_parallel_size=5),
+        check_expert_layout("mixtral", EXPERTS,
+                            om.ParallelConfig(tensor_parallel_size=5, expert_tensor_parallel_size=5),
                             expert_intermediate_size=24, sequence_parallel=True)
     with pytest.raises(NotImplementedError, match="tensor_parallel_mode='2d' with mixture-of-experts"):
         check_expert_layout("mixtral", EXPERTS, om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d"),
