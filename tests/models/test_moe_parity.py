@@ -153,7 +153,7 @@ def _layouts_worker(checkpoints: dict, out_root: str) -> None:
     # reference loss is the mean of the two replicas' (the load-balancing loss is per replica)
     for model_type, path in checkpoints.items():
         model = _load(path, pipeline_parallel_size=2, expert_parallel_size=2, pipeline_schedule="gpipe",
-                      num_microbatches=1)
+                      num_microbatches=1, pipeline_partition="parameters")
         assert model.parallel_context.ep_size == 2
         ids, mask, labels = padded_batch(VOCAB, batch=4, seq=8, seed=7)
         batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
