@@ -57,6 +57,14 @@ class ParallelConfig:
             data-parallel ranks (it must divide ``data_parallel_size``; the model checks that it divides the number
             of experts). Expert weights are averaged over the ``data_parallel_size / expert_parallel_size``
             expert-data-parallel ranks, everything else over all data-parallel ranks.
+        expert_tensor_parallel_size: ranks that split each expert's feed-forward (Megatron-Core's
+            ``expert_tensor_parallel_size``): gate/up column-parallel, down row-parallel, partial outputs summed
+            over the ``k`` ranks. The expert mesh, over the same ranks as ``pp * dp * cp * tp``, is
+            ``pp * edp * ep * etp`` with ``etp`` innermost: the ``etp`` group is ``k`` consecutive tensor-parallel
+            ranks (``k`` must divide ``tensor_parallel_size``; ``k = tp`` is Megatron's default layout, where the
+            tensor-parallel group splits the experts too), ``ep`` is carved out of ``dp`` (above) and ``edp = dp /
+            ep``. With ``k < tp`` the ``tp / k`` sub-groups of a tensor-parallel group hold the same expert shards.
+            ``k = 1`` (default): experts whole on every tensor-parallel rank.
         context_parallel_size: ranks that split every sequence into chunks and share the model like data-parallel
             ranks (their gradients are reduced together with dp: over dp x cp). World layout with it:
             ``pp * dp * cp * tp``, tensor-parallel ranks innermost (``parallel_layers/context_parallel``).
@@ -93,6 +101,7 @@ class ParallelConfig:
     virtual_pipeline_size: int = 1
     pipeline_partition: str | tuple[int, ...] = "uniform"
     expert_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
     context_parallel_size: int = 1
     context_parallel_mode: str = "ring"
     data_parallel_size: int | None = None
@@ -139,6 +148,7 @@ class ParallelConfig:
                                     or not 0 < timeout < float("inf")):
             raise ValueError(f"ParallelConfig.collective_timeout must be a positive number of seconds or None, "
                              f"got {timeout!r}")
+        self._check_expert_tensor_parallel()
         self._check_implemented()
         self._check_hybrid_sharding()
         if self.activation_checkpointing is not None and self.activation_checkpointing not in _ACTIVATION_CHECKPOINTING:
@@ -174,6 +184,22 @@ class ParallelConfig:
         if shard > 1 and self.expert_parallel_size > 1:
             raise NotImplementedError("data_parallel_shard_size with expert_parallel_size > 1 is not implemented "
                                       "yet (experts shard over the expert-data-parallel group)")
+
+    # ------------------------------------------------------------------ expert tensor parallelism (own block)
+    def _check_expert_tensor_parallel(self) -> None:
+        """``expert_tensor_parallel_size`` is a positive divisor of ``tensor_parallel_size`` (its group is ``k``
+        consecutive tensor-parallel ranks), 1D tensor parallelism only."""
+        k = self.expert_tensor_parallel_size
+        _check_positive_int("expert_tensor_parallel_size", k)
+        if k == 1:
+            return
+        if self.tensor_parallel_mode != "1d":
+            raise NotImplementedError(f"expert_tensor_parallel_size={k} with tensor_parallel_mode="
+                                      f"{self.tensor_parallel_mode!r} is not implemented (the grid layers do not "
+                                      "split mixture-of-experts layers); use tensor_parallel_mode='1d'")
+        if self.tensor_parallel_size % k:
+            raise ValueError(f"expert_tensor_parallel_size={k} must divide tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (its group is {k} consecutive tensor-parallel ranks)")
 
     def _check_tensor_parallel_mode(self) -> None:
         """The grid of the 2D/2.5D/3D modes must exist for ``tensor_parallel_size`` (see ``grid_shape``)."""

@@ -22,6 +22,9 @@ rank, adjacent data-parallel ranks first), so each ``dp`` group is cut into ``dp
 (``ep``: the ranks that hold different experts and exchange tokens all-to-all) and ``ep`` expert-data-parallel
 groups (``edp``: the ranks that hold the *same* experts, over which expert gradients are reduced). Both are extra
 axes of ``ParallelContext`` (``axis("ep")``, ``axis("edp")``), built with every rank of the world taking part.
+Expert tensor parallelism (``expert_tensor_parallel_size = k``) is carved out of ``tp``: ``axis("etp")`` is the
+group of ``k`` consecutive tensor-parallel ranks (``tp_subgroup(k)``; Megatron-Core's expert mesh with ``etp``
+innermost), over which each expert's feed-forward is split.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from .watchdog import grace_for
 MESH_AXES = ("pp", "dp", "cp", "tp")
 TP_SUB_AXES = {"1d": (), "2d": ("tp_col", "tp_row"), "2.5d": ("tp_dep", "tp_col", "tp_row"),
                "3d": ("tp_dep", "tp_col", "tp_row")}
-EXPERT_AXES = ("ep", "edp")  # carved out of "dp" (see the module docstring)
+EXPERT_AXES = ("ep", "edp", "etp")  # carved out of "dp" ("etp": of "tp"; see the module docstring)
 
 
 def _world_from_environment() -> tuple[int, int]:
@@ -172,6 +175,10 @@ class ParallelContext:
         grid = mesh.mesh.reshape(sizes["pp"], sizes["dp"] * sizes["cp"], sizes["tp"])  # tp sub-axes flattened
         axes.update(_expert_axes(grid, rank, config.expert_parallel_size, axes["dp"]))
         context = cls(config, world_size=world_size, rank=rank, device=device, mesh=mesh, axes=axes)
+        etp = config.expert_tensor_parallel_size
+        start = axes["tp"].rank // etp * etp
+        axes["etp"] = AxisInfo(context.tp_subgroup(etp), etp, axes["tp"].rank % etp,
+                               axes["tp"].ranks[start:start + etp])
         if config.collective_timeout is not None:
             # a peer that stops participating: a clear error naming group, op and missing ranks (watchdog.py)
             from .watchdog import ensure_watchdog
@@ -288,6 +295,16 @@ class ParallelContext:
     @property
     def edp_rank(self) -> int:
         return self._axes["edp"].rank
+
+    @property
+    def etp_group(self):
+        """Expert-tensor-parallel group: the ``expert_tensor_parallel_size`` consecutive tp ranks splitting each
+        expert (``None`` at one rank)."""
+        return self._axes["etp"].group
+
+    @property
+    def etp_size(self) -> int:
+        return self._axes["etp"].size
 
     @property
     def sequence_parallel(self) -> bool:

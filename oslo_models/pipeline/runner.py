@@ -239,6 +239,15 @@ class PipelineRunner:
         return self._run(batch, labels, attention_mask, training=False)
 
     # ------------------------------------------------------------------ gradients
+    def _expert_parameters(self) -> dict:
+        """This stage's parameters split over the expert-parallel group (none at ep 1), by id."""
+        if self.context.ep_size == 1:
+            return {}
+        from ..distributed.expert_parallel import expert_parameter_names
+
+        params = dict(self.model.named_parameters())
+        return {id(params[name]): params[name] for name in expert_parameter_names(self.model)}
+
     def sync_gradients(self) -> None:
         """Sum the tied embedding's gradient over its two copies; average every gradient over data parallel (dp x
         cp under context parallelism: cp ranks hold the same weights, each gradient ``cp`` x its chunk's share; under
@@ -246,7 +255,13 @@ class PipelineRunner:
         if self.tied is not None:
             self.tied.sum_gradients()
         if self.context.dp_cp_size > 1 and getattr(self.model, "_oslo_stage_modules", None) is None:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            experts = self._expert_parameters()  # cp x ep is refused: experts are reduced over edp only
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None and id(p) not in experts]
+            for param in experts.values():  # split over ep: summed over edp, then / dp (expert_parallel.py)
+                if param.grad is not None:
+                    if self.context.edp_group is not None:
+                        dist.all_reduce(param.grad, group=self.context.edp_group)
+                    param.grad.div_(self.context.dp_size)
             if grads:
                 flat = torch._utils._flatten_dense_tensors(grads)
                 dist.all_reduce(flat, group=self.context.dp_cp_group)

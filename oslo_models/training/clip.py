@@ -77,8 +77,8 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
         value = torch.linalg.vector_norm(local.detach().float(), norm_type)
         value = value if is_inf else value.pow(norm_type)
         spec = plan.shard_spec(inner, name)
-        if spec.axis == "ep" and spec.split:
-            experts.append(value)
+        if spec.axis == "ep" and spec.split:  # counted once over the tp ranks holding the same piece (below)
+            experts.append(value if is_inf else value / spec.num_replicas(context))
             continue
         sharded = context.tp_size > 1 and spec.split
         if sharded and not is_inf:  # a piece held by several tp ranks (a replicated key/value head, a 2D bias)
@@ -102,6 +102,8 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     split_total = _all_reduce(parts[0].clone(), context.tp_group, op)
     # each ep rank holds other experts; under FSDP2 the dp all-reduce above already added every (ep, edp) piece
     expert_total = parts[2] if dp_sharded else _all_reduce(parts[2].clone(), context.ep_group, op)
+    # expert tensor parallelism: the tp ranks hold different slices (each counted 1 / its replicas above)
+    expert_total = _all_reduce(expert_total.clone(), context.tp_group, op)
     total = torch.maximum(torch.maximum(split_total, parts[1]), expert_total) if is_inf else \
         split_total + parts[1] + expert_total
     total = _all_reduce(total, context.pp_group, op)

@@ -1,6 +1,7 @@
 """Mixtral and Qwen2-MoE with expert parallelism equal plain ``transformers``: logits, router logits, loss with the
 load-balancing loss added, every gradient (router, experts, shared expert) and the parameters after 3 AdamW steps
-(fp32, atol 1e-5) at ep 1, ep 4, ep 2 x tp 2 and ep 2 x dp 4 with ZeRO-1 through ``om.training.prepare``
+(fp32, atol 1e-5) at ep 1, ep 4, ep 2 x tp 2 + SP, expert tp 2 (ep 2 x etp 2, with and without SP), pp 2 x ep 2
+and ep 2 x dp 4 with ZeRO-1 through ``om.training.prepare``
 (experts reduced over the 2 expert-data-parallel ranks), and Mixtral at ep 2 x dp 4 with ZeRO-3 (FSDP2: experts
 sharded over edp, everything else over dp). Each data-parallel rank trains on its own batch; the
 reference is transformers on every batch, losses averaged (what plain data parallelism computes). Each rank holds
@@ -18,9 +19,11 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 import oslo_models as om
+from oslo_models.models.common.moe import check_expert_layout
 from oslo_models.training import clip_grad_norm_, load_checkpoint, save_checkpoint
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import adamw_pair, assert_grads_match, assert_params_match, padded_batch, save_seeded
+from tests.helpers.pipeline import assert_pipeline_matches
 
 VOCAB, EXPERTS = 61, 4
 ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-6)
@@ -99,6 +102,9 @@ def _resident_experts_are_own(model) -> None:
             continue
         experts = layer.mlp.experts
         assert experts.gate_up_proj.shape[0] == experts.down_proj.shape[0] == EXPERTS // ctx.ep_size
+        # expert tensor parallelism: 1/etp of each expert's feed-forward
+        per_rank = experts.intermediate_dim // ctx.etp_size
+        assert experts.gate_up_proj.shape[1] == 2 * experts.down_proj.shape[2] == 2 * per_rank
         assert experts.first_expert == ctx.ep_rank * EXPERTS // ctx.ep_size
 
 
@@ -111,13 +117,17 @@ def _layouts_worker(checkpoints: dict, out_root: str) -> None:
     model = om.AutoModelForCausalLM.from_config(config, parallel=om.ParallelConfig(expert_parallel_size=4))
     _resident_experts_are_own(model)
     assert_params_match(model, reference, atol=0, rtol=0)
-    for ep, tp, zero_stage in ((4, 1, 0), (2, 2, 0), (2, 1, 1), (2, 1, 3)):
+    # (ep, tp, expert tp, sequence parallel, ZeRO stage): ep2 x tp2 + SP (experts whole, the block gathers the
+    # sequence), expert tp 2 (ep2 x etp2), and ep2 x etp2 + SP (reduce-scatter after the combine)
+    for ep, tp, etp, sp, zero_stage in ((4, 1, 1, False, 0), (2, 2, 1, True, 0), (2, 2, 2, False, 0),
+                                        (2, 2, 2, True, 0), (2, 1, 1, False, 1), (2, 1, 1, False, 3)):
         for model_type, path in checkpoints.items():
             if zero_stage == 3 and model_type != "mixtral":
                 continue  # ZeRO-3 (experts sharded over edp, the rest over dp): one family is enough
-            model = _load(path, expert_parallel_size=ep, tensor_parallel_size=tp).train()
+            model = _load(path, expert_parallel_size=ep, tensor_parallel_size=tp, expert_tensor_parallel_size=etp,
+                          sequence_parallel=sp).train()
             ctx = model.parallel_context
-            assert (ctx.ep_size, ctx.tp_size, ctx.edp_size) == (ep, tp, ctx.dp_size // ep)
+            assert (ctx.ep_size, ctx.tp_size, ctx.edp_size, ctx.etp_size) == (ep, tp, ctx.dp_size // ep, etp)
             _resident_experts_are_own(model)
             reference = HF[model_type].from_pretrained(path).train()
             accelerator = Accelerator(cpu=True) if zero_stage else None
@@ -126,7 +136,9 @@ def _layouts_worker(checkpoints: dict, out_root: str) -> None:
             if zero_stage:
                 continue
             # the trained model saves a plain checkpoint: transformers' keys and shapes, same logits
-            out = os.path.join(out_root, f"{model_type}-ep{ep}-tp{tp}")
+            if sp:
+                continue  # the save below is the same at tp2 without SP
+            out = os.path.join(out_root, f"{model_type}-ep{ep}-tp{tp}-etp{etp}")
             model.eval()
             ids, mask, _ = padded_batch(VOCAB)
             logits = model(ids, attention_mask=mask).logits
@@ -137,6 +149,20 @@ def _layouts_worker(checkpoints: dict, out_root: str) -> None:
                 original = load_file(os.path.join(path, "model.safetensors"))
                 assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in original.items()}
                 torch.testing.assert_close(plain(ids, attention_mask=mask).logits, logits, atol=1e-5, rtol=1e-5)
+    # pp2 x ep2 (x dp2): GPipe, one microbatch; experts' gradients summed over edp in the pipeline's sync; the
+    # reference loss is the mean of the two replicas' (the load-balancing loss is per replica)
+    for model_type, path in checkpoints.items():
+        model = _load(path, pipeline_parallel_size=2, expert_parallel_size=2, pipeline_schedule="gpipe",
+                      num_microbatches=1, pipeline_partition="parameters")
+        assert model.parallel_context.ep_size == 2
+        ids, mask, labels = padded_batch(VOCAB, batch=4, seq=8, seed=7)
+        batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+        def replicas_mean(ref, b):
+            return sum(ref(**{k: v[i:i + 2] for k, v in b.items()}).loss for i in (0, 2)) / 2
+
+        assert_pipeline_matches(model, HF[model_type].from_pretrained(path).train(), batch, steps=2,
+                                reference_loss=replicas_mean)
 
 
 def test_expert_parallel_layouts_match_transformers_and_save(checkpoints, tmp_path):
@@ -149,5 +175,12 @@ def test_clear_errors(checkpoints):
         om.MixtralForCausalLM.validate_parallel_config(config, om.ParallelConfig(expert_parallel_size=3))
     with pytest.raises(ValueError, match="expert_parallel_size=2 must divide data_parallel_size=1"):
         _load(checkpoints["mixtral"], expert_parallel_size=2)
-    with pytest.raises(NotImplementedError, match="sequence_parallel"):
-        _load(checkpoints["qwen2_moe"], tensor_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size=3 must divide tensor_parallel_size=2"):
+        om.ParallelConfig(tensor_parallel_size=2, expert_tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="expert feed-forward size 24 is not divisible"):
+        check_expert_layout("mixtral", EXPERTS,
+                            om.ParallelConfig(tensor_parallel_size=5, expert_tensor_parallel_size=5),
+                            expert_intermediate_size=24, sequence_parallel=True)
+    with pytest.raises(NotImplementedError, match="tensor_parallel_mode='2d' with mixture-of-experts"):
+        check_expert_layout("mixtral", EXPERTS, om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d"),
+                            expert_intermediate_size=24, sequence_parallel=True)

@@ -173,5 +173,7 @@ def test_readme_support_matrix_is_generated_from_the_records():
     rows = {row["model_type"]: row["axes"] for row in support.support_rows()}
     assert set(rows) == {record.model_type for record in registry.families()}
     assert {column for column, reason in rows["llama"].items() if reason is not None} == {"ep"}
-    assert "mixture-of-experts" in rows["mixtral"]["sp"] and rows["mixtral"]["ep"] is None
+    assert rows["mixtral"]["sp"] is None and rows["mixtral"]["cp"] is None and rows["mixtral"]["ep"] is None
+    assert "mixture-of-experts" in rows["mixtral"]["2d/2.5d/3d"]
+    assert "mixture-of-experts" in rows["switch_transformers"]["sp"]
     assert "ALiBi" in rows["bloom"]["cp"] and "soft-capping" in rows["gemma2"]["cp"]

@@ -61,10 +61,10 @@ TOY = FamilyRecord(model_type=TOY_TYPE, package=__name__, config="ToyConfig",
 
 # The layouts the validation code refuses for a type, with a fragment of the reason; every other layout of the zoo
 # must run and match transformers.
-_MOE = {"tp2+sp x dp2 zero3": "sequence_parallel with mixture-of-experts", "cp2 ring x dp2 zero1": "is not implemented",
-        "pp2 x tp2": "pipeline_parallel_size > 1 together with"}
+# The MoE decoders run every layout (sequence parallelism, pp x tp, cp with the load-balancing statistics summed
+# over cp): no entry.
 _SOFTCAP = {"cp2 ring x dp2 zero1": "attention logit soft-capping"}
-REFUSED = {"mixtral": _MOE, "qwen2_moe": _MOE, "qwen3_moe": _MOE, "gemma2": _SOFTCAP,
+REFUSED = {"gemma2": _SOFTCAP,
            "bloom": {"cp2 ring x dp2 zero1": "ALiBi"}}
 
 
@@ -205,13 +205,12 @@ def _layouts_worker(model_type: str, path: str) -> None:
     # tp = 2 with sequence parallelism x dp = 2 under ZeRO-3, then (trained, sharded weights) a cached decode loop
     # and generate
     pair = run("tp2+sp x dp2 zero3", 3, tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)
-    if pair is None:  # the MoE decoders refuse sequence parallelism: tp = 2 alone
+    if pair is None:  # a family refusing sequence parallelism: tp = 2 alone
         pair = run("tp2 x dp2 zero3", 3, tensor_parallel_size=2, data_parallel_size=2)
     _check_decode_loop(*pair)
     _check_generate(*pair)
     run("tp4", tensor_parallel_size=4)
-    # 1F1B with 2 microbatches (the MoE decoders: GPipe with one, where their load-balancing loss is the batch's;
-    # they refuse pp x tp, so pp x dp)
+    # 1F1B with 2 microbatches (the MoE decoders: GPipe with one, where their load-balancing loss is the batch's)
     schedule = dict(pipeline_schedule="gpipe", num_microbatches=1) if _is_moe(config) else dict(num_microbatches=2)
     schedule["pipeline_partition"] = "parameters"  # odd layer counts too
     if run("pp2 x tp2", pipeline_parallel_size=2, tensor_parallel_size=2, **schedule) is None and _is_moe(config):

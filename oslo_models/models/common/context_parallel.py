@@ -154,7 +154,9 @@ def check_context_parallel(model_class, config, parallel) -> None:
     if cp == 1:
         return
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    if experts or not getattr(model_class, "_oslo_context_parallel", False):  # MoE: the router loss is per chunk
+    # MoE: only a family whose router loss reduces its statistics over cp (``_oslo_moe_context_parallel``)
+    if (experts and not getattr(model_class, "_oslo_moe_context_parallel", False)) \
+            or not getattr(model_class, "_oslo_context_parallel", False):
         raise NotImplementedError(f"{model_class.__name__} under context_parallel_size={cp} is not implemented; "
                                   f"the base models and LM heads of GPT-2, BERT and the stack decoders are, and "
                                   f"the stack decoders' sequence/token classification and question answering heads")

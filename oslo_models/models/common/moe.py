@@ -7,10 +7,19 @@ module names and keys of ``transformers``' ``MixtralSparseMoeBlock`` / ``Qwen2Mo
   ``shared_expert_gate`` (``[1, h]``, replicated): output ``experts + sigmoid(shared_expert_gate(x)) *
   shared_expert(x)``.
 
-Input/output ``[b, s, h]``; the router logits ``[b*s, E]`` of each call are appended to ``router_logits`` when a
-collector (``RouterLogits``) is passed (what ``output_router_logits`` returns and the load-balancing loss reads).
-Collectives: the dispatch/combine all-to-alls over ``ep`` (``parallel_layers/moe/dispatch.py``), and the shared
-expert's TP ones.
+Input/output ``[b, s, h]`` (``[b, s/tp, h]`` under sequence parallelism); the router logits ``[b*s, E]`` of each
+call (always the whole sequence) are appended to ``router_logits`` when a collector (``RouterLogits``) is passed
+(what ``output_router_logits`` returns and the load-balancing loss reads).
+Collectives: the dispatch/combine all-to-alls over ``ep`` (``parallel_layers/moe/dispatch.py``), the experts' over
+``etp`` (``parallel_layers/moe/experts.py``), and the shared expert's TP ones.
+
+Sequence parallelism: the routed part works on the whole sequence, as outside sequence parallelism. The block
+all-gathers its ``[b, s/tp, h]`` input over tp (backward: this rank's slice, every rank's gradient being the same
+full one), routes and runs the experts, and hands back this rank's slice; when the experts are split over the whole
+tp group (``expert_tensor_parallel_size == tensor_parallel_size``, Megatron's default) their partial outputs are
+combined first and reduce-scattered over tp (Megatron's order: experts, combine, reduce-scatter), otherwise the
+combined output is whole and sliced. The router, its loss and statistics therefore see exactly the tokens
+``transformers`` sees. The shared expert runs on the local slice like a dense sequence-parallel MLP.
 """
 from __future__ import annotations
 
@@ -19,7 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...parallel_layers.layers import Linear
+from ...parallel_layers.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    group_size,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from ...parallel_layers.plan import Colwise, Rowwise
+from ...parallel_layers.sequence_parallel import SequenceParallelAware
 from .parallel_rules import Features
 from ...parallel_layers.moe import ExpertParallel, StackedExperts, TopKRouter, combine, dispatch, router_jitter
 from .mlp import GatedMLP
@@ -39,7 +56,7 @@ class RouterLogits:
         self.logits.append(logits)
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(SequenceParallelAware, nn.Module):
     # the plan fragment: stacked experts split over the expert-parallel group (contiguous blocks of E/ep; not over
     # tensor parallelism, see parallel_layers/moe/experts.py); the router and the shared expert's gate replicated;
     # the shared expert (Qwen2-MoE) column-/row-parallel like a dense MLP
@@ -64,6 +81,11 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, *, router_logits: RouterLogits | None = None) -> torch.Tensor:
+        tp_group = self.experts.tp_group
+        sequence_parallel = self.sequence_parallel_active() and group_size(tp_group) > 1
+        local = hidden_states
+        if sequence_parallel:  # [b, s/tp, h] -> [b, s, h]; the routed part below is the same on every tp rank
+            hidden_states = gather_from_sequence_parallel_region(local, tp_group, grad_is_partial=False)
         shape = hidden_states.shape
         hidden_states = router_jitter(hidden_states, self.jitter_noise, self.training)
         flat = hidden_states.reshape(-1, shape[-1])
@@ -71,22 +93,45 @@ class SparseMoeBlock(nn.Module):
         if router_logits is not None:
             router_logits.append(logits)
         group = self.experts.group
+        # experts split over the whole tp group under sequence parallelism: combine their partial sums, then
+        # reduce-scatter (one collective instead of an all-reduce and a slice)
+        partial = sequence_parallel and group_size(self.experts.etp_group) == group_size(tp_group)
         routed = dispatch(flat, index, self.experts.num_experts, group)
-        out = combine(self.experts(routed.rows, routed.local_counts), routed, weights, flat.shape[0], group)
+        expert_out = self.experts(routed.rows, routed.local_counts, reduce_output=not partial)
+        if partial:  # the weights then multiply partial sums: their gradient is summed over tp
+            weights = copy_to_tensor_parallel_region(weights, tp_group)
+        out = combine(expert_out, routed, weights, flat.shape[0], group).reshape(shape)
+        if partial:
+            out = reduce_scatter_to_sequence_parallel_region(out, tp_group)
+        elif sequence_parallel:
+            out = scatter_to_sequence_parallel_region(out, tp_group)
         if hasattr(self, "shared_expert"):
-            shared = self.shared_expert(hidden_states).reshape(-1, shape[-1])
-            out = out + F.sigmoid(self.shared_expert_gate(flat)) * shared
-        return out.reshape(shape)
+            gate = F.sigmoid(self.shared_expert_gate(flat)).reshape(*shape[:-1], 1)
+            if sequence_parallel:
+                gate = scatter_to_sequence_parallel_region(gate, tp_group)
+            out = out + gate * self.shared_expert(local)
+        return out
 
 
-def check_expert_layout(name: str, num_experts: int, parallel) -> None:
+def check_expert_layout(name: str, num_experts: int, parallel, *, expert_intermediate_size: int | None = None,
+                        sequence_parallel: bool = False) -> None:
     """The layout checks every mixture-of-experts family shares, before any process group exists: experts split
-    evenly over ``expert_parallel_size``; no sequence parallelism (the router and the capacity rule see whole
-    sequences)."""
-    ep = parallel.expert_parallel_size
+    evenly over ``expert_parallel_size``, each expert's feed-forward (``expert_intermediate_size``) evenly over
+    ``expert_tensor_parallel_size``; no grid tensor-parallel mode (the grid layers do not split experts);
+    ``sequence_parallel=False``: a family whose MoE block does not run sequence-parallel (NotImplementedError)."""
+    ep, etp = parallel.expert_parallel_size, parallel.expert_tensor_parallel_size
     if num_experts % ep:
         raise ValueError(f"{name}: the {num_experts} experts of each layer cannot be split over "
                          f"expert_parallel_size={ep}; use a divisor of {num_experts}")
-    if parallel.sequence_parallel:
+    if etp > 1 and (expert_intermediate_size is None or expert_intermediate_size % etp):
+        what = ("this family's experts cannot be split" if expert_intermediate_size is None
+                else f"the expert feed-forward size {expert_intermediate_size} is not divisible by it")
+        raise ValueError(f"{name}: expert_tensor_parallel_size={etp}: {what}")
+    if parallel.tensor_parallel_mode != "1d":
+        raise NotImplementedError(f"{name}: tensor_parallel_mode={parallel.tensor_parallel_mode!r} with "
+                                  "mixture-of-experts layers is not implemented (the grid layers split every "
+                                  "activation over batch and hidden; the router and the expert dispatch need "
+                                  "whole tokens); use tensor_parallel_mode='1d'")
+    if parallel.sequence_parallel and not sequence_parallel:
         raise NotImplementedError(f"{name}: sequence_parallel with mixture-of-experts layers is not "
                                   "implemented; use tensor_parallel_size without sequence_parallel")

@@ -6,11 +6,17 @@ q/k/v biases, q/k norms).
 
 Expert parallelism: ``ParallelConfig(expert_parallel_size=ep)`` splits each layer's experts over ``ep`` of the
 data-parallel ranks (``parallel_plan.py``); tokens travel to their experts and back by all-to-all. Tensor
-parallelism splits attention (and Qwen2-MoE's shared/dense MLPs) as in Llama; experts are not TP-split.
+parallelism splits attention (and Qwen2-MoE's shared/dense MLPs) as in Llama; experts are split over the
+``expert_tensor_parallel_size`` consecutive tp ranks (whole at 1). Sequence parallelism: the MoE block gathers the
+sequence over tp (``common/moe.py``), so router logits and the loss are the whole sequence's. Pipeline stages
+(with tp, ep, dp) carry the load-balancing statistics (``pipeline_mixtral.py``).
 
 Router losses as ``transformers``: with ``output_router_logits`` (argument or ``config.output_router_logits``)
 the outputs carry ``router_logits`` (one ``[b*s, E]`` per sparse layer) and ``aux_loss`` (the load-balancing loss
-over this rank's tokens), and, when ``labels`` are given, ``loss = lm_loss + router_aux_loss_coef * aux_loss``.
+over this replica's tokens), and, when ``labels`` are given, ``loss = lm_loss + router_aux_loss_coef * aux_loss``.
+Under context parallelism each rank's router logits are its chunks' (``[b*s/cp, E]``) and the loss is the whole
+sequence's: the statistics it is made of (``routing_statistics``) are summed over cp (backward ``x cp``, as the
+language-model loss, ``parallel_layers/context_parallel/loss.py``).
 The base model returns ``MoeModelOutputWithPast`` with the router logits when asked, as ``transformers``' does.
 """
 from __future__ import annotations
@@ -24,6 +30,7 @@ from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder
 
 from ...config import ParallelConfig
+from ...parallel_layers.context_parallel import sum_over_context
 from ...parallel_layers.moe import TopKRouter, load_balancing_loss
 from ..common.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
 from ..common.mlp import GatedMLP
@@ -31,7 +38,7 @@ from ..common.moe import RouterLogits, SparseMoeBlock, check_expert_layout
 from ..common.outputs import passed_on
 from ..llama import modeling_llama as llama
 from .configuration_mixtral import MixtralConfig
-from .pipeline_mixtral import MixtralPipelineAdapter
+from .pipeline_mixtral import MixtralPipelineAdapter, aux_loss_from_statistics, routing_statistics
 
 
 class MoeDecoderLayer(llama.LlamaDecoderLayer):
@@ -60,6 +67,7 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
     config_class = MixtralConfig
     stack_spec = MOE_SPEC
     _no_split_modules = ["MoeDecoderLayer"]
+    _oslo_moe_context_parallel = True  # the load-balancing statistics are summed over cp (forward below)
     # the base model returns each sparse layer's router logits [b*s, E] with output_router_logits, as transformers'
     # (recorded by its hooks on the routers; the tokens are whole on every TP rank: nothing to gather)
     _can_record_outputs = {**llama.LlamaPreTrainedModel._can_record_outputs,
@@ -88,14 +96,8 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
         super().validate_parallel_config(config, parallel)
-        name = config.model_type
-        check_expert_layout(name, cls.num_experts(config), parallel)
-        if parallel.pipeline_parallel_size > 1 and (parallel.expert_parallel_size > 1
-                                                    or parallel.tensor_parallel_size > 1):
-            raise NotImplementedError(f"{name}: pipeline_parallel_size > 1 together with expert_parallel_size or "
-                                      "tensor_parallel_size > 1 is not implemented (not tested) for the "
-                                      "mixture-of-experts decoders; use pipeline with data parallelism, or "
-                                      "tensor/expert/data parallelism without pipeline")
+        check_expert_layout(config.model_type, cls.num_experts(config), parallel, sequence_parallel=True,
+                            expert_intermediate_size=cls.decoder_options(config)["moe"]["intermediate_size"])
 
 
 class MixtralModel(MixtralPreTrainedModel, llama.LlamaModel):
@@ -129,11 +131,20 @@ class MixtralForCausalLM(MixtralPreTrainedModel, llama.LlamaForCausalLM):
         router_logits = collected.logits
         loss, aux_loss = out.loss, None
         if output_router_logits:
-            aux_loss = load_balancing_loss(tuple(router_logits), self.num_experts(self.config),
-                                           self.config.num_experts_per_tok, attention_mask)
+            aux_loss = self._aux_loss(router_logits, attention_mask)
             if labels is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=out.logits,
                                          past_key_values=out.past_key_values,
                                          router_logits=tuple(router_logits) if output_router_logits else None,
                                          **passed_on(out))
+
+    def _aux_loss(self, router_logits, attention_mask) -> torch.Tensor:
+        """The load-balancing loss: ``transformers``' own function; under context parallelism the same loss from
+        the statistics of every chunk of the sequences (summed over cp, backward ``x cp``)."""
+        num_experts, top_k = self.num_experts(self.config), self.config.num_experts_per_tok
+        context = self.parallel_context
+        if context.cp_size == 1:
+            return load_balancing_loss(tuple(router_logits), num_experts, top_k, attention_mask)
+        statistics = routing_statistics(router_logits, num_experts, top_k, attention_mask)
+        return aux_loss_from_statistics(sum_over_context(statistics, context), num_experts)

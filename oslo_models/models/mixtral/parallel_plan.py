@@ -2,8 +2,8 @@
 ``MOE_SPEC`` (``modeling_mixtral.py``): the Llama decoder's components, with ``SparseMoeBlock`` carrying its fragment
 
 - ``mlp.experts`` (``gate_up_proj``, ``down_proj``): stacked experts split over the expert-parallel group
-  (``ExpertParallel``: contiguous blocks of ``E/ep`` experts; not split over tensor parallelism, see
-  ``parallel_layers/moe/experts.py``);
+  (``ExpertParallel``: contiguous blocks of ``E/ep`` experts; each expert split over
+  ``expert_tensor_parallel_size`` tp ranks, see ``parallel_layers/moe/experts.py``);
 - ``mlp.gate`` (router) and ``mlp.shared_expert_gate``: replicated;
 - ``mlp.shared_expert`` (Qwen2-MoE): a SwiGLU MLP, column-/row-parallel like the dense one.
 

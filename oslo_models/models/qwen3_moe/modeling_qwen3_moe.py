@@ -11,7 +11,8 @@
   Qwen2-MoE conversion mapping, which it uses for this type too).
 
 Expert parallelism splits each sparse layer's experts over ``expert_parallel_size`` (all-to-all dispatch and
-combine); tensor parallelism splits attention and the dense MLPs as in Llama, experts are not TP-split.
+combine); tensor parallelism splits attention and the dense MLPs as in Llama, experts over
+``expert_tensor_parallel_size`` ranks; sequence, pipeline and context parallelism as Mixtral.
 """
 from __future__ import annotations
 

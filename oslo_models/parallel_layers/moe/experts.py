@@ -9,10 +9,19 @@ Two expert shapes:
   (``experts.expert_{i}.wi``), which ``models/common/expert_keys.py`` maps to and from the stacked tensors.
 
 Under expert parallelism each rank holds its contiguous block of ``E/ep`` experts (``EvenSplit(0, axis="ep")``, so
-the loader reads only those rows and the saver all-gathers them over ``ep``). Experts are not split over tensor
-parallelism: every tp rank of an ep rank holds the same experts and runs the same tokens (the residual stream is
-replicated over tp outside sequence parallelism), so expert gradients are equal over tp and counted once by the
-gradient norm.
+the loader reads only those rows and the saver all-gathers them over ``ep``). By default experts are not split over
+tensor parallelism: every tp rank of an ep rank holds the same experts and runs the same tokens (the MoE block sees
+the whole sequence on every tp rank, see ``models/common/moe.py``), so expert gradients are equal over tp and
+counted once by the gradient norm.
+
+Expert tensor parallelism (``expert_tensor_parallel_size = k``, group ``etp`` = ``k`` consecutive tp ranks): each
+expert's feed-forward is split Megatron-style, the first projection column-parallel (``gate_up_proj`` rows: this
+rank's ``i/k`` gate rows, then its ``i/k`` up rows; ``wi`` rows), the second row-parallel (``down_proj`` / ``wo``
+columns). Layout ``ExpertTensorSplit``: dim 0 over ``ep`` and the feed-forward dim over ``etp``, so the loader reads
+only this rank's slice of its experts and the saver gathers over both. Collectives in ``forward``: the rows enter
+with ``copy_to_tensor_parallel_region`` (backward: all-reduce over etp of the partial input gradients) and leave with
+an all-reduce over etp of the partial outputs (or, with ``reduce_output=False``, the caller reduces them: a
+reduce-scatter after the combine under sequence parallelism).
 
 The local experts run as one grouped computation: rows grouped by expert are laid out as ``[E_local, C, h]``
 (``C`` = the largest expert's row count, zero rows padding the others) and multiplied with ``torch.bmm``, not a
@@ -26,9 +35,14 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ..layers import Dropout
-from ..mappings import group_rank, group_size
+from ..mappings import (
+    copy_to_tensor_parallel_region,
+    group_rank,
+    group_size,
+    reduce_from_tensor_parallel_region,
+)
 from ..plan import Style, refuse_grid_mode
-from ..sharding import EvenSplit
+from ..sharding import EvenSplit, GridBlock, Layout, PackedSplit
 from ..tensor_parallel import divide
 
 
@@ -53,11 +67,16 @@ class _GroupedExperts(nn.Module):
     """
 
     weight_names: tuple[str, ...] = ()
+    # expert tensor parallelism: each weight's layout over "etp" (its feed-forward dim); a weight missing here
+    # cannot be split over etp
+    etp_layouts: dict[str, Layout] = {}
 
     def __init__(self, num_experts: int):
         super().__init__()
         self.num_experts = num_experts  # of the whole layer
         self.group = None  # expert-parallel group; set by ExpertParallel
+        self.etp_group = None  # expert-tensor-parallel group; set by ExpertParallel
+        self.tp_group = None  # the tensor-parallel group (the MoE block's sequence-parallel boundary); idem
         self.first_expert = 0
         # ZeRO-2/3 (training/zero.py) sets 1/ep: FSDP2 averages the experts' gradients over edp, they must be
         # summed over edp and divided by dp (FSDP2's own divide factor needs PREMUL_SUM, which gloo lacks)
@@ -72,24 +91,47 @@ class _GroupedExperts(nn.Module):
     def num_local_experts(self) -> int:
         return getattr(self, self.weight_names[0]).shape[0]
 
-    def shard(self, group) -> "StackedExperts":
-        """Keep this rank's ``E/ep`` experts (shapes only: called before the weights are loaded)."""
-        ep = group_size(group)
+    def shard(self, group, etp_group=None) -> "StackedExperts":
+        """Keep this rank's ``E/ep`` experts, and of each its ``1/etp`` slice of the feed-forward (shapes only:
+        called before the weights are loaded)."""
+        ep, etp = group_size(group), group_size(etp_group)
         local = divide(self.num_experts, ep, "number of experts")
         self.group, self.first_expert = group, group_rank(group) * local
+        self.etp_group = etp_group if etp > 1 else None
         for name in self.weight_names:
             old = getattr(self, name)
-            setattr(self, name, nn.Parameter(old.new_empty((local, *old.shape[1:])), requires_grad=old.requires_grad))
+            shape = (local, *old.shape[1:])
+            if etp > 1:
+                if name not in self.etp_layouts:
+                    raise NotImplementedError(f"{type(self).__name__}.{name} cannot be split over "
+                                              f"expert_tensor_parallel_size={etp}")
+                shape = self.etp_layouts[name].local_shape(shape, etp)
+            setattr(self, name, nn.Parameter(old.new_empty(shape), requires_grad=old.requires_grad))
         return self
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def expert_layouts(self) -> dict[str, Layout]:
+        """Each stacked weight's layout: experts over ``ep``; with expert tensor parallelism also the feed-forward
+        dim over ``etp``."""
+        if self.etp_group is None:
+            return {name: EvenSplit(0, axis="ep") for name in self.weight_names}
+        return {name: ExpertTensorSplit(EvenSplit(0, axis="ep"), self.etp_layouts[name])
+                for name in self.weight_names}
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, *, reduce_output: bool = True) -> torch.Tensor:
+        """``reduce_output=False`` under expert tensor parallelism: return this rank's partial sums (the caller
+        reduces them over etp, e.g. after the combine)."""
         local, hidden = self.num_local_experts, rows.shape[-1]
+        if self.etp_group is not None:  # replicated rows into a column-parallel projection
+            rows = copy_to_tensor_parallel_region(rows, self.etp_group)
         capacity = int(counts.max()) if counts.numel() else 0
         offsets = torch.cumsum(counts, 0) - counts
         expert = torch.repeat_interleave(torch.arange(local, device=rows.device), counts)
         slot = torch.arange(rows.shape[0], device=rows.device) - offsets.index_select(0, expert)
         padded = rows.new_zeros((local, capacity, hidden)).index_put((expert, slot), rows)
-        return self.run(padded)[expert, slot]
+        out = self.run(padded)[expert, slot]
+        if self.etp_group is not None and reduce_output:  # row-parallel partial sums
+            out = reduce_from_tensor_parallel_region(out, self.etp_group)
+        return out
 
     def run(self, padded: torch.Tensor) -> torch.Tensor:
         """``[E_local, C, h]`` (expert ``e``'s rows, zero-padded to ``C``) -> ``[E_local, C, h]``."""
@@ -100,6 +142,7 @@ class StackedExperts(_GroupedExperts):
     """``E`` SwiGLU experts ``down(act(gate(x)) * up(x))`` in stacked weights (Mixtral, Qwen2-MoE)."""
 
     weight_names = ("gate_up_proj", "down_proj")
+    etp_layouts = {"gate_up_proj": PackedSplit(1, (1, 1), axis="etp"), "down_proj": EvenSplit(2, axis="etp")}
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, act: str = "silu"):
         super().__init__(num_experts)
@@ -118,6 +161,7 @@ class StackedDenseExperts(_GroupedExperts):
     ``SwitchTransformersDenseActDense`` per expert). The dropout acts on whole (not tensor-split) activations."""
 
     weight_names = ("wi", "wo")
+    etp_layouts = {"wi": EvenSplit(1, axis="etp"), "wo": EvenSplit(2, axis="etp")}
 
     def __init__(self, num_experts: int, d_model: int, d_ff: int, *, act: str = "relu", dropout: float = 0.0):
         super().__init__(num_experts)
@@ -131,15 +175,29 @@ class StackedDenseExperts(_GroupedExperts):
         return torch.bmm(hidden.to(self.wo.dtype), self.weight("wo").transpose(1, 2))  # [E_l, C, d]
 
 
+class ExpertTensorSplit(GridBlock):
+    """Stacked experts split over ``ep`` (``first``: dim 0) and each expert's feed-forward over ``etp``
+    (``second``). The pieces differ over ep and etp; the ``tp / etp`` sub-groups of a tensor-parallel group hold the
+    same pieces (gradient norms count them once)."""
+
+    def num_replicas(self, context) -> int:
+        return context.tp_size // self.second.position(context)[1]
+
+    def dcp_view(self, local, context):
+        return None  # no single Shard(dim) over one mesh axis: resumable checkpoints store the gathered tensor
+
+
 class ExpertParallel(Style):
     """Plan style of stacked experts (``StackedExperts``, ``StackedDenseExperts``): split dim 0 (experts) over the
-    expert-parallel group."""
+    expert-parallel group and, with ``expert_tensor_parallel_size > 1``, each expert's feed-forward over ``etp``."""
 
     hf_style = None  # not a tensor-parallel style (transformers lists it in base_model_ep_plan as "grouped_gemm")
 
     def build(self, module, context):
         refuse_grid_mode(context, "mixture-of-experts layers")
-        return module.shard(context.ep_group)
+        module = module.shard(context.ep_group, context.etp_group)
+        module.tp_group = context.tp_group
+        return module
 
     def layouts(self, module):
-        return {name: EvenSplit(0, axis="ep") for name in module.weight_names}
+        return module.expert_layouts()
