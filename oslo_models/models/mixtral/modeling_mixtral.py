@@ -43,7 +43,7 @@ class MoeDecoderLayer(llama.LlamaDecoderLayer):
 
     def __init__(self, config, layer_idx: int, **kwargs):
         super().__init__(config, layer_idx, **kwargs)
-        self.is_sparse = isinstance(self.mlp, SparseMoeBlock)
+        self.is_sparse = hasattr(self.mlp, "experts")  # SparseMoeBlock or another family's routed block
 
     def mlp_forward(self, x: torch.Tensor, router_logits: RouterLogits | None = None) -> torch.Tensor:
         return self.mlp(x, router_logits=router_logits) if self.is_sparse else self.mlp(x)
