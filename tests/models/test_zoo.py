@@ -64,7 +64,12 @@ TOY = FamilyRecord(model_type=TOY_TYPE, package=__name__, config="ToyConfig",
 _MOE = {"tp2+sp x dp2 zero3": "sequence_parallel with mixture-of-experts", "cp2 ring x dp2 zero1": "is not implemented",
         "pp2 x tp2": "pipeline_parallel_size > 1 together with"}
 _SOFTCAP = {"cp2 ring x dp2 zero1": "attention logit soft-capping"}
-REFUSED = {"mixtral": _MOE, "qwen2_moe": _MOE, "qwen3_moe": _MOE, "gemma2": _SOFTCAP,
+# DeepSeek-V3's multi-head latent attention refuses sequence and context parallelism itself (its rules run first);
+# gpt-oss's sinks refuse context parallelism inside the kernel, after the MoE decoders' check
+_MLA = {**_MOE, "tp2+sp x dp2 zero3": "sequence_parallel is refused",
+        "cp2 ring x dp2 zero1": "multi-head latent attention under context parallelism"}
+REFUSED = {"mixtral": _MOE, "qwen2_moe": _MOE, "qwen3_moe": _MOE, "deepseek_v3": _MLA, "gpt_oss": _MOE,
+           "gemma2": _SOFTCAP,
            "bloom": {"cp2 ring x dp2 zero1": "ALiBi"}}
 
 
