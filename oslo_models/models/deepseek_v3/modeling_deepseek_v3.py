@@ -55,7 +55,9 @@ class DeepseekV3PreTrainedModel(mixtral.MixtralPreTrainedModel):
     expert_key_layout = ExpertKeyLayout()  # mlp.experts.N.gate_proj/up_proj/down_proj
     _can_record_outputs = {"hidden_states": mixtral.MoeDecoderLayer, "attentions": MultiHeadLatentAttention,
                            "router_logits": OutputRecorder(GroupLimitedRouter, index=0)}
-    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight"]  # as transformers
+    # the router (its weight and correction bias) stays fp32 in half-precision models, as transformers'
+    # ["e_score_correction_bias", "gate.weight"] keeps it; here the patterns name modules
+    _keep_in_fp32_modules_strict = ["gate"]
 
     @classmethod
     def decoder_options(cls, config) -> dict:
