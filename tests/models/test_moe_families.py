@@ -5,7 +5,7 @@ In process (ep 1): logits, router logits, the loss (gpt-oss: with the load-balan
 non-zero ``e_score_correction_bias`` (frozen: equal to the checkpoint's after training), MLA with ``q_lora_rank``
 set (the record's tiny model) and unset (a plain ``q_proj``, half-split rotary), and gpt-oss. Negative controls,
 one per new component: each particular switched off on our side no longer matches (group limit, correction bias,
-yarn ``mscale`` on the score scale, sinks, SwiGLU clamp).
+yarn ``mscale`` on the score scale, sinks, SwiGLU clamp). gpt-oss checkpoints with MXFP4 experts load dequantized.
 
 One spawned group of 4 ranks: 3 AdamW steps at ep 2 x tp 2 (all three), ep 4, ep 2 on dp 4 with ZeRO-1 (DeepSeek-V3)
 and ZeRO-3 (gpt-oss) through ``om.training.prepare`` (``test_moe_parity._train_matches``); the trained ep 2 x tp 2
@@ -121,12 +121,39 @@ def test_each_particular_matters(checkpoints):
     assert _differs(model, reference, ids, mask)
 
 
-def test_quantized_checkpoints_are_refused():
-    config = tiny_config("gpt_oss", quantization_config={"quant_method": "mxfp4"})
-    with pytest.raises(ValueError, match="mxfp4-quantized weights"):
-        check_not_quantized(config)
-    with pytest.raises(ValueError, match="mxfp4-quantized weights"):
-        om.GptOssForCausalLM.validate_parallel_config(config, om.ParallelConfig())
+def test_mxfp4_experts_are_dequantized(tmp_path):
+    """A gpt-oss checkpoint with MXFP4 experts (``*_blocks``/``*_scales`` and ``quantization_config``, as the Hub's)
+    loads dequantized: the same logits as transformers on the dense weights of transformers' own dequantizer; the
+    model saves dense weights without the quantization config. Other methods are refused."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config = tiny_config("gpt_oss", intermediate_size=32)  # MXFP4 packs 32 values per block along each row
+    torch.manual_seed(0)
+    _hf_class("gpt_oss")(config).save_pretrained(tmp_path / "dense")
+    state, packed, generator = load_file(tmp_path / "dense" / "model.safetensors"), {}, torch.Generator()
+    generator.manual_seed(3)
+    for key, tensor in list(state.items()):
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, width, rows = tensor.shape  # dense [E, G*32, rows]
+            blocks = torch.randint(0, 256, (experts, rows, width // 32, 16), dtype=torch.uint8, generator=generator)
+            scales = torch.randint(118, 124, (experts, rows, width // 32), dtype=torch.uint8, generator=generator)
+            packed[key + "_blocks"], packed[key + "_scales"] = blocks, scales
+            state[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            packed[key] = tensor
+    save_file(state, tmp_path / "dense" / "model.safetensors", metadata={"format": "pt"})
+    config.quantization_config = {"quant_method": "mxfp4"}
+    config.save_pretrained(tmp_path / "mxfp4")
+    save_file(packed, tmp_path / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
+    model = _load(str(tmp_path / "mxfp4")).eval()
+    reference = _hf_class("gpt_oss").from_pretrained(tmp_path / "dense").eval()
+    assert not hasattr(model.config, "quantization_config")
+    ids, mask, _ = padded_batch(61, batch=2, seq=8)
+    assert not _differs(model, reference, ids, mask)
+    for key in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        assert torch.equal(model.state_dict()[key], state[key])
+    with pytest.raises(ValueError, match="bitsandbytes-quantized weights"):
+        check_not_quantized(tiny_config("gpt_oss", quantization_config={"quant_method": "bitsandbytes"}))
 
 
 def _own_experts(model) -> None:

@@ -16,9 +16,10 @@ same ``load_balancing_loss_func``); pipeline stages carry its statistics (``pipe
 
 Checkpoints: ``transformers`` stores gpt-oss's experts stacked (``mlp.experts.gate_up_proj [E, h, 2i]`` ...), so
 they are read and written as they are (no per-expert conversion). Checkpoints whose experts are MXFP4-quantized
-(``quantization_config.quant_method == "mxfp4"``, ``*_blocks``/``*_scales`` tensors) are refused with a
-``ValueError`` before anything is built: dequantize them first (``transformers``:
-``from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))`` then ``save_pretrained``).
+(``quantization_config.quant_method == "mxfp4"``, ``*_blocks``/``*_scales`` tensors, as the Hub's) are dequantized
+to the load dtype on load (``mxfp4.py``, ``transformers``' helper; each rank only its experts); the model then
+holds and saves dense weights, without the ``quantization_config``. Other quantization methods are refused with a
+``ValueError`` before anything is built.
 """
 from __future__ import annotations
 
@@ -34,21 +35,23 @@ from ..common.moe_variants import ClampedSwigluMoe
 from ..llama import modeling_llama as llama
 from ..mixtral import modeling_mixtral as mixtral
 from .configuration_gpt_oss import GptOssConfig
+from .mxfp4 import Mxfp4Reader, is_mxfp4
 
 GPT_OSS_SPEC = dataclasses.replace(
     mixtral.MOE_SPEC, components={**mixtral.MOE_SPEC.components, "attn": SinkAttention, "mlp": ClampedSwigluMoe})
 
 
 def check_not_quantized(config) -> None:
-    """``ValueError`` for a config whose checkpoint holds MXFP4 (or other) quantized weights."""
+    """``ValueError`` for a config whose checkpoint holds quantized weights other than MXFP4 experts (which are
+    dequantized on load)."""
     quantization = getattr(config, "quantization_config", None)
-    if not quantization:
+    if not quantization or is_mxfp4(config):
         return
     method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
         quantization, "quant_method", quantization)
     raise ValueError(f"{config.model_type}: checkpoints with {method!s}-quantized weights (quantization_config "
-                     f"quant_method={method!s}) are not supported; dequantize them first, e.g. with transformers: "
-                     "from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then save_pretrained")
+                     f"quant_method={method!s}) are not supported (only MXFP4 experts, dequantized on load); "
+                     "dequantize them with their own tool, save_pretrained, and load that folder")
 
 
 class GptOssPreTrainedModel(mixtral.MixtralPreTrainedModel):
@@ -70,6 +73,12 @@ class GptOssPreTrainedModel(mixtral.MixtralPreTrainedModel):
         return ClampedSwigluMoe(config.hidden_size, num_experts=config.num_local_experts,
                                 top_k=config.num_experts_per_tok, intermediate_size=config.intermediate_size,
                                 alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+
+    def load_from_reader(self, reader, **options):
+        if is_mxfp4(self.config):  # dense from here on: the saved config must not claim quantized experts
+            reader = Mxfp4Reader.wrap(reader)
+            del self.config.quantization_config
+        return super().load_from_reader(reader, **options)
 
     @classmethod
     def validate_parallel_config(cls, config, parallel) -> None:
