@@ -62,7 +62,7 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     mapping = match_checkpoint_keys(list(params), reader.keys(), base_model_prefix)
     missing = [name for name in params if name not in mapping]
-    used = set(mapping.values())
+    used = set(mapping.values()) | _load_persistent_buffers(model, reader, base_model_prefix)
     ignore_patterns = tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
     unexpected = [key for key in reader.keys() if key not in used
                   and not any(pattern in key for pattern in ignore_patterns)
@@ -108,6 +108,19 @@ def load_checkpoint_into(model: nn.Module, reader: CheckpointReader, *, plan, co
             "Some weights of %s were not initialized from the checkpoint (Reinit due to size mismatch, "
             "ignore_mismatched_sizes=True): %s", type(model).__name__, mismatched)
     return {"missing_keys": missing, "unexpected_keys": unexpected, "mismatched_keys": mismatched}
+
+
+def _load_persistent_buffers(model: nn.Module, reader: CheckpointReader, base_model_prefix: str) -> set[str]:
+    """Copy the checkpoint's value of every persistent buffer (in the state dict, not a parameter: DeepSeek-V3's
+    ``e_score_correction_bias``) whole into the model; buffers are never split. Returns the checkpoint keys read.
+    A buffer the checkpoint lacks keeps the value its module gave it (``reset_buffers``)."""
+    buffers = {name: tensor for name, tensor in model.state_dict(keep_vars=True).items()
+               if not isinstance(tensor, nn.Parameter)}
+    mapping = match_checkpoint_keys(list(buffers), reader.keys(), base_model_prefix)
+    with torch.no_grad():
+        for name, key in mapping.items():
+            buffers[name].copy_(reader.read(key, None).to(device=buffers[name].device, dtype=buffers[name].dtype))
+    return set(mapping.values())
 
 
 def _check_stored_shape(name: str, key: str, stored: tuple[int, ...], expected: tuple[int, ...], spec) -> None:

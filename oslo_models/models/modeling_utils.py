@@ -296,6 +296,11 @@ class OsloPreTrainedModel(PreTrainedModel):
         from .generation import check_can_generate, sampling_rng_of_group_source
 
         check_can_generate(self)
+        if self.parallel_context.ep_size > 1 and kwargs.get("synced_gpus") is None:
+            # expert parallelism: every forward is an all-to-all over ep ranks that decode different prompts; a rank
+            # whose sequences finish first must keep stepping (transformers' synced_gpus: a finished rank runs
+            # dummy forwards until an all-reduce says every rank is done), or the others hang in the all-to-all
+            kwargs["synced_gpus"] = True
         with sampling_rng_of_group_source(self.parallel_context):
             return super().generate(*args, **kwargs)
 

@@ -69,6 +69,14 @@ class SinkAttention(GroupedQueryAttention):
         super().__init__(config, layer_idx, **options)
         self.sinks = nn.Parameter(torch.zeros(config.num_attention_heads))
 
+    @classmethod
+    def parallel_rules(cls, config) -> list:
+        from .parallel_rules import RefusedAxis
+
+        return [*super().parallel_rules(config),
+                RefusedAxis("context_parallel_size", 0, reason="attention sinks under context parallelism: the ring / "
+                            "all-to-all core merges plain softmax blocks and has no place for the sink logit")]
+
     def kernel_kwargs(self, attention_mask) -> dict:
         refuse_context_parallel(attention_mask, "attention sinks")
         if self.config._attn_implementation == "sdpa":

@@ -50,7 +50,7 @@ class MoeDecoderLayer(llama.LlamaDecoderLayer):
 
     def __init__(self, config, layer_idx: int, **kwargs):
         super().__init__(config, layer_idx, **kwargs)
-        self.is_sparse = isinstance(self.mlp, SparseMoeBlock)
+        self.is_sparse = hasattr(self.mlp, "experts")  # SparseMoeBlock or another family's routed block
 
     def mlp_forward(self, x: torch.Tensor, router_logits: RouterLogits | None = None) -> torch.Tensor:
         return self.mlp(x, router_logits=router_logits) if self.is_sparse else self.mlp(x)
@@ -68,6 +68,8 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
     stack_spec = MOE_SPEC
     _no_split_modules = ["MoeDecoderLayer"]
     _oslo_moe_context_parallel = True  # the load-balancing statistics are summed over cp (forward below)
+    # SparseMoeBlock runs sequence-parallel and under pipeline x tp/ep; a family with another MoE block says False
+    _oslo_moe_sequence_parallel = True
     # the base model returns each sparse layer's router logits [b*s, E] with output_router_logits, as transformers'
     # (recorded by its hooks on the routers; the tokens are whole on every TP rank: nothing to gather)
     _can_record_outputs = {**llama.LlamaPreTrainedModel._can_record_outputs,
@@ -94,10 +96,20 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
         return config.num_local_experts
 
     @classmethod
+    def expert_intermediate_size(cls, config) -> int:
+        return cls.decoder_options(config)["moe"]["intermediate_size"]
+
+    @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
         super().validate_parallel_config(config, parallel)
-        check_expert_layout(config.model_type, cls.num_experts(config), parallel, sequence_parallel=True,
-                            expert_intermediate_size=cls.decoder_options(config)["moe"]["intermediate_size"])
+        check_expert_layout(config.model_type, cls.num_experts(config), parallel,
+                            sequence_parallel=cls._oslo_moe_sequence_parallel,
+                            expert_intermediate_size=cls.expert_intermediate_size(config))
+        split = parallel.tensor_parallel_size > 1 or parallel.expert_parallel_size > 1
+        if parallel.pipeline_parallel_size > 1 and split and not cls._oslo_moe_sequence_parallel:
+            raise NotImplementedError(f"{config.model_type}: pipeline_parallel_size > 1 together with tensor or expert "
+                                      "parallelism is not implemented for this family's MoE block (only the "
+                                      "SparseMoeBlock decoders run it); use pipeline with data parallelism")
 
 
 class MixtralModel(MixtralPreTrainedModel, llama.LlamaModel):

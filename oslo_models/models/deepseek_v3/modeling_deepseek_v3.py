@@ -1,0 +1,127 @@
+"""DeepSeek-V3: the Llama-shaped MoE decoder (``models/mixtral``) with DeepSeek's two components:
+
+- attention: multi-head latent attention (``common.latent_attention.MultiHeadLatentAttention``: low-rank q with
+  ``q_lora_rank`` or a plain ``q_proj``, joint compressed key/value, rotary part split from the rest, ``v_head_dim``
+  values; yarn's ``mscale`` on the score scale, ``rope_interleave``);
+- feed-forward: ``common.moe_variants.SharedExpertsMoe`` (sigmoid router with ``e_score_correction_bias``,
+  group-limited top-k over ``n_group`` groups, ``routed_scaling_factor``, ``norm_topk_prob``; shared experts) in
+  layers ``>= first_k_dense_replace``, a dense SwiGLU MLP (``intermediate_size``) before them.
+
+Rotary: ``RotaryEmbedding`` (``transformers``' own module and rope init functions, yarn included) over
+``head_dim = qk_rope_head_dim``. Norms: Llama's RMS formula (the latent norms use eps 1e-6, as ``transformers``).
+
+Router outputs as ``transformers``: ``router_logits`` (fp32 ``[b*s, E]`` per sparse layer) with
+``output_router_logits``; ``DeepseekV3ForCausalLM`` adds *no* auxiliary loss (``aux_loss`` is ``None``): the
+balancing is the correction bias, which ``transformers`` keeps as a frozen buffer (loaded, saved, never trained;
+see ``parallel_layers/moe/router_variants.py``), and so does this project.
+
+Checkpoints: the per-expert Hub layout ``mlp.experts.N.gate_proj/up_proj/down_proj`` (``transformers``' Qwen2-MoE
+conversion mapping, which it uses for this type), read per rank (only its experts) and written back the same.
+
+Parallelism: attention heads over ``tp`` (MLA's plan fragment), experts over ``ep`` (all-to-all dispatch/combine),
+the shared experts and dense MLPs column/row-parallel; ZeRO 1-3 with experts over the expert-data-parallel group.
+Pipeline stages are the shared stack's (no router loss to carry). Refused, with the reason: sequence and context
+parallelism (MLA and the MoE layout), pipeline x tp/ep (the MoE decoders' rule).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import transformers
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+from transformers.utils.generic import can_return_tuple
+from transformers.utils.output_capturing import OutputRecorder
+
+from ...parallel_layers.moe.router_variants import GroupLimitedRouter
+from ..common.expert_keys import ExpertKeyLayout
+from ..common.latent_attention import MultiHeadLatentAttention
+from ..common.mlp import GatedMLP
+from ..common.moe import RouterLogits
+from ..common.moe_variants import SharedExpertsMoe
+from ..common.outputs import passed_on
+from ..common.pipeline_stack import StackPipelineAdapter
+from ..llama import modeling_llama as llama
+from ..mixtral import modeling_mixtral as mixtral
+from .configuration_deepseek_v3 import DeepseekV3Config
+
+DEEPSEEK_V3_SPEC = dataclasses.replace(
+    mixtral.MOE_SPEC, components={**mixtral.MOE_SPEC.components, "attn": MultiHeadLatentAttention,
+                                  "mlp": (SharedExpertsMoe, GatedMLP)})
+
+
+class DeepseekV3PreTrainedModel(mixtral.MixtralPreTrainedModel):
+    config_class = DeepseekV3Config
+    stack_spec = DEEPSEEK_V3_SPEC
+    expert_key_layout = ExpertKeyLayout()  # mlp.experts.N.gate_proj/up_proj/down_proj
+    _can_record_outputs = {"hidden_states": mixtral.MoeDecoderLayer, "attentions": MultiHeadLatentAttention,
+                           "router_logits": OutputRecorder(GroupLimitedRouter, index=0)}
+    # the router (its weight and correction bias) stays fp32 in half-precision models, as transformers'
+    # ["e_score_correction_bias", "gate.weight"] keeps it; here the patterns name modules
+    _keep_in_fp32_modules_strict = ["gate"]
+
+    # its MoE block is not the SparseMoeBlock: no sequence parallelism, pipeline x tp/ep or cp yet
+    _oslo_moe_sequence_parallel = False
+    _oslo_moe_context_parallel = False
+
+    @classmethod
+    def expert_intermediate_size(cls, config) -> int:
+        return config.moe_intermediate_size
+
+    @classmethod
+    def decoder_options(cls, config) -> dict:
+        return dict(attention=MultiHeadLatentAttention, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+
+    @classmethod
+    def build_mlp(cls, config, layer_idx: int):
+        if layer_idx < config.first_k_dense_replace:
+            return GatedMLP(config.hidden_size, config.intermediate_size, act=config.hidden_act)
+        return SharedExpertsMoe(config.hidden_size, num_experts=cls.num_experts(config),
+                                top_k=config.num_experts_per_tok, intermediate_size=config.moe_intermediate_size,
+                                act=config.hidden_act, n_group=config.n_group, topk_group=config.topk_group,
+                                norm_topk_prob=config.norm_topk_prob,
+                                routed_scaling_factor=config.routed_scaling_factor,
+                                shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
+
+    @classmethod
+    def num_experts(cls, config) -> int:
+        return config.n_routed_experts
+
+
+class DeepseekV3Model(DeepseekV3PreTrainedModel, mixtral.MixtralModel):
+    hf_twin = transformers.DeepseekV3Model
+
+
+DeepseekV3PreTrainedModel.base_model_class = DeepseekV3Model
+
+
+class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, mixtral.MixtralForCausalLM):
+    """``DeepseekV3ForCausalLM``: the causal-LM loss alone (no router loss, as ``transformers``), router logits with
+    ``output_router_logits``. Pipeline stages: the shared stack's (``StackPipelineAdapter``)."""
+
+    hf_twin = transformers.DeepseekV3ForCausalLM
+    pipeline_adapter_class = StackPipelineAdapter
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None, logits_to_keep=0,
+                gather_logits: bool = True, num_items_in_batch=None, **kwargs) -> MoeCausalLMOutputWithPast:
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        collected = RouterLogits()
+        out = llama.LlamaForCausalLM.forward(
+            self, input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+            logits_to_keep=logits_to_keep, gather_logits=gather_logits, num_items_in_batch=num_items_in_batch,
+            router_logits=collected, **kwargs)
+        return MoeCausalLMOutputWithPast(loss=out.loss, aux_loss=None, logits=out.logits,
+                                         past_key_values=out.past_key_values,
+                                         router_logits=tuple(collected.logits) if output_router_logits else None,
+                                         **passed_on(out))
+
+
+class DeepseekV3ForSequenceClassification(DeepseekV3PreTrainedModel, llama.LlamaForSequenceClassification):
+    hf_twin = transformers.DeepseekV3ForSequenceClassification
+
+
+class DeepseekV3ForTokenClassification(DeepseekV3PreTrainedModel, llama.LlamaForTokenClassification):
+    hf_twin = transformers.DeepseekV3ForTokenClassification
