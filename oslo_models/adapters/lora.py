@@ -16,8 +16,16 @@ Shapes (``r`` the rank, ``tp`` the tensor-parallel size; LoRA's ``A`` is ``[r, i
   all-reduce: each rank holds the gradient of its output slice only) -> ``B``. Replicated key/value heads sum the
   gradient of ``B``'s copies over their replica group, as the base weight does.
 - row-parallel base (``RowParallelLinear``): ``A`` split by input ``[r, in/tp]``; ``B`` replicated ``[out, r]``.
-  Forward: ``A x_local`` (partial sums) -> all-reduce (sequence parallel: reduce-scatter along the sequence) ->
+  Forward: ``A dropout(x_local)`` (``lora_dropout``: this rank's slice of the full-width mask, ``sliced_dropout``)
+  (partial sums) -> all-reduce (sequence parallel: reduce-scatter along the sequence) ->
   ``B``; under sequence parallelism ``B``'s gradient is summed over the ranks (each saw its tokens only).
+- ``lora_dropout``: a column-parallel layer's input is whole on every tp rank (gathered under sequence
+  parallelism), so ``peft``'s dropout draws the single-process mask from the default RNG stream, the same on every
+  tp rank; a row-parallel one draws the full-width mask and keeps its slice. With equal RNG states (every rank seeded
+  alike) the masks are ``peft``'s on the unsplit model as long as the model draws nothing else from the default
+  stream in another order (its own dropout in split regions uses the tp stream: ``parallel_layers/random.py``);
+  over data parallelism each replica draws for its own rows, so masks match a single process on that replica's
+  rows, not on the global batch.
 - a plain ``Linear`` (tp 1, or a replicated module): ``peft``'s own computation; GPT-2's ``conv1d`` weight layout
   merges transposed (``fan_in_fan_out``).
 
@@ -214,7 +222,7 @@ class ParallelLoraLinear(PeftLoraLinear):
         base, group = self.get_base_layer(), self.lora_group
         lora_a, lora_b, dropout = self.lora_A[name], self.lora_B[name], self.lora_dropout[name]
         if isinstance(base, RowParallelLinear):
-            a = lora_a(dropout(x))  # [b, s, r] partial sums over this rank's input slice
+            a = lora_a(sliced_dropout(dropout, x, group))  # [b, s, r] partial sums over this rank's input slice
             weight, bias = lora_b.weight, lora_b.bias
             if sequence_parallel:
                 a = reduce_scatter_to_sequence_parallel_region(a, group)  # [b, s/tp, r]
@@ -237,6 +245,19 @@ class ParallelLoraLinear(PeftLoraLinear):
                 y = base.gather(y)
             return y
         return lora_b(lora_a(dropout(x)))
+
+
+def sliced_dropout(dropout: nn.Module, x: torch.Tensor, group) -> torch.Tensor:
+    """``dropout`` of this rank's feature slice ``x [..., in/tp]`` with this rank's slice of the mask the
+    single-process layer would draw for the whole ``[..., in]``: the full mask is drawn (from the default stream,
+    the same on every tp rank) by ``F.dropout`` of ones, then sliced. Same draws, same scaling, so the masks equal
+    ``peft``'s on the unsplit model for the same RNG state (costs one full-width mask per rank)."""
+    p = getattr(dropout, "p", 0.0)
+    if not isinstance(dropout, nn.Dropout) or not dropout.training or p == 0.0 or group_size(group) == 1:
+        return dropout(x)
+    width = x.shape[-1]
+    noise = F.dropout(x.new_ones(*x.shape[:-1], width * group_size(group)), p, True)
+    return x * noise.narrow(-1, group_rank(group) * width, width)
 
 
 def _lora_embedding(base_layer: nn.Module, adapter_name: str, config: LoraConfig, **kwargs) -> nn.Module:

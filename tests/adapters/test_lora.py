@@ -62,15 +62,16 @@ def _batch(model_type: str, rows: int = 4, seq: int = 8) -> dict:
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
-def assert_adapters_match(model, reference, atol: float = 1e-5) -> int:
-    """Every adapter piece of ``model`` equals its slice of the reference's full tensor; returns how many."""
-    full = dict(reference.named_parameters())
+def assert_adapters_match(model, reference, atol: float = 1e-5, grads: bool = False) -> int:
+    """Every adapter piece of ``model`` (its gradient with ``grads``) equals its slice of the reference's full
+    tensor; returns how many."""
+    full = {name: param.grad if grads else param for name, param in reference.named_parameters()}
     checked = 0
     for owner_name, owner in model.named_modules():
         if not isinstance(owner, ParallelLoraLinear):
             continue
         for key, layout in owner.adapter_param_layouts().items():
-            local = owner.get_parameter(key).detach()
+            local = owner.get_parameter(key).grad if grads else owner.get_parameter(key).detach()
             local = local.full_tensor() if hasattr(local, "full_tensor") else local
             expected = owner._slice(layout, full[f"{owner_name}.{key}"].detach())
             torch.testing.assert_close(local, expected, atol=atol, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
@@ -146,7 +147,47 @@ def _check_saved(model_type: str, model, reference, base: str, folder: str, *, m
     context.barrier()
 
 
+def _dropout_adapter(adapter: str, p: float = 0.25) -> str:
+    """A copy of the adapter folder with ``lora_dropout=p``."""
+    import json
+    import shutil
+
+    folder = adapter + "_dropout"
+    shutil.copytree(adapter, folder)
+    path = os.path.join(folder, "adapter_config.json")
+    with open(path) as handle:
+        config = json.load(handle)
+    with open(path, "w") as handle:
+        json.dump({**config, "lora_dropout": p}, handle)
+    return folder
+
+
+def _check_dropout(model_type: str, base: str, adapter: str, **layout) -> None:
+    """``lora_dropout > 0``: from the same RNG state, every rank draws plain peft's masks (row-parallel ``A``: its
+    slice of the full-width mask), so the loss and every adapter gradient equal plain peft's on this data-parallel
+    replica's rows (the model itself is not wrapped: no gradient averaging over dp)."""
+    model, reference = _ours(model_type, base, adapter, **layout), _reference(model_type, base, adapter)
+    context = model.parallel_context
+    batch = {k: v[context.dp_rank::context.dp_size].contiguous() for k, v in _batch(model_type).items()}
+    with torch.no_grad():
+        undropped = reference.eval()(**batch).loss
+    reference.train()
+    torch.manual_seed(11)
+    expected = reference(**batch).loss
+    expected.backward()
+    assert not torch.allclose(expected, undropped), "the dropout did not draw"
+    torch.manual_seed(11)
+    got = model(**batch).loss
+    got.backward()
+    torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=1e-5)
+    assert_adapters_match(model, reference, grads=True)
+
+
 def _layouts_worker(model_type: str, base: str, adapter: str, root: str) -> None:
+    if model_type == "llama":  # lora_dropout: column-parallel q/v/gate, row-parallel down_proj, with SP
+        for layout in (dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2),
+                       dict(tensor_parallel_size=4)):
+            _check_dropout(model_type, base, adapter + "_dropout", **layout)
     layouts = [("tp2_sp_dp2", 0, dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)),
                ("tp4", 0, dict(tensor_parallel_size=4)),
                ("tp2_dp2_zero3", 3, dict(tensor_parallel_size=2, data_parallel_size=2))]
@@ -166,6 +207,7 @@ def _layouts_worker(model_type: str, base: str, adapter: str, root: str) -> None
 @pytest.mark.parametrize("model_type", sorted(CASES))
 def test_lora_matches_peft_at_every_layout(model_type, tmp_path):
     base, adapter = _save_case(model_type, tmp_path)
+    _dropout_adapter(adapter)
     # tp 1: get_peft_model's own init equals plain peft's (same seed), then the loaded-adapter checks
     hf_class, _, targets = CASES[model_type]
     torch.manual_seed(3)
