@@ -271,6 +271,34 @@ def _lora_embedding(base_layer: nn.Module, adapter_name: str, config: LoraConfig
     return PeftLoraEmbedding(base_layer, adapter_name, config=config, **kwargs)
 
 
+PLAIN_CONFIG_RULE = (
+    "peft.get_peft_model / PeftModel.from_pretrained with a plain peft.LoraConfig built peft's own LoRA layers on "
+    "{names}: on oslo_models layers split over tensor parallelism (or with GPT-2's conv1d weight layout) they compute "
+    "the adapters without the collectives and slicing they need (peft 0.21 lets a model choose its LoRA layers only "
+    "through the config's custom-module mapping, which a plain LoraConfig lacks). Rebuild the model and use "
+    "peft.get_peft_model(model, oslo_models.adapters.lora_config(...)) or "
+    "oslo_models.adapters.register_parallel_layers(config) (same LoraConfig, parallel layers registered), and "
+    "oslo_models.adapters.load_adapter(model, folder) in place of PeftModel.from_pretrained")
+
+
+def check_adapter_layers(model: nn.Module) -> None:
+    """``NotImplementedError`` if ``peft`` built its own LoRA layer on an ``oslo_models`` layer it cannot compute:
+    one split over a tensor-parallel group of more than one rank, or a ``conv1d``-layout weight (merged without the
+    transpose). Called when ``peft`` sets ``model.peft_config``, right after building the layers."""
+    bad = []
+    for name, module in model.named_modules():
+        if not isinstance(module, BaseTunerLayer) or isinstance(module, ParallelLoraLinear):
+            continue
+        base = module.get_base_layer()
+        split = group_size(getattr(base, "group", None)) > 1 or getattr(base, "tp_size", 1) > 1
+        if isinstance(base, (Linear, VocabParallelEmbedding, VocabEmbedding2D, VocabEmbedding3D)) and (
+                split or getattr(base, "layout", "linear") == "conv1d"):
+            bad.append(name)
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+        raise NotImplementedError(PLAIN_CONFIG_RULE.format(names=shown))
+
+
 def register_parallel_layers(config: LoraConfig) -> LoraConfig:
     """Register ``ParallelLoraLinear`` for the ``oslo_models`` linear layers on ``config`` (in place; returned).
     Uses ``peft``'s custom-module mapping, which is not written to ``adapter_config.json``: the saved config is a

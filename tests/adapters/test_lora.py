@@ -188,6 +188,13 @@ def _layouts_worker(model_type: str, base: str, adapter: str, root: str) -> None
         for layout in (dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2),
                        dict(tensor_parallel_size=4)):
             _check_dropout(model_type, base, adapter + "_dropout", **layout)
+        # a plain LoraConfig at tp > 1: peft builds its own layers (no model hook picks ours): refused, never wrong
+        targets = CASES[model_type][2]
+        with pytest.raises(NotImplementedError, match="adapters.lora_config"):
+            peft.get_peft_model(_ours(model_type, base, None, tensor_parallel_size=4),
+                                peft.LoraConfig(r=4, target_modules=targets))
+        with pytest.raises(NotImplementedError, match="load_adapter"):
+            peft.PeftModel.from_pretrained(_ours(model_type, base, None, tensor_parallel_size=4), adapter)
     layouts = [("tp2_sp_dp2", 0, dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)),
                ("tp4", 0, dict(tensor_parallel_size=4)),
                ("tp2_dp2_zero3", 3, dict(tensor_parallel_size=2, data_parallel_size=2))]
@@ -222,7 +229,7 @@ def test_lora_matches_peft_at_every_layout(model_type, tmp_path):
 
 
 def test_refusals_and_negative_control(tmp_path):
-    """DoRA and base-weight inits are refused with the reason; a square conv1d-layout layer merged as if its weight
+    """DoRA, base-weight inits and plain-peft layers on a conv1d-layout weight are refused with the reason; a square conv1d-layout layer merged as if its weight
     were [out, in] (the transpose the layout decides, broken on purpose) misses the merged reference."""
     base, adapter = _save_case("gpt2", tmp_path)
     with pytest.raises(NotImplementedError, match="DoRA"):
@@ -231,6 +238,10 @@ def test_refusals_and_negative_control(tmp_path):
     with pytest.raises(NotImplementedError, match="base weight"):
         peft.get_peft_model(_ours("gpt2", base, None), adapters.lora_config(r=4, target_modules=["c_attn"],
                                                                             init_lora_weights="pissa"))
+    with pytest.raises(NotImplementedError, match="conv1d"):  # plain peft would merge c_attn untransposed
+        peft.get_peft_model(_ours("gpt2", base, None), peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    llama_base, _ = _save_case("llama", tmp_path / "llama")  # tp 1, linear layout: plain peft is right, allowed
+    peft.get_peft_model(_ours("llama", llama_base, None), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     ids = _batch("gpt2")["input_ids"]
     with torch.no_grad():
         expected = _reference("gpt2", base, adapter).merge_and_unload().eval()(input_ids=ids).logits
