@@ -38,7 +38,10 @@ the local ``B A`` to the local weight slice, which is the slice of the full merg
 Refused with a reason: DoRA (its magnitude normalizes each column of ``W + BA`` over the full input, a per-forward
 collective under row parallelism that is not implemented), ``init_lora_weights`` methods that read the base weight
 (PiSSA, OLoRA, LoftQ, EVA, CorDA...: they would see a slice), the other LoRA variants, mixed-adapter batches, and the
-2D/2.5D/3D grid layers. rsLoRA (``use_rslora``) works: it only changes the scaling.
+2D/2.5D/3D grid layers. rsLoRA (``use_rslora``) works: it only changes the scaling. A plain ``LoraConfig`` (no
+custom-module mapping) lets ``peft`` build its own layers, wrong on a split or ``conv1d`` layer: ``peft`` offers a
+model no hook before it builds them, so the model refuses them when ``peft`` sets ``model.peft_config`` just after
+(``check_adapter_layers``).
 """
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ An adapter made by plain ``peft`` (random ``A`` and ``B``: ``init_lora_weights=F
 (sliced), trained 3 AdamW steps: losses and every adapter piece equal the reference's; the gathered save opens in
 plain ``peft`` with the reference's logits; ``merge_and_unload`` + ``save_pretrained`` opens in plain
 ``transformers`` with the merged reference's logits. Layouts (4 ranks, one group per family): tp2 + SP x dp2,
-tp4, tp2 x dp2 ZeRO-3, pp2 x tp2 (Llama). tp 1 runs in the test process, with ``get_peft_model``'s own init.
+tp4, tp2 x dp2 ZeRO-3, pp2 x tp2 (GPT-2, Llama), tp2 x dp2 ZeRO-1/2 (Llama). tp 1 runs in the test process, with
+``get_peft_model``'s own init. Llama's group also checks ``lora_dropout`` (peft's masks at tp2 + SP and tp4) and the
+refusal of a plain ``LoraConfig`` at tp4.
 """
 from __future__ import annotations
 
