@@ -16,8 +16,16 @@ Shapes (``r`` the rank, ``tp`` the tensor-parallel size; LoRA's ``A`` is ``[r, i
   all-reduce: each rank holds the gradient of its output slice only) -> ``B``. Replicated key/value heads sum the
   gradient of ``B``'s copies over their replica group, as the base weight does.
 - row-parallel base (``RowParallelLinear``): ``A`` split by input ``[r, in/tp]``; ``B`` replicated ``[out, r]``.
-  Forward: ``A x_local`` (partial sums) -> all-reduce (sequence parallel: reduce-scatter along the sequence) ->
+  Forward: ``A dropout(x_local)`` (``lora_dropout``: this rank's slice of the full-width mask, ``sliced_dropout``)
+  (partial sums) -> all-reduce (sequence parallel: reduce-scatter along the sequence) ->
   ``B``; under sequence parallelism ``B``'s gradient is summed over the ranks (each saw its tokens only).
+- ``lora_dropout``: a column-parallel layer's input is whole on every tp rank (gathered under sequence
+  parallelism), so ``peft``'s dropout draws the single-process mask from the default RNG stream, the same on every
+  tp rank; a row-parallel one draws the full-width mask and keeps its slice. With equal RNG states (every rank seeded
+  alike) the masks are ``peft``'s on the unsplit model as long as the model draws nothing else from the default
+  stream in another order (its own dropout in split regions uses the tp stream: ``parallel_layers/random.py``);
+  over data parallelism each replica draws for its own rows, so masks match a single process on that replica's
+  rows, not on the global batch.
 - a plain ``Linear`` (tp 1, or a replicated module): ``peft``'s own computation; GPT-2's ``conv1d`` weight layout
   merges transposed (``fan_in_fan_out``).
 
@@ -30,7 +38,10 @@ the local ``B A`` to the local weight slice, which is the slice of the full merg
 Refused with a reason: DoRA (its magnitude normalizes each column of ``W + BA`` over the full input, a per-forward
 collective under row parallelism that is not implemented), ``init_lora_weights`` methods that read the base weight
 (PiSSA, OLoRA, LoftQ, EVA, CorDA...: they would see a slice), the other LoRA variants, mixed-adapter batches, and the
-2D/2.5D/3D grid layers. rsLoRA (``use_rslora``) works: it only changes the scaling.
+2D/2.5D/3D grid layers. rsLoRA (``use_rslora``) works: it only changes the scaling. A plain ``LoraConfig`` (no
+custom-module mapping) lets ``peft`` build its own layers, wrong on a split or ``conv1d`` layer: ``peft`` offers a
+model no hook before it builds them, so the model refuses them when ``peft`` sets ``model.peft_config`` just after
+(``check_adapter_layers``).
 """
 from __future__ import annotations
 
@@ -214,7 +225,7 @@ class ParallelLoraLinear(PeftLoraLinear):
         base, group = self.get_base_layer(), self.lora_group
         lora_a, lora_b, dropout = self.lora_A[name], self.lora_B[name], self.lora_dropout[name]
         if isinstance(base, RowParallelLinear):
-            a = lora_a(dropout(x))  # [b, s, r] partial sums over this rank's input slice
+            a = lora_a(sliced_dropout(dropout, x, group))  # [b, s, r] partial sums over this rank's input slice
             weight, bias = lora_b.weight, lora_b.bias
             if sequence_parallel:
                 a = reduce_scatter_to_sequence_parallel_region(a, group)  # [b, s/tp, r]
@@ -239,6 +250,19 @@ class ParallelLoraLinear(PeftLoraLinear):
         return lora_b(lora_a(dropout(x)))
 
 
+def sliced_dropout(dropout: nn.Module, x: torch.Tensor, group) -> torch.Tensor:
+    """``dropout`` of this rank's feature slice ``x [..., in/tp]`` with this rank's slice of the mask the
+    single-process layer would draw for the whole ``[..., in]``: the full mask is drawn (from the default stream,
+    the same on every tp rank) by ``F.dropout`` of ones, then sliced. Same draws, same scaling, so the masks equal
+    ``peft``'s on the unsplit model for the same RNG state (costs one full-width mask per rank)."""
+    p = getattr(dropout, "p", 0.0)
+    if not isinstance(dropout, nn.Dropout) or not dropout.training or p == 0.0 or group_size(group) == 1:
+        return dropout(x)
+    width = x.shape[-1]
+    noise = F.dropout(x.new_ones(*x.shape[:-1], width * group_size(group)), p, True)
+    return x * noise.narrow(-1, group_rank(group) * width, width)
+
+
 def _lora_embedding(base_layer: nn.Module, adapter_name: str, config: LoraConfig, **kwargs) -> nn.Module:
     """``peft``'s LoRA ``Embedding`` on a whole table (tp 1); a vocabulary split over ranks is refused."""
     base = _base(base_layer)
@@ -248,6 +272,34 @@ def _lora_embedding(base_layer: nn.Module, adapter_name: str, config: LoraConfig
             "implemented: leave the embeddings out of target_modules (or train them with modules_to_save at tp 1)")
     refuse_options(config, type(base).__name__)
     return PeftLoraEmbedding(base_layer, adapter_name, config=config, **kwargs)
+
+
+PLAIN_CONFIG_RULE = (
+    "peft.get_peft_model / PeftModel.from_pretrained with a plain peft.LoraConfig built peft's own LoRA layers on "
+    "{names}: on oslo_models layers split over tensor parallelism (or with GPT-2's conv1d weight layout) they compute "
+    "the adapters without the collectives and slicing they need (peft 0.21 lets a model choose its LoRA layers only "
+    "through the config's custom-module mapping, which a plain LoraConfig lacks). Rebuild the model and use "
+    "peft.get_peft_model(model, oslo_models.adapters.lora_config(...)) or "
+    "oslo_models.adapters.register_parallel_layers(config) (same LoraConfig, parallel layers registered), and "
+    "oslo_models.adapters.load_adapter(model, folder) in place of PeftModel.from_pretrained")
+
+
+def check_adapter_layers(model: nn.Module) -> None:
+    """``NotImplementedError`` if ``peft`` built its own LoRA layer on an ``oslo_models`` layer it cannot compute:
+    one split over a tensor-parallel group of more than one rank, or a ``conv1d``-layout weight (merged without the
+    transpose). Called when ``peft`` sets ``model.peft_config``, right after building the layers."""
+    bad = []
+    for name, module in model.named_modules():
+        if not isinstance(module, BaseTunerLayer) or isinstance(module, ParallelLoraLinear):
+            continue
+        base = module.get_base_layer()
+        split = group_size(getattr(base, "group", None)) > 1 or getattr(base, "tp_size", 1) > 1
+        if isinstance(base, (Linear, VocabParallelEmbedding, VocabEmbedding2D, VocabEmbedding3D)) and (
+                split or getattr(base, "layout", "linear") == "conv1d"):
+            bad.append(name)
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+        raise NotImplementedError(PLAIN_CONFIG_RULE.format(names=shown))
 
 
 def register_parallel_layers(config: LoraConfig) -> LoraConfig:

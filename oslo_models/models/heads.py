@@ -130,9 +130,15 @@ class _DerivedPipelineAdapter:
 
 
 class _DerivedTiedKeys:
-    """``_tied_weights_keys`` of a causal LM head over a stack: ``lm_head.weight`` is the input embedding."""
+    """``_tied_weights_keys`` of a causal LM head over a stack: ``lm_head.weight`` is the input embedding. A pipeline
+    stage that does not hold the input embedding ties nothing within itself (its head's copy is kept in step by the
+    pipeline): ``None`` there, so a caller such as ``peft``'s tie check does not look for an embedding it lacks."""
 
     def __get__(self, obj, cls):
+        if (obj is not None and cls.base_model_prefix in obj._modules
+                and getattr(obj, "parallel_context", None) is not None and obj.parallel_context.pp_size > 1
+                and obj.get_input_embeddings() is None):
+            return None
         return {"lm_head.weight": f"{cls.base_model_prefix}.{cls.stack_spec.embed_tokens}.weight"}
 
 

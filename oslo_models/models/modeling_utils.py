@@ -85,6 +85,29 @@ class OsloPreTrainedModel(PreTrainedModel):
         super().__init__(config, **kwargs)
         self.parallel_context = parallel_context or ParallelContext.from_config(ParallelConfig())
 
+    # ------------------------------------------------------------------ peft
+    @property
+    def peft_config(self):
+        """The ``peft`` adapter configs (``peft`` sets this attribute on the model it adapts)."""
+        try:
+            return self.__dict__["_oslo_peft_config"]
+        except KeyError:
+            raise AttributeError("peft_config") from None
+
+    @peft_config.setter
+    def peft_config(self, value) -> None:
+        # peft sets it right after building the adapter layers: refuse the ones it built without our parallel
+        # layers (a plain LoraConfig; peft gives the model no earlier say), which would compute a split layer wrong
+        self.__dict__["_oslo_peft_config"] = value
+        if value:
+            from ..adapters.lora import check_adapter_layers
+
+            check_adapter_layers(self)
+
+    @peft_config.deleter
+    def peft_config(self) -> None:
+        self.__dict__.pop("_oslo_peft_config", None)
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:

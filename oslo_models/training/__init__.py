@@ -7,6 +7,7 @@ tensor-parallel-correct gradient clipping, mixed precision kept in step, resumab
     om.training.save_checkpoint("ckpt", model, optimizer, scheduler, dataloader=loader, step=100)  # ckpt/step-00000100
     om.training.load_checkpoint("ckpt", model, optimizer, scheduler, dataloader=loader)  # the newest complete one
     om.training.check_finite(model, loss=loss, grad_norm=norm, step=step)  # NaN/inf on any rank: every rank raises
+    trainer = om.training.Trainer(model=model, args=TrainingArguments(...), train_dataset=ds)  # transformers.Trainer
 
 Checkpoints record checksums, verified before loading (``fallback=True``: the previous step when the newest is
 corrupt); a save that fails on any rank (a full disk) fails on every rank and leaves ``latest`` where it was.
@@ -26,5 +27,14 @@ __all__ = [
     "prepare", "push_to_hub", "save_checkpoint", "save_pretrained", "unsharded", "shard_data_parallel", "sync_overflow", "unwrap_model", "unwrap_optimizer",
     "zero_stage_of",
     "find_checkpoint", "CorruptCheckpointError", "verify_checksums", "NonFiniteError", "check_finite",
-    "describe_nonfinite", "find_nonfinite",
+    "describe_nonfinite", "find_nonfinite", "Trainer", "ParallelTrainerMixin",
 ]
+
+
+def __getattr__(name: str):
+    # transformers.Trainer (and Accelerate behind it) is imported only when the Trainer integration is used
+    if name in ("Trainer", "ParallelTrainerMixin"):
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -47,6 +47,18 @@ def _all_reduce(values: torch.Tensor, group, op) -> torch.Tensor:
     return values
 
 
+def _stated_layouts(model: nn.Module) -> dict:
+    """Layouts of parameters the plan does not know, stated by their module (``adapter_param_layouts()``: the LoRA
+    adapters of ``oslo_models.adapters``, e.g. ``lora_B`` split by output under a column-parallel layer), by full
+    parameter name."""
+    out = {}
+    for prefix, module in model.named_modules():
+        layouts = getattr(type(module), "adapter_param_layouts", None)
+        if layouts is not None:
+            out.update({f"{prefix}.{key}": layout for key, layout in layouts(module).items()})
+    return out
+
+
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of the full model's gradient, equal on every rank (fp32 scalar on the parameters' device).
 
@@ -61,6 +73,7 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
 
         return generic_grad_norm(inner, inner.parallel_context, norm_type)
     context, plan = inner.parallel_context, inner.parallel_plan
+    stated = _stated_layouts(inner)
     is_inf = math.isinf(norm_type)
     split, replicated, experts = [], [], []  # per-tensor partial values: sum of |g|^p, or max |g| for inf
     dp_sharded = False
@@ -76,7 +89,7 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
             continue
         value = torch.linalg.vector_norm(local.detach().float(), norm_type)
         value = value if is_inf else value.pow(norm_type)
-        spec = plan.shard_spec(inner, name)
+        spec = stated[name] if name in stated else plan.shard_spec(inner, name)
         if spec.axis == "ep" and spec.split:  # counted once over the tp ranks holding the same piece (below)
             experts.append(value if is_inf else value / spec.num_replicas(context))
             continue

@@ -4,7 +4,9 @@ An adapter made by plain ``peft`` (random ``A`` and ``B``: ``init_lora_weights=F
 (sliced), trained 3 AdamW steps: losses and every adapter piece equal the reference's; the gathered save opens in
 plain ``peft`` with the reference's logits; ``merge_and_unload`` + ``save_pretrained`` opens in plain
 ``transformers`` with the merged reference's logits. Layouts (4 ranks, one group per family): tp2 + SP x dp2,
-tp4, tp2 x dp2 ZeRO-3, pp2 x tp2 (Llama). tp 1 runs in the test process, with ``get_peft_model``'s own init.
+tp4, tp2 x dp2 ZeRO-3, pp2 x tp2 (GPT-2, Llama), tp2 x dp2 ZeRO-1/2 (Llama). tp 1 runs in the test process, with
+``get_peft_model``'s own init. Llama's group also checks ``lora_dropout`` (peft's masks at tp2 + SP and tp4) and the
+refusal of a plain ``LoraConfig`` at tp4.
 """
 from __future__ import annotations
 
@@ -62,15 +64,16 @@ def _batch(model_type: str, rows: int = 4, seq: int = 8) -> dict:
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
-def assert_adapters_match(model, reference, atol: float = 1e-5) -> int:
-    """Every adapter piece of ``model`` equals its slice of the reference's full tensor; returns how many."""
-    full = dict(reference.named_parameters())
+def assert_adapters_match(model, reference, atol: float = 1e-5, grads: bool = False) -> int:
+    """Every adapter piece of ``model`` (its gradient with ``grads``) equals its slice of the reference's full
+    tensor; returns how many."""
+    full = {name: param.grad if grads else param for name, param in reference.named_parameters()}
     checked = 0
     for owner_name, owner in model.named_modules():
         if not isinstance(owner, ParallelLoraLinear):
             continue
         for key, layout in owner.adapter_param_layouts().items():
-            local = owner.get_parameter(key).detach()
+            local = owner.get_parameter(key).grad if grads else owner.get_parameter(key).detach()
             local = local.full_tensor() if hasattr(local, "full_tensor") else local
             expected = owner._slice(layout, full[f"{owner_name}.{key}"].detach())
             torch.testing.assert_close(local, expected, atol=atol, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
@@ -104,6 +107,9 @@ def _train(model, reference, batch: dict, *, zero_stage: int = 0) -> None:
         from accelerate import Accelerator
 
         wrapped, opt = training.prepare(Accelerator(cpu=True), model, opt, zero_stage=zero_stage)
+        adapter_ids = {id(p) for name, p in model.named_parameters() if "lora_" in name}
+        held = [p for group in training.unwrap_optimizer(opt).param_groups for p in group["params"]]
+        assert held and all(id(p) in adapter_ids for p in held), "only adapter parameters in the optimizer"
     elif context.dp_size > 1:
         wrapped, opt = training.shard_data_parallel(model, opt)
     for _ in range(STEPS):
@@ -143,23 +149,74 @@ def _check_saved(model_type: str, model, reference, base: str, folder: str, *, m
     context.barrier()
 
 
+def _dropout_adapter(adapter: str, p: float = 0.25) -> str:
+    """A copy of the adapter folder with ``lora_dropout=p``."""
+    import json
+    import shutil
+
+    folder = adapter + "_dropout"
+    shutil.copytree(adapter, folder)
+    path = os.path.join(folder, "adapter_config.json")
+    with open(path) as handle:
+        config = json.load(handle)
+    with open(path, "w") as handle:
+        json.dump({**config, "lora_dropout": p}, handle)
+    return folder
+
+
+def _check_dropout(model_type: str, base: str, adapter: str, **layout) -> None:
+    """``lora_dropout > 0``: from the same RNG state, every rank draws plain peft's masks (row-parallel ``A``: its
+    slice of the full-width mask), so the loss and every adapter gradient equal plain peft's on this data-parallel
+    replica's rows (the model itself is not wrapped: no gradient averaging over dp)."""
+    model, reference = _ours(model_type, base, adapter, **layout), _reference(model_type, base, adapter)
+    context = model.parallel_context
+    batch = {k: v[context.dp_rank::context.dp_size].contiguous() for k, v in _batch(model_type).items()}
+    with torch.no_grad():
+        undropped = reference.eval()(**batch).loss
+    reference.train()
+    torch.manual_seed(11)
+    expected = reference(**batch).loss
+    expected.backward()
+    assert not torch.allclose(expected, undropped), "the dropout did not draw"
+    torch.manual_seed(11)
+    got = model(**batch).loss
+    got.backward()
+    torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=1e-5)
+    assert_adapters_match(model, reference, grads=True)
+
+
 def _layouts_worker(model_type: str, base: str, adapter: str, root: str) -> None:
+    if model_type == "llama":  # lora_dropout: column-parallel q/v/gate, row-parallel down_proj, with SP
+        for layout in (dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2),
+                       dict(tensor_parallel_size=4)):
+            _check_dropout(model_type, base, adapter + "_dropout", **layout)
+        # a plain LoraConfig at tp > 1: peft builds its own layers (no model hook picks ours): refused, never wrong
+        targets = CASES[model_type][2]
+        with pytest.raises(NotImplementedError, match="adapters.lora_config"):
+            peft.get_peft_model(_ours(model_type, base, None, tensor_parallel_size=4),
+                                peft.LoraConfig(r=4, target_modules=targets))
+        with pytest.raises(NotImplementedError, match="load_adapter"):
+            peft.PeftModel.from_pretrained(_ours(model_type, base, None, tensor_parallel_size=4), adapter)
     layouts = [("tp2_sp_dp2", 0, dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)),
                ("tp4", 0, dict(tensor_parallel_size=4)),
                ("tp2_dp2_zero3", 3, dict(tensor_parallel_size=2, data_parallel_size=2))]
-    if model_type == "llama":  # GPT-2 ties its head to wte, which its last stage lacks: peft's tie check fails there
+    if model_type == "llama":  # ZeRO-1/2: only the adapters in the (sharded) optimizer
+        layouts += [("tp2_dp2_zero1", 1, dict(tensor_parallel_size=2, data_parallel_size=2)),
+                    ("tp2_dp2_zero2", 2, dict(tensor_parallel_size=2, data_parallel_size=2))]
+    if model_type != "bert":
         layouts.append(("pp2_tp2", 0, dict(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2)))
     for name, zero_stage, layout in layouts:
         model, reference = _ours(model_type, base, adapter, **layout), _reference(model_type, base, adapter)
         assert_adapters_match(model, reference)
         _train(model, reference, _batch(model_type), zero_stage=zero_stage)
         folder = os.path.join(root, name)
-        _check_saved(model_type, model, reference, base, folder, merge=zero_stage == 0)
+        _check_saved(model_type, model, reference, base, folder, merge=zero_stage <= 1)
 
 
 @pytest.mark.parametrize("model_type", sorted(CASES))
 def test_lora_matches_peft_at_every_layout(model_type, tmp_path):
     base, adapter = _save_case(model_type, tmp_path)
+    _dropout_adapter(adapter)
     # tp 1: get_peft_model's own init equals plain peft's (same seed), then the loaded-adapter checks
     hf_class, _, targets = CASES[model_type]
     torch.manual_seed(3)
@@ -174,7 +231,7 @@ def test_lora_matches_peft_at_every_layout(model_type, tmp_path):
 
 
 def test_refusals_and_negative_control(tmp_path):
-    """DoRA and base-weight inits are refused with the reason; a square conv1d-layout layer merged as if its weight
+    """DoRA, base-weight inits and plain-peft layers on a conv1d-layout weight are refused with the reason; a square conv1d-layout layer merged as if its weight
     were [out, in] (the transpose the layout decides, broken on purpose) misses the merged reference."""
     base, adapter = _save_case("gpt2", tmp_path)
     with pytest.raises(NotImplementedError, match="DoRA"):
@@ -183,6 +240,10 @@ def test_refusals_and_negative_control(tmp_path):
     with pytest.raises(NotImplementedError, match="base weight"):
         peft.get_peft_model(_ours("gpt2", base, None), adapters.lora_config(r=4, target_modules=["c_attn"],
                                                                             init_lora_weights="pissa"))
+    with pytest.raises(NotImplementedError, match="conv1d"):  # plain peft would merge c_attn untransposed
+        peft.get_peft_model(_ours("gpt2", base, None), peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    llama_base, _ = _save_case("llama", tmp_path / "llama")  # tp 1, linear layout: plain peft is right, allowed
+    peft.get_peft_model(_ours("llama", llama_base, None), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     ids = _batch("gpt2")["input_ids"]
     with torch.no_grad():
         expected = _reference("gpt2", base, adapter).merge_and_unload().eval()(input_ids=ids).logits

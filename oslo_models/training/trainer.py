@@ -1,0 +1,199 @@
+"""``transformers.Trainer`` driving a (tensor-)parallel ``oslo_models`` model: the one-line setup.
+
+    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=om.ParallelConfig(tensor_parallel_size=2))
+    model = peft.get_peft_model(model, adapters.lora_config(r=16, target_modules=["q_proj", "v_proj"]))
+    trainer = om.training.Trainer(model=model, args=TrainingArguments(..., use_cpu=...), train_dataset=ds)
+    trainer.train()                                  # under torchrun: every rank runs the same script
+
+``om.training.Trainer`` is ``transformers.Trainer`` with :class:`ParallelTrainerMixin` in front; for another
+``Trainer`` subclass (TRL's ``SFTTrainer``, your own) put the mixin first: ``class SFT(ParallelTrainerMixin,
+SFTTrainer): pass``. Plain ``transformers.Trainer`` under torchrun would treat every process as a data-parallel
+replica: it wraps the model in DDP over the whole world (averaging the gradients of *different* tensor-parallel
+shards) and gives every process its own batches (tensor-parallel ranks must see the *same* batch). The mixin changes
+exactly those points, through ``Trainer``'s own overridable methods (nothing is patched):
+
+- data: ``accelerator.prepare`` still builds the loaders (same sampler, seed, ``skip_first_batches`` on resume); the
+  shard it makes is re-pointed at the data-parallel group (``num_processes = dp_size``, ``process_index =
+  dp_rank``), so the tp ranks of a replica draw the same rows, as ``Trainer`` itself does for its rebalancing
+  sampler.
+- model: autocast / compile from Accelerate (``prepare_model(evaluation_mode=True)``, which also marks the model
+  prepared so ``Trainer`` does not wrap it again), then DDP over the dp group
+  (:func:`~oslo_models.training.zero.shard_data_parallel`, ZeRO stage 0).
+- loss: ``get_tp_size`` returns the model's tp size, so ``Trainer``'s token count (gathered over the world) and its
+  loss scaling count each replica once; the logged loss (gathered over the world, averaged) is the global loss.
+- gradient norm / clipping: :func:`~oslo_models.training.clip.clip_grad_norm_` (tp-split pieces summed over tp,
+  LoRA adapters by their own layouts) in place of Accelerate's per-rank norm.
+- checkpoints and ``save_model``: every rank joins the gathered save (``adapters.save_adapter`` for a ``peft``
+  model: a plain ``peft`` folder; ``training.save_pretrained`` otherwise: a plain Hub folder); rank 0 writes. The
+  optimizer state is per rank (``rank{r}-of-{world}-optimizer.pt``: tp ranks hold different adapter pieces), the
+  scheduler once; ``resume_from_checkpoint`` reloads them at the same layout (adapters and full weights themselves
+  load at any layout, sliced).
+
+Refused with the reason: pipeline and context parallelism (the schedule / the sequence split are not ``Trainer``'s
+forward), ZeRO stages 1-3 (use :func:`~oslo_models.training.prepare` in your own loop), and evaluation /
+prediction at tp > 1 (``Trainer`` gathers predictions over the whole world, so every tp rank's copy would count).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+
+from . import clip
+from .export import save_pretrained
+from .zero import shard_data_parallel, unwrap_model
+
+OPTIMIZER_NAME = "optimizer.pt"
+SCHEDULER_NAME = "scheduler.pt"
+
+
+def _is_peft(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+class ParallelTrainerMixin:
+    """Put first in the bases of a ``transformers.Trainer`` (sub)class; see the module docstring."""
+
+    # ------------------------------------------------------------------ setup
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        context = self.parallel_context
+        if context.pp_size > 1:
+            raise NotImplementedError(
+                "Trainer with pipeline_parallel_size > 1 is not supported: the pipeline schedule (model.train_step) "
+                "runs forward and backward together, Trainer calls forward then backward. Train with train_step in "
+                "your own loop (oslo_models.training.prepare)")
+        if context.cp_size > 1:
+            raise NotImplementedError(
+                "Trainer with context_parallel_size > 1 is not supported: Trainer's batches and token counts assume "
+                "whole sequences on every rank")
+        if context.config.zero_stage:
+            raise NotImplementedError(
+                f"Trainer with zero_stage={context.config.zero_stage} is not supported (Accelerate's optimizer "
+                "wrapper reloads the optimizer state, which a ZeRO-sharded optimizer cannot give whole); use "
+                "zero_stage=0 here, or oslo_models.training.prepare(..., zero_stage=...) in your own loop")
+        if self.accelerator.num_processes != context.world_size:
+            raise ValueError(f"Accelerate sees {self.accelerator.num_processes} process(es) but the model's "
+                             f"ParallelContext spans {context.world_size}")
+
+    @property
+    def parallel_context(self):
+        inner = unwrap_model(self.model)
+        context = getattr(inner, "parallel_context", None)
+        if context is None:
+            raise TypeError(f"{type(self).__name__} needs an oslo_models model (with .parallel_context), got "
+                            f"{type(inner).__name__}; plain models train with transformers.Trainer")
+        return context
+
+    def get_tp_size(self) -> int:
+        """Ranks that see the same batch within a replica: ``Trainer`` divides its world-wide token count by it."""
+        return self.parallel_context.tp_size
+
+    # ------------------------------------------------------------------ data
+    def _get_dataloader(self, *args, **kwargs):
+        loader = super()._get_dataloader(*args, **kwargs)
+        context = self.parallel_context
+        if context.world_size == 1:
+            return loader
+        from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+
+        shard = getattr(loader, "batch_sampler", None)
+        if not isinstance(shard, BatchSamplerShard):
+            shard = getattr(loader, "dataset", None)
+            if not isinstance(shard, IterableDatasetShard):
+                raise NotImplementedError(
+                    f"{type(self).__name__} splits batches over the data-parallel group by re-pointing Accelerate's "
+                    f"shard, and found none in this {type(loader).__name__} (dispatch_batches=True or a custom "
+                    "batch sampler); use a map-style or iterable dataset without dispatch_batches")
+        shard.num_processes, shard.process_index = context.dp_size, context.dp_rank
+        return loader
+
+    # ------------------------------------------------------------------ model
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if not training or unwrap_model(model) is not model or getattr(model, "_oslo_zero_stage", None) is not None:
+            return model
+        # autocast / compile only; marks the model prepared so Trainer's accelerator.prepare leaves it as is
+        model = self.accelerator.prepare_model(model, evaluation_mode=True)
+        wrapped, _ = shard_data_parallel(model, None, zero_stage=0)
+        return wrapped
+
+    def _clip_grad_norm(self, model):
+        return clip.clip_grad_norm_(model, self.args.max_grad_norm, accelerator=self.accelerator, optimizer=self.optimizer)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:  # logged without clipping: still the whole model's norm
+            grad_norm = clip.grad_norm(model)
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    # ------------------------------------------------------------------ evaluation
+    def _refuse_gathered_predictions(self, what: str) -> None:
+        if self.parallel_context.tp_size > 1:
+            raise NotImplementedError(
+                f"Trainer.{what} at tensor_parallel_size > 1 is not supported: Trainer gathers losses and "
+                "predictions over every process, so each tp rank's copy would be counted (and its last-batch trim "
+                "would keep copies). Evaluate in your own loop, or at tp 1")
+
+    def evaluate(self, *args, **kwargs):
+        self._refuse_gathered_predictions("evaluate")
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        self._refuse_gathered_predictions("predict")
+        return super().predict(*args, **kwargs)
+
+    # ------------------------------------------------------------------ saving and resuming
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """Every rank (``save_model`` calls ``_save`` on every rank): the gathered save, rank 0 writes."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        model = unwrap_model(self.model)
+        if _is_peft(model):
+            from ..adapters import save_adapter
+
+            save_adapter(model, output_dir)
+        else:
+            save_pretrained(self.model, output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
+
+    def _optimizer_file(self, folder: str) -> str:
+        return os.path.join(folder, f"rank{self.args.process_index}-of-{self.args.world_size}-{OPTIMIZER_NAME}")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(self.optimizer.state_dict(), self._optimizer_file(output_dir))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path = self._optimizer_file(checkpoint)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: a checkpoint resumes at the layout (world size) that "
+                                    "saved it; the model or adapter folder itself loads at any layout")
+        self.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """A ``peft`` model: ``Trainer``'s own path (``PeftModel.load_adapter``; the parallel LoRA layers slice the
+        full tensors). A full model: each rank reads its slices of the Hub folder through the plan."""
+        model = model if model is not None else self.model
+        inner = unwrap_model(model)
+        if _is_peft(inner):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        from ..conversion.checkpoint import CheckpointReader
+        from ..conversion.loading import load_checkpoint_into
+
+        load_checkpoint_into(inner, CheckpointReader.open(resume_from_checkpoint), plan=inner.parallel_plan,
+                             context=inner.parallel_context, base_model_prefix=inner.base_model_prefix)
+
+
+class Trainer(ParallelTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` for ``oslo_models`` models at any tp x dp layout (see the module docstring)."""
