@@ -105,7 +105,7 @@ class ForMaskedLM(EncoderHeadModel):
     #: the vocab-parallel decoder's module path when it is not ``{_decoder_bias_owner}.decoder`` (ELECTRA's
     #: ``generator_lm_head``, DistilBERT's ``vocab_projector``: top-level linears with their own bias)
     decoder_path: ClassVar[str | None] = None
-    #: the modules ``mlm_features`` reads, when not the one module at ``head_name`` (DistilBERT's transform, activation
+    #: the modules ``mlm_transform`` reads, when not the one module at ``head_name`` (DistilBERT's transform, activation
     #: and norm live on the model itself); a pipeline's last stage holds them under these names
     mlm_head_modules: ClassVar[tuple[str, ...] | None] = None
 
@@ -120,11 +120,15 @@ class ForMaskedLM(EncoderHeadModel):
     def build_head(self, config) -> None:
         setattr(self, self.head_name, self.head_class(config))
 
+    @classmethod
+    def mlm_transform(cls, holder, hidden):
+        """The replicated transform before the decoder, ``[b, s, h] -> [b, s, e]``, run on the modules of
+        ``mlm_head_module_names()`` found on ``holder`` (the model, or a pipeline's last stage holding them under
+        the same names): the ``features`` of the module at ``head_name``."""
+        return getattr(holder, cls.head_name).features(hidden)
+
     def mlm_features(self, hidden):
-        """The replicated transform before the decoder: ``[b, s, h] -> [b, s, e]`` (the head module's
-        ``features``). It reads only the ``mlm_head_module_names()`` attributes, so a pipeline stage holding them
-        runs it too."""
-        return getattr(self, self.head_name).features(hidden)
+        return self.mlm_transform(self, hidden)
 
     def get_output_embeddings(self):
         try:

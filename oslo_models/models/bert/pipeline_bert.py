@@ -123,7 +123,7 @@ class EncoderPipelineAdapter(PipelineAdapter):
 
 
 class MaskedLMPipelineAdapter(EncoderPipelineAdapter):
-    """Masked LM: the last stage runs the MLM head (the head class's replicated transform ``mlm_features`` over the
+    """Masked LM: the last stage runs the MLM head (the head class's replicated transform ``mlm_transform`` over the
     modules it names, then the vocab-parallel decoder at ``mlm_decoder_path()``, tied to the word embeddings) ->
     local logits ``[mb, s, V_padded/tp]``; the loss runs on the split vocabulary (no shift, ``-100`` ignored), as
     ``ForMaskedLM.forward``'s."""
@@ -138,7 +138,7 @@ class MaskedLMPipelineAdapter(EncoderPipelineAdapter):
 
     @classmethod
     def head_modules_of(cls, model_class):
-        # the transform's modules under the model's names (``mlm_features`` runs on the stage), the decoder under
+        # the transform's modules under the model's names (``mlm_transform`` runs on the stage), the decoder under
         # "decoder"; the outermost head modules are dropped off the last stage
         names = model_class.mlm_head_module_names()
         return {**{name: name for name in names}, "decoder": model_class.mlm_decoder_path()}
@@ -150,7 +150,7 @@ class MaskedLMPipelineAdapter(EncoderPipelineAdapter):
 
     def head_forward(self, stage, hidden):
         # the model class's transform, run on the stage (which holds its modules under the same names)
-        return stage.decoder(self.model_class.mlm_features(stage, hidden))  # [mb, s, V_padded/tp]
+        return stage.decoder(self.model_class.mlm_transform(stage, hidden))  # [mb, s, V_padded/tp]
 
     def head_output_shape(self, model, mb, seq_len):
         return mb, seq_len, model.get_submodule(self.decoder_path).weight.shape[0]

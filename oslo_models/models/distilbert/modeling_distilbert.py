@@ -202,8 +202,9 @@ class DistilBertForMaskedLM(ForMaskedLM, DistilBertPreTrainedModel):
         self.vocab_layer_norm = LayerNorm(config.dim, eps=_EPS)
         self.vocab_projector = Linear(config.dim, config.vocab_size)
 
-    def mlm_features(self, hidden):
-        return self.vocab_layer_norm(self.activation(self.vocab_transform(hidden)))
+    @classmethod
+    def mlm_transform(cls, holder, hidden):
+        return holder.vocab_layer_norm(holder.activation(holder.vocab_transform(hidden)))
 
 
 class _FirstTokenClassifier:
