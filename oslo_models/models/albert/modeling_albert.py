@@ -38,7 +38,7 @@ from transformers.utils.generic import can_return_tuple
 from ...config import ParallelConfig
 from ...parallel_layers.head_parallel import VocabBias
 from ...parallel_layers.layers import Dropout, LayerNorm, Linear
-from ...parallel_layers.plan import Colwise, Rowwise, SequenceParallelNorm, TPDropout
+from ...parallel_layers.plan import Colwise, Rowwise, SequenceParallelNorm, StreamLinear, TPDropout
 from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel
 from ..bert.parallel_plan import prefixed
 from ..common import attend, full_logits, split_heads, token_loss
@@ -156,7 +156,9 @@ class AlbertTransformer(nn.Module):
 
 ALBERT_SPEC = StackSpec(block=AlbertLayerGroup, components=dict(attn=AlbertAttention, layer=AlbertLayer),
                         embed_tokens="embeddings.word_embeddings", layers="encoder.albert_layer_groups",
-                        final_norm=None, extra_plan=prefixed("embeddings", AlbertEmbeddings.tp_plan))
+                        final_norm=None, extra_plan={**prefixed("embeddings", AlbertEmbeddings.tp_plan),
+                                                     # a stream linear: replicated under 1D, a grid one under 2D/3D
+                                                     "encoder.embedding_hidden_mapping_in": StreamLinear()})
 
 
 class AlbertPreTrainedModel(BertPreTrainedModel):
@@ -213,7 +215,8 @@ class AlbertMLMHead(nn.Module):
     """``decoder(LayerNorm(act(dense(x))))``: the transform replicated (``[b, s, h] -> [b, s, e]``), the decoder
     vocab-parallel (``[b, s, e] -> [b, s, V_padded/tp]``) with ``bias`` split alongside it."""
 
-    tp_plan = {"": VocabBias(), "decoder": Colwise(vocab=True)}
+    tp_plan = {"": VocabBias(), "decoder": Colwise(vocab=True), "dense": StreamLinear(),
+               "LayerNorm": SequenceParallelNorm()}
 
     def __init__(self, config):
         super().__init__()
@@ -279,8 +282,9 @@ class AlbertForPreTraining(ForMaskedLM, AlbertPreTrainedModel):
         if labels is not None and sentence_order_label is not None:
             loss = token_loss(local_logits, labels, decoder) + F.cross_entropy(
                 sop_logits.view(-1, 2), sentence_order_label.view(-1))
-        return AlbertForPreTrainingOutput(loss=loss, prediction_logits=full_logits(local_logits, decoder, gather_logits),
-                                          sop_logits=sop_logits, **passed_on(outputs))
+        logits = full_logits(local_logits, decoder, gather_logits)
+        return AlbertForPreTrainingOutput(loss=loss, prediction_logits=logits, sop_logits=sop_logits,
+                                          **passed_on(outputs))
 
 
 class AlbertForSequenceClassification(EncoderForSequenceClassification, AlbertPreTrainedModel):

@@ -11,8 +11,8 @@ _EXPORTS = {
     ".configuration_electra": ["ElectraConfig"],
     ".modeling_electra": ["ElectraModel", "ElectraForMaskedLM", "ElectraForPreTraining",
                           "ElectraForSequenceClassification", "ElectraForTokenClassification",
-                          "ElectraForQuestionAnswering", "ElectraForMultipleChoice", "ElectraPreTrainedModel"],
-    "..bert.modeling_bert": ["BERT_SPEC"],
+                          "ElectraForQuestionAnswering", "ElectraForMultipleChoice", "ElectraPreTrainedModel",
+                          "ELECTRA_SPEC"],
 }
 # the tiny BERT with embeddings half as wide as the hidden states, so ``embeddings_project`` exists (no dropout)
 FAMILIES = (
@@ -22,7 +22,7 @@ FAMILIES = (
                      "sequence_classification": "ElectraForSequenceClassification",
                      "token_classification": "ElectraForTokenClassification",
                      "question_answering": "ElectraForQuestionAnswering",
-                     "multiple_choice": "ElectraForMultipleChoice"}, spec="BERT_SPEC"),
+                     "multiple_choice": "ElectraForMultipleChoice"}, spec="ELECTRA_SPEC"),
 )
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -18,6 +18,8 @@ Shapes: b batch, s sequence, h hidden, e embedding width, V vocabulary.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 import transformers
@@ -28,8 +30,9 @@ from transformers.models.electra.modeling_electra import ElectraForPreTrainingOu
 from transformers.utils.generic import can_return_tuple
 
 from ...parallel_layers.layers import Dropout, LayerNorm, Linear
-from ...parallel_layers.plan import Colwise
-from ..bert.modeling_bert import BertEmbeddings, BertEncoder, BertModel, BertPreTrainedModel
+from ...parallel_layers.plan import Colwise, SequenceParallelNorm, StreamLinear
+from ..bert.modeling_bert import BERT_SPEC, BertEmbeddings, BertEncoder, BertModel, BertPreTrainedModel
+from ..bert.parallel_plan import prefixed
 from ..bert.pipeline_bert import MaskedLMPipelineAdapter
 from ..common.outputs import passed_on
 from ..encoder_heads import (
@@ -51,10 +54,16 @@ class ElectraEmbeddings(BertEmbeddings):
     width_attribute = "embedding_size"
 
 
+#: BERT's layers and plan, plus the projection (a stream linear: replicated under 1D, a grid linear under 2D/3D)
+ELECTRA_SPEC = dataclasses.replace(BERT_SPEC, extra_plan={**BERT_SPEC.extra_plan,
+                                                          "embeddings_project": StreamLinear()})
+
+
 class ElectraPreTrainedModel(BertPreTrainedModel):
     config_class = ElectraConfig
     config: ElectraConfig
     base_model_prefix = "electra"
+    stack_spec = ELECTRA_SPEC
     _no_split_modules = ["ElectraEmbeddings", "BertLayer"]
 
 
@@ -87,7 +96,9 @@ ElectraPreTrainedModel.base_model_class = ElectraModel
 
 class ElectraGeneratorPredictions(nn.Module):
     """The generator's transform before the decoder: ``LayerNorm(gelu(dense(x)))``, ``[b, s, h] -> [b, s, e]``,
-    replicated."""
+    replicated (grid layers under 2D/3D)."""
+
+    tp_plan = {"dense": StreamLinear(), "LayerNorm": SequenceParallelNorm()}
 
     def __init__(self, config):
         super().__init__()
@@ -137,7 +148,8 @@ class ElectraForMaskedLM(ForMaskedLM, ElectraPreTrainedModel):
     hf_twin = transformers.ElectraForMaskedLM
     head_name, head_class = "generator_predictions", ElectraGeneratorPredictions
     decoder_path = "generator_lm_head"
-    head_styles = {"generator_lm_head": Colwise(vocab=True)}
+    head_styles = {**prefixed("generator_predictions", ElectraGeneratorPredictions.tp_plan),
+                   "generator_lm_head": Colwise(vocab=True)}
     _oslo_context_parallel = True
     pipeline_adapter_class = MaskedLMPipelineAdapter
     _tied_weights_keys = {"generator_lm_head.weight": "electra.embeddings.word_embeddings.weight"}
