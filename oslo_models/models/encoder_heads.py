@@ -1,4 +1,4 @@
-"""Task heads of the encoder families (BERT, RoBERTa and its variants; DistilBERT, ELECTRA, ALBERT to come), written
+"""Task heads of the encoder families (BERT, RoBERTa and its variants, DistilBERT, ELECTRA, ALBERT), written
 once: each family's head is a short declaration naming ``transformers``' head modules, as ``models/heads.py`` does
 for the decoders (whose outputs and loss rules these share).
 

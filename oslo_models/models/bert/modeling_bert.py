@@ -370,7 +370,12 @@ class BertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
 
 class BertModel(TransformerStack, BertPreTrainedModel):
     """Embeddings, ``num_hidden_layers`` layers, optional pooler; the forward is the shared stack's phases.
-    ``last_hidden_state``: ``[b, s, h]``; ``pooler_output``: ``[b, h]``."""
+    ``last_hidden_state``: ``[b, s, h]``; ``pooler_output``: ``[b, h]``.
+
+    The other encoder families are this model over their own modules, through four hooks: ``build_modules`` (the
+    module tree under ``transformers``' names), ``embedding_output`` (ELECTRA's ``embeddings_project``, ALBERT's
+    ``embedding_hidden_mapping_in`` after the embeddings, still outside the sequence-parallel region),
+    ``embedding_extras`` (those modules, for a pipeline's first stage) and ``pool`` (ALBERT's pooler)."""
 
     hf_twin = transformers.BertModel
     is_base_model = True
