@@ -1,4 +1,4 @@
-"""Task heads of the encoder families (BERT, RoBERTa and its variants; DistilBERT, ELECTRA, ALBERT to come), written
+"""Task heads of the encoder families (BERT, RoBERTa and its variants, DistilBERT, ELECTRA, ALBERT), written
 once: each family's head is a short declaration naming ``transformers``' head modules, as ``models/heads.py`` does
 for the decoders (whose outputs and loss rules these share).
 
@@ -70,6 +70,9 @@ class EncoderHeadModel(HeadModel):
     ``token_type_ids`` besides the decoder heads' inputs."""
 
     uses_pooler: ClassVar[bool] = False
+    #: the family's classifier dropout rule (ALBERT: ``classifier_dropout_prob``; RoBERTa's multiple choice:
+    #: ``hidden_dropout_prob``)
+    classifier_dropout = staticmethod(classifier_dropout)
     pipeline_adapter = _BoundPipelineAdapter()
     pipeline_adapter_class: ClassVar[type | None] = None
 
@@ -99,13 +102,37 @@ class ForMaskedLM(EncoderHeadModel):
     head_class: ClassVar[type] = None
     head_styles = _HeadStyles()
     _decoder_bias_owner: ClassVar[str | None] = None
+    #: the vocab-parallel decoder's module path when it is not ``{_decoder_bias_owner}.decoder`` (ELECTRA's
+    #: ``generator_lm_head``, DistilBERT's ``vocab_projector``: top-level linears with their own bias)
+    decoder_path: ClassVar[str | None] = None
+    #: the modules ``mlm_transform`` reads, when not the one module at ``head_name`` (DistilBERT's transform, activation
+    #: and norm live on the model itself); a pipeline's last stage holds them under these names
+    mlm_head_modules: ClassVar[tuple[str, ...] | None] = None
+
+    @classmethod
+    def mlm_decoder_path(cls) -> str:
+        return cls.decoder_path or f"{cls._decoder_bias_owner}.decoder"
+
+    @classmethod
+    def mlm_head_module_names(cls) -> tuple[str, ...]:
+        return cls.mlm_head_modules or (cls.head_name,)
 
     def build_head(self, config) -> None:
         setattr(self, self.head_name, self.head_class(config))
 
+    @classmethod
+    def mlm_transform(cls, holder, hidden):
+        """The replicated transform before the decoder, ``[b, s, h] -> [b, s, e]``, run on the modules of
+        ``mlm_head_module_names()`` found on ``holder`` (the model, or a pipeline's last stage holding them under
+        the same names): the ``features`` of the module at ``head_name``."""
+        return getattr(holder, cls.head_name).features(hidden)
+
+    def mlm_features(self, hidden):
+        return self.mlm_transform(self, hidden)
+
     def get_output_embeddings(self):
         try:
-            return self.get_submodule(self._decoder_bias_owner).decoder
+            return self.get_submodule(self.mlm_decoder_path())
         except AttributeError:  # off a pipeline's last stage the head is dropped
             return None
 
@@ -116,7 +143,7 @@ class ForMaskedLM(EncoderHeadModel):
         outputs = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
         if labels is not None:
             num_items_in_batch = context_parallel_loss_items(self, labels, num_items_in_batch, causal=False)
-        features = getattr(self, self.head_name).features(outputs.last_hidden_state)
+        features = self.mlm_features(outputs.last_hidden_state)
         loss, logits = head_loss_and_logits(self.get_output_embeddings(), features, labels, causal=False,
                                             skip_logits=skip_logits, fused=self.parallel_context.config.fused_ops,
                                             gather_logits=gather_logits, num_items_in_batch=num_items_in_batch)
@@ -165,7 +192,7 @@ class EncoderForSequenceClassification(EncoderHeadModel):
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
         if self.head_class is None:
-            self.dropout = Dropout(classifier_dropout(config))
+            self.dropout = Dropout(self.classifier_dropout(config))
             self.classifier = Linear(config.hidden_size, config.num_labels)
         else:
             self.classifier = self.head_class(config)
@@ -189,7 +216,7 @@ class EncoderForTokenClassification(EncoderHeadModel):
 
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
-        self.dropout = Dropout(classifier_dropout(config))
+        self.dropout = Dropout(self.classifier_dropout(config))
         self.classifier = Linear(config.hidden_size, config.num_labels)
 
     @can_return_tuple
@@ -220,7 +247,6 @@ class ForMultipleChoice(EncoderHeadModel):
     ``logits [b, c]``. ``classifier_dropout(config)``: the family's dropout rule (RoBERTa: ``hidden_dropout_prob``)."""
 
     uses_pooler = True
-    classifier_dropout = staticmethod(classifier_dropout)
 
     def build_head(self, config) -> None:
         self.dropout = Dropout(self.classifier_dropout(config))

@@ -87,13 +87,16 @@ class BertEmbeddings(nn.Module):
                "dropout": TPDropout()}
     #: the position ids depend on ``input_ids`` (RoBERTa), so the stack's default positions do not apply
     derives_positions: ClassVar[bool] = False
+    #: the config attribute of the embeddings' width (ELECTRA, ALBERT: ``embedding_size``, projected afterwards)
+    width_attribute: ClassVar[str] = "hidden_size"
 
     def __init__(self, config):
         super().__init__()
-        self.word_embeddings = Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.position_embeddings = Embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = Embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        width = getattr(config, self.width_attribute)
+        self.word_embeddings = Embedding(config.vocab_size, width, padding_idx=config.pad_token_id)
+        self.position_embeddings = Embedding(config.max_position_embeddings, width)
+        self.token_type_embeddings = Embedding(config.type_vocab_size, width)
+        self.LayerNorm = LayerNorm(width, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.hidden_dropout_prob)
 
     def make_position_ids(self, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:
@@ -340,7 +343,7 @@ class BertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(f"{name} hidden_size={config.hidden_size} is not divisible by num_attention_heads="
                              f"{config.num_attention_heads}")
-        if config.add_cross_attention:
+        if getattr(config, "add_cross_attention", False):
             raise NotImplementedError(f"{name} with cross-attention (add_cross_attention) is not implemented")
 
     def load_from_reader(self, reader, *, progress: bool = False, **options):
@@ -367,7 +370,12 @@ class BertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
 
 class BertModel(TransformerStack, BertPreTrainedModel):
     """Embeddings, ``num_hidden_layers`` layers, optional pooler; the forward is the shared stack's phases.
-    ``last_hidden_state``: ``[b, s, h]``; ``pooler_output``: ``[b, h]``."""
+    ``last_hidden_state``: ``[b, s, h]``; ``pooler_output``: ``[b, h]``.
+
+    The other encoder families are this model over their own modules, through four hooks: ``build_modules`` (the
+    module tree under ``transformers``' names), ``embedding_output`` (ELECTRA's ``embeddings_project``, ALBERT's
+    ``embedding_hidden_mapping_in`` after the embeddings, still outside the sequence-parallel region),
+    ``embedding_extras`` (those modules, for a pipeline's first stage) and ``pool`` (ALBERT's pooler)."""
 
     hf_twin = transformers.BertModel
     is_base_model = True
@@ -377,13 +385,17 @@ class BertModel(TransformerStack, BertPreTrainedModel):
 
     def __init__(self, config, add_pooling_layer: bool = True, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)
-        self.embeddings = self.embeddings_class(config)
-        self.encoder = BertEncoder(config)
-        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.build_modules(config, add_pooling_layer)
         self.gradient_checkpointing = False
         self.post_init()
         if not submodule:
             self.finish_init()
+
+    def build_modules(self, config, add_pooling_layer: bool) -> None:
+        """The modules under ``transformers``' names (the encoder families with another tree override it)."""
+        self.embeddings = self.embeddings_class(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
 
     def get_input_embeddings(self):
         return self.embeddings.word_embeddings
@@ -391,17 +403,27 @@ class BertModel(TransformerStack, BertPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``pooler_output [b, h]`` from ``[b, s, h]`` (ALBERT: its ``pooler`` linear and ``pooler_activation``)."""
+        return self.pooler(hidden)
+
+    @classmethod
+    def embedding_extras(cls, config) -> tuple[str, ...]:
+        """Modules besides ``embeddings`` that ``embedding_output`` runs (a pipeline's first stage keeps them)."""
+        return ()
+
+    def embedding_output(self, **inputs) -> torch.Tensor:
+        """The embeddings' ``[b, s, h]`` (ELECTRA, ALBERT: projected from ``embedding_size`` to the hidden width)."""
+        return self.embeddings(**inputs)
+
     # ------------------------------------------------------------------ the stack's hooks
     @property
     def causal(self) -> bool:
-        return bool(self.config.is_decoder)
-
-    def _layers(self) -> nn.ModuleList:
-        return self.encoder.layer
+        return bool(getattr(self.config, "is_decoder", False))
 
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
         """Bidirectional (padding only), or causal when ``config.is_decoder``: ``transformers``' masks."""
-        if self.config.is_decoder:
+        if self.causal:
             mask = create_causal_mask(config=self.config, inputs_embeds=shape_like, attention_mask=attention_mask,
                                       past_key_values=past_key_values)
         else:
@@ -427,7 +449,7 @@ class BertModel(TransformerStack, BertPreTrainedModel):
         LayerNorm and dropout see every token on every rank), then the scatter to ``[b, s/tp, h]`` under SP."""
         past = inputs.past_key_values.get_seq_length() if inputs.past_key_values is not None else 0
         hidden = self.parallel_context.sequence_parallel_region.run(
-            False, self.embeddings, input_ids=input_ids, token_type_ids=token_type_ids,
+            False, self.embedding_output, input_ids=input_ids, token_type_ids=token_type_ids,
             position_ids=inputs.position_ids, inputs_embeds=inputs_embeds, past_key_values_length=past)
         if inputs.sequence_parallel:  # [b, s, h] -> [b, s/tp, h]
             hidden = enter_sequence_parallel(hidden, self.parallel_context)
@@ -443,18 +465,20 @@ class BertModel(TransformerStack, BertPreTrainedModel):
         if self.parallel_context.cp_size > 1 and self.pooler is not None:
             raise NotImplementedError("the [CLS] pooler under context parallelism is not implemented (only cp rank "
                                       "0 holds the first token); build the model with add_pooling_layer=False")
-        use_cache = (use_cache if use_cache is not None else self.config.use_cache) and self.config.is_decoder
+        use_cache = (use_cache if use_cache is not None else getattr(self.config, "use_cache", False)) and self.causal
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        if not self.config.is_decoder:
+        if not self.causal:
             past_key_values = None
         shape_like = inputs_embeds if inputs_embeds is not None else input_ids[..., None]
         inputs = self.stack_inputs(self._shape_only(shape_like), attention_mask, position_ids, past_key_values)
         hidden = self.run_stack(input_ids, inputs, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
                                 **kwargs)
-        pooled = self.pooler(hidden) if self.pooler is not None else None
-        return self.output_class(last_hidden_state=hidden, pooler_output=pooled,
-                                 past_key_values=past_key_values if use_cache else None)
+        pooled = self.pool(hidden) if self.pooler is not None else None
+        fields = self.output_class.__dataclass_fields__  # DistilBERT's has no pooler, ALBERT's no cache
+        outputs = dict(last_hidden_state=hidden, pooler_output=pooled,
+                       past_key_values=past_key_values if use_cache else None)
+        return self.output_class(**{key: value for key, value in outputs.items() if key in fields})
 
 
 BertPreTrainedModel.base_model_class = BertModel

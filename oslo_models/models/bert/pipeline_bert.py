@@ -64,15 +64,25 @@ class EncoderPipelineAdapter(PipelineAdapter):
         base = getattr(plain, self.base)
         costs = [count(layer) for layer in plain.get_submodule(self.layer_paths[0])]
         head = [plain.get_submodule(path) for path in self._outermost(set(self.head_modules.values()))]
-        return costs, count(base.embeddings), count(*head)
+        extras = [base.get_submodule(path) for path in self._embedding_extras(model)]
+        return costs, count(base.embeddings, *extras), count(*head)
 
-    def _embedding_modules(self) -> dict[str, str]:
+    def _embedding_extras(self, model) -> tuple[str, ...]:
+        """Modules of the base model the embedding phase runs besides ``embeddings`` (ELECTRA's
+        ``embeddings_project``), relative to the base model."""
+        return self.model_class.base_model_class.embedding_extras(model.config)
+
+    def _embedding_modules(self, model) -> dict[str, str]:
         # The container runs the forward; its parts are listed so that they are kept here and dropped elsewhere.
         path = f"{self.base}.embeddings"
-        return {"embeddings": path, **{f"embeddings_{part}": f"{path}.{part}" for part in EMBEDDING_PARTS}}
+        embeddings = model.get_submodule(path)  # DistilBERT's have no token types
+        parts = [part for part in EMBEDDING_PARTS if hasattr(embeddings, part)]
+        return {"embeddings": path, **{f"embeddings_{part}": f"{path}.{part}" for part in parts},
+                **{f"embeddings_extra_{i}": f"{self.base}.{extra}"
+                   for i, extra in enumerate(self._embedding_extras(model))}}
 
     def stage_modules(self, model, layout, stage: int) -> dict[str, str]:
-        modules = self._embedding_modules() if stage == 0 else {}
+        modules = self._embedding_modules(model) if stage == 0 else {}
         if stage == layout.num_stages - 1:
             modules.update(self.head_modules)
         return modules
@@ -83,7 +93,7 @@ class EncoderPipelineAdapter(PipelineAdapter):
 
     def optional_modules(self, model, layout) -> set[str]:
         """The embedding parts and the outermost head modules (a module inside a dropped one goes with it)."""
-        parts = set(self._embedding_modules().values()) - {f"{self.base}.embeddings"}
+        parts = set(self._embedding_modules(model).values()) - {f"{self.base}.embeddings"}
         return self._outermost(parts | set(self.head_modules.values()))
 
     # ------------------------------------------------------------------ batches and shapes
@@ -113,37 +123,40 @@ class EncoderPipelineAdapter(PipelineAdapter):
 
 
 class MaskedLMPipelineAdapter(EncoderPipelineAdapter):
-    """Masked LM: the last stage runs the MLM head (transform, then the vocab-parallel decoder tied to the word
-    embeddings) -> local logits ``[mb, s, V_padded/tp]``; the loss runs on the split vocabulary (no shift, ``-100``
-    ignored), as ``ForMaskedLM.forward``'s."""
+    """Masked LM: the last stage runs the MLM head (the head class's replicated transform ``mlm_transform`` over the
+    modules it names, then the vocab-parallel decoder at ``mlm_decoder_path()``, tied to the word embeddings) ->
+    local logits ``[mb, s, V_padded/tp]``; the loss runs on the split vocabulary (no shift, ``-100`` ignored), as
+    ``ForMaskedLM.forward``'s."""
 
-    head = "cls.predictions"  # the module whose forward maps hidden states to local logits
+    decoder_path = "cls.predictions.decoder"  # the vocab-parallel decoder
 
     @classmethod
     def of(cls, model_class: type) -> type:
         adapter = super().of(model_class)
-        adapter.head = model_class._decoder_bias_owner
+        adapter.decoder_path = model_class.mlm_decoder_path()
         return adapter
 
     @classmethod
     def head_modules_of(cls, model_class):
-        # the outermost head module is dropped off the last stage; the decoder is named for the tied group's owners
-        head = model_class._decoder_bias_owner
-        return {model_class.head_name: model_class.head_name, "lm_head": head, "decoder": f"{head}.decoder"}
+        # the transform's modules under the model's names (``mlm_transform`` runs on the stage), the decoder under
+        # "decoder"; the outermost head modules are dropped off the last stage
+        names = model_class.mlm_head_module_names()
+        return {**{name: name for name in names}, "decoder": model_class.mlm_decoder_path()}
 
     def tied_groups(self, model) -> list[tuple[str, ...]]:
         if getattr(model.config, "tie_word_embeddings", False):
-            return [(f"{self.base}.embeddings.word_embeddings.weight", f"{self.head}.decoder.weight")]
+            return [(f"{self.base}.embeddings.word_embeddings.weight", f"{self.decoder_path}.weight")]
         return []
 
     def head_forward(self, stage, hidden):
-        return stage.lm_head(hidden)  # [mb, s, V_padded/tp]
+        # the model class's transform, run on the stage (which holds its modules under the same names)
+        return stage.decoder(self.model_class.mlm_transform(stage, hidden))  # [mb, s, V_padded/tp]
 
     def head_output_shape(self, model, mb, seq_len):
-        return mb, seq_len, model.get_submodule(self.head).decoder.weight.shape[0]
+        return mb, seq_len, model.get_submodule(self.decoder_path).weight.shape[0]
 
     def loss(self, model, local_logits, labels, num_items_in_batch):
-        return token_loss(local_logits, labels, model.get_submodule(self.head).decoder,
+        return token_loss(local_logits, labels, model.get_submodule(self.decoder_path),
                           num_items_in_batch=num_items_in_batch)
 
 

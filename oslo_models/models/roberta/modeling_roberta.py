@@ -108,6 +108,7 @@ class RobertaForMaskedLM(ForMaskedLM, RobertaPreTrainedModel):
     hf_twin = transformers.RobertaForMaskedLM
     head_name, head_class = "lm_head", RobertaLMHead
     _decoder_bias_owner = "lm_head"
+    _oslo_context_parallel = True  # with position_ids given (RobertaModel.stack_inputs says why)
     pipeline_adapter_class = MaskedLMPipelineAdapter
     _tied_weights_keys = {"lm_head.decoder.weight": "roberta.embeddings.word_embeddings.weight",
                           "lm_head.decoder.bias": "lm_head.bias"}

@@ -1,0 +1,220 @@
+"""The encoder zoo: one parity test over every family record with a masked-LM head (BERT, RoBERTa, DistilBERT,
+ELECTRA, ALBERT, ...), each on its record's tiny model, which exercises the family's particulars (ALBERT: 4 layers
+run by 2 shared layer groups of 2 inner layers and 16-wide factorized embeddings; ELECTRA: 16-wide embeddings and
+``embeddings_project``; DistilBERT: its own module names, no token types, sinusoidal position table).
+
+Against the single-process ``transformers`` twin built from the same weights:
+
+- tp=1 in this process: the masked LM's logits, loss and every gradient on a right-padded batch (with token types
+  where the type has them); ``save_pretrained`` -> plain ``transformers`` (same keys and logits); every other head of
+  the record (sequence and token classification, question answering, multiple choice, pre-training: BERT's NSP,
+  ELECTRA's discriminator, ALBERT's sentence order) for one forward and backward;
+- one spawned group of 4 ranks, one AdamW step per layout (``tests/helpers/layouts.py``; the pipeline:
+  ``tests/helpers/pipeline.py``): tp=2 with sequence parallelism x dp=2 under ZeRO-3 through ``om.training.prepare``,
+  tp=4, pp=2 x tp=2 (1F1B, 2 microbatches), context parallelism (all-to-all) x dp=2 under ZeRO-1 (with position ids
+  given, as context parallelism asks of RoBERTa); ELECTRA's discriminator at tp=2 with sequence parallelism too.
+
+A layout the validation code refuses (before any process group) must be one ``REFUSED`` lists for the type, with its
+reason; every other layout must run and match. Variants that are another record's classes under another name
+(XLM-RoBERTa, CamemBERT: RoBERTa's) are left out.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oslo_models as om
+from oslo_models.conversion.checkpoint import InMemoryReader
+from oslo_models.models.common.context_parallel import check_context_parallel
+from oslo_models.models.encoder_heads import ForMaskedLM
+from oslo_models.models.registry import families, family_record
+from tests.helpers.dist import run_distributed
+from tests.helpers.encoders import single_thread  # noqa: F401 (a fixture)
+from tests.helpers.layouts import train_matches
+from tests.helpers.models import assert_grads_match, padded_batch
+from tests.helpers.pipeline import assert_pipeline_matches
+from tests.helpers.zoo import tiny_config
+
+# The layouts the validation code refuses for a type, with a fragment of the reason.
+REFUSED = {"albert": {"pp2 x tp2": "shares its layer groups' parameters across depth"}}
+HEAD_TASKS = ("sequence_classification", "token_classification", "question_answering", "multiple_choice",
+              "pretraining")
+
+
+def _encoder_types() -> list[str]:
+    """Records whose masked LM is an encoder head, less the variants (a masked LM subclassing another record's)."""
+    records = [r for r in families() if "masked_lm" in r.classes and issubclass(r.model_class("masked_lm"),
+                                                                               ForMaskedLM)]
+    mlm = {r.model_type: r.model_class("masked_lm") for r in records}
+    return [t for t, cls in mlm.items()
+            if not any(cls is not other and issubclass(cls, other) for other in mlm.values())]
+
+
+def _om_class(model_type: str, task: str = "masked_lm") -> type:
+    return family_record(model_type).model_class(task)
+
+
+def _batch(config, rows: int = 4, seq: int = 16) -> dict:
+    """Right-padded rows with the type's padding token on padding; token types (second half 1) where the type has
+    them; labels on every other real token."""
+    ids, mask, labels = padded_batch(config.vocab_size, batch=rows, seq=seq)
+    pad = config.pad_token_id
+    ids = ids.masked_fill(ids == pad, 5).masked_fill(mask == 0, pad)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels.masked_fill(torch.arange(seq) % 2 == 1, -100))
+    if getattr(config, "type_vocab_size", 0) > 1:
+        batch["token_type_ids"] = (torch.arange(seq) >= seq // 2).long().expand(rows, seq) * mask
+    return batch
+
+
+def _save_reference(model_type: str, folder) -> str:
+    torch.manual_seed(0)
+    _om_class(model_type).hf_twin(tiny_config(model_type)).save_pretrained(folder)
+    return str(folder)
+
+
+def _reference(model_type: str, path: str, task: str = "masked_lm"):
+    return _om_class(model_type, task).hf_twin.from_pretrained(path).train()
+
+
+def _assert_outputs_match(got, expected) -> None:
+    """Every tensor ``transformers`` returned (logits of each head, loss), then every gradient after backward."""
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(got[key], value, atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def _check_mlm_and_save(model_type: str, path: str, folder) -> None:
+    model = _om_class(model_type).from_pretrained(path, progress=False).train()
+    reference = _reference(model_type, path)
+    assert type(model).__name__ == type(reference).__name__
+    batch = _batch(reference.config, rows=3, seq=8)
+    expected, got = reference(**batch), model(**batch)
+    _assert_outputs_match(got, expected)
+    expected.loss.backward(), got.loss.backward()
+    assert assert_grads_match(model, reference) == len(list(model.parameters()))
+    # save_pretrained -> plain transformers: the same keys and logits
+    model.save_pretrained(folder)
+    reloaded = type(reference).from_pretrained(folder).eval()
+    assert set(reloaded.state_dict()) == set(reference.state_dict())
+    batch.pop("labels")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, reference.eval()(**batch).logits, atol=1e-5, rtol=1e-4)
+
+
+def _head_inputs(task: str, config) -> dict:
+    batch = _batch(config, rows=2, seq=8)
+    labels = batch.pop("labels")
+    if task == "sequence_classification":
+        return dict(batch, labels=torch.tensor([0, 2]))
+    if task == "token_classification":
+        return dict(batch, labels=torch.where(labels == -100, labels, labels % 3))
+    if task == "question_answering":
+        return dict(batch, start_positions=torch.tensor([1, 3]), end_positions=torch.tensor([2, 9]))
+    if task == "multiple_choice":  # [b, c, s]: the same rows as 3 choices
+        return dict({key: value[:, None].expand(-1, 3, -1).contiguous() for key, value in batch.items()},
+                    labels=torch.tensor([0, 2]))
+    order = {"bert": "next_sentence_label", "albert": "sentence_order_label"}  # pre-training's second target
+    if config.model_type == "electra":  # the discriminator: 1 where a token was replaced
+        return dict(batch, labels=(batch["input_ids"] % 2))
+    return dict(batch, labels=labels, **{order[config.model_type]: torch.tensor([0, 1])})
+
+
+def _check_heads(model_type: str) -> None:
+    """Each other head of the record, tp=1: every output tensor, the loss and every gradient."""
+    for task in HEAD_TASKS:
+        if task not in family_record(model_type).classes:
+            continue
+        om_class = _om_class(model_type, task)
+        config = tiny_config(model_type, num_labels=2 if task in ("question_answering", "pretraining") else 3)
+        torch.manual_seed(1)
+        reference = om_class.hf_twin(config).train()
+        model = om_class(config).train()
+        model.load_from_reader(InMemoryReader(reference.state_dict()))
+        assert type(model).__name__ == type(reference).__name__
+        inputs = _head_inputs(task, config)
+        expected, got = reference(**inputs), model(**inputs)
+        _assert_outputs_match(got, expected)
+        expected.loss.backward(), got.loss.backward()
+        assert assert_grads_match(model, reference) == len(list(model.parameters())), task
+
+
+def _refusal(om_class, config, **layout) -> str | None:
+    parallel = om.ParallelConfig(**layout)
+    try:
+        om_class.validate_parallel_config(config, parallel)
+        check_context_parallel(om_class, config, parallel)
+    except (ValueError, NotImplementedError) as error:
+        return str(error)
+    return None
+
+
+def _layouts_worker(model_type: str, path: str, discriminator_path: str | None) -> None:
+    """Four ranks, one AdamW step per layout against transformers on the whole batch; a refused layout is recorded
+    with its reason (every rank takes the same decisions: they depend on the config only)."""
+    om_class, config = _om_class(model_type), tiny_config(model_type)
+    refused = {}
+
+    def run(name: str, zero_stage: int = 0, batch=None, **layout):
+        if (reason := _refusal(om_class, config, **layout)) is not None:
+            refused[name] = reason
+            return
+        model = om_class.from_pretrained(path, parallel=om.ParallelConfig(**layout), progress=False).train()
+        if layout.get("pipeline_parallel_size", 1) > 1:
+            assert_pipeline_matches(model, _reference(model_type, path), _batch(config, seq=8), steps=1)
+        else:
+            train_matches(model, _reference(model_type, path), batch or _batch(config), zero_stage=zero_stage,
+                          shift_labels=False)
+
+    run("tp2+sp x dp2 zero3", 3, tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)
+    run("tp4", tensor_parallel_size=4)
+    run("pp2 x tp2", pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2)
+    positions = torch.arange(16).expand(4, 16)  # given: RoBERTa cannot derive them from one chunk
+    run("cp2 all_to_all x dp2 zero1", 1, batch=dict(_batch(config), position_ids=positions),
+        context_parallel_size=2, context_parallel_mode="all_to_all", data_parallel_size=2)
+    expected = REFUSED.get(model_type, {})
+    assert set(refused) == set(expected), (model_type, refused)
+    for name, why in expected.items():
+        assert why in refused[name], (model_type, name, refused[name])
+    if discriminator_path is not None:  # ELECTRA's discriminator checkpoint: its per-token head under tp + sp
+        parallel = om.ParallelConfig(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)
+        model = _om_class(model_type, "pretraining").from_pretrained(discriminator_path, parallel=parallel,
+                                                                      progress=False).train()
+        batch = _batch(config)
+        batch["labels"] = batch["input_ids"] % 2
+        train_matches(model, _reference(model_type, discriminator_path, "pretraining"), batch, shift_labels=False)
+
+
+@pytest.mark.parametrize("model_type", _encoder_types())
+def test_encoder_zoo_parity(model_type, tmp_path, single_thread):
+    path = _save_reference(model_type, tmp_path / model_type)
+    _check_mlm_and_save(model_type, path, tmp_path / "saved")
+    _check_heads(model_type)
+    discriminator = None
+    if model_type == "electra":
+        torch.manual_seed(2)
+        discriminator = str(tmp_path / "discriminator")
+        _om_class(model_type, "pretraining").hf_twin(tiny_config(model_type)).save_pretrained(discriminator)
+    run_distributed(_layouts_worker, 4, model_type, path, discriminator)
+
+
+def test_shared_albert_groups_are_one_parameter(single_thread):
+    """ALBERT's depth sharing: 4 layers over 2 groups run each group twice with one parameter each (gradients summed
+    by autograd, one key saved); the wrong grouping (one group per layer index modulo) does not match transformers
+    (negative control of the index rule)."""
+    config = tiny_config("albert")
+    model = _om_class("albert", "base")(config, add_pooling_layer=False)
+    layers = model._layers()
+    assert [id(layer) for layer in layers] == [id(model.encoder.albert_layer_groups[g]) for g in (0, 0, 1, 1)]
+    assert sum(1 for name, _ in model.named_parameters() if "albert_layer_groups" in name) == 2 * 2 * 16
+    torch.manual_seed(0)
+    reference = _om_class("albert").hf_twin(config).eval()
+    mlm = _om_class("albert")(config).eval()
+    mlm.load_from_reader(InMemoryReader(reference.state_dict()))
+    batch = _batch(config, rows=2, seq=8)
+    batch.pop("labels")
+    with torch.no_grad():
+        torch.testing.assert_close(mlm(**batch).logits, reference(**batch).logits, atol=1e-5, rtol=1e-4)
+        groups = mlm.albert.encoder.albert_layer_groups
+        mlm.albert._layers = lambda: [groups[i % 2] for i in range(4)]  # interleaved: the wrong rule
+        with pytest.raises(AssertionError):  # fails the parity tolerance the zoo asserts
+            torch.testing.assert_close(mlm(**batch).logits, reference(**batch).logits, atol=1e-5, rtol=1e-4)
