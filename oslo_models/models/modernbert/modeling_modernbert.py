@@ -63,6 +63,7 @@ from ..heads import (
 )
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_modernbert import ModernBertConfig
+from .pipeline_modernbert import ModernBertMaskedLMPipelineAdapter
 
 
 def _norm(config) -> LayerNorm:
@@ -302,6 +303,7 @@ class ModernBertForMaskedLM(EncoderHeadModel, ModernBertPreTrainedModel):
     hf_twin = transformers.ModernBertForMaskedLM
     head_styles = {"decoder": Colwise(vocab=True)}
     _oslo_context_parallel = True
+    pipeline_adapter_class = ModernBertMaskedLMPipelineAdapter
     _tied_weights_keys = {"decoder.weight": "model.embeddings.tok_embeddings.weight"}
 
     def build_head(self, config) -> None:

@@ -1,0 +1,156 @@
+"""DeBERTa-v2 and ModernBERT against ``transformers``: every class of each family at tp 1 (logits, loss and every
+gradient on a padded batch), save -> plain ``transformers``, one spawned 4-rank group per type running several
+layouts (one AdamW step each against single-process ``transformers``), and a negative control per new component.
+
+The tiny configs are the records' (``models/deberta_v2``, ``models/modernbert``): DeBERTa with log position buckets
+shorter than the sequence, both ``pos_att_type`` terms, ``norm_rel_ebd`` and an embedding projection; ModernBERT with
+a local window (2 tokens each side) shorter than the sequence and two rotary bases.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oslo_models as om
+from oslo_models.models.common.context_parallel import check_context_parallel
+from oslo_models.models.registry import family_record
+from oslo_models.parallel_layers.plan import Colwise, ParallelPlan
+from tests.helpers.dist import run_distributed
+from tests.helpers.layouts import train_matches
+from tests.helpers.models import assert_grads_match, padded_batch
+from tests.helpers.pipeline import assert_pipeline_matches
+from tests.helpers.zoo import tiny_config
+
+TYPES = ("deberta-v2", "modernbert")
+
+
+def _config(model_type: str, task: str, **overrides):
+    return tiny_config(model_type, num_labels=2 if task == "question_answering" else 3, **overrides)
+
+
+def _inputs(task: str, vocab_size: int) -> dict:
+    ids, mask, labels = padded_batch(vocab_size, batch=3, seq=10)
+    if task == "multiple_choice":
+        return dict(input_ids=ids[None].repeat(2, 1, 1), attention_mask=mask[None].repeat(2, 1, 1),
+                    labels=torch.tensor([1, 2]))
+    extra = {"masked_lm": dict(labels=labels), "sequence_classification": dict(labels=torch.tensor([0, 2, 1])),
+             "token_classification": dict(labels=labels % 3),
+             "question_answering": dict(start_positions=torch.tensor([1, 2, 3]),
+                                        end_positions=torch.tensor([4, 5, 9]))}.get(task, {})
+    return dict(input_ids=ids, attention_mask=mask, **extra)
+
+
+def _pair(model_type: str, task: str, folder, **overrides):
+    """``(oslo model, transformers reference)`` from the same saved weights, both in training mode."""
+    om_class = family_record(model_type).model_class(task)
+    torch.manual_seed(0)
+    om_class.hf_twin(_config(model_type, task, **overrides)).save_pretrained(folder)
+    return (om_class.from_pretrained(folder, progress=False).train(),
+            om_class.hf_twin.from_pretrained(folder).train())
+
+
+def _outputs_match(got, expected) -> None:
+    if getattr(expected, "loss", None) is None:  # the base model: a loss on the hidden states
+        torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state, atol=1e-5, rtol=1e-4)
+        got.loss, expected.loss = got.last_hidden_state.square().mean(), expected.last_hidden_state.square().mean()
+    for key in ("logits", "start_logits", "end_logits"):
+        if getattr(expected, key, None) is not None:
+            torch.testing.assert_close(getattr(got, key), getattr(expected, key), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_every_class_matches_transformers(model_type, tmp_path):
+    """Logits, loss and every gradient of each class; the masked LM saved -> plain ``transformers``."""
+    for task in family_record(model_type).classes:
+        model, reference = _pair(model_type, task, tmp_path / task)
+        assert type(model).__name__ == type(reference).__name__
+        inputs = _inputs(task, reference.config.vocab_size)
+        got, expected = model(**inputs), reference(**inputs)
+        _outputs_match(got, expected)
+        got.loss.backward(), expected.loss.backward()
+        assert assert_grads_match(model, reference) == len(list(model.parameters())) > 0, task
+        if task == "masked_lm":
+            model.save_pretrained(tmp_path / "saved")
+            reloaded = type(reference).from_pretrained(tmp_path / "saved").eval()
+            assert set(reloaded.state_dict()) == set(reference.state_dict())
+            with torch.no_grad():
+                torch.testing.assert_close(reloaded(**inputs).logits, reference.eval()(**inputs).logits,
+                                           atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- negative controls
+def _masked_lm_logits(model_type: str, folder, **overrides):
+    model, reference = _pair(model_type, "masked_lm", folder, **overrides)
+    inputs = _inputs("masked_lm", reference.config.vocab_size)
+    return model.eval()(**inputs).logits, reference.eval()(**inputs).logits
+
+
+def test_modernbert_local_window_is_exercised(tmp_path):
+    """A local window as wide as the sequence changes the logits: the tiny config's window really cuts."""
+    got, expected = _masked_lm_logits("modernbert", tmp_path / "a")
+    wide, _ = _masked_lm_logits("modernbert", tmp_path / "b", local_attention=64)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(wide, expected, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------- layouts (4 ranks)
+def _refusal(om_class, config, **layout) -> str | None:
+    parallel = om.ParallelConfig(**layout)
+    try:
+        om_class.validate_parallel_config(config, parallel)
+        check_context_parallel(om_class, config, parallel)
+    except (ValueError, NotImplementedError) as error:
+        return str(error)
+    return None
+
+
+def _layouts_worker(model_type: str, path: str, expected_refusals: dict) -> None:
+    om_class = family_record(model_type).model_class("masked_lm")
+    config = _config(model_type, "masked_lm")
+    ids, mask, labels = padded_batch(config.vocab_size, batch=4, seq=16)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    refused = {}
+
+    def reference():
+        return om_class.hf_twin.from_pretrained(path).train()
+
+    def run(name: str, zero_stage: int = 0, **layout):
+        if (reason := _refusal(om_class, config, **layout)) is not None:
+            refused[name] = reason
+            return
+        model = om_class.from_pretrained(path, parallel=om.ParallelConfig(**layout), progress=False).train()
+        if layout.get("pipeline_parallel_size", 1) > 1:
+            assert_pipeline_matches(model, reference(), {k: v[:, :8].contiguous() for k, v in batch.items()}, steps=1)
+        else:
+            train_matches(model, reference(), batch, zero_stage=zero_stage, shift_labels=False)
+
+    run("tp2+sp x dp2 zero3", 3, tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)
+    run("tp4", tensor_parallel_size=4)
+    run("pp2 x tp2", pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2,
+        pipeline_partition="parameters")
+    run("cp2 all_to_all x dp2", context_parallel_size=2, context_parallel_mode="all_to_all", data_parallel_size=2)
+    run("cp2 ring x tp2", context_parallel_size=2, context_parallel_mode="ring", tensor_parallel_size=2)
+    assert set(refused) == set(expected_refusals), refused
+    for name, why in expected_refusals.items():
+        assert why in refused[name], (name, refused[name])
+    if model_type == "modernbert":  # negative control: Wi split as one block mixes input and gate columns
+        broken_class = type("BrokenModernBertForMaskedLM", (om_class,), {"parallel_plan": ParallelPlan(
+            {**om_class.parallel_plan.styles, "model.layers.*.mlp.Wi": Colwise()})})
+        broken = broken_class.from_pretrained(path, parallel=om.ParallelConfig(tensor_parallel_size=4),
+                                              progress=False).eval()
+        with torch.no_grad():
+            expected = reference().eval()(**batch).logits
+            assert not torch.allclose(broken(**batch).logits, expected, atol=1e-3)
+
+
+REFUSED = {"modernbert": {},
+           "deberta-v2": {"cp2 all_to_all x dp2": "relative", "cp2 ring x tp2": "relative"}}
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_layouts_match_transformers(model_type, tmp_path):
+    torch.manual_seed(0)
+    om_class = family_record(model_type).model_class("masked_lm")
+    om_class.hf_twin(_config(model_type, "masked_lm")).save_pretrained(tmp_path)
+    run_distributed(_layouts_worker, 4, model_type, str(tmp_path), REFUSED[model_type])
