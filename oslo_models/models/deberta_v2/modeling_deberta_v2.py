@@ -61,6 +61,7 @@ from ..heads import (
 )
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_deberta_v2 import DebertaV2Config
+from .pipeline_deberta_v2 import DebertaV2MaskedLMPipelineAdapter
 
 
 class DebertaV2Embeddings(nn.Module):
@@ -361,6 +362,7 @@ class DebertaV2ForMaskedLM(ForMaskedLM, DebertaV2PreTrainedModel):
     hf_twin = transformers.DebertaV2ForMaskedLM
     head_name, head_class = "cls", LegacyDebertaV2OnlyMLMHead
     _decoder_bias_owner = "cls.predictions"
+    pipeline_adapter_class = DebertaV2MaskedLMPipelineAdapter
     _keys_to_ignore_on_load_unexpected = [r"mask_predictions.*"]
     _tied_weights_keys = {"cls.predictions.decoder.bias": "cls.predictions.bias",
                           "cls.predictions.decoder.weight": "deberta.embeddings.word_embeddings.weight"}
