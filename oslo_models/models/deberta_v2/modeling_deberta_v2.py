@@ -204,6 +204,10 @@ class DebertaV2PreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
         if getattr(config, "conv_kernel_size", 0) > 0:
             raise NotImplementedError("DeBERTa-v2's convolution layer (conv_kernel_size > 0, deberta-v2-xlarge / "
                                       "xxlarge) is not implemented")
+        if parallel.tensor_parallel_mode != "1d":
+            raise NotImplementedError(f"DeBERTa-v2 under tensor_parallel_mode={parallel.tensor_parallel_mode!r} is "
+                                      "not implemented: the relative-embedding table its attention projects is "
+                                      "replicated, not a grid block; use '1d'")
         if parallel.context_parallel_size > 1:
             raise NotImplementedError("DeBERTa-v2 under context parallelism is not implemented: its relative "
                                       "(c2p / p2c) attention terms need every key's position across chunks, and the "

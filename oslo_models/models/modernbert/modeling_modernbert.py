@@ -39,6 +39,7 @@ from transformers.modeling_outputs import (
 from transformers.models.modernbert import modeling_modernbert as hf_modernbert
 from transformers.utils.generic import can_return_tuple
 
+from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ...parallel_layers.plan import Colwise, Rowwise, SequenceParallelNorm, TPDropout
 from ..common import PerLayerTypeRotary
@@ -205,6 +206,14 @@ class ModernBertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": ModernBertEncoderLayer, "attentions": ModernBertAttention}
+
+    @classmethod
+    def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
+        super().validate_parallel_config(config, parallel)  # the components' rules: heads, intermediate_size
+        if parallel.tensor_parallel_mode != "1d":
+            raise NotImplementedError(f"ModernBERT under tensor_parallel_mode={parallel.tensor_parallel_mode!r} is "
+                                      "not implemented: its prediction head and classifiers have no grid plan; use "
+                                      "'1d'")
 
 
 class ModernBertModel(TransformerStack, ModernBertPreTrainedModel):
