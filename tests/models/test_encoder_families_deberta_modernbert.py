@@ -79,6 +79,23 @@ def test_every_class_matches_transformers(model_type, tmp_path):
                                            atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", TYPES)
+def test_activation_checkpointing_and_recorded_outputs(model_type, tmp_path):
+    """Recomputed blocks give the same gradients; ``output_hidden_states`` / ``output_attentions`` as there."""
+    model, reference = _pair(model_type, "masked_lm", tmp_path)
+    model.activation_checkpointing_enable()
+    inputs = _inputs("masked_lm", reference.config.vocab_size)
+    got = model(**inputs, output_hidden_states=True, output_attentions=True)
+    expected = reference(**inputs, output_hidden_states=True, output_attentions=True)
+    _outputs_match(got, expected)
+    for key in ("hidden_states", "attentions"):
+        assert len(getattr(got, key)) == len(getattr(expected, key)), key
+        for mine, theirs in zip(getattr(got, key), getattr(expected, key)):
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+    got.loss.backward(), expected.loss.backward()
+    assert assert_grads_match(model, reference) == len(list(model.parameters()))
+
+
 # ---------------------------------------------------------------------------------------------- negative controls
 def _masked_lm_logits(model_type: str, folder, **overrides):
     model, reference = _pair(model_type, "masked_lm", folder, **overrides)

@@ -47,7 +47,8 @@ def relative_span(config) -> tuple[int, int, int]:
 
 class DisentangledSelfAttention(AttentionModule):
     """``forward(hidden [b, s(/tp), h], mask [b, 1, s, s] bool, relative=(rel_embeddings [P', h] | None,
-    relative_pos [1, s, s] | None))`` -> ``(context [b, s, (n/tp)*d], probabilities [b, n/tp, s, s] | None)``.
+    relative_pos [1, s, s] | None))`` -> ``(context [b, s, (n/tp)*d], probabilities [b, n/tp, s, s])`` (kept for
+    backward anyway; ``output_attentions`` records them).
     Module names and keys are ``transformers``'."""
 
     tp_plan = {"query_proj": Colwise(), "key_proj": Colwise(), "value_proj": Colwise(), "pos_key_proj": Colwise(),
@@ -112,8 +113,7 @@ class DisentangledSelfAttention(AttentionModule):
             score = score + p2c_att / scale
         return score
 
-    def forward(self, hidden_states, attention_mask=None, relative=None, output_attentions: bool = False,
-                **kwargs):
+    def forward(self, hidden_states, attention_mask=None, relative=None, **kwargs):
         refuse_context_parallel(attention_mask, "DeBERTa's disentangled (relative-position) attention")
         size = self.attention_head_size
         query, key, value = (split_heads(proj(hidden_states), size)
@@ -127,4 +127,4 @@ class DisentangledSelfAttention(AttentionModule):
         scores = scores.masked_fill(~attention_mask, torch.finfo(query.dtype).min)
         probs = self.dropout(torch.softmax(scores, dim=-1))
         context = (probs @ value).transpose(1, 2).contiguous()  # [b, s, n/tp, d]
-        return context.reshape(*context.shape[:2], -1), (probs if output_attentions else None)
+        return context.reshape(*context.shape[:2], -1), probs  # probs: what output_attentions records

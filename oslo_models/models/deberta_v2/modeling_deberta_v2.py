@@ -116,9 +116,8 @@ class DebertaV2Attention(nn.Module):
         self.self = DisentangledSelfAttention(config)
         self.output = DebertaV2SelfOutput(config)
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, output_attentions=False,
-                **kwargs):
-        context, weights = self.self(hidden_states, attention_mask, position_embeddings, output_attentions)
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
+        context, weights = self.self(hidden_states, attention_mask, position_embeddings)
         return self.output(context, hidden_states), weights
 
 
@@ -192,7 +191,7 @@ class DebertaV2PreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     supports_gradient_checkpointing = True
     _keys_to_ignore_on_load_unexpected = ["position_embeddings"]
     _no_split_modules = ["DebertaV2Embeddings", "DebertaV2Layer"]
-    _can_record_outputs = {"hidden_states": DebertaV2Layer}
+    _can_record_outputs = {"hidden_states": DebertaV2Layer, "attentions": DisentangledSelfAttention}
     _decoder_bias_owner: ClassVar[str | None] = None
 
     @classmethod
