@@ -84,8 +84,8 @@ class Reporter:
         figures = {key: value for key, value in result.items() if key != "samples"}
         self.log({f"eval/{key}": value for key, value in figures.items()}, step)
         if self.accelerator.is_main_process:
-            shown = "  ".join(f"{'eval ' if key == 'loss' else ''}{key} {value:.4f}" if key == "loss"
-                              else f"{key} {value:.{2 if key == 'perplexity' else 4}f}"
+            shown = "  ".join(f"eval loss {value:.4f}" if key == "loss" else
+                              f"{key} {value:.2f}" if key == "perplexity" else f"{key} {value:.4f}"
                               for key, value in figures.items())
             write(f"step {step:5d}  {shown} ({result['samples']} held-out samples)")
 
