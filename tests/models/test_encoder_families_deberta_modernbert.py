@@ -153,7 +153,13 @@ def _refusal(om_class, config, **layout) -> str | None:
     return None
 
 
-def _layouts_worker(model_type: str, path: str, expected_refusals: dict) -> None:
+def _layouts_worker(paths: dict, expected_refusals: dict) -> None:
+    """Four ranks, both families in turn (one process group: the spawn and imports are paid once)."""
+    for model_type, path in paths.items():
+        _check_layouts(model_type, path, expected_refusals[model_type])
+
+
+def _check_layouts(model_type: str, path: str, expected_refusals: dict) -> None:
     om_class = family_record(model_type).model_class("masked_lm")
     config = _config(model_type, "masked_lm")
     ids, mask, labels = padded_batch(config.vocab_size, batch=4, seq=16)
@@ -169,7 +175,8 @@ def _layouts_worker(model_type: str, path: str, expected_refusals: dict) -> None
             return
         model = om_class.from_pretrained(path, parallel=om.ParallelConfig(**layout), progress=False).train()
         if layout.get("pipeline_parallel_size", 1) > 1:
-            assert_pipeline_matches(model, reference(), {k: v[:, :8].contiguous() for k, v in batch.items()}, steps=1)
+            assert_pipeline_matches(model, reference(), {k: v[:, :8].contiguous() for k, v in batch.items()},
+                                    steps=1)
         else:
             train_matches(model, reference(), batch, zero_stage=zero_stage, shift_labels=False)
 
@@ -178,9 +185,9 @@ def _layouts_worker(model_type: str, path: str, expected_refusals: dict) -> None
     run("pp2 x tp2", pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2,
         pipeline_partition="parameters")
     run("cp2 all_to_all x dp2", context_parallel_size=2, context_parallel_mode="all_to_all", data_parallel_size=2)
-    assert set(refused) == set(expected_refusals), refused
+    assert set(refused) == set(expected_refusals), (model_type, refused)
     for name, why in expected_refusals.items():
-        assert why in refused[name], (name, refused[name])
+        assert why in refused[name], (model_type, name, refused[name])
     if model_type == "modernbert":  # negative control: Wi split as one block mixes input and gate columns
         broken_class = type("BrokenModernBertForMaskedLM", (om_class,), {"parallel_plan": ParallelPlan(
             {**om_class.parallel_plan.styles, "model.layers.*.mlp.Wi": Colwise()})})
@@ -191,13 +198,17 @@ def _layouts_worker(model_type: str, path: str, expected_refusals: dict) -> None
             assert not torch.allclose(broken(**batch).logits, expected, atol=1e-3)
 
 
-REFUSED = {"modernbert": {},
-           "deberta-v2": {"cp2 all_to_all x dp2": "relative"}}
+# the layouts the validation code refuses, with a fragment of the reason; every other one must match transformers
+REFUSED = {"modernbert": {}, "deberta-v2": {"cp2 all_to_all x dp2": "relative"}}
 
 
-@pytest.mark.parametrize("model_type", TYPES)
-def test_layouts_match_transformers(model_type, tmp_path):
-    torch.manual_seed(0)
-    om_class = family_record(model_type).model_class("masked_lm")
-    om_class.hf_twin(_config(model_type, "masked_lm")).save_pretrained(tmp_path)
-    run_distributed(_layouts_worker, 4, model_type, str(tmp_path), REFUSED[model_type])
+def test_layouts_match_transformers(tmp_path):
+    """tp 2 + SP x dp 2 under ZeRO-3, tp 4, pp 2 x tp 2 (1F1B, 2 microbatches) and cp 2 all-to-all x dp 2: one
+    AdamW step each against single-process transformers (masked LM)."""
+    paths = {}
+    for model_type in TYPES:
+        torch.manual_seed(0)
+        om_class = family_record(model_type).model_class("masked_lm")
+        om_class.hf_twin(_config(model_type, "masked_lm")).save_pretrained(tmp_path / model_type)
+        paths[model_type] = str(tmp_path / model_type)
+    run_distributed(_layouts_worker, 4, paths, REFUSED)
