@@ -120,16 +120,18 @@ def test_modernbert_window_and_bases_are_exercised(tmp_path):
 def test_deberta_other_switches_match_transformers(tmp_path):
     """DeBERTa-v2's other relative-attention switches: own ``pos_key_proj`` / ``pos_query_proj`` (no
     ``share_att_key``), linear relative positions clamped at ``max_relative_positions`` (no buckets), no norm on the
-    relative embeddings, absolute positions added, no token types: logits, loss and every gradient."""
+    relative embeddings, absolute positions added, no token types, the first layer's convolution (deberta-v2-xlarge):
+    logits, loss and every gradient."""
     model, reference = _pair("deberta-v2", "masked_lm", tmp_path, share_att_key=False, position_buckets=-1,
                              max_relative_positions=3, norm_rel_ebd="none", position_biased_input=True,
-                             type_vocab_size=0, embedding_size=32)
+                             type_vocab_size=0, embedding_size=32, conv_kernel_size=3, conv_act="gelu")
     inputs = _inputs("masked_lm", reference.config.vocab_size)
     got, expected = model(**inputs), reference(**inputs)
     _outputs_match(got, expected)
     got.loss.backward(), expected.loss.backward()
     assert assert_grads_match(model, reference) == len(list(model.parameters()))
     assert hasattr(model.deberta.encoder.layer[0].attention.self, "pos_query_proj")
+    assert model.deberta.encoder.conv is not None and "deberta.encoder.conv.conv.weight" in model.state_dict()
 
 
 def test_deberta_relative_terms_are_exercised(tmp_path):

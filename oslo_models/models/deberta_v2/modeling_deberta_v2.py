@@ -14,8 +14,10 @@ hidden_size``, LayerNorm, padding zeroed, dropout) run replicated on the whole s
 projections column-parallel, ``output.dense`` row-parallel); ``rel_embeddings`` and its LayerNorm are replicated, their
 gradient summed over TP by the projections' backward.
 
-Refused with the reason: context parallelism (the relative terms across chunks), the convolution layer of
-deberta-v2-xlarge/xxlarge (``conv_kernel_size > 0``) and the non-legacy MLM head (``legacy=False``).
+The convolution of deberta-v2-xlarge/xxlarge (``encoder.conv``, ``conv_kernel_size > 0``) runs replicated in the first
+layer, on its input (the embeddings) and output. Refused with the reason: context parallelism (the relative terms
+across chunks), the convolution under sequence or pipeline parallelism, and the non-legacy MLM head
+(``legacy=False``).
 
 Shapes: b batch, s sequence, h hidden, e embedding size, n heads (n/tp per rank), V vocabulary.
 """
@@ -146,7 +148,33 @@ class DebertaV2Layer(BlockTemplate):
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
         kwargs.pop("position_ids", None)
         attention_output, _ = self.part("attn")(hidden_states, attention_mask, position_embeddings, **kwargs)
-        return self.output(self.intermediate(attention_output), attention_output)
+        output = self.output(self.intermediate(attention_output), attention_output)
+        conv = self.__dict__.get("encoder_conv")  # the first layer of deberta-v2-xlarge / xxlarge
+        if conv is not None:  # on the embeddings (this layer's input) and this layer's output
+            output = conv(hidden_states, output, attention_mask[:, 0].diagonal(dim1=-2, dim2=-1).long())
+        return output
+
+
+class ConvLayer(nn.Module):
+    """``transformers``' DeBERTa-v2 ``ConvLayer`` (``encoder.conv``): a 1D convolution over the sequence of the
+    embeddings, padding zeroed, activation, then ``LayerNorm(first layer's output + it)`` and padding zeroed.
+    Replicated: it needs the whole sequence (refused under sequence parallelism) and every rank computes the same."""
+
+    def __init__(self, config):
+        super().__init__()
+        kernel_size = getattr(config, "conv_kernel_size", 3)
+        self.conv_act = getattr(config, "conv_act", "tanh")
+        self.conv = nn.Conv1d(config.hidden_size, config.hidden_size, kernel_size, padding=(kernel_size - 1) // 2,
+                              groups=getattr(config, "conv_groups", 1))
+        self.LayerNorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.dropout = Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states, residual_states, input_mask):
+        out = self.conv(hidden_states.permute(0, 2, 1).contiguous()).permute(0, 2, 1).contiguous()
+        out = out.masked_fill((1 - input_mask).bool().unsqueeze(-1), 0)
+        out = ACT2FN[self.conv_act](self.dropout(out))
+        output = self.LayerNorm(residual_states + out)
+        return output * input_mask.unsqueeze(2).to(output.dtype)
 
 
 class DebertaV2Encoder(nn.Module):
@@ -164,6 +192,9 @@ class DebertaV2Encoder(nn.Module):
         self.norm_rel_ebd = [x.strip() for x in getattr(config, "norm_rel_ebd", "none").lower().split("|")]
         if "layer_norm" in self.norm_rel_ebd:
             self.LayerNorm = LayerNorm(config.hidden_size, config.layer_norm_eps, elementwise_affine=True)
+        self.conv = ConvLayer(config) if getattr(config, "conv_kernel_size", 0) > 0 else None
+        if self.conv is not None:  # the first layer runs it; a plain attribute, so its keys stay encoder.conv.*
+            object.__setattr__(self.layer[0], "encoder_conv", self.conv)
 
     def forward(self, shape_like: torch.Tensor, position_ids=None):
         if not self.relative_attention:
@@ -200,9 +231,11 @@ class DebertaV2PreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(f"DebertaV2 hidden_size={config.hidden_size} is not divisible by num_attention_heads="
                              f"{config.num_attention_heads}")
-        if getattr(config, "conv_kernel_size", 0) > 0:
+        if getattr(config, "conv_kernel_size", 0) > 0 and (parallel.sequence_parallel or
+                                                           parallel.pipeline_parallel_size > 1):
             raise NotImplementedError("DeBERTa-v2's convolution layer (conv_kernel_size > 0, deberta-v2-xlarge / "
-                                      "xxlarge) is not implemented")
+                                      "xxlarge) with sequence or pipeline parallelism is not implemented: it "
+                                      "convolves the whole sequence of the embeddings inside the first layer")
         if parallel.tensor_parallel_mode != "1d":
             raise NotImplementedError(f"DeBERTa-v2 under tensor_parallel_mode={parallel.tensor_parallel_mode!r} is "
                                       "not implemented: the relative-embedding table its attention projects is "
