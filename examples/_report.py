@@ -80,10 +80,14 @@ class Reporter:
 
     def log_eval(self, result: dict, step: int, write) -> None:
         self.evaluations.append({"step": step, **result})
-        self.log({"eval/loss": result["loss"], "eval/perplexity": result["perplexity"]}, step)
+        # every figure the evaluator gives (loss and perplexity; a classifier's accuracy and F1)
+        figures = {key: value for key, value in result.items() if key != "samples"}
+        self.log({f"eval/{key}": value for key, value in figures.items()}, step)
         if self.accelerator.is_main_process:
-            write(f"step {step:5d}  eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f} "
-                  f"({result['samples']} held-out samples)")
+            shown = "  ".join(f"eval loss {value:.4f}" if key == "loss" else
+                              f"{key} {value:.2f}" if key == "perplexity" else f"{key} {value:.4f}"
+                              for key, value in figures.items())
+            write(f"step {step:5d}  {shown} ({result['samples']} held-out samples)")
 
 
 def _scalars(values: dict) -> dict:

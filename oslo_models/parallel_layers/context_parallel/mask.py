@@ -46,14 +46,17 @@ class ContextParallelMask:
         """Which keys each query may see: bool ``[b or 1, 1, s_q, s_k]``, or ``None`` when all of them.
 
         Causal: key position <= query position; sliding window ``w`` (``transformers``' rule): key position >
-        query position - ``w``; padding: ``k_valid [b, s_k]``; packed documents: ``q_document [b, s_q]`` equal
-        to ``k_document [b, s_k]``."""
+        query position - ``w``, and for a bidirectional mask (ModernBERT's local layers, which pass their half
+        window + 1) also key position < query position + ``w``; padding: ``k_valid [b, s_k]``; packed documents:
+        ``q_document [b, s_q]`` equal to ``k_document [b, s_k]``."""
         allowed = None
         if self.causal:
             allowed = k_index[None, :] <= q_index[:, None]
             if window is not None:
                 allowed = allowed & (k_index[None, :] > q_index[:, None] - window)
             allowed = allowed[None, None]
+        elif window is not None:
+            allowed = ((k_index[None, :] - q_index[:, None]).abs() < window)[None, None]
         if k_valid is not None:
             valid = k_valid[:, None, None, :]
             allowed = valid if allowed is None else allowed & valid
