@@ -17,7 +17,6 @@ import torch
 import transformers
 
 import oslo_models as om
-from oslo_models.models.common.context_parallel import check_context_parallel
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import single_thread  # noqa: F401 (a fixture)
 from tests.helpers.layouts import train_matches
@@ -151,8 +150,8 @@ def _check_generate(model, reference) -> None:
 def test_context_parallel_is_refused():
     """Before any process group: the cross-attention would need the whole encoder output on every chunk."""
     parallel = om.ParallelConfig(context_parallel_size=2)
-    with pytest.raises(NotImplementedError, match="BartForConditionalGeneration under context_parallel_size=2"):
-        check_context_parallel(om.BartForConditionalGeneration, tiny_config("bart"), parallel)
+    with pytest.raises(NotImplementedError, match="BART under context_parallel_size=2 .* cross-attention"):
+        om.BartForConditionalGeneration.validate_parallel_config(tiny_config("bart"), parallel)
 
 
 # ---------------------------------------------------------------------------------------------- BERT decoder

@@ -30,7 +30,7 @@ def test_every_folder_declares_its_model_types():
     assert {r.model_type for r in RECORDS} == {
         "bert", "gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "roberta", "xlm-roberta",
         "camembert", "switch_transformers", "t5", "mt5", "gemma", "gemma2", "gemma3_text", "olmo2", "gpt_neox",
-        "gptj", "phi", "opt", "bloom", "falcon", "phi3", "starcoder2", "qwen3_moe"}
+        "gptj", "phi", "opt", "bloom", "falcon", "phi3", "starcoder2", "qwen3_moe", "bart"}
     by_package = {}
     for record in RECORDS:
         by_package.setdefault(record.package.rsplit(".", 1)[-1], []).append(record.model_type)

@@ -19,8 +19,8 @@ the encoder output the decoder's cross-attention reads is full and replicated.
 ``BartForConditionalGeneration``: ``lm_head`` (vocab-parallel, tied to ``shared`` when ``tie_word_embeddings``) plus
 ``final_logits_bias``, a ``[1, V]`` buffer as in ``transformers`` (same state-dict key, saved whole; each rank adds
 its vocabulary slice to its logits). The loss runs on the vocab-split logits (no shift); ``logits`` are gathered to
-``[b, s_dec, V]`` unless ``gather_logits=False``. Context parallelism is refused (``check_context_parallel``: no
-``_oslo_context_parallel``): the decoder's cross-attention would need the whole encoder output on every chunk.
+``[b, s_dec, V]`` unless ``gather_logits=False``. Context parallelism is refused (``validate_parallel_config``):
+the decoder's cross-attention would need the whole encoder output on every chunk.
 
 Shapes: b batch, s sequence, d d_model, n heads (n/tp per rank), V vocabulary.
 """
@@ -98,6 +98,11 @@ class BartPreTrainedModel(OsloPreTrainedModel):
         if parallel.tensor_parallel_mode != "1d":
             raise NotImplementedError(f"BART under tensor_parallel_mode={parallel.tensor_parallel_mode!r} is not "
                                       "implemented: final_logits_bias is added to 1D vocab-split logits; use '1d'")
+        if parallel.context_parallel_size > 1:
+            raise NotImplementedError(f"BART under context_parallel_size={parallel.context_parallel_size} is not "
+                                      "implemented: every decoder chunk's cross-attention reads the whole encoder "
+                                      "output, which the encoder would have to gather from its chunks first; use "
+                                      "context_parallel_size=1")
         layerdrop = max(config.encoder_layerdrop, config.decoder_layerdrop)
         if layerdrop and parallel.world_size > 1:
             raise NotImplementedError(f"BART's layerdrop={layerdrop} (skipping whole layers at random in training, "
