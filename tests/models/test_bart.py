@@ -18,7 +18,7 @@ import transformers
 
 import oslo_models as om
 from tests.helpers.dist import run_distributed
-from tests.helpers.encoders import single_thread  # noqa: F401 (a fixture)
+from tests.helpers import encoders
 from tests.helpers.layouts import train_matches
 from tests.helpers.models import assert_grads_match
 from tests.helpers.pipeline import assert_pipeline_matches
@@ -26,6 +26,7 @@ from tests.helpers.zoo import tiny_config, tiny_kwargs
 
 CLASSES = ("BartModel", "BartForConditionalGeneration", "BartForSequenceClassification",
            "BartForQuestionAnswering", "BartForCausalLM")
+single_thread = encoders.single_thread  # a fixture: in-process runs use one thread, as the spawned ranks
 PAD, EOS = tiny_kwargs("bart")["pad_token_id"], tiny_kwargs("bart")["eos_token_id"]
 
 

@@ -29,7 +29,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
-from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, eager_attention_forward
+from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder
 
@@ -45,12 +45,11 @@ from ...parallel_layers.plan import (
     TPDropout,
     VocabEmbedding,
 )
-from ..common import attend, enter_sequence_parallel, full_logits, split_heads, token_loss
-from ..common.attention import AttentionModule
+from ..common import enter_sequence_parallel, full_logits, token_loss
 from ..common.bias_act import fused_gelu_approximation, linear_act
 from ..common.blocks import BlockTemplate
 from ..common.causal_masks import FULL
-from ..common.cross_attention import cached_keys_values, self_attention_cache
+from ..common.cross_attention import self_attention_cache
 from ..common.legacy_keys import LegacyKeyReader
 from ..common.outputs import capture_parallel_outputs, passed_on
 from ..common.parallel_rules import Features, Heads
@@ -66,6 +65,7 @@ from ..encoder_heads import (
 )
 from ..heads import StackFamilyModel
 from ..modeling_utils import OsloPreTrainedModel
+from .attention_bert import BertCrossAttention, BertSelfAttention
 from .configuration_bert import BertConfig
 from .parallel_plan import prefixed
 from .pipeline_bert import MaskedLMPipelineAdapter, SequenceClassificationPipelineAdapter
@@ -111,64 +111,6 @@ class BertEmbeddings(nn.Module):
             token_type_ids = torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
         embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
         return self.dropout(self.LayerNorm(embeddings))
-
-
-class _BertAttentionCore(AttentionModule):
-    """``query``/``key``/``value`` (column-parallel: this rank's ``n/tp`` heads) and the probability dropout, shared
-    by the self- and the cross-attention (``transformers``' ``BertSelfAttention`` / ``BertCrossAttention``, one key
-    layout)."""
-
-    def __init__(self, config, layer_idx: int | None = None):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.num_attention_heads = config.num_attention_heads
-        self.attention_head_size = config.hidden_size // config.num_attention_heads
-        self.all_head_size = self.num_attention_heads * self.attention_head_size
-        self.scaling = self.attention_head_size ** -0.5
-        self.is_causal = False
-        self.query = Linear(config.hidden_size, self.all_head_size)
-        self.key = Linear(config.hidden_size, self.all_head_size)
-        self.value = Linear(config.hidden_size, self.all_head_size)
-        self.dropout = Dropout(config.attention_probs_dropout_prob)
-
-    def attention(self, hidden_states, source, attention_mask, past_key_values, *, cross: bool, **kwargs):
-        """Queries from ``hidden_states``, keys/values from ``source`` (cached: ``common/cross_attention.py``)."""
-        query = split_heads(self.query(hidden_states), self.attention_head_size)  # [b, n/tp, s, d]
-        # the encoder output is full and replicated: never sequence-parallel (an explicit override)
-        source_sp = False if cross else None
-
-        def project():
-            return tuple(split_heads(proj(source, sequence_parallel=source_sp), self.attention_head_size)
-                         for proj in (self.key, self.value))
-
-        key, value = cached_keys_values(past_key_values, self.layer_idx, cross=cross, project=project)
-        return attend(self, query, key, value, attention_mask, dropout=self.dropout, scaling=self.scaling,
-                      eager_fallback=eager_attention_forward, **kwargs)
-
-
-class BertSelfAttention(_BertAttentionCore):
-    """Attention on this rank's heads: input ``[b, s(/tp), h]``, output ``([b, s, (n/tp)*d], weights)``.
-    Bidirectional, or causal with a key/value cache when ``config.is_decoder`` (``BertLMHeadModel``,
-    ``RobertaForCausalLM``; an ``EncoderDecoderCache``'s self part under cross-attention)."""
-
-    def __init__(self, config, layer_idx: int | None = None):
-        super().__init__(config, layer_idx)
-        self.is_causal = bool(config.is_decoder)
-
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
-        return self.attention(hidden_states, hidden_states, attention_mask, past_key_values, cross=False, **kwargs)
-
-
-class BertCrossAttention(_BertAttentionCore):
-    """A decoder layer's attention over ``encoder_hidden_states [b, s_enc, h]`` (full, replicated over TP), queries
-    ``[b, s(/tp), h]`` on this rank's heads; its keys/values are cached once per generation
-    (``EncoderDecoderCache``, ``common/cross_attention.py``). Output ``([b, s, (n/tp)*d], weights)``."""
-
-    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, past_key_values=None,
-                **kwargs):
-        return self.attention(hidden_states, encoder_hidden_states, attention_mask, past_key_values, cross=True,
-                              **kwargs)
 
 
 class BertSelfOutput(nn.Module):
