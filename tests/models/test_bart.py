@@ -148,11 +148,15 @@ def _check_generate(model, reference) -> None:
         assert torch.equal(model.generate(batch["input_ids"], **common, **options), theirs), options
 
 
-def test_context_parallel_is_refused():
-    """Before any process group: the cross-attention would need the whole encoder output on every chunk."""
+def test_context_parallel_and_grid_modes_are_refused():
+    """Before any process group: BART's cross-attention would need the whole encoder output on every chunk; BERT's
+    cross-attention decoder refuses the same axis and the grid tensor-parallel modes."""
     parallel = om.ParallelConfig(context_parallel_size=2)
     with pytest.raises(NotImplementedError, match="BART under context_parallel_size=2 .* cross-attention"):
         om.BartForConditionalGeneration.validate_parallel_config(tiny_config("bart"), parallel)
+    for parallel in (parallel, om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d")):
+        with pytest.raises(NotImplementedError, match="with cross-attention"):
+            om.BertLMHeadModel.validate_parallel_config(_bert_config(), parallel)
 
 
 # ---------------------------------------------------------------------------------------------- BERT decoder

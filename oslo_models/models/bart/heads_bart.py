@@ -192,6 +192,7 @@ class BartForCausalLM(BartPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = token_loss(local_logits, labels, self.lm_head, num_items_in_batch=num_items_in_batch)
         return CausalLMOutputWithCrossAttentions(
-            loss=loss, logits=full_logits(local_logits, self.lm_head, gather_logits), cache=outputs.cache,
+            loss=loss, logits=full_logits(local_logits, self.lm_head, gather_logits),
+            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
             cross_attentions=outputs.cross_attentions)

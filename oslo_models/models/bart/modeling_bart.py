@@ -233,7 +233,7 @@ class BartDecoder(_BartStack):
                                 encoder_attention_mask=self.cross_attention_mask(like, encoder_attention_mask,
                                                                                  encoder_hidden_states), **kwargs)
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden,
-                                                         cache=past_key_values if use_cache else None)
+                                                         past_key_values=past_key_values if use_cache else None)
 
 
 def as_encoder_output(encoder_outputs) -> ModelOutput:
@@ -248,8 +248,8 @@ def as_encoder_output(encoder_outputs) -> ModelOutput:
 def seq2seq_fields(outputs: Seq2SeqModelOutput) -> dict:
     """The fields of ``Seq2Seq*Output`` besides the head's own."""
     return {key: getattr(outputs, key) for key in (
-        "cache", "decoder_hidden_states", "decoder_attentions", "cross_attentions", "encoder_last_hidden_state",
-        "encoder_hidden_states", "encoder_attentions")}
+        "past_key_values", "decoder_hidden_states", "decoder_attentions", "cross_attentions",
+        "encoder_last_hidden_state", "encoder_hidden_states", "encoder_attentions")}
 
 
 class BartModel(BartPreTrainedModel):
@@ -307,7 +307,7 @@ class BartModel(BartPreTrainedModel):
                                        inputs_embeds=decoder_inputs_embeds, use_cache=use_cache, return_dict=True,
                                        **kwargs)
         return Seq2SeqModelOutput(
-            last_hidden_state=decoder_outputs.last_hidden_state, cache=decoder_outputs.cache,
+            last_hidden_state=decoder_outputs.last_hidden_state, past_key_values=decoder_outputs.past_key_values,
             decoder_hidden_states=decoder_outputs.hidden_states, decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,

@@ -337,6 +337,11 @@ class BertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(f"{name} hidden_size={config.hidden_size} is not divisible by num_attention_heads="
                              f"{config.num_attention_heads}")
+        if config.add_cross_attention and parallel.tensor_parallel_mode != "1d":
+            raise NotImplementedError(f"{name} with cross-attention (add_cross_attention) under tensor_parallel_mode="
+                                      f"{parallel.tensor_parallel_mode!r} is not implemented: the grid layers take "
+                                      "activations in batch/hidden blocks, and the encoder output reaches the "
+                                      "cross-attention whole; use tensor_parallel_mode='1d'")
         if config.add_cross_attention and parallel.context_parallel_size > 1:
             raise NotImplementedError(f"{name} with cross-attention (add_cross_attention) under context_parallel_size="
                                       f"{parallel.context_parallel_size} is not implemented: the cross-attention "
