@@ -47,6 +47,7 @@ def checkpoints(tmp_path_factory):
     paths = {name: _save(root, name) for name in CLASSES}
     paths["pp"] = _save(root / "pp", "BartForConditionalGeneration", encoder_layers=3, decoder_layers=1)
     paths["bert"] = _save_bert(root / "bert")
+    paths["roberta"] = _save_bert(root / "roberta", "roberta")
     return paths
 
 
@@ -160,20 +161,23 @@ def test_context_parallel_and_grid_modes_are_refused():
 
 
 # ---------------------------------------------------------------------------------------------- BERT decoder
-def _bert_config():
-    return tiny_config("bert", is_decoder=True, add_cross_attention=True)
+DECODERS = {"bert": "BertLMHeadModel", "roberta": "RobertaForCausalLM"}
 
 
-def _save_bert(path) -> str:
+def _bert_config(model_type: str = "bert"):
+    return tiny_config(model_type, is_decoder=True, add_cross_attention=True)
+
+
+def _save_bert(path, model_type: str = "bert") -> str:
     torch.manual_seed(0)
-    transformers.BertLMHeadModel(_bert_config()).save_pretrained(path)
+    getattr(transformers, DECODERS[model_type])(_bert_config(model_type)).save_pretrained(path)
     return str(path)
 
 
 def _bert_batch(rows: int = 4) -> dict:
     """Right-padded decoder inputs, and an encoder output ``[b, 6, h]`` whose rows have unequal padding."""
     gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, 101, (rows, 8), generator=gen)
+    ids = torch.randint(3, 101, (rows, 8), generator=gen)  # no pad id (0 for BERT, 1 for RoBERTa) inside
     mask = torch.ones(rows, 8, dtype=torch.long)
     mask[1::2, 6:] = 0
     encoder_mask = torch.ones(rows, 6, dtype=torch.long)
@@ -198,10 +202,11 @@ def _check_bert_decode_loop(model, reference) -> None:
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=lambda m, s=start: f"step {s}: {m}")
 
 
-def test_bert_cross_attention_decoder_tp1(checkpoints, single_thread):
-    path = checkpoints["bert"]
-    reference = transformers.BertLMHeadModel.from_pretrained(path).train()
-    model = om.BertLMHeadModel.from_pretrained(path, progress=False).train()
+@pytest.mark.parametrize("model_type", DECODERS)
+def test_cross_attention_decoder_tp1(model_type, checkpoints, single_thread):
+    path, name = checkpoints[model_type], DECODERS[model_type]
+    reference = getattr(transformers, name).from_pretrained(path).train()
+    model = getattr(om, name).from_pretrained(path, progress=False).train()
     batch = _bert_batch()
     expected, got = reference(**batch), model(**batch)
     torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
