@@ -1,9 +1,10 @@
-"""BART and BERT as a cross-attention decoder against single-process ``transformers`` (fp32, atol 1e-5).
+"""BART, and BERT / RoBERTa as cross-attention decoders, against single-process ``transformers`` (fp32, atol 1e-5).
 
 In this process (tp 1): every BART class (logits or outputs, loss and every gradient) on a batch with padding in
 the encoder AND the decoder, scaled embeddings and a non-zero ``final_logits_bias``; activation checkpointing;
-``save_pretrained`` -> plain ``transformers``; ``generate`` greedy, sampled and with 3 beams, token for token; BERT's
-``BertLMHeadModel`` with ``add_cross_attention`` (loss, gradients, and a decode loop over an ``EncoderDecoderCache``).
+``save_pretrained`` -> plain ``transformers``; ``generate`` greedy, sampled and with 3 beams, token for token;
+``BertLMHeadModel`` and ``RobertaForCausalLM`` with ``add_cross_attention`` (logits, loss, gradients, and a decode
+loop over an ``EncoderDecoderCache``).
 
 One spawned group of 4 ranks (``tests/helpers/layouts.py``, ``tests/helpers/pipeline.py``), one AdamW step per
 layout: BART at tp 2 + SP x dp 2 under ZeRO-3, then ``generate`` greedy / sampled / 3 beams at tp 2 + SP; tp 4;
