@@ -70,7 +70,7 @@ class FamilyRecord:
     def main_task(self) -> str:
         """The task of the class that stands for the type (its masked LM for an encoder, else its causal or
         seq2seq LM, else the base model): what ``om.capabilities(type)`` and the support matrix ask."""
-        return next(task for task in ("masked_lm", "causal_lm", "seq2seq_lm", "base", *TASKS) if task in self.classes)
+        return next(task for task in ("masked_lm", "seq2seq_lm", "causal_lm", "base", *TASKS) if task in self.classes)
 
     def stack_spec(self):
         """The family's ``StackSpec`` (``models/common/stack.py``), or ``None`` for a family without one."""

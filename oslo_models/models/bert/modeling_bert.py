@@ -26,10 +26,10 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
-from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, eager_attention_forward
+from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder
 
@@ -45,11 +45,11 @@ from ...parallel_layers.plan import (
     TPDropout,
     VocabEmbedding,
 )
-from ..common import attend, enter_sequence_parallel, full_logits, split_heads, token_loss
-from ..common.attention import AttentionModule
+from ..common import enter_sequence_parallel, full_logits, token_loss
 from ..common.bias_act import fused_gelu_approximation, linear_act
 from ..common.blocks import BlockTemplate
 from ..common.causal_masks import FULL
+from ..common.cross_attention import self_attention_cache
 from ..common.legacy_keys import LegacyKeyReader
 from ..common.outputs import capture_parallel_outputs, passed_on
 from ..common.parallel_rules import Features, Heads
@@ -65,6 +65,7 @@ from ..encoder_heads import (
 )
 from ..heads import StackFamilyModel
 from ..modeling_utils import OsloPreTrainedModel
+from .attention_bert import BertCrossAttention, BertSelfAttention
 from .configuration_bert import BertConfig
 from .parallel_plan import prefixed
 from .pipeline_bert import MaskedLMPipelineAdapter, SequenceClassificationPipelineAdapter
@@ -115,34 +116,6 @@ class BertEmbeddings(nn.Module):
         return self.dropout(self.LayerNorm(embeddings))
 
 
-class BertSelfAttention(AttentionModule):
-    """Attention on this rank's heads: input ``[b, s(/tp), h]``, output ``([b, s, (n/tp)*d], weights)``.
-    Bidirectional, or causal with a key/value cache when ``config.is_decoder`` (``BertLMHeadModel``,
-    ``RobertaForCausalLM``)."""
-
-    def __init__(self, config, layer_idx: int | None = None):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.num_attention_heads = config.num_attention_heads
-        self.attention_head_size = config.hidden_size // config.num_attention_heads
-        self.all_head_size = self.num_attention_heads * self.attention_head_size
-        self.scaling = self.attention_head_size ** -0.5
-        self.is_causal = bool(config.is_decoder)
-        self.query = Linear(config.hidden_size, self.all_head_size)
-        self.key = Linear(config.hidden_size, self.all_head_size)
-        self.value = Linear(config.hidden_size, self.all_head_size)
-        self.dropout = Dropout(config.attention_probs_dropout_prob)
-
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
-        query, key, value = (split_heads(proj(hidden_states), self.attention_head_size)
-                             for proj in (self.query, self.key, self.value))  # [b, n/tp, s, d]
-        if past_key_values is not None:  # decoder: this rank's heads of the cache
-            key, value = past_key_values.update(key, value, self.layer_idx)
-        return attend(self, query, key, value, attention_mask, dropout=self.dropout, scaling=self.scaling,
-                      eager_fallback=eager_attention_forward, **kwargs)
-
-
 class BertSelfOutput(nn.Module):
     """Row-parallel ``dense`` (all-reduce, or reduce-scatter under SP), dropout, post-LN residual."""
 
@@ -169,15 +142,18 @@ class BertAttention(nn.Module):
     def parallel_rules(cls, config) -> list:
         return [Heads("num_attention_heads", config.num_attention_heads)]
 
-    def __init__(self, config, layer_idx: int | None = None):
+    def __init__(self, config, layer_idx: int | None = None, is_cross_attention: bool = False):
         super().__init__()
-        self.self = BertSelfAttention(config, layer_idx)
+        self.is_cross_attention = is_cross_attention
+        self.self = (BertCrossAttention if is_cross_attention else BertSelfAttention)(config, layer_idx)
         self.output = BertSelfOutput(config)
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None,
-                **kwargs):
-        attention_output, weights = self.self(hidden_states, attention_mask, past_key_values=past_key_values,
-                                              **kwargs)
+                encoder_hidden_states=None, **kwargs):
+        if self.is_cross_attention:
+            kwargs["encoder_hidden_states"] = encoder_hidden_states
+        attention_output, weights = self.self(hidden_states, attention_mask=attention_mask,
+                                              past_key_values=past_key_values, **kwargs)
         return self.output(attention_output, hidden_states), weights
 
 
@@ -215,17 +191,38 @@ class BertOutput(BertSelfOutput):
 class BertLayer(BlockTemplate):
     """Post-norm encoder layer in BERT's module tree, where each residual add and its LayerNorm live inside the
     sub-module that ends the branch: ``a = attention(x)`` (= ``attention.output.LayerNorm(x + attn(x))``), then
-    ``output(intermediate(a), a)`` (= ``output.LayerNorm(a + ffn(a))``). ELECTRA's layer is the same tree."""
+    ``output(intermediate(a), a)`` (= ``output.LayerNorm(a + ffn(a))``). ELECTRA's layer is the same tree.
 
-    roles = ("attn", "intermediate", "output")
-    names = dict(attn="attention", intermediate="intermediate", output="output")
+    As a decoder with ``config.add_cross_attention`` (``EncoderDecoderModel``'s decoder), ``crossattention`` runs
+    between them on ``encoder_hidden_states`` (``a = crossattention(a, encoder output)``, its own residual and
+    LayerNorm), as ``transformers``."""
+
+    roles = ("attn", "cross_attn", "intermediate", "output")
+    optional_roles = ("cross_attn",)
+    names = dict(attn="attention", cross_attn="crossattention", intermediate="intermediate", output="output")
 
     def __init__(self, config, layer_idx: int | None = None):
-        super().__init__(attn=BertAttention(config, layer_idx), intermediate=BertIntermediate(config),
-                         output=BertOutput(config))
+        cross = None
+        if getattr(config, "add_cross_attention", False):
+            if not config.is_decoder:
+                raise ValueError(f"{type(self).__name__} should be used as a decoder model if cross attention is "
+                                 "added")
+            cross = BertAttention(config, layer_idx, is_cross_attention=True)
+        super().__init__(attn=BertAttention(config, layer_idx), cross_attn=cross,
+                         intermediate=BertIntermediate(config), output=BertOutput(config))
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, *,
+                encoder_hidden_states=None, encoder_attention_mask=None, **kwargs):
         attention_output = self.attend(hidden_states, attention_mask, position_embeddings, past_key_values, **kwargs)
+        if encoder_hidden_states is not None:
+            cross = self.part("cross_attn")
+            if cross is None:
+                raise ValueError(f"If `encoder_hidden_states` are passed, {type(self).__name__} has to be "
+                                 "instantiated with cross-attention layers by setting `config.add_cross_attention"
+                                 "=True`")
+            attention_output, _ = cross(attention_output, attention_mask=encoder_attention_mask,
+                                        past_key_values=past_key_values,
+                                        encoder_hidden_states=encoder_hidden_states, **kwargs)
         return self.output(self.intermediate(attention_output), attention_output)
 
 
@@ -238,7 +235,8 @@ class BertEncoder(nn.Module):
 
 
 BERT_SPEC = StackSpec(block=BertLayer,
-                      components=dict(attn=BertAttention, intermediate=BertIntermediate, output=BertOutput),
+                      components=dict(attn=BertAttention, cross_attn=BertAttention, intermediate=BertIntermediate,
+                                      output=BertOutput),
                       embed_tokens="embeddings.word_embeddings", layers="encoder.layer", final_norm=None,
                       extra_plan=prefixed("embeddings", BertEmbeddings.tp_plan))
 
@@ -330,10 +328,9 @@ class BertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    # as transformers' BERT: cross-attentions from the layers' ``crossattention`` (none until cross-attention is
-    # implemented, so ``output_attentions=True`` gives an empty tuple there, as transformers without it)
+    # as transformers' BERT: cross-attentions from the layers' ``crossattention`` (decoders with add_cross_attention)
     _can_record_outputs = {"hidden_states": BertLayer, "attentions": BertSelfAttention,
-                           "cross_attentions": OutputRecorder(BertSelfAttention, index=1, layer_name="crossattention")}
+                           "cross_attentions": OutputRecorder(BertCrossAttention, index=1)}
     _decoder_bias_owner: ClassVar[str | None] = None  # the MLM head module whose ``bias`` the decoder shares
 
     @classmethod
@@ -343,8 +340,16 @@ class BertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(f"{name} hidden_size={config.hidden_size} is not divisible by num_attention_heads="
                              f"{config.num_attention_heads}")
-        if getattr(config, "add_cross_attention", False):
-            raise NotImplementedError(f"{name} with cross-attention (add_cross_attention) is not implemented")
+        if getattr(config, "add_cross_attention", False) and parallel.tensor_parallel_mode != "1d":
+            raise NotImplementedError(f"{name} with cross-attention (add_cross_attention) under tensor_parallel_mode="
+                                      f"{parallel.tensor_parallel_mode!r} is not implemented: the grid layers take "
+                                      "activations in batch/hidden blocks, and the encoder output reaches the "
+                                      "cross-attention whole; use tensor_parallel_mode='1d'")
+        if getattr(config, "add_cross_attention", False) and parallel.context_parallel_size > 1:
+            raise NotImplementedError(f"{name} with cross-attention (add_cross_attention) under context_parallel_size="
+                                      f"{parallel.context_parallel_size} is not implemented: the cross-attention "
+                                      "mask and cache are built for whole decoder sequences; use "
+                                      "context_parallel_size=1")
 
     def load_from_reader(self, reader, *, progress: bool = False, **options):
         # LayerNorm.gamma/beta keys of old checkpoints
@@ -425,7 +430,7 @@ class BertModel(TransformerStack, BertPreTrainedModel):
         """Bidirectional (padding only), or causal when ``config.is_decoder``: ``transformers``' masks."""
         if self.causal:
             mask = create_causal_mask(config=self.config, inputs_embeds=shape_like, attention_mask=attention_mask,
-                                      past_key_values=past_key_values)
+                                      past_key_values=self_attention_cache(past_key_values))
         else:
             mask = create_bidirectional_mask(config=self.config, inputs_embeds=shape_like,
                                              attention_mask=attention_mask)
@@ -456,10 +461,24 @@ class BertModel(TransformerStack, BertPreTrainedModel):
         return hidden
 
     # ------------------------------------------------------------------ forward
+    def cross_attention_mask(self, shape_like, encoder_attention_mask, encoder_hidden_states):
+        """The cross-attention's padding mask ``[b, 1, s, s_enc]`` (``None`` without ``encoder_attention_mask``, as
+        ``transformers``), built once per forward for every layer."""
+        if encoder_attention_mask is None or encoder_hidden_states is None:
+            return None
+        return create_bidirectional_mask(config=self.config, inputs_embeds=shape_like,
+                                         attention_mask=encoder_attention_mask,
+                                         encoder_hidden_states=encoder_hidden_states)
+
     @capture_parallel_outputs
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, output_attentions=None, output_hidden_states=None, past_key_values=None,
-                use_cache=None, **kwargs) -> BaseModelOutputWithPoolingAndCrossAttentions:
+                use_cache=None, encoder_hidden_states=None, encoder_attention_mask=None, cache=None,
+                **kwargs) -> BaseModelOutputWithPoolingAndCrossAttentions:
+        """``encoder_hidden_states [b, s_enc, h]`` (full, the same on every TP rank): the cross-attention's input
+        when ``config.add_cross_attention``; the cache is then an ``EncoderDecoderCache``. ``cache``:
+        ``transformers``' new name of ``past_key_values``."""
+        past_key_values = cache if past_key_values is None else past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if self.parallel_context.cp_size > 1 and self.pooler is not None:
@@ -468,10 +487,15 @@ class BertModel(TransformerStack, BertPreTrainedModel):
         use_cache = (use_cache if use_cache is not None else getattr(self.config, "use_cache", False)) and self.causal
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+            if encoder_hidden_states is not None or getattr(self.config, "is_encoder_decoder", False):
+                past_key_values = EncoderDecoderCache(past_key_values, DynamicCache(config=self.config))
         if not self.causal:
             past_key_values = None
-        shape_like = inputs_embeds if inputs_embeds is not None else input_ids[..., None]
-        inputs = self.stack_inputs(self._shape_only(shape_like), attention_mask, position_ids, past_key_values)
+        shape_like = self._shape_only(inputs_embeds if inputs_embeds is not None else input_ids[..., None])
+        inputs = self.stack_inputs(shape_like, attention_mask, position_ids, past_key_values)
+        if encoder_hidden_states is not None:  # layer keywords only when there is a cross-attention input
+            kwargs.update(encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=self.cross_attention_mask(
+                shape_like, encoder_attention_mask, encoder_hidden_states))
         hidden = self.run_stack(input_ids, inputs, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
                                 **kwargs)
         pooled = self.pool(hidden) if self.pooler is not None else None
