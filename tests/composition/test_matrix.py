@@ -8,6 +8,7 @@ are in the table, and ``test_table.py`` checks they are raised before any proces
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -18,6 +19,7 @@ from tests.helpers.composition import train_layout
 from tests.helpers.dist import run_distributed
 
 
+@functools.cache
 def _layouts() -> dict[int, list[tuple]]:
     """``{world size: [(layout, model type, cell names), ...]}``, one entry per distinct layout."""
     seen, by_world = {}, {}
@@ -37,12 +39,11 @@ def _layouts() -> dict[int, list[tuple]]:
 # per-family tests it supersedes must come first). Run it with OSLO_COMPOSITION_MATRIX=1.
 pytestmark = pytest.mark.skipif(not os.environ.get("OSLO_COMPOSITION_MATRIX"),
                                 reason="the composition matrix runs with OSLO_COMPOSITION_MATRIX=1")
-LAYOUTS = _layouts()
 CHUNKS = {1: 1, 2: 3, 4: 2, 8: 1}  # tests per world size (pytest-xdist spreads them over its workers)
 
 
 def _chunk(world: int, index: int) -> list[tuple]:
-    return LAYOUTS.get(world, [])[index::CHUNKS[world]]
+    return _layouts().get(world, [])[index::CHUNKS[world]]
 
 
 @pytest.fixture(scope="module")
@@ -81,4 +82,4 @@ def test_every_composing_cell_is_in_a_chunk():
     run = {name for world, n in CHUNKS.items() for i in range(n) for *_, names in _chunk(world, i) for name in names}
     composing = {cell.name for cell in pairs() if cell.status == "composes"}
     assert run == composing
-    assert set(LAYOUTS) <= set(CHUNKS)
+    assert set(_layouts()) <= set(CHUNKS)

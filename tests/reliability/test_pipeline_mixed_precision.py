@@ -6,7 +6,6 @@ first loss to fp32 rounding (the fp32 run misses it), every stage matmul in bf16
 and ``train_step`` of a model loaded in float16."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from accelerate import Accelerator
 
 import oslo_models as om
 from oslo_models import training
-from oslo_models.training.prepare import _check_pipeline
+from oslo_models.training.layout_rules import check_training_layout
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import expected_shard, save_tiny_gpt2
 from tests.helpers.pipeline import ADAMW
@@ -51,9 +50,8 @@ def _worker(path: str) -> None:
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
 
     refused = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False)
-    fp16 = SimpleNamespace(gradient_accumulation_steps=1, mixed_precision="fp16")  # one Accelerator per process
     with pytest.raises(NotImplementedError, match=r"mixed_precision='fp16' with pipeline_parallel_size > 1"):
-        _check_pipeline(fp16, refused.parallel_context, None)
+        check_training_layout(refused.parallel_context.config, mixed_precision="fp16")  # what prepare runs
     with pytest.raises(NotImplementedError, match="pipelined model in float16"):
         refused.half().train_step(_batch())  # before the schedule runs: no collective
 
