@@ -21,9 +21,10 @@ def check_training_layout(parallel: ParallelConfig, *, zero_stage: int | None = 
     if cpu_offload and stage < 2:
         raise ValueError(f"cpu_offload needs zero_stage 2 or 3 (FSDP2 offload), got zero_stage={stage}")
     pp = parallel.pipeline_parallel_size
-    if parallel.expert_parallel_size > 1 and pp > 1:
-        raise NotImplementedError(f"expert_parallel_size > 1 with pipeline_parallel_size={pp} through the training "
-                                  f"wrappers (ZeRO, Accelerate) is not implemented")
+    if parallel.expert_parallel_size > 1 and pp > 1 and stage >= 1:
+        # the pipeline runner reduces expert gradients over edp itself; ZeRO would shard them over dp like dense ones
+        raise NotImplementedError(f"expert_parallel_size > 1 with pipeline_parallel_size={pp} and zero_stage={stage} "
+                                  f"is not implemented; use zero_stage=0 (plain data parallelism) for it")
     if pp == 1:
         return
     if gradient_accumulation_steps > 1:
