@@ -69,8 +69,9 @@ class EncoderPipelineAdapter(PipelineAdapter):
 
     def _embedding_extras(self, model) -> tuple[str, ...]:
         """Modules of the base model the embedding phase runs besides ``embeddings`` (ELECTRA's
-        ``embeddings_project``), relative to the base model."""
-        return self.model_class.base_model_class.embedding_extras(model.config)
+        ``embeddings_project``), relative to the base model; none for a base model without the hook (DeBERTa)."""
+        extras = getattr(self.model_class.base_model_class, "embedding_extras", None)
+        return extras(model.config) if extras is not None else ()
 
     def _embedding_modules(self, model) -> dict[str, str]:
         # The container runs the forward; its parts are listed so that they are kept here and dropped elsewhere.

@@ -26,7 +26,7 @@ class ModernBertMaskedLMPipelineAdapter(MaskedLMPipelineAdapter):
     def head_modules_of(cls, model_class):
         return {"head": "head", "decoder": "decoder"}
 
-    def _embedding_modules(self) -> dict[str, str]:
+    def _embedding_modules(self, model) -> dict[str, str]:
         path = f"{self.base}.embeddings"
         return {"embeddings": path, **{f"embeddings_{part}": f"{path}.{part}" for part in EMBEDDING_PARTS}}
 
