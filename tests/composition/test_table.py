@@ -28,15 +28,19 @@ def test_every_pair_is_decided_with_a_reason():
                                                                  "fp16 x bf16"}
 
 
-def test_a_refused_cell_raises_the_same_error_from_check_layout():
-    """The table's reason is the error ``check_layout`` raises (a ``ValueError``/``NotImplementedError``, no
-    process group needed); and a layout the table accepts passes it."""
+def test_refusals_are_raised_without_any_process_group():
+    """Every refused cell's error comes from configs alone: no process group exists while ``check_layout`` raises it
+    (the table is generated from ``check_layout``, so this checks where the refusal happens, not what it says; that a
+    composing cell really trains is ``test_matrix.py``'s job). A composing layout passes the same check."""
+    import torch.distributed as dist
+
     refused = [c for c in pairs() if c.status == "refused"]
     assert refused, "nothing refused: check that the table still reads the validation code"
+    assert not dist.is_initialized()
     for c in refused:
-        with pytest.raises((ValueError, NotImplementedError)) as error:
+        with pytest.raises((ValueError, NotImplementedError)):
             check_layout(c.layout, *representative(c.model_type))
-        assert str(error.value) == c.reason
+        assert not dist.is_initialized()
     check_layout(combine("tp", "dp"), *representative("llama"))
 
 
