@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 NPROC  ?= 2
 
-.PHONY: venv test test-fast demo bench clean
+.PHONY: gpu-check venv test test-fast demo bench clean
 
 $(VENV)/.installed: setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ demo: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/load_memory.py
+
+# On a machine with a CUDA GPU and its own torch (no venv): the zoo against transformers on the GPU (NCCL, Triton),
+# the fused-op tests on CUDA, the GPU benchmarks; logs and JSON under $$OUT (default /tmp/gpu_session).
+gpu-check:
+	bash benchmarks/gpu_session.sh
 
 clean:
 	rm -rf demo_out build dist *.egg-info .pytest_cache

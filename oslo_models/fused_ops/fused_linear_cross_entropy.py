@@ -24,7 +24,12 @@ over this rank's vocab slice, so backward runs **one all-reduce SUM of dhidden o
 collective a column-parallel linear's input does. Callers therefore pass the replicated hidden states directly,
 without their own copy-to-tensor-parallel-region mapping. ``dweight``/``dbias`` are local (no collective).
 
-The default ``chunk_size`` makes one chunk of logits about as large as ``hidden`` (``rows * H / V_local``).
+The default ``chunk_size`` makes one chunk of logits about as large as ``hidden`` (``rows * H / V_local``); on CUDA
+it is at least ``CUDA_MIN_CHUNK_LOGITS / V_local`` rows (32 Mi logits, 64 MiB in bf16). Without that floor a large
+vocabulary gives chunks of a few dozen rows: measured on an H200 (bf16, 8192 rows, H 768, V 128256) the op took
+108 ms against 11 ms for eager torch, nearly all of it in 167 tiny matmuls and as many ``[V, H]`` weight-grad
+additions. On CUDA the weight grad is also accumulated by ``addmm`` with an fp32 output straight into the fp32
+buffer (no ``[V, H]`` half-precision temporary per chunk).
 
 ``linear_cross_entropy_loss`` is the form the models' LM/MLM heads call (``skip_logits=True``): always chunked,
 on any device (the Triton kernels where the dispatcher picks them, the torch stats/grad functions elsewhere), fp32
@@ -44,8 +49,26 @@ from oslo_models.fused_ops.cross_entropy import (_grad_torch, _stats_torch, chec
 from oslo_models.fused_ops.dispatch import use_triton
 
 
-def default_chunk_size(n_rows: int, hidden: int, local_vocab: int) -> int:
-    return max(1, min(n_rows, math.ceil(n_rows * hidden / max(local_vocab, 1))))
+CUDA_MIN_CHUNK_LOGITS = 1 << 25
+
+
+def default_chunk_size(n_rows: int, hidden: int, local_vocab: int, device: torch.device | None = None) -> int:
+    """Rows per chunk: one chunk of logits about the size of ``hidden``, and on CUDA at least 32 Mi logits."""
+    rows = math.ceil(n_rows * hidden / max(local_vocab, 1))
+    if device is not None and device.type == "cuda":
+        rows = max(rows, math.ceil(CUDA_MIN_CHUNK_LOGITS / max(local_vocab, 1)))
+    return max(1, min(n_rows, rows))
+
+
+def _accumulate_weight_grad(dweight: torch.Tensor, dlogits: torch.Tensor, hidden: torch.Tensor) -> None:
+    """``dweight += dlogits.T @ hidden`` into the fp32 buffer. fp32 inputs: ``addmm_``. Half inputs on CUDA: cuBLAS
+    writes the fp32 sum directly (``out_dtype``); elsewhere a half-precision product, then an fp32 add."""
+    if dlogits.dtype == torch.float32:
+        dweight.addmm_(dlogits.t(), hidden)
+    elif dweight.is_cuda:
+        torch.addmm(dweight, dlogits.t(), hidden, out_dtype=torch.float32, out=dweight)
+    else:
+        dweight += dlogits.t() @ hidden
 
 
 def _vocab_parallel(group: Optional[dist.ProcessGroup]) -> bool:
@@ -97,10 +120,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                               ignore_index)
             del logits  # free the chunk's logits before the matmuls allocate
             torch.mm(dlogits, weight, out=dhidden[rows])
-            if weight.dtype == torch.float32:
-                dweight.addmm_(dlogits.t(), h)
-            else:
-                dweight += dlogits.t() @ h  # half-precision matmul, fp32 accumulation across chunks
+            _accumulate_weight_grad(dweight, dlogits, h)
             if dbias is not None:
                 dbias += dlogits.sum(0, dtype=torch.float32)
         if reduction == "mean":
@@ -168,7 +188,7 @@ def linear_cross_entropy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels
         vocab_total = vocab_size
     hidden2 = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     labels1 = labels.reshape(-1).long()
-    chunk = chunk_size or default_chunk_size(hidden2.shape[0], hidden2.shape[1], max(local, 1))
+    chunk = chunk_size or default_chunk_size(hidden2.shape[0], hidden2.shape[1], max(local, 1), hidden2.device)
     use_kernel = use_triton(hidden, weight, bias, labels, enabled=enabled, force_triton=force_triton)
     return _apply_outside_autocast(hidden2, weight, bias, labels1, ignore_index, 0.0, reduction, group, chunk,
                                    use_kernel, (vocab_start, vocab_total))
@@ -209,7 +229,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
                                                     group=group)
     hidden2 = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     labels1 = labels.reshape(-1).long()
-    chunk = chunk_size or default_chunk_size(hidden2.shape[0], hidden2.shape[1], weight.shape[0])
+    chunk = chunk_size or default_chunk_size(hidden2.shape[0], hidden2.shape[1], weight.shape[0], hidden2.device)
     loss = _apply_outside_autocast(hidden2, weight, bias, labels1, ignore_index, float(label_smoothing), reduction,
                                    group, chunk, True)
     return loss.to(hidden.dtype)

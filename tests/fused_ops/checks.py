@@ -21,6 +21,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_triton = pytest.mark.skipif(
     not HAS_TRITON or (DEVICE == "cpu" and not interpreter_enabled()),
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+# Tests that run the kernels on CPU tensors (gloo ranks, dispatch checks): the interpreter only, not a GPU machine.
+requires_interpreter = pytest.mark.skipif(
+    not HAS_TRITON or not interpreter_enabled(), reason="runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
 DTYPES = [torch.float32, torch.bfloat16]
 BF16_EPS = 1e-6
 

@@ -3,16 +3,16 @@ import pytest
 import torch
 
 from oslo_models import fused_ops
-from tests.fused_ops.checks import requires_triton
+from tests.fused_ops.checks import DEVICE, requires_triton
 
 
 @requires_triton
 def test_compile_fullgraph_through_registered_ops():
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 1, 5, 34, generator=gen, requires_grad=True)
-    w, b = torch.randn(34, generator=gen), torch.randn(34, generator=gen)
-    cos, sin = torch.randn(5, 34, generator=gen), torch.randn(5, 34, generator=gen)
+    x = torch.randn(2, 1, 5, 34, generator=gen).to(DEVICE).requires_grad_(True)
+    w, b = torch.randn(34, generator=gen).to(DEVICE), torch.randn(34, generator=gen).to(DEVICE)
+    cos, sin = torch.randn(5, 34, generator=gen).to(DEVICE), torch.randn(5, 34, generator=gen).to(DEVICE)
 
     def block(x):
         h = fused_ops.layer_norm(x, w, b, force_triton=True)
@@ -37,9 +37,9 @@ def test_compile_fullgraph_through_registered_ops():
 def test_compile_cross_entropy(op):
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(1)
-    h = torch.randn(9, 16, generator=gen, requires_grad=True)
-    w = torch.randn(37, 16, generator=gen)
-    labels = torch.randint(0, 37, (9,), generator=gen)
+    h = torch.randn(9, 16, generator=gen).to(DEVICE).requires_grad_(True)
+    w = torch.randn(37, 16, generator=gen).to(DEVICE)
+    labels = torch.randint(0, 37, (9,), generator=gen).to(DEVICE)
     if op == "cross_entropy":
         fn = lambda h: fused_ops.cross_entropy(h @ w.t(), labels, label_smoothing=0.1, force_triton=True)  # noqa
     else:

@@ -7,7 +7,7 @@ import torch
 
 from oslo_models import fused_ops
 from oslo_models.fused_ops import dispatch
-from tests.fused_ops.checks import requires_triton
+from tests.fused_ops.checks import requires_interpreter
 
 CPU = torch.zeros(2, 3)
 
@@ -38,7 +38,7 @@ def test_mixed_devices_take_the_reference():
     assert not dispatch.use_triton(_FakeCuda(), CPU)
 
 
-@requires_triton
+@requires_interpreter
 def test_force_triton_runs_the_kernel_on_cpu_under_the_interpreter(monkeypatch):
     rms_norm_module = importlib.import_module("oslo_models.fused_ops.rms_norm")  # the package attr is the fn
 

@@ -8,7 +8,7 @@ import torch
 
 from oslo_models import fused_ops
 from oslo_models.fused_ops import dispatch
-from tests.fused_ops.checks import requires_triton
+from tests.fused_ops.checks import requires_interpreter
 from tests.helpers.ops import OpsSeen
 
 
@@ -53,7 +53,7 @@ def test_force_runs_no_kernel_where_the_config_disabled_it(monkeypatch, name):
     assert seen.named("oslo_models") == [], f"{name}(enabled=False) ran a kernel under OSLO_FUSED_OPS=force"
 
 
-@requires_triton
+@requires_interpreter
 @pytest.mark.parametrize("name", sorted(_calls()))
 def test_force_runs_the_kernel_where_enabled(monkeypatch, name):
     # The positive control: the same calls with fused ops enabled do reach the kernels (so the check above can see

@@ -207,3 +207,16 @@ def _layouts_worker(checkpoints: dict, out_root: str) -> None:
 
 def test_expert_parallel_layouts_match_transformers(checkpoints, tmp_path):
     run_distributed(_layouts_worker, 4, checkpoints, str(tmp_path), timeout=900)
+
+
+def test_gpt_oss_swiglu_constants_follow_the_installed_transformers(monkeypatch):
+    # transformers 5.17 hard-coded the experts' SwiGLU (1.702, 7.0) and ignored the config's values; later versions
+    # read them. The GPU smoke test (transformers 5.17) caught the difference on the tiny config's limit of 0.02.
+    import transformers
+    from oslo_models.models.gpt_oss.modeling_gpt_oss import swiglu_constants
+
+    config = tiny_config("gpt_oss")
+    assert config.swiglu_limit == 0.02
+    assert swiglu_constants(config) == (config.swiglu_alpha, 0.02)
+    monkeypatch.delattr(transformers.GptOssConfig, "swiglu_limit")
+    assert swiglu_constants(config) == (1.702, 7.0)

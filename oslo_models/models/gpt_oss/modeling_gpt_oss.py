@@ -54,6 +54,16 @@ def check_not_quantized(config) -> None:
                      "dequantize them with their own tool, save_pretrained, and load that folder")
 
 
+def swiglu_constants(config) -> tuple[float, float]:
+    """The experts' SwiGLU ``(alpha, limit)`` as the installed ``transformers`` applies them. Since ``swiglu_alpha``
+    and ``swiglu_limit`` became config fields, ``transformers`` reads them from the config; before (5.17 and
+    earlier) its experts hard-coded 1.702 and 7.0 (the released checkpoints' values) and ignored the config's,
+    so a config with other values gave other outputs there. Found by the GPU smoke test, whose machine had 5.17."""
+    if hasattr(transformers.GptOssConfig, "swiglu_limit"):
+        return config.swiglu_alpha, config.swiglu_limit
+    return 1.702, 7.0
+
+
 class GptOssPreTrainedModel(mixtral.MixtralPreTrainedModel):
     config_class = GptOssConfig
     stack_spec = GPT_OSS_SPEC
@@ -78,9 +88,10 @@ class GptOssPreTrainedModel(mixtral.MixtralPreTrainedModel):
 
     @classmethod
     def build_mlp(cls, config, layer_idx: int):
+        alpha, limit = swiglu_constants(config)
         return ClampedSwigluMoe(config.hidden_size, num_experts=config.num_local_experts,
                                 top_k=config.num_experts_per_tok, intermediate_size=config.intermediate_size,
-                                alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+                                alpha=alpha, limit=limit)
 
     def load_from_reader(self, reader, **options):
         if is_mxfp4(self.config):  # dense from here on: the saved config must not claim quantized experts
