@@ -40,12 +40,15 @@ collective under row parallelism that is not implemented), ``init_lora_weights``
 (PiSSA, OLoRA, LoftQ, EVA, CorDA...: they would see a slice), the other LoRA variants, mixed-adapter batches, and the
 2D/2.5D/3D grid layers. rsLoRA (``use_rslora``) works: it only changes the scaling. A plain ``LoraConfig`` (no
 custom-module mapping) lets ``peft`` build its own layers, wrong on a split or ``conv1d`` layer: ``peft`` offers a
-model no hook before it builds them, so the model refuses them when ``peft`` sets ``model.peft_config`` just after
-(``check_adapter_layers``).
+model no hook before it builds them, so when ``peft`` sets ``model.peft_config`` just after, the model replaces them
+by ``ParallelLoraLinear`` with the same adapters (``adopt_adapter_layers``): ``PeftModel.from_pretrained`` and
+``get_peft_model`` work at any tp; a fresh adapter keeps ``peft``'s own draws except A of row-parallel layers (drawn
+at the local size: drawn again, with a warning; ``lora_config`` gives the exact single-process init).
 """
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -274,32 +277,88 @@ def _lora_embedding(base_layer: nn.Module, adapter_name: str, config: LoraConfig
     return PeftLoraEmbedding(base_layer, adapter_name, config=config, **kwargs)
 
 
-PLAIN_CONFIG_RULE = (
-    "peft.get_peft_model / PeftModel.from_pretrained with a plain peft.LoraConfig built peft's own LoRA layers on "
-    "{names}: on oslo_models layers split over tensor parallelism (or with GPT-2's conv1d weight layout) they compute "
-    "the adapters without the collectives and slicing they need (peft 0.21 lets a model choose its LoRA layers only "
-    "through the config's custom-module mapping, which a plain LoraConfig lacks). Rebuild the model and use "
-    "peft.get_peft_model(model, oslo_models.adapters.lora_config(...)) or "
-    "oslo_models.adapters.register_parallel_layers(config) (same LoraConfig, parallel layers registered), and "
-    "oslo_models.adapters.load_adapter(model, folder) in place of PeftModel.from_pretrained")
+PLAIN_CONFIG_NOTE = (
+    "peft built its own LoRA layers on {names} (a plain peft.LoraConfig: peft 0.21 lets a model choose its LoRA "
+    "layers only through the config's custom-module mapping); oslo_models replaced them by ParallelLoraLinear. peft "
+    "drew those adapters at the tensor-parallel local sizes, so a fresh adapter is a valid initialization, the same on "
+    "every rank, but not bit-identical to plain peft's on the single-process model (a loaded adapter is unaffected: "
+    "PeftModel.from_pretrained loads its tensors next). For peft's exact initialization use "
+    "peft.get_peft_model(model, oslo_models.adapters.lora_config(...))")
 
 
-def check_adapter_layers(model: nn.Module) -> None:
-    """``NotImplementedError`` if ``peft`` built its own LoRA layer on an ``oslo_models`` layer it cannot compute:
-    one split over a tensor-parallel group of more than one rank, or a ``conv1d``-layout weight (merged without the
-    transpose). Called when ``peft`` sets ``model.peft_config``, right after building the layers."""
-    bad = []
-    for name, module in model.named_modules():
+def _needs_parallel_layer(base: nn.Module) -> bool:
+    """Whether ``peft``'s own LoRA layer would compute ``base`` wrong: split over tensor parallelism, or a
+    ``conv1d``-layout weight (merged without the transpose)."""
+    if not isinstance(base, (Linear, VocabParallelEmbedding, VocabEmbedding2D, VocabEmbedding3D)):
+        return False
+    split = group_size(getattr(base, "group", None)) > 1 or getattr(base, "tp_size", 1) > 1
+    return split or getattr(base, "layout", "linear") == "conv1d"
+
+
+def _adopt(module: PeftLoraLinear, configs: dict) -> tuple[nn.Module, bool]:
+    """A ``ParallelLoraLinear`` with ``module``'s adapters (``peft``'s own ``Linear`` on an ``oslo_models`` layer),
+    and whether the result is ``peft``'s single-process initialization. ``peft`` built A and B at the layer's *local*
+    ``in_features`` / ``out_features``; every tensor whose shape is this rank's piece is kept (they are the same on
+    every rank: each drew the same sequence). A of a row-parallel layer (``[r, in/tp]`` drawn, ``[r, in/tp]`` piece
+    of a ``[r, in]`` draw wanted) is drawn again at full size inside ``fork_rng`` (the run's RNG stream untouched) and
+    sliced. Exact only when the layer is not split (a ``conv1d``-layout weight at tp 1): split, the local shapes
+    changed the draws ``nn.Linear`` and ``peft`` made."""
+    base = module.get_base_layer()
+    if not isinstance(base, Linear):
+        raise NotImplementedError(
+            f"LoRA with a plain peft.LoraConfig on {type(base).__name__} at tensor_parallel_size > 1 is not "
+            "implemented (peft built its own layer on a split table): leave it out of target_modules")
+    with torch.random.fork_rng(devices=[]):
+        new = None
+        for name in module.lora_A:
+            options = dict(r=module.r[name], lora_alpha=module.lora_alpha[name], config=configs[name])
+            if new is None:
+                new = ParallelLoraLinear(base, name, **options)
+            else:
+                new.update_layer(name, options.pop("r"), **options)
+    exact = group_size(new.lora_group) == 1
+    for name in module.lora_A:
+        layout_a, _ = adapter_layouts(base)
+        pairs = [(new.lora_A[name].weight, module.lora_A[name].weight, layout_a is REPLICATED),
+                 (new.lora_B[name].weight, module.lora_B[name].weight, True)]
+        if module.lora_B[name].bias is not None:
+            pairs.append((new.lora_B[name].bias, module.lora_B[name].bias, True))
+        for target, drawn, keep in pairs:
+            if keep and target.shape == drawn.shape:
+                target.data.copy_(drawn.data)
+            target.requires_grad_(drawn.requires_grad)
+    new.set_adapter(module.active_adapters)
+    new._disable_adapters = module.disable_adapters
+    return new, exact
+
+
+def adopt_adapter_layers(model: nn.Module) -> None:
+    """Replace the LoRA layers ``peft`` built itself (a plain ``LoraConfig``) on ``oslo_models`` layers it would
+    compute wrong (split over tensor parallelism, or a ``conv1d`` weight) by ``ParallelLoraLinear`` with the same
+    adapters. Called when ``peft`` sets ``model.peft_config``, right after building its layers and before
+    ``PeftModel.from_pretrained`` loads an adapter's tensors (which then load sliced). Warns when a fresh adapter's
+    initialization could not be kept (``PLAIN_CONFIG_NOTE``)."""
+    configs = model.peft_config
+    replaced, inexact = [], []
+    for name, module in list(model.named_modules()):
         if not isinstance(module, BaseTunerLayer) or isinstance(module, ParallelLoraLinear):
             continue
-        base = module.get_base_layer()
-        split = group_size(getattr(base, "group", None)) > 1 or getattr(base, "tp_size", 1) > 1
-        if isinstance(base, (Linear, VocabParallelEmbedding, VocabEmbedding2D, VocabEmbedding3D)) and (
-                split or getattr(base, "layout", "linear") == "conv1d"):
-            bad.append(name)
-    if bad:
-        shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
-        raise NotImplementedError(PLAIN_CONFIG_RULE.format(names=shown))
+        if not _needs_parallel_layer(module.get_base_layer()):
+            continue
+        if not isinstance(module, PeftLoraLinear):
+            raise NotImplementedError(
+                f"peft built a {type(module).__name__} on {name}, an oslo_models layer split over tensor "
+                "parallelism; LoRA there needs oslo_models.adapters.lora_config(...) (or leave it out of "
+                "target_modules)")
+        new, exact = _adopt(module, configs)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        replaced.append(name)
+        if not exact:
+            inexact.append(name)
+    if inexact:
+        shown = ", ".join(inexact[:3]) + (f" (+{len(inexact) - 3} more)" if len(inexact) > 3 else "")
+        warnings.warn(PLAIN_CONFIG_NOTE.format(names=shown), stacklevel=3)
 
 
 def register_parallel_layers(config: LoraConfig) -> LoraConfig:

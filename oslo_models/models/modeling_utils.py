@@ -96,13 +96,13 @@ class OsloPreTrainedModel(PreTrainedModel):
 
     @peft_config.setter
     def peft_config(self, value) -> None:
-        # peft sets it right after building the adapter layers: refuse the ones it built without our parallel
+        # peft sets it right after building the adapter layers: replace the ones it built without our parallel
         # layers (a plain LoraConfig; peft gives the model no earlier say), which would compute a split layer wrong
         self.__dict__["_oslo_peft_config"] = value
         if value:
-            from ..adapters.lora import check_adapter_layers
+            from ..adapters.lora import adopt_adapter_layers
 
-            check_adapter_layers(self)
+            adopt_adapter_layers(self)
 
     @peft_config.deleter
     def peft_config(self) -> None:

@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 
 peft = pytest.importorskip("peft")
@@ -21,6 +22,7 @@ peft = pytest.importorskip("peft")
 import oslo_models as om  # noqa: E402
 from oslo_models import adapters, training  # noqa: E402
 from oslo_models.adapters.lora import ParallelLoraLinear  # noqa: E402
+from oslo_models.parallel_layers.tensor_parallel import RowParallelLinear  # noqa: E402
 from tests.helpers.dist import run_distributed  # noqa: E402
 from tests.helpers.models import padded_batch  # noqa: E402
 from tests.helpers.pipeline import ADAMW, local_rows  # noqa: E402
@@ -190,13 +192,28 @@ def _layouts_worker(model_type: str, base: str, adapter: str, root: str) -> None
         for layout in (dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2),
                        dict(tensor_parallel_size=4)):
             _check_dropout(model_type, base, adapter + "_dropout", **layout)
-        # a plain LoraConfig at tp > 1: peft builds its own layers (no model hook picks ours): refused, never wrong
-        targets = CASES[model_type][2]
-        with pytest.raises(NotImplementedError, match="adapters.lora_config"):
-            peft.get_peft_model(_ours(model_type, base, None, tensor_parallel_size=4),
-                                peft.LoraConfig(r=4, target_modules=targets))
-        with pytest.raises(NotImplementedError, match="load_adapter"):
-            peft.PeftModel.from_pretrained(_ours(model_type, base, None, tensor_parallel_size=4), adapter)
+        # plain peft at tp > 1 (a plain LoraConfig): peft builds its own layers, the model replaces them when peft
+        # sets its peft_config. A loaded adapter is plain peft's and trains like it ...
+        model = peft.PeftModel.from_pretrained(_ours(model_type, base, None, tensor_parallel_size=4), adapter,
+                                               is_trainable=True)
+        assert any(isinstance(module, ParallelLoraLinear) for module in model.modules())
+        reference = _reference(model_type, base, adapter)
+        assert_adapters_match(model, reference)
+        _train(model, reference, _batch(model_type))
+        # ... and a fresh one is a valid init, the same on every rank (peft drew at the local sizes, so not its
+        # single-process values: warned), with B zero: the model starts as the base model
+        ours = _ours(model_type, base, None, tensor_parallel_size=4)
+        with pytest.warns(UserWarning, match="not bit-identical"):
+            fresh = peft.get_peft_model(ours, peft.LoraConfig(r=4, target_modules=CASES[model_type][2]))
+        layers = [m for m in fresh.modules() if isinstance(m, ParallelLoraLinear)]
+        assert len(layers) == 4 * ours.config.num_hidden_layers  # q, v, gate, down
+        for layer in layers:
+            a, b = layer.lora_A["default"].weight.detach(), layer.lora_B["default"].weight.detach()
+            assert a.abs().sum() > 0 and not b.any()
+            copies = [torch.empty_like(a) for _ in range(dist.get_world_size())]
+            dist.all_gather(copies, a.contiguous())  # one tp group of 4: replicated A equal, split A distinct
+            assert all(torch.equal(c, copies[0]) for c in copies) == (not isinstance(layer.get_base_layer(),
+                                                                                   RowParallelLinear))
     layouts = [("tp2_sp_dp2", 0, dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)),
                ("tp4", 0, dict(tensor_parallel_size=4)),
                ("tp2_dp2_zero3", 3, dict(tensor_parallel_size=2, data_parallel_size=2))]
@@ -231,8 +248,9 @@ def test_lora_matches_peft_at_every_layout(model_type, tmp_path):
 
 
 def test_refusals_and_negative_control(tmp_path):
-    """DoRA, base-weight inits and plain-peft layers on a conv1d-layout weight are refused with the reason; a square conv1d-layout layer merged as if its weight
-    were [out, in] (the transpose the layout decides, broken on purpose) misses the merged reference."""
+    """DoRA and base-weight inits are refused with the reason; plain peft on a conv1d-layout weight gets our layer and
+    merges like the reference; a square conv1d-layout layer merged as if its weight were [out, in] (the transpose the
+    layout decides, broken on purpose) misses the merged reference."""
     base, adapter = _save_case("gpt2", tmp_path)
     with pytest.raises(NotImplementedError, match="DoRA"):
         peft.get_peft_model(_ours("gpt2", base, None), adapters.lora_config(r=4, target_modules=["c_attn"],
@@ -240,13 +258,18 @@ def test_refusals_and_negative_control(tmp_path):
     with pytest.raises(NotImplementedError, match="base weight"):
         peft.get_peft_model(_ours("gpt2", base, None), adapters.lora_config(r=4, target_modules=["c_attn"],
                                                                             init_lora_weights="pissa"))
-    with pytest.raises(NotImplementedError, match="conv1d"):  # plain peft would merge c_attn untransposed
-        peft.get_peft_model(_ours("gpt2", base, None), peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    # plain peft on a conv1d-layout weight: its own layer would merge c_attn untransposed; the model replaces it
+    plain = peft.get_peft_model(_ours("gpt2", base, None), peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    layers = [m for n, m in plain.named_modules() if n.endswith("attn.c_attn")]
+    assert layers and all(isinstance(m, ParallelLoraLinear) for m in layers)
     llama_base, _ = _save_case("llama", tmp_path / "llama")  # tp 1, linear layout: plain peft is right, allowed
     peft.get_peft_model(_ours("llama", llama_base, None), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     ids = _batch("gpt2")["input_ids"]
     with torch.no_grad():
         expected = _reference("gpt2", base, adapter).merge_and_unload().eval()(input_ids=ids).logits
+        loaded = peft.PeftModel.from_pretrained(_ours("gpt2", base, None), adapter)  # plain peft's own loader
+        torch.testing.assert_close(loaded.merge_and_unload().eval()(input_ids=ids).logits, expected, atol=1e-5,
+                                   rtol=1e-5)
         model = _ours("gpt2", base, adapter).eval()
         for name, module in model.named_modules():
             if isinstance(module, ParallelLoraLinear) and name.endswith("attn.c_proj"):  # [32, 32]: merges either way
