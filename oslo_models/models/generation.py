@@ -62,3 +62,22 @@ def check_can_generate(model) -> None:
                            f"{context.pp_size}: each rank holds only its stages' layers. Save the trained model "
                            f"with save_pretrained() and load it without pipelining (tensor_parallel_size > 1 "
                            f"splits it for inference) to generate.")
+
+
+@contextlib.contextmanager
+def unsharded_root(model):
+    """Under ZeRO-3 (FSDP2 ``fully_shard`` on the model), hold the root's own parameters gathered for the whole
+    block. ``generate`` of an encoder-decoder calls ``get_encoder()(...)`` directly, outside the root's pre-forward
+    hook, and the root group holds what the blocks do not (the shared embeddings, the final norms): without this the
+    encoder would meet sharded ``DTensor`` embeddings. One all-gather over data parallelism on entry; resharded on
+    exit (the blocks keep their own hooks). Anything else: no-op."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()

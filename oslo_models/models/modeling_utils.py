@@ -315,8 +315,9 @@ class OsloPreTrainedModel(PreTrainedModel):
         """``transformers``' ``generate``, with the same sampled tokens on every tensor-parallel rank whatever each
         rank's seed: the group draws from tp rank 0's RNG (one broadcast per call; see ``models/generation.py``),
         so the tokens equal single-process ``transformers`` seeded like tp rank 0. Call on every rank of the group.
+        Under ZeRO-3 the root's parameters stay gathered for the call (``generation.unsharded_root``).
         A pipelined model raises ``RuntimeError`` here, before any collective."""
-        from .generation import check_can_generate, sampling_rng_of_group_source
+        from .generation import check_can_generate, sampling_rng_of_group_source, unsharded_root
 
         check_can_generate(self)
         if self.parallel_context.ep_size > 1 and kwargs.get("synced_gpus") is None:
@@ -324,7 +325,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             # whose sequences finish first must keep stepping (transformers' synced_gpus: a finished rank runs
             # dummy forwards until an all-reduce says every rank is done), or the others hang in the all-to-all
             kwargs["synced_gpus"] = True
-        with sampling_rng_of_group_source(self.parallel_context):
+        with sampling_rng_of_group_source(self.parallel_context), unsharded_root(self):
             return super().generate(*args, **kwargs)
 
     # ------------------------------------------------------------------ transformers API contract

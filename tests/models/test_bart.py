@@ -7,7 +7,7 @@ the encoder AND the decoder, scaled embeddings and a non-zero ``final_logits_bia
 loop over an ``EncoderDecoderCache``).
 
 One spawned group of 4 ranks (``tests/helpers/layouts.py``, ``tests/helpers/pipeline.py``), one AdamW step per
-layout: BART at tp 2 + SP x dp 2 under ZeRO-3, then ``generate`` greedy / sampled / 3 beams at tp 2 + SP; tp 4;
+layout: BART at tp 2 + SP x dp 2 under ZeRO-3, then on its trained sharded weights ``generate`` greedy / sampled / 3 beams at tp 2 + SP; tp 4;
 pp 2 x tp 2 cut inside the encoder and across encoder and decoder; BERT's cross-attention decoder at tp 2 + SP x
 dp 2, then its cached decode loop at tp 2. Context parallelism is refused for BART.
 """
@@ -227,10 +227,9 @@ def _layouts_worker(paths: dict) -> None:
     def model(layout, path=paths[cg], cls=om.BartForConditionalGeneration):
         return cls.from_pretrained(path, parallel=om.ParallelConfig(**layout), progress=False).train()
 
-    train_matches(model(dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)), reference(),
-                  _batch(), zero_stage=3)
-    # generate at tp 2 (unwrapped: generate calls the encoder directly, outside a ZeRO-3 root's unsharding hook)
-    _check_generate(model(dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)), reference())
+    # then generate on the trained ZeRO-3 model (it calls the encoder directly, outside the root's unsharding hook)
+    _check_generate(*train_matches(model(dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)),
+                                   reference(), _batch(), zero_stage=3))
     train_matches(model(dict(tensor_parallel_size=4)), reference(), _batch())
     # 3 encoder layers + 1 decoder layer in 2 stages: stage 0 = encoder 0-1, stage 1 = encoder 2 and the decoder
     pipelined = model(dict(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2), path=paths["pp"])
