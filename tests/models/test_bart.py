@@ -8,8 +8,8 @@ loop over an ``EncoderDecoderCache``).
 
 One spawned group of 4 ranks (``tests/helpers/layouts.py``, ``tests/helpers/pipeline.py``), one AdamW step per
 layout: BART at tp 2 + SP x dp 2 under ZeRO-3, then on its trained sharded weights ``generate`` greedy / sampled /
-3 beams; tp 4; pp 2 x tp 2 cut inside the encoder and across encoder and decoder; BERT's cross-attention decoder at tp 2 + SP x
-dp 2, then its cached decode loop at tp 2. Context parallelism is refused for BART.
+3 beams; tp 4; pp 2 x tp 2 cut inside the encoder and across encoder and decoder; BERT's cross-attention decoder at
+tp 2 + SP x dp 2, then its cached decode loop at tp 2. Context parallelism is refused for BART.
 """
 from __future__ import annotations
 
