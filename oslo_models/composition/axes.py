@@ -68,6 +68,8 @@ class Layout:
                            ("expert_parallel_size", "ep"), ("data_parallel_size", "dp")):
             if p.get(key, 1) > 1:
                 parts.append(f"{short}{p[key]}")
+        if p.get("data_parallel_shard_size"):
+            parts.append(f"hsdp{p['data_parallel_shard_size']}")
         if self.zero_stage:
             parts.append(f"zero{self.zero_stage}" + ("+offload" if self.cpu_offload else ""))
         if p.get("activation_checkpointing"):

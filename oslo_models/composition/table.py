@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .axes import AXES, Axis, Layout, combine, exclusive
+from .axes import AXES, Axis, Layout, _layout, combine, exclusive
 from .check import refusal
 
 DENSE, MOE = "llama", "mixtral"
@@ -65,6 +65,42 @@ def pairs() -> list[Cell]:
     names = [axis.name for axis in TABLE_AXES]
     cells = [cell(name) for name in names]
     cells += [cell(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
+    return cells
+
+
+# The four- and five-axis layouts at 8 processes that Megatron-Core and torchtitan users run (issue 30's list):
+# ``tests/composition/test_eight_ranks.py`` trains the composing ones; the refused ones give their reason here.
+_MB = dict(num_microbatches=2)
+MULTI_AXIS = {
+    "tp x sp x cp x pp": _layout(tensor_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+                                 pipeline_parallel_size=2, **_MB),
+    "tp x pp x dp x z1": _layout(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2,
+                                 zero_stage=1, **_MB),
+    "tp x pp x dp x z3": _layout(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2,
+                                 zero_stage=3, **_MB),
+    "tp x cp x dp x z3": _layout(tensor_parallel_size=2, context_parallel_size=2, data_parallel_size=2,
+                                 zero_stage=3),
+    "tp x dp x z3 (hsdp)": _layout(tensor_parallel_size=2, data_parallel_size=4, data_parallel_shard_size=2,
+                                   zero_stage=3),
+    "tp x pp x ep": _layout(moe=True, tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2,
+                            expert_parallel_size=2, pipeline_schedule="gpipe", num_microbatches=1),
+    "ep x cp x tp": _layout(moe=True, tensor_parallel_size=2, context_parallel_size=2, data_parallel_size=2,
+                            expert_parallel_size=2),
+    "grid x cp": _layout(tensor_parallel_size=4, tensor_parallel_mode="2d", context_parallel_size=2),
+    "grid x cp (all-to-all)": _layout(tensor_parallel_size=4, tensor_parallel_mode="2d", context_parallel_size=2,
+                                      context_parallel_mode="all_to_all"),
+    "grid x pp": _layout(tensor_parallel_size=4, tensor_parallel_mode="2d", pipeline_parallel_size=2, **_MB),
+}
+
+
+def multi_axis() -> list[Cell]:
+    """``MULTI_AXIS``, each decided by ``check_layout`` like a pair."""
+    cells = []
+    for name, layout in MULTI_AXIS.items():
+        model_type = MOE if layout.moe else DENSE
+        reason = refusal(layout, *representative(model_type))
+        cells.append(Cell(tuple(name.split(" x ")), model_type, layout, "refused" if reason else "composes",
+                          reason or ""))
     return cells
 
 
@@ -122,4 +158,12 @@ def render(cells: list[Cell] | None = None) -> str:
     for c in cells:
         if c.status == "composes":
             lines.append(f"| {c.name} | {c.layout.describe()} | {c.model_type} |")
+    lines += ["", "## Four and five axes at 8 processes", "",
+              "`tests/composition/test_eight_ranks.py` trains each composing layout against single-process "
+              "`transformers` (5 AdamW steps, fp32: every loss and every parameter).", "",
+              "| axes | layout | family | status |", "|---|---|---|---|"]
+    for c in multi_axis():
+        status = "composes" if c.status == "composes" else "refused: " + c.reason.replace("|", "\\|").replace(
+            "\n", " ")
+        lines.append(f"| {c.name} | {c.layout.describe()} | {c.model_type} | {status} |")
     return "\n".join(lines) + "\n"

@@ -88,8 +88,9 @@ def train_layout(layout: Layout, model_class, path: str, steps: int = STEPS) -> 
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2)] if precision == "fp16" else None
     pipelined = context.pp_size > 1
     batch = _batch(reference.config, layout.moe and pipelined)
-    if pipelined:  # train_step takes this replica's rows and returns the loss of the whole batch
-        replicas, local, mine = [batch], local_rows(context, batch), 0
+    if pipelined:  # train_step takes this replica's rows (consecutive chunks) and returns the replicas' mean loss
+        replicas = [{k: v.chunk(context.dp_size)[d] for k, v in batch.items()} for d in range(context.dp_size)]
+        local, mine = local_batch(context, local_rows(context, batch), shift_labels=True), None  # cp: chunks
     else:
         replicas = [{k: v[d::context.dp_size].contiguous() for k, v in batch.items()} for d in range(context.dp_size)]
         local, mine = local_batch(context, replicas[context.dp_rank], shift_labels=True), context.dp_rank
@@ -97,8 +98,9 @@ def train_layout(layout: Layout, model_class, path: str, steps: int = STEPS) -> 
         with _autocast(precision):
             losses = [reference(**replica).loss for replica in replicas]
             got = model.train_step(local) if pipelined else model(**local).loss
-        # pipelined: the whole batch's loss; else this replica's rows' (data parallelism averages the gradients)
-        torch.testing.assert_close(got.detach().float(), losses[mine].detach().float(), **tol,
+        # pipelined: the mean over replicas; else this replica's rows' (data parallelism averages the gradients)
+        expected = sum(losses) / len(losses) if mine is None else losses[mine]
+        torch.testing.assert_close(got.detach().float(), expected.detach().float(), **tol,
                                    msg=lambda m, s=step: f"step {s}: {m}")
         _step(scalers, sum(losses) / len(losses), None if pipelined else got, optimizer, ref_optimizer, context)
     assert_params_match(inner, reference, **param_tol)

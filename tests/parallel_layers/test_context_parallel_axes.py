@@ -7,8 +7,8 @@ at cp2 x dp2 (sequence classification pools the last non-padding token from the 
 classification, question answering); cp2 x pp2 through ``model.train_step`` (Llama ring 3 steps, all-to-all 1;
 GPT-2, tied embeddings across the stages, ring 3); a
 resumable checkpoint saved at cp2 x dp2 (ZeRO-1 over dp x cp) resumes equal to the uninterrupted run, at cp2 x dp2
-and resharded to cp1 x dp4; cp2 x 2.5D (depth 2) and cp2 x 3D (q=1) x dp2. One group of 8: cp2 x 2D (tp4, q=2);
-pp2 x cp2 x tp2 with sequence parallelism.
+and resharded to cp1 x dp4; cp2 x 2.5D (depth 2) and cp2 x 3D (q=1) x dp2. The 8-process layouts (cp2 x 2D with tp4, ring and all-to-all;
+pp2 x cp2 x tp2 with sequence parallelism) are in ``tests/composition/test_eight_ranks.py``.
 """
 from __future__ import annotations
 
@@ -206,19 +206,3 @@ def test_context_parallel_with_pipeline_heads_and_checkpoints_match(tmp_path):
     for head in HEADS:  # pad 0 (the padded batch's), no classifier dropout (parity in training mode)
         paths[head] = decoders.save_tiny(tmp_path / head, "llama", head, pad_token_id=0, classifier_dropout=0.0)
     run_distributed(_worker, 4, paths, str(tmp_path / "checkpoint"), timeout=600)
-
-
-def _eight_worker(path: str) -> None:
-    """cp2 x 2D (tp4, q=2): the grid splits batch and hidden, the cp group (same grid position) the sequence; then
-    pp2 x cp2 x tp2 with sequence parallelism (the issue's 4-axis launch)."""
-    for mode, steps in (("ring", 3), ("all_to_all", 1)):
-        model = decoders.om_class("llama").from_pretrained(path, progress=False, parallel=om.ParallelConfig(
-            context_parallel_size=2, context_parallel_mode=mode, tensor_parallel_size=4,
-            tensor_parallel_mode="2d")).train()
-        assert model.parallel_context.dp_size == 1
-        train_matches(model, decoders.hf_class("llama").from_pretrained(path).train(), _batch(), steps=steps)
-    _pipeline_matches(path, "ring", 3, tensor_parallel_size=2, sequence_parallel=True)
-
-
-def test_context_parallel_with_2d_and_with_pipeline_x_tp_match_transformers(tmp_path):
-    run_distributed(_eight_worker, 8, decoders.save_tiny(tmp_path / "llama", "llama"), timeout=600)
