@@ -295,15 +295,21 @@ def _run_pair(spec: dict, out_path: str) -> None:
 
 def pair_spec(model: str, size: str, layout: str, *, root: str, steps: int, rounds: int, warmup: int,
               device: str = "cpu", liger: bool = False, extra_peers: tuple = ()) -> dict:
-    """What one pair runs (ours against ``transformers``, plus ``extra_peers``: dicts with ``name`` and ``path``
-    or ``data_seed``, the test's negative control); saves the checkpoint under ``root`` on first use."""
+    """What one pair runs (ours against ``transformers``, plus ``extra_peers``: ``transformers`` sides made unfair
+    on purpose, the test's negative control); saves the checkpoints under ``root`` on first use."""
     path = os.path.join(root, f"{model}-{size}")
     if not os.path.exists(path):
         save_checkpoint(model, size, path)
     _, batch, seq = SIZES[(model, size)]
     missing = peer_missing(model, layout)
     peers = [] if missing else [{"name": "transformers", "path": path}]
-    peers += [{"path": path, **peer} for peer in extra_peers]
+    for peer in extra_peers:  # {"name": ..., "seed": s}: weights from another seed; {"data_seed": s}: other batches
+        peer = {"path": path, **peer}
+        if "seed" in peer:
+            peer["path"] = os.path.join(root, f"{model}-{size}-seed{peer['seed']}")
+            if not os.path.exists(peer["path"]):
+                save_checkpoint(model, size, peer["path"], seed=peer["seed"])
+        peers.append(peer)
     return dict(model=model, size=size, path=path, layout=layout, device=device, batch=batch, seq=seq, steps=steps,
                 rounds=rounds, warmup=warmup, vocab=make_config(model, size).vocab_size, peers=peers, liger=liger,
                 peer_missing=missing, out=os.path.join(root, f"{model}-{size}-{layout}.json"))
