@@ -221,6 +221,20 @@ def _measure_memory(side: _Side, ids: torch.Tensor, device: str) -> dict:
     return out
 
 
+def _profile(sides, data, data_of, index: int, device: str, spec: dict) -> None:
+    """Rank 0 only (the other ranks run the step unprofiled, so the collectives still meet): one more step of each
+    side under ``torch.profiler``, the top ops by self CPU time written to ``<profile>/<pair>-<side>.txt``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(spec["profile"], exist_ok=True)
+    for number, side in enumerate(sides):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            side.step(data[data_of[number]][index].to(device))
+        name = f"{spec['model']}-{spec['size']}-{spec['layout']}-{side.name}.txt"
+        with open(os.path.join(spec["profile"], name), "w") as handle:
+            handle.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
+
 def _worker(specs: list[dict]) -> None:
     """Every pair of one world size in one process group (spawning is the slow part on a shared box)."""
     import gc
@@ -269,6 +283,12 @@ def _run_pair(spec: dict, out_path: str) -> None:
             if device == "cuda":
                 torch.cuda.synchronize()
             side.windows.append((time.perf_counter() - start, time.process_time() - cpu))
+    if spec.get("profile"):  # every rank steps once more (the collectives meet); rank 0 records it
+        if dist.get_rank() == 0:
+            _profile(sides, data, data_of, total - 1, device, spec)
+        else:
+            for number, side in enumerate(sides):
+                side.step(data[data_of[number]][total - 1].to(device))
     memory = [_measure_memory(side, data[data_of[index]][total - 1].to(device), device)
               for index, side in enumerate(sides)]
     mine = {"windows": [side.windows for side in sides], "memory": memory}
@@ -426,18 +446,20 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", default=["llama", "gpt2"], choices=["llama", "gpt2"])
     parser.add_argument("--sizes", nargs="+", default=None, help="default: tiny small (--quick: tiny)")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--steps", type=int, default=None, help="steps per timed window (default 3, --quick 2)")
-    parser.add_argument("--rounds", type=int, default=None, help="timed windows per side (default 3, --quick 2)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per timed window (default 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed windows per side (default 5, --quick 2)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="tiny models, short windows (under 2 minutes)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--no-liger", action="store_true", help="CUDA: leave Liger-Kernel off the transformers side")
     parser.add_argument("--peak-tflops", type=float, default=None, help="CUDA: bf16 dense peak per GPU, for MFU")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="one more step per side under torch.profiler on rank 0; top ops to DIR/<pair>-<side>.txt")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     sizes = args.sizes or (["tiny"] if args.quick else ["tiny", "small"])
-    steps = args.steps or (2 if args.quick else 3)
-    rounds = args.rounds or (2 if args.quick else 3)
+    steps = args.steps or 2
+    rounds = args.rounds or (2 if args.quick else 5)
     liger = False
     if args.device == "cuda" and not args.no_liger:
         import importlib.util
@@ -450,7 +472,7 @@ def main(argv=None) -> int:
                            device=args.device, liger=liger)
                  for model in args.models for size in sizes for layout in args.layouts]
         for spec in specs:
-            spec["peak_tflops"] = args.peak_tflops
+            spec["peak_tflops"], spec["profile"] = args.peak_tflops, args.profile
         rows = run_pairs(specs)
     print(table(rows))
     mismatched = [f"{r['model']}-{r['size']} {r['layout']}" for r in rows if r.get("losses_agree") is False]
