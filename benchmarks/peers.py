@@ -65,13 +65,14 @@ SIZES = {
                               num_key_value_heads=4, vocab_size=8192, max_position_embeddings=512), 4, 256),
     ("llama", "medium"): (dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                                num_key_value_heads=4, vocab_size=16384, max_position_embeddings=512), 4, 256),
-    ("llama", "1b"): (dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    # the Llama-3.2-1B shape and GPT-2 medium (350M): for a GPU
+    ("llama", "large"): (dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
                            rope_theta=500000.0, tie_word_embeddings=True), 8, 2048),
     ("gpt2", "tiny"): (dict(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=256), 4, 64),
     ("gpt2", "small"): (dict(n_embd=256, n_layer=4, n_head=8, vocab_size=8192, n_positions=512), 4, 256),
     ("gpt2", "medium"): (dict(n_embd=512, n_layer=8, n_head=8, vocab_size=16384, n_positions=512), 4, 256),
-    ("gpt2", "1b"): (dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=1024), 8, 1024),
+    ("gpt2", "large"): (dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=1024), 8, 1024),
 }
 BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}
 
