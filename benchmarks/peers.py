@@ -1,7 +1,7 @@
 """Side by side with the peers: this project against what a user would run instead, at the same layout.
 
-    PYTHONPATH=. python benchmarks/peers.py [--quick] [--models llama gpt2] [--sizes tiny small]
-                                            [--layouts tp2 tp4 dp2 tp2dp2] [--json peers.json]
+    PYTHONPATH=. python benchmarks/peers.py [--quick] [--models llama gpt2] [--sizes tiny small medium large]
+                                            [--layouts tp2 tp4 dp2 tp2dp2] [--no-sp] [--profile DIR] [--json F]
 
 Pairs (ours vs theirs), each in one spawned process group (``tests.helpers.dist.run_distributed``: the torchrun
 environment, one intra-op thread per rank; gloo on CPU, NCCL on CUDA):
@@ -138,11 +138,12 @@ class _Side:
         self.losses.append(self.mean_over_dp(loss.float()))
 
 
-def _build_ours(path: str, tp: int, dp: int, device: str, dtype):
+def _build_ours(path: str, tp: int, dp: int, device: str, dtype, sequence_parallel: bool = True):
     import oslo_models as om
     from oslo_models import training
 
-    config = om.ParallelConfig(tensor_parallel_size=tp, sequence_parallel=tp > 1, data_parallel_size=dp,
+    config = om.ParallelConfig(tensor_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1,
+                               data_parallel_size=dp,
                                zero_stage=3 if dp > 1 else 0)
     model = om.AutoModelForCausalLM.from_pretrained(path, parallel=config, dtype=dtype).train()
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
@@ -251,7 +252,7 @@ def _run_pair(spec: dict, out_path: str) -> None:
     device = spec["device"]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tp, dp = LAYOUTS[spec["layout"]]
-    model, optimizer, dp_rank = _build_ours(spec["path"], tp, dp, device, dtype)
+    model, optimizer, dp_rank = _build_ours(spec["path"], tp, dp, device, dtype, spec.get("sequence_parallel", True))
     world = dist.get_world_size()
     batch, seq = spec["batch"], spec["seq"]
 
@@ -456,6 +457,7 @@ def main(argv=None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=None, help="CUDA: bf16 dense peak per GPU, for MFU")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="one more step per side under torch.profiler on rank 0; top ops to DIR/<pair>-<side>.txt")
+    parser.add_argument("--no-sp", action="store_true", help="tensor parallelism here without sequence parallelism")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     sizes = args.sizes or (["tiny"] if args.quick else ["tiny", "small"])
@@ -474,6 +476,7 @@ def main(argv=None) -> int:
                  for model in args.models for size in sizes for layout in args.layouts]
         for spec in specs:
             spec["peak_tflops"], spec["profile"] = args.peak_tflops, args.profile
+            spec["sequence_parallel"] = not args.no_sp
         rows = run_pairs(specs)
     print(table(rows))
     mismatched = [f"{r['model']}-{r['size']} {r['layout']}" for r in rows if r.get("losses_agree") is False]
