@@ -448,7 +448,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", default=["llama", "gpt2"], choices=["llama", "gpt2"])
     parser.add_argument("--sizes", nargs="+", default=None, help="default: tiny small (--quick: tiny)")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--steps", type=int, default=None, help="steps per timed window (default 2)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per timed window (default 2, --quick 1)")
     parser.add_argument("--rounds", type=int, default=None, help="timed windows per side (default 5, --quick 2)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="tiny models, short windows (under 2 minutes)")
@@ -461,7 +461,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     sizes = args.sizes or (["tiny"] if args.quick else ["tiny", "small"])
-    steps = args.steps or 2
+    steps = args.steps or (1 if args.quick else 2)
     rounds = args.rounds or (2 if args.quick else 5)
     liger = False
     if args.device == "cuda" and not args.no_liger:
