@@ -121,20 +121,19 @@ def _nbytes(tensor) -> int:
 class _Side:
     """One model + optimizer on this rank, and the slice of each global batch it trains on."""
 
-    def __init__(self, name: str, model, optimizer, rows: slice, group_rank_loss):
+    def __init__(self, name: str, model, optimizer, rows: slice, mean_over_dp):
         self.name, self.model, self.optimizer, self.rows = name, model, optimizer, rows
-        self.mean_over_dp = group_rank_loss
+        self.mean_over_dp = mean_over_dp  # this rank's loss -> the global batch's (a collective: every rank calls)
         self.losses: list[float] = []
         self.windows: list[tuple[float, float]] = []  # (wall s, CPU s) of this rank per timed window
 
-    def step(self, ids: torch.Tensor, keep_grads: bool = False):
+    def step(self, ids: torch.Tensor) -> None:
         ids = ids[self.rows]
         loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
         self.optimizer.step()
-        if not keep_grads:
-            self.optimizer.zero_grad(set_to_none=True)
-        loss = _local(loss.detach()) if not hasattr(loss, "full_tensor") else loss.detach().full_tensor()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()  # a DTensor loss
         self.losses.append(self.mean_over_dp(loss.float()))
 
 
