@@ -1,0 +1,213 @@
+"""Facts about a model the planner needs, read from the model itself (built on the meta device), never from tables.
+
+``ModelFacts`` holds one model class and config. What it reads:
+
+- every parameter's full shape and its tensor/expert-parallel ``Layout`` (the model's own plan,
+  ``parallel_plan.shard_spec``: the one the loader and saver use), so the local shape under any tp/ep size is the
+  layout's ``local_shape``;
+- which parameters each pipeline rank keeps: the model is built on the meta device with a *size-only* context
+  (every axis has its size and rank but no process group, so nothing communicates) and the pipeline's own
+  ``keep_stage_modules`` prunes it, exactly as on a launched rank;
+- per-token FLOPs and activation bytes from the config (hidden, intermediate, heads, layers, vocab, experts).
+
+Building on meta allocates nothing; a 100-layer model builds in about a second. Results are cached per pipeline
+shape on the instance (no global state).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParamFact:
+    """One parameter as a pipeline rank holds it before tensor/expert parallelism splits it."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    layout: object  # parallel_layers.sharding.Layout
+    element_size: int
+    expert: bool  # split over the expert-parallel axis (reduced and sharded over edp, not dp)
+
+    def local_shape(self, tp: int = 1, ep: int = 1, etp: int = 1) -> tuple[int, ...]:
+        """The shape one rank holds under tensor parallelism ``tp`` (1D), expert parallelism ``ep`` and expert
+        tensor parallelism ``etp`` (the layout's own arithmetic: padded vocabularies, replicated kv heads...)."""
+        return tuple(self.layout.local_shape_in(self.full_shape, _SizeContext(tp=tp, ep=ep, etp=etp)))
+
+
+class _AxisSize:
+    def __init__(self, size: int):
+        self.group, self.size, self.rank, self.ranks = None, size, 0, tuple(range(size))
+
+
+class _SizeContext:
+    """Just enough of a ``ParallelContext`` for ``Layout.local_shape_in``: axis sizes, rank 0, no groups."""
+
+    def __init__(self, **sizes: int):
+        self._sizes = sizes
+
+    def axis(self, name: str) -> _AxisSize:
+        return _AxisSize(self._sizes.get(name, 1))
+
+    @property
+    def tp_size(self) -> int:
+        return self._sizes.get("tp", 1)
+
+
+def _virtual_context(parallel: ParallelConfig, pp_rank: int):
+    """A ``ParallelContext`` of one pipeline rank with no process group (tensor parallelism off: sizes are applied
+    by the layouts afterwards). Used only to build and prune a model on the meta device."""
+    from ..distributed.context import EXPERT_AXES, MESH_AXES, AxisInfo, ParallelContext
+
+    pp = parallel.pipeline_parallel_size
+    axes = {name: AxisInfo(None, 1, 0, (0,)) for name in MESH_AXES + EXPERT_AXES + ("dp_cp",)}
+    axes["pp"] = AxisInfo(None, pp, pp_rank, tuple(range(pp)))
+    return ParallelContext(parallel, world_size=pp, rank=pp_rank, device=torch.device("meta"), axes=axes)
+
+
+class ModelFacts:
+    """The planner's view of one model (``model_class`` built from ``config``)."""
+
+    def __init__(self, model_class: type, config, *, dtype: torch.dtype = torch.float32):
+        self.model_class, self.config, self.dtype = model_class, config, dtype
+        self._cache: dict = {}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained_config(cls, path: str | os.PathLike, *, task: str | None = None,
+                               dtype: torch.dtype = torch.float32) -> "ModelFacts":
+        """From a model folder or its ``config.json`` (nothing downloaded, no weights read)."""
+        from ..models.registry import family_record
+
+        path = str(path)
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"no config.json at {path!r}")
+        with open(file, encoding="utf-8") as handle:
+            values = json.load(handle)
+        model_type = values.get("model_type")
+        if model_type is None:
+            raise ValueError(f"{file} has no model_type")
+        record = family_record(model_type)
+        config_class = record.config_class()
+        config = config_class.from_dict({k: v for k, v in values.items() if k != "model_type"})
+        return cls(record.model_class(task or record.main_task()), config, dtype=dtype)
+
+    def build(self, parallel: ParallelConfig | None = None, pp_rank: int = 0):
+        """The model on the meta device as pipeline rank ``pp_rank`` of ``parallel`` holds it, unsplit over tp."""
+        parallel = parallel or ParallelConfig()
+        with torch.device("meta"):
+            model = self.model_class(self.config, parallel_context=_virtual_context(parallel, pp_rank))
+        return model.to(self.dtype)
+
+    # ------------------------------------------------------------------ parameters
+    def parameters(self, pipeline_parallel_size: int = 1, pp_rank: int = 0, *, virtual_pipeline_size: int = 1,
+                   pipeline_partition="uniform", pipeline_schedule: str = "1f1b") -> list[ParamFact]:
+        """The parameters pipeline rank ``pp_rank`` holds (every parameter when ``pipeline_parallel_size == 1``),
+        in ``model.parameters()`` order (the order optimizers and ZeRO-1 see them)."""
+        key = (pipeline_parallel_size, pp_rank, virtual_pipeline_size, pipeline_partition)
+        if key not in self._cache:
+            schedule = pipeline_schedule if virtual_pipeline_size == 1 else "interleaved_1f1b"
+            parallel = ParallelConfig(pipeline_parallel_size=pipeline_parallel_size,
+                                      virtual_pipeline_size=virtual_pipeline_size, pipeline_schedule=schedule,
+                                      pipeline_partition=pipeline_partition,
+                                      num_microbatches=pipeline_parallel_size * virtual_pipeline_size)
+            model = self.build(parallel, pp_rank)
+            plan = model.parallel_plan
+            facts = []
+            for name, param in model.named_parameters():
+                layout = plan.shard_spec(model, name)
+                facts.append(ParamFact(name, tuple(param.shape), layout, param.element_size(),
+                                       getattr(layout, "axis", "tp") == "ep"))
+            self._cache[key] = facts
+        return self._cache[key]
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(_numel(p.full_shape) for p in self.parameters())
+
+    # ------------------------------------------------------------------ shapes from the config
+    def _get(self, *names, default=None):
+        for name in names:
+            value = getattr(self.config, name, None)
+            if value is not None:
+                return value
+        return default
+
+    @property
+    def hidden_size(self) -> int:
+        return self._get("hidden_size", "n_embd", "d_model")
+
+    @property
+    def num_layers(self) -> int:
+        return self._get("num_hidden_layers", "n_layer", "num_layers")
+
+    @property
+    def num_heads(self) -> int:
+        return self._get("num_attention_heads", "n_head", "num_heads")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._get("num_key_value_heads", default=self.num_heads)
+
+    @property
+    def intermediate_size(self) -> int:
+        return self._get("intermediate_size", "n_inner", "d_ff", default=4 * self.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._get("vocab_size")
+
+    @property
+    def num_experts(self) -> int:
+        return self._get("num_local_experts", "num_experts", "n_routed_experts", default=0)
+
+    @property
+    def experts_per_token(self) -> int:
+        return self._get("num_experts_per_tok", "moe_top_k", default=1 if self.num_experts else 0)
+
+    def active_parameters(self) -> int:
+        """Parameters one token passes through: experts count ``experts_per_token / num_experts`` of theirs."""
+        total = 0
+        for p in self.parameters():
+            n = _numel(p.full_shape)
+            total += n * self.experts_per_token // self.num_experts if p.expert and self.num_experts else n
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3 x forward): ``6 x`` active parameters (each weight
+        entry is one multiply-add forward, two backward) plus attention's scores and weighted sum,
+        ``2 x 2 x seq x hidden`` per layer forward, causal half counted (``x 1/2``). Embedding lookups are counted
+        as matmuls (a small overestimate, kept for simplicity)."""
+        attention = 2 * 2 * seq_len * self.hidden_size * self.num_layers / 2
+        return 3 * (2 * self.active_parameters() + attention)
+
+    def activation_bytes_per_token_per_layer(self, seq_len: int, *, tp: int = 1, sequence_parallel: bool = False,
+                                             element_size: int | None = None) -> float:
+        """Bytes one block saves for backward per token (no checkpointing), after Korthikanti et al. (2022)
+        adapted to the config: the block input and norm outputs (``h`` each, split by ``tp`` only under sequence
+        parallelism), q/k/v and the attention output (``h + 2 h_kv + h``, split by tp), the SDPA softmax
+        statistics (``heads`` floats), the MLP input of width ``h`` and its ``2-3`` intermediate tensors of width
+        ``f`` (split by tp). Counts in elements of ``element_size`` bytes (default: the model dtype's)."""
+        size = element_size or torch.empty((), dtype=self.dtype).element_size()
+        h, f = self.hidden_size, self.intermediate_size
+        h_kv = h * self.num_kv_heads // self.num_heads
+        gated = 3 if self._get("hidden_act", "activation_function", default="") in ("silu", "swiglu") else 2
+        per_tp = (h + 2 * h_kv + h) + h + gated * f
+        replicated = 2 * h  # the two norm inputs (residual stream)
+        if self.num_experts:
+            per_tp = per_tp - h - gated * f + self.experts_per_token * (h + gated * f)
+        shared = replicated / tp if sequence_parallel else replicated
+        return size * (per_tp / tp + shared) + 4 * self.num_heads / tp
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
