@@ -10,8 +10,8 @@
   ``keep_stage_modules`` prunes it, exactly as on a launched rank;
 - per-token FLOPs and activation bytes from the config (hidden, intermediate, heads, layers, vocab, experts).
 
-Building on meta allocates nothing; a 100-layer model builds in about a second. Results are cached per pipeline
-shape on the instance (no global state).
+Building on meta allocates nothing; a 100-layer model builds in about a second. Results are cached on the instance
+(no global state).
 """
 from __future__ import annotations
 
@@ -76,6 +76,7 @@ class ModelFacts:
     def __init__(self, model_class: type, config, *, dtype: torch.dtype = torch.float32):
         self.model_class, self.config, self.dtype = model_class, config, dtype
         self._cache: dict = {}
+        self.cache: dict = {}  # derived figures (memory.training_state) keyed by what they depend on
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -109,23 +110,67 @@ class ModelFacts:
     def parameters(self, pipeline_parallel_size: int = 1, pp_rank: int = 0, *, virtual_pipeline_size: int = 1,
                    pipeline_partition="uniform", pipeline_schedule: str = "1f1b") -> list[ParamFact]:
         """The parameters pipeline rank ``pp_rank`` holds (every parameter when ``pipeline_parallel_size == 1``),
-        in ``model.parameters()`` order (the order optimizers and ZeRO-1 see them)."""
+        in ``model.parameters()`` order (the order optimizers and ZeRO-1 see them).
+
+        The model is built once (unsplit); a pipeline rank's share is read off it with the pipeline's own
+        functions (``build_layout``, the adapter's layer ids and stage modules), the same ones
+        ``keep_stage_modules`` prunes a launched rank with (``pipeline_members`` builds the pruned model instead;
+        the tests check the two agree)."""
         key = (pipeline_parallel_size, pp_rank, virtual_pipeline_size, pipeline_partition)
-        if key not in self._cache:
-            schedule = pipeline_schedule if virtual_pipeline_size == 1 else "interleaved_1f1b"
-            parallel = ParallelConfig(pipeline_parallel_size=pipeline_parallel_size,
-                                      virtual_pipeline_size=virtual_pipeline_size, pipeline_schedule=schedule,
-                                      pipeline_partition=pipeline_partition,
-                                      num_microbatches=pipeline_parallel_size * virtual_pipeline_size)
-            model = self.build(parallel, pp_rank)
+        if key in self._cache:
+            return self._cache[key]
+        model, facts = self._whole()
+        if pipeline_parallel_size == 1:
+            return facts
+        from ..pipeline.adapter import adapter_for
+        from ..pipeline.stage import build_layout
+
+        parallel = _pipeline_config(pipeline_parallel_size, virtual_pipeline_size, pipeline_partition,
+                                    pipeline_schedule)
+        adapter = adapter_for(model)
+        layout = build_layout(model, _virtual_context(parallel, pp_rank))
+        ids = adapter.layer_ids(model)
+        local = tuple(f"{path}.{index}." for path, index in (ids[i] for i in layout.local_layers()))
+        needed = {path for stage in layout.local_stages
+                  for path in adapter.stage_modules(model, layout, stage).values()}
+        dropped = tuple(path + "." for path in adapter.optional_modules(model, layout) - needed)
+        containers = tuple(path + "." for path in adapter.layer_paths)
+        kept = [fact for fact in self._all_names(model, facts)
+                if fact.name.startswith(local) or not fact.name.startswith(containers + dropped)]
+        self._cache[key] = kept
+        return kept
+
+    def pipeline_members(self, pipeline_parallel_size: int, pp_rank: int, **options) -> list[str]:
+        """Parameter names of ``pp_rank`` read from the model built *pruned*, as a launched rank builds it."""
+        parallel = _pipeline_config(pipeline_parallel_size, options.get("virtual_pipeline_size", 1),
+                                    options.get("pipeline_partition", "uniform"),
+                                    options.get("pipeline_schedule", "1f1b"))
+        return [name for name, _ in self.build(parallel, pp_rank).named_parameters()]
+
+    def _whole(self):
+        if "whole" not in self._cache:
+            model = self.build()
             plan = model.parallel_plan
             facts = []
             for name, param in model.named_parameters():
                 layout = plan.shard_spec(model, name)
                 facts.append(ParamFact(name, tuple(param.shape), layout, param.element_size(),
                                        getattr(layout, "axis", "tp") == "ep"))
-            self._cache[key] = facts
-        return self._cache[key]
+            self._cache["whole"] = (model, facts)
+        return self._cache["whole"]
+
+    def _all_names(self, model, facts: list[ParamFact]) -> list[ParamFact]:
+        """``facts`` with tied copies listed under each of their names (pipeline stages hold one copy each)."""
+        by_id = {}
+        for name, param in model.named_parameters():
+            by_id[id(param)] = name
+        first = {fact.name: fact for fact in facts}
+        out = []
+        for name, param in model.named_parameters(remove_duplicate=False):
+            fact = first[by_id[id(param)]]
+            out.append(fact if fact.name == name else ParamFact(name, fact.full_shape, fact.layout,
+                                                                 fact.element_size, fact.expert))
+        return out
 
     @property
     def num_parameters(self) -> int:
@@ -173,10 +218,13 @@ class ModelFacts:
 
     def active_parameters(self) -> int:
         """Parameters one token passes through: experts count ``experts_per_token / num_experts`` of theirs."""
+        if "active" in self.cache:
+            return self.cache["active"]
         total = 0
         for p in self.parameters():
             n = _numel(p.full_shape)
             total += n * self.experts_per_token // self.num_experts if p.expert and self.num_experts else n
+        self.cache["active"] = total
         return total
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -204,6 +252,11 @@ class ModelFacts:
             per_tp = per_tp - h - gated * f + self.experts_per_token * (h + gated * f)
         shared = replicated / tp if sequence_parallel else replicated
         return size * (per_tp / tp + shared) + 4 * self.num_heads / tp
+
+
+def _pipeline_config(pp: int, v: int, partition, schedule: str) -> ParallelConfig:
+    return ParallelConfig(pipeline_parallel_size=pp, virtual_pipeline_size=v, pipeline_partition=partition,
+                          pipeline_schedule=schedule if v == 1 else "interleaved_1f1b", num_microbatches=pp * v)
 
 
 def _numel(shape) -> int:

@@ -103,6 +103,21 @@ def training_state(facts: ModelFacts, parallel: ParallelConfig, world_size: int,
     """Bytes of parameters, gradients and AdamW state one rank (``pp_rank``, ``dp_rank``, ``cp_rank``) holds after
     an optimizer step, wherever they live (device or host)."""
     stage = parallel.zero_stage if zero_stage is None else zero_stage
+    key = ("state", stage, pp_rank, dp_rank, cp_rank, world_size, *(getattr(parallel, name) for name in _STATE_FIELDS))
+    cached = facts.cache.get(key)
+    if cached is None:
+        cached = facts.cache[key] = _training_state(facts, parallel, world_size, stage, pp_rank, dp_rank, cp_rank)
+    return StateBytes(cached.parameters, cached.gradients, cached.optimizer)
+
+
+# the ParallelConfig fields the training state depends on (a cache key: activations, schedules' microbatches... not)
+_STATE_FIELDS = ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size", "pipeline_partition",
+                 "context_parallel_size", "data_parallel_size", "data_parallel_shard_size", "expert_parallel_size",
+                 "expert_tensor_parallel_size")
+
+
+def _training_state(facts: ModelFacts, parallel: ParallelConfig, world_size: int, stage: int, pp_rank: int,
+                    dp_rank: int, cp_rank: int) -> StateBytes:
     dp, dense_k, expert_k = _groups(parallel, world_size)
     tp, ep, etp, cp = (parallel.tensor_parallel_size, parallel.expert_parallel_size,
                        parallel.expert_tensor_parallel_size, parallel.context_parallel_size)
@@ -187,7 +202,9 @@ def estimate_memory(facts: ModelFacts, parallel: ParallelConfig, world_size: int
     parameters: all of the rank's at stage 2, the largest two blocks (current + prefetched) at stage 3)."""
     stage = parallel.zero_stage if zero_stage is None else zero_stage
     pp = parallel.pipeline_parallel_size
-    states = [training_state(facts, parallel, world_size, zero_stage=stage, pp_rank=r) for r in range(pp)]
+    # uniform partitions: the middle pipeline ranks hold the same (the first adds embeddings, the last the head)
+    ranks = range(pp) if parallel.pipeline_partition != "uniform" else sorted({0, min(1, pp - 1), pp - 1})
+    states = [training_state(facts, parallel, world_size, zero_stage=stage, pp_rank=r) for r in ranks]
     state = max(states, key=lambda s: s.total)
     element = 2 if mixed_precision in ("bf16", "fp16") else None
     activations = activation_bytes(facts, parallel, micro_batch=micro_batch, seq_len=seq_len,
