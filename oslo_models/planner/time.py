@@ -16,8 +16,9 @@ more than one node (mesh order ``(pp, dp, cp, tp)``, tp innermost: a group's spa
 of the sizes inside it).
 
 Overlap rules: tensor-parallel and expert all-to-all collectives are on the critical path (fully exposed);
-data-parallel gradient reduction (DDP buckets, FSDP2 reduce-scatter and prefetched all-gathers) overlaps the
-backward pass, so only what exceeds the backward compute is exposed; the context-parallel ring overlaps the
+data-parallel traffic (DDP's all-reduce once per step, FSDP2's gathers and reduce-scatter once per microbatch)
+overlaps the backward of the microbatch it follows, so only what exceeds it is exposed (not overlapped under a
+pipeline: the runner reduces after the schedule); the context-parallel ring overlaps the
 attention it feeds; pipeline sends are exposed once per microbatch boundary. Bubble: ``(pp - 1) / v`` microbatch
 forward+backward times for 1F1B, GPipe and interleaved (``v`` chunks per rank), a third of it for zero-bubble
 (ZB-H1's split of the weight gradient).
@@ -166,16 +167,18 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
     dp_cp = dp * cp
     if dp_cp > 1 and param_bytes:
         link = hardware.link(dp_cp * tp)
-        grads = param_bytes
-        if stage <= 1:
-            traffic = all_reduce(grads, dp_cp, link) + (all_gather(param_bytes, dp_cp, link) if stage else 0.0)
-        else:
-            shard = parallel.data_parallel_shard_size or dp_cp
-            gathers = 1 if stage == 2 else 2
-            traffic = (gathers + 1) * all_gather(param_bytes, shard, link)
-            if shard < dp_cp:  # HSDP: the shards' all-reduce across replica groups
-                traffic += all_reduce(param_bytes / shard, dp_cp // shard, hardware.link(dp_cp * tp))
-        comm["dp"] = max(0.0, traffic - backward)
+        shard = parallel.data_parallel_shard_size or dp_cp
+        if stage <= 1:  # once per step (DDP skips the accumulation steps); ZeRO-1 all-gathers the new parameters
+            once = all_reduce(param_bytes, dp_cp, link) + (all_gather(param_bytes, dp_cp, link) if stage else 0.0)
+            per_microbatch = 0.0
+        else:  # FSDP2: gathers (1 at ZeRO-2, 2 at ZeRO-3) and a reduce-scatter per microbatch
+            per_microbatch = (2 if stage == 2 else 3) * all_gather(param_bytes, shard, link)
+            once = all_reduce(param_bytes / shard, dp_cp // shard, link) if shard < dp_cp else 0.0
+        if pp > 1:  # the runner reduces after the schedule; the stage keeps parameters gathered between microbatches
+            comm["dp"] = once + per_microbatch
+        else:  # overlaps the backward of the microbatch it follows
+            last = backward / steps
+            comm["dp"] = max(0.0, once - last) + steps * max(0.0, per_microbatch - last)
     if cpu_offload and param_bytes:  # parameters up and gradients down every step, and the AdamW step on the host
         shard = param_bytes / max(1, parallel.data_parallel_shard_size or dp_cp)
         comm["offload"] = 2 * shard / hardware.host_bandwidth + 12 * shard / element / hardware.host_flops
