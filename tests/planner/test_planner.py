@@ -118,12 +118,18 @@ def test_time_formulas_by_hand(facts):
 SPACE = SearchSpace(checkpointing=(None, "full"), schedules=("1f1b", "zero_bubble"), max_microbatches=8)
 
 
-@pytest.mark.parametrize("model_type, cap", [("llama", 1.2e6), ("llama", 2.5e6), ("mixtral", 3e6)])
-def test_search_equals_brute_force(model_type, cap):
+# "slow": a matmul rate at which compute dominates, so the search's time bound prunes (on the defaults the tiny
+# model's step is all latency)
+HARDWARE = {"cpu": Hardware.default("cpu"), "slow": Hardware(1e7, 5e9, 5e-5, 5e9, 5e-5, 2)}
+
+
+@pytest.mark.parametrize("model_type, cap, device", [("llama", 1.2e6, "cpu"), ("llama", 2.5e6, "slow"),
+                                                     ("mixtral", 3e6, "cpu")])
+def test_search_equals_brute_force(model_type, cap, device):
     config = tiny_config(model_type, num_hidden_layers=4)
     model_class = om.models.registry.family_record(model_type).model_class("causal_lm")
     facts = ModelFacts(model_class, config)
-    kw = dict(memory_cap=cap, global_batch=8, seq_len=16, hardware=Hardware.default("cpu"), space=SPACE, top=8)
+    kw = dict(memory_cap=cap, global_batch=8, seq_len=16, hardware=HARDWARE[device], space=SPACE, top=8)
     fast, slow = search(facts, 4, **kw), brute_force(facts, 4, **kw)
     assert slow.candidates and [(c.describe(), c.time.total, c.memory.total) for c in fast.candidates] == \
         [(c.describe(), c.time.total, c.memory.total) for c in slow.candidates]
