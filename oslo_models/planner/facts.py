@@ -237,21 +237,35 @@ class ModelFacts:
 
     def activation_bytes_per_token_per_layer(self, seq_len: int, *, tp: int = 1, sequence_parallel: bool = False,
                                              element_size: int | None = None) -> float:
-        """Bytes one block saves for backward per token (no checkpointing), after Korthikanti et al. (2022)
-        adapted to the config: the block input and norm outputs (``h`` each, split by ``tp`` only under sequence
-        parallelism), q/k/v and the attention output (``h + 2 h_kv + h``, split by tp), the SDPA softmax
-        statistics (``heads`` floats), the MLP input of width ``h`` and its ``2-3`` intermediate tensors of width
-        ``f`` (split by tp). Counts in elements of ``element_size`` bytes (default: the model dtype's)."""
+        """Bytes one pre-norm block saves for backward per token (no checkpointing), counted from what the shared
+        stack's autograd graph keeps (read off ``saved_tensors_hooks`` on the tiny Llama, per token, ``h`` hidden,
+        ``h_kv`` key/value width, ``f`` intermediate, ``a`` heads):
+
+        - input norm: its input, ``1/rms`` (one float), its output and the q/k/v projections' input: ``3h + 1``;
+        - attention: rotated q and k, v, SDPA's output and log-sum-exp, o_proj's input:
+          ``h + 2 h_kv + h + a + h`` (split by tp);
+        - post-attention norm: ``1/rms``, output, the MLP's input: ``2h + 1``;
+        - MLP: gate and up outputs, the activation, down_proj's input: ``4f`` gated (``2f`` plain), split by tp.
+
+        The norm terms are split by tp under sequence parallelism only. ``seq_len`` does not enter: SDPA keeps no
+        ``s x s`` score matrix (flash / memory-efficient kernels, and the CPU path keep the log-sum-exp only)."""
         size = element_size or torch.empty((), dtype=self.dtype).element_size()
-        h, f = self.hidden_size, self.intermediate_size
-        h_kv = h * self.num_kv_heads // self.num_heads
-        gated = 3 if self._get("hidden_act", "activation_function", default="") in ("silu", "swiglu") else 2
-        per_tp = (h + 2 * h_kv + h) + h + gated * f
-        replicated = 2 * h  # the two norm inputs (residual stream)
-        if self.num_experts:
-            per_tp = per_tp - h - gated * f + self.experts_per_token * (h + gated * f)
-        shared = replicated / tp if sequence_parallel else replicated
-        return size * (per_tp / tp + shared) + 4 * self.num_heads / tp
+        h, f, a = self.hidden_size, self.intermediate_size, self.num_heads
+        h_kv = h * self.num_kv_heads // a
+        gated = self._get("hidden_act", "activation_function", default="") in ("silu", "swiglu")
+        mlp = (4 if gated else 2) * f
+        if self.num_experts:  # each token runs experts_per_token experts
+            mlp *= self.experts_per_token
+        split = 3 * h + 2 * h_kv + a + mlp
+        norms = 5 * h + 2
+        return size * (split / tp + (norms / tp if sequence_parallel else norms))
+
+    def outside_layers_bytes_per_token(self, *, tp: int = 1, element_size: int | None = None) -> float:
+        """Bytes per token saved outside the blocks (single stage): the final norm (``3h + 1``), the fp32 logits
+        (``vocab / tp``, padded), the token ids and labels (int64)."""
+        size = element_size or torch.empty((), dtype=self.dtype).element_size()
+        vocab = -(-self.vocab_size // tp)
+        return size * (3 * self.hidden_size + 1) + 4 * vocab + 16
 
 
 def _pipeline_config(pp: int, v: int, partition, schedule: str) -> ParallelConfig:
