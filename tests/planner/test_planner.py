@@ -204,3 +204,23 @@ def test_activation_bytes_within_ten_percent_of_saved_tensors(checkpointing):
     predicted = activation_bytes(ModelFacts(om.LlamaForCausalLM, config), parallel, micro_batch=2, seq_len=48,
                                  num_microbatches=1)
     assert abs(predicted - sum(saved.values())) <= 0.1 * sum(saved.values())
+
+
+def test_examples_take_the_plan_json(tmp_path):
+    """``--parallel-config plan.json`` sets the example options the ParallelConfig stands for (flags still win)."""
+    import os
+    import sys
+
+    examples = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+    sys.path.insert(0, examples)
+    try:
+        import _common
+    finally:
+        sys.path.remove(examples)
+    path = tmp_path / "plan.json"
+    P(tensor_parallel_size=2, pipeline_parallel_size=2, num_microbatches=4, zero_stage=1, data_parallel_size=2,
+      activation_checkpointing="full").to_json(path)
+    parser = _common.build_parser("doc", output="out", model_help="m")
+    args = _common.parse_args(parser, ["--parallel-config", str(path)])
+    assert (args.tp, args.pp, args.microbatches, args.zero, args.activation_checkpointing) == (2, 2, 4, 1, "full")
+    assert _common.parse_args(parser, ["--parallel-config", str(path), "--tp", "1"]).tp == 1
