@@ -11,12 +11,24 @@ plan``.
 """
 from __future__ import annotations
 
+import importlib
 import re
 
-from .facts import ModelFacts
-from .memory import MemoryEstimate, estimate_memory, training_state
-from .search import Candidate, SearchResult, SearchSpace, brute_force, search
-from .time import Hardware, TimeEstimate, estimate_time, measure_links, profile_matmul
+# names -> submodule, imported on first use: ``python -m oslo_models --help`` builds the ``plan`` parser from
+# ``planner/cli.py`` without importing torch
+_LAZY = {"ModelFacts": ".facts", "MemoryEstimate": ".memory", "estimate_memory": ".memory",
+         "training_state": ".memory", "Candidate": ".search", "SearchResult": ".search", "SearchSpace": ".search",
+         "brute_force": ".search", "search": ".search", "Hardware": ".time", "TimeEstimate": ".time",
+         "estimate_time": ".time", "measure_links": ".time", "profile_matmul": ".time"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["Candidate", "Hardware", "MemoryEstimate", "ModelFacts", "SearchResult", "SearchSpace", "TimeEstimate",
            "brute_force", "estimate_memory", "estimate_time", "measure_links", "parse_bytes", "plan",
@@ -37,8 +49,7 @@ def parse_bytes(value) -> int:
 
 
 def plan(model, *, world_size: int, memory_per_device, global_batch: int, seq_len: int, top: int = 10,
-         hardware: Hardware | None = None, devices_per_node: int = 8, profile: bool = False,
-         space: SearchSpace | None = None, task: str | None = None) -> SearchResult:
+         hardware=None, devices_per_node: int = 8, profile: bool = False, space=None, task: str | None = None):
     """Ranked layouts for training ``model`` on ``world_size`` devices.
 
     Args:
@@ -50,6 +61,10 @@ def plan(model, *, world_size: int, memory_per_device, global_batch: int, seq_le
     Returns a ``SearchResult``: ``candidates`` fastest first (empty when nothing fits; then ``smallest`` is the
     accepted layout with the least memory).
     """
+    from .facts import ModelFacts
+    from .search import SearchSpace, search
+    from .time import Hardware, profile_matmul
+
     if isinstance(model, ModelFacts):
         facts = model
     elif isinstance(model, tuple):
