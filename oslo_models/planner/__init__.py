@@ -15,10 +15,11 @@ import importlib
 import re
 
 # names -> submodule, imported on first use: ``python -m oslo_models --help`` builds the ``plan`` parser from
-# ``planner/cli.py`` without importing torch
+# ``planner/cli.py`` without importing torch. (The search itself is ``planner.search.search``: a package attribute
+# of that name is the submodule once it is imported.)
 _LAZY = {"ModelFacts": ".facts", "MemoryEstimate": ".memory", "estimate_memory": ".memory",
          "training_state": ".memory", "Candidate": ".search", "SearchResult": ".search", "SearchSpace": ".search",
-         "brute_force": ".search", "search": ".search", "Hardware": ".time", "TimeEstimate": ".time",
+         "brute_force": ".search", "Hardware": ".time", "TimeEstimate": ".time",
          "estimate_time": ".time", "measure_links": ".time", "profile_matmul": ".time"}
 
 
@@ -32,7 +33,7 @@ def __getattr__(name: str):
 
 __all__ = ["Candidate", "Hardware", "MemoryEstimate", "ModelFacts", "SearchResult", "SearchSpace", "TimeEstimate",
            "brute_force", "estimate_memory", "estimate_time", "measure_links", "parse_bytes", "plan",
-           "profile_matmul", "search", "training_state"]
+           "profile_matmul", "training_state"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
