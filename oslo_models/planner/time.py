@@ -154,14 +154,15 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
         link = hardware.link(cp * tp)
         h_kv = h * facts.num_kv_heads // facts.num_heads
         ring = 3 * (cp - 1) * (2 * mb_tokens * h_kv / tp * element / link[0] + link[1])
-        attention = 2 * 2 * seq_len * h * layers / 2 * 3 * mb_tokens / (tp * cp) / hardware.matmul_flops
+        # this rank's queries (mb_tokens, already 1/cp) against every key of the sequence, forward + backward
+        attention = 2 * 2 * seq_len * h * layers / 2 * 3 * mb_tokens / tp / hardware.matmul_flops
         comm["cp"] = steps * max(0.0, layers * ring - attention)
     if ep > 1 and facts.num_experts:  # dispatch + combine, forward and backward
         link = hardware.link(ep * cp * tp)
         volume = mb_tokens * facts.experts_per_token * h * element / tp
         comm["ep"] = steps * layers * 4 * ((ep - 1) / ep * volume / link[0] + (ep - 1) * link[1])
     if pp > 1:  # activations forward and their gradients backward at every stage boundary of every microbatch
-        link = hardware.link(pp * dp * cp * tp)
+        link = hardware.link(dp * cp * tp + 1)  # neighbouring stages are dp x cp x tp ranks apart
         comm["pp"] = 2 * steps * v * (mb_tokens * h * element / (tp if parallel.sequence_parallel else 1)
                                       / link[0] + link[1])
     dp_cp = dp * cp
