@@ -43,6 +43,9 @@ def build_parser(doc: str, *, output: str, model_help: str, lr: float = 3e-3,
     parser = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter, allow_abbrev=False)
     add = parser.add_argument
     add("--config", help="YAML file with any of the options below as keys (dashes or underscores)")
+    add("--parallel-config", metavar="JSON", help="a ParallelConfig JSON (e.g. `python -m oslo_models plan --json "
+                                                  "plan.json`): sets --tp, --pp, --cp, --zero, ... (flags given on "
+                                                  "the command line still win)")
     add("--model", help=model_help)
     add("--model-type", help="build a small random model of this transformers model type (any: 'mamba', "
                              "'granite', ...; a type without a native family trains on the generic path), sized by "
@@ -124,12 +127,43 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
         # the YAML sets defaults; flags given on the command line still win
         parser.set_defaults(**{k.replace("-", "_"): v for k, v in values.items()})
         args = parser.parse_args(argv)
+    if args.parallel_config:
+        parser.set_defaults(**parallel_config_options(args.parallel_config, parser))
+        args = parser.parse_args(argv)
     flags = [name for name in ("bf16", "fp16") if getattr(args, name)]
     if len(flags) > 1 or (flags and args.mixed_precision not in (None, flags[0])):
         parser.error("choose one of --bf16, --fp16 and --mixed-precision")
     if flags:
         args.mixed_precision = flags[0]
     return args
+
+
+# ParallelConfig field -> the example option that sets it
+_PARALLEL_OPTIONS = {"tensor_parallel_size": "tp", "sequence_parallel": "sequence_parallel",
+                     "tensor_parallel_mode": "tp_mode", "tensor_parallel_depth": "tp_depth",
+                     "context_parallel_size": "cp", "context_parallel_mode": "cp_mode", "expert_parallel_size": "ep",
+                     "pipeline_parallel_size": "pp", "num_microbatches": "microbatches",
+                     "pipeline_schedule": "schedule", "virtual_pipeline_size": "virtual_stages", "zero_stage": "zero",
+                     "data_parallel_shard_size": "dp_shard", "activation_checkpointing": "activation_checkpointing",
+                     "collective_timeout": "collective_timeout"}
+
+
+def parallel_config_options(path: str, parser: argparse.ArgumentParser) -> dict:
+    """The example options a ParallelConfig JSON stands for; ``parser.error`` for a field no option sets (at a
+    value other than its default) or a file ``ParallelConfig.from_json`` refuses. ``data_parallel_size`` is
+    checked against the launched world by ``check_launch``, like the options."""
+    try:
+        cfg = om.ParallelConfig.from_json(path)
+    except (ValueError, NotImplementedError, FileNotFoundError) as error:
+        parser.error(f"--parallel-config {path}: {error}")
+    default, values = om.ParallelConfig(), cfg.to_dict()
+    unsupported = [key for key, value in values.items() if key not in _PARALLEL_OPTIONS
+                   and key not in ("data_parallel_size", "seed", "fused_ops") and value != getattr(default, key)]
+    if unsupported:
+        parser.error(f"--parallel-config {path}: the examples have no option for {unsupported}")
+    options = {option: values[key] for key, option in _PARALLEL_OPTIONS.items()}
+    options["collective_timeout"] = options["collective_timeout"] or 0.0
+    return options
 
 
 def small_config(args, vocab_size: int, **overrides):

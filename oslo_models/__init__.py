@@ -31,6 +31,7 @@ _LAZY = {
     ".models.family": ["FamilyRecord"],
     ".models.registry": ["register_family"],
     ".generic.capabilities": ["capabilities"],
+    ".planner": ["planner", "plan"],
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
 

@@ -2,6 +2,7 @@
 
 Commands:
     pipeline-plot   draw the pipeline schedule the runner executes (SVG or PNG)
+    plan            rank parallel layouts by predicted step time under a memory cap (``planner/cli.py``)
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="stages per rank (interleaved_1f1b, zero_bubble)")
     plot.add_argument("--output", "-o", help="file ending in .svg or .png (default: an .svg named after the run)")
     plot.set_defaults(handler=_pipeline_plot)
+    from .planner.cli import add_parser as add_plan_parser
+
+    add_plan_parser(commands, HelpFormatter)
     return parser
 
 
