@@ -63,13 +63,25 @@ def _check_world(accelerator, context) -> None:
             f"Accelerate sees {accelerator.num_processes} process(es) but the model's ParallelContext spans "
             f"{context.world_size}. On a machine without GPUs launch with `ACCELERATE_USE_CPU=1 accelerate launch "
             f"--multi_gpu --num_processes N` or build `Accelerator(cpu=True)` under torchrun.")
+    check_accelerate_mode(accelerator)
+
+
+def check_accelerate_mode(accelerator) -> None:
+    """``ValueError`` for an Accelerate mode ``prepare`` does not drive, before anything is wrapped: ``prepare``
+    wraps the model itself (DDP / ZeRO-1 / FSDP2 over the data-parallel group only), so Accelerate's own FSDP,
+    DeepSpeed or Megatron-LM plugin would either shard over the whole world (tensor-parallel ranks included) or be
+    silently ignored (a step that trains nothing the plugin promised)."""
     kind = str(accelerator.distributed_type)
     if "FSDP" in kind:
         raise ValueError("Do not configure Accelerate's FSDP plugin for an oslo_models model: pass zero_stage=2/3 "
                          "to oslo_models.training.prepare, which shards over the data-parallel group only")
-    if "DEEPSPEED" in kind and context.tp_size > 1:
-        raise ValueError("DeepSpeed ZeRO through Accelerate shards over the whole world and cannot be combined with "
-                         "tensor_parallel_size > 1; use zero_stage=1/2/3 of oslo_models.training.prepare instead")
+    if "DEEPSPEED" in kind:
+        raise ValueError("Accelerate's DeepSpeed plugin is not driven by oslo_models.training.prepare (its ZeRO would "
+                         "shard over the whole world, tensor-parallel ranks included, or be ignored): launch without it "
+                         "and pass zero_stage=1/2/3 (and cpu_offload=True) to prepare instead")
+    if "MEGATRON" in kind:
+        raise ValueError("Accelerate's Megatron-LM plugin is not driven by oslo_models.training.prepare: the model "
+                         "already is tensor/pipeline-parallel through ParallelConfig; launch without the plugin")
 
 
 def _prepare_dataloader(accelerator, loader, context):

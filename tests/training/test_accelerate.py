@@ -135,3 +135,21 @@ def test_torchrun_train_clm_pipeline_resumes_and_evaluates(tmp_path):
     ids = torch.randint(0, plain.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(oslo(ids).logits, plain(ids).logits, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode,reason", [("FSDP", "FSDP plugin"), ("DEEPSPEED", "DeepSpeed plugin"),
+                                         ("MEGATRON_LM", "Megatron-LM plugin")])
+def test_prepare_refuses_accelerate_modes_it_does_not_drive(mode, reason):
+    # An Accelerator launched with one of these plugins reports the mode; prepare refuses it before wrapping anything
+    # (a real plugin needs its GPU stack: the check reads only ``distributed_type``). MULTI_CPU/NO pass.
+    from accelerate.utils import DistributedType
+
+    from oslo_models.training.prepare import check_accelerate_mode
+
+    class Launched:
+        distributed_type = DistributedType[mode]
+
+    with pytest.raises(ValueError, match=reason):
+        check_accelerate_mode(Launched())
+    Launched.distributed_type = DistributedType.MULTI_CPU
+    check_accelerate_mode(Launched())
