@@ -4,7 +4,7 @@ clear line, and the last good checkpoint stays the newest (no NaN weights saved,
 The NaN is real, not injected: ``--lr 1e30`` with a 2-step warm-up leaves step 1 alone (learning rate 0), makes the
 weights ~1e29 at step 2, and step 3's forward overflows (tp=2 under torchrun, a checkpoint every step). That every
 rank decides together when only some see a NaN, the per-rank check disagreeing (the negative control), and that
-``save_checkpoint`` refuses non-finite weights on its own are checked in ``test_checkpoint_faults.py``.
+``save_checkpoint`` refuses non-finite weights on its own are checked in ``checkpoint_faults.py``.
 """
 from __future__ import annotations
 
