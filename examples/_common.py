@@ -463,11 +463,15 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler, reporter:
 def check_step(args, accelerator, model, loss, step: int, checkpoint_dir: str) -> None:
     """Before ``optimizer.step()``: clip (``--max-grad-norm``) or just measure the global gradient norm, and decide
     on every rank together whether this rank's loss or the norm is NaN/inf (``training.find_nonfinite``). Under
-    fp16 loss scaling the scaler skips the step on every rank (``clip_grad_norm_`` marked it) and training goes
+    fp16 loss scaling the scaler skips the step on every rank (marked from the global norm) and training goes
     on; otherwise every rank raises ``NonFiniteError`` here, before the weights or a checkpoint see the values."""
     if args.max_grad_norm > 0:
         norm = training.clip_grad_norm_(model, args.max_grad_norm, accelerator=accelerator)
     else:
+        if accelerator.scaler is not None:
+            # the scaler holds its skip flags only once it has unscaled: unscale now (optimizer.step then does not
+            # again) so that mark_overflow below reaches them, also on a rank whose own shard is finite
+            accelerator.unscale_gradients()
         norm = training.grad_norm(model)
         if accelerator.scaler is not None and not torch.isfinite(norm):
             training.mark_overflow(accelerator.scaler)
