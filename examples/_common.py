@@ -369,9 +369,17 @@ def optimizer_and_scheduler(args, model):
     return optimizer, scheduler
 
 
-def elastic_restart() -> int:
-    """How many times torchrun's elastic agent has restarted this job's workers (0: first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+def elastic_restart(device="cpu") -> int:
+    """How many times torchrun's elastic agents have restarted this job's workers (0: first attempt): the largest
+    count of any rank (collective when a process group is up). With several nodes the counts can differ: an agent
+    whose workers were still healthy when another node's failed restarts them as a membership change, which torchrun
+    does not count (``TORCHELASTIC_RESTART_COUNT`` stays 0 there), and those ranks alone would start fresh."""
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        agreed = torch.tensor([count], device=device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        count = int(agreed.item())
+    return count
 
 
 def resume(args, accelerator, model, optimizer, scheduler, loader) -> tuple[int, list[float]]:
@@ -379,7 +387,7 @@ def resume(args, accelerator, model, optimizer, scheduler, loader) -> tuple[int,
     (``torchrun --max-restarts N`` relaunches the same command: the restarted workers resume by themselves), else
     ``(0, [])``. A corrupt newest checkpoint falls back to the previous one (loudly)."""
     checkpoint_dir = os.path.join(args.output, "checkpoint")
-    restart = elastic_restart()
+    restart = elastic_restart(accelerator.device)  # every rank alike (collective)
     if args.resume or restart:
         why = f"elastic restart #{restart}" if restart else "--resume"
         found = training.find_checkpoint(checkpoint_dir)

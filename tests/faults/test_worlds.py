@@ -2,7 +2,8 @@
 seconds of CPU to import torch and transformers, the checks themselves a fraction of that.
 
 - world 2: every rank gets the same error at tp 2 and pp 2 (``rank_agreement.world2``), then a full disk at every
-  write of a save, a corrupt checkpoint on resume and a NaN on one rank (``checkpoint_faults.world2``);
+  write of a save, a corrupt checkpoint on resume and a NaN on one rank (``checkpoint_faults.world2``), and the
+  examples' elastic-restart count agreed over the ranks (:func:`_restart_count_agreed`);
 - world 4: the same error at pp 2 x tp 2 (``rank_agreement.world4``), then a rank stopped with SIGSTOP in a
   collective (``stuck_peer.world4``): last, because it leaves timed-out collectives behind.
 
@@ -19,6 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.faults import checkpoint_faults, rank_agreement, stuck_peer
+from tests.helpers import examples
 from tests.helpers.dist import run_distributed
 
 
@@ -33,10 +35,27 @@ def _leave() -> None:
     os._exit(0)
 
 
+def _restart_count_agreed():
+    """Two nodes after an elastic restart: rank 1's agent counted the restart, rank 0's restarted its healthy
+    workers as a membership change, which torchrun does not count. The examples resume on every rank (negative
+    control: what each rank reads from its environment disagrees, and rank 0 alone would start fresh)."""
+    sys.path.insert(0, examples.EXAMPLES)
+    import _common
+
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(dist.get_rank())
+    read = [None] * 2
+    dist.all_gather_object(read, int(os.environ["TORCHELASTIC_RESTART_COUNT"]))
+    assert read == [0, 1], read
+    assert _common.elastic_restart() == 1
+    del os.environ["TORCHELASTIC_RESTART_COUNT"]
+    sys.path.remove(examples.EXAMPLES)
+
+
 def _world2(paths, tmp):
     dist.init_process_group("gloo")  # the library joins an initialized group; the checks need one at once
     rank_agreement.world2(paths)
     checkpoint_faults.world2(tmp)
+    _restart_count_agreed()
     _leave()
 
 
