@@ -403,9 +403,17 @@ def optimizer_and_scheduler(args, model):
     return optimizer, scheduler
 
 
-def elastic_restart() -> int:
-    """How many times torchrun's elastic agent has restarted this job's workers (0: first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+def elastic_restart(device="cpu") -> int:
+    """How many times torchrun's elastic agents have restarted this job's workers (0: first attempt): the largest
+    count of any rank (collective when a process group is up). With several nodes the counts can differ: an agent
+    whose workers were still healthy when another node's failed restarts them as a membership change, which torchrun
+    does not count (``TORCHELASTIC_RESTART_COUNT`` stays 0 there), and those ranks alone would start fresh."""
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        agreed = torch.tensor([count], device=device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        count = int(agreed.item())
+    return count
 
 
 def resume(args, accelerator, model, optimizer, scheduler, loader) -> tuple[int, list[float]]:
@@ -413,7 +421,7 @@ def resume(args, accelerator, model, optimizer, scheduler, loader) -> tuple[int,
     (``torchrun --max-restarts N`` relaunches the same command: the restarted workers resume by themselves), else
     ``(0, [])``. A corrupt newest checkpoint falls back to the previous one (loudly)."""
     checkpoint_dir = os.path.join(args.output, "checkpoint")
-    restart = elastic_restart()
+    restart = elastic_restart(accelerator.device)  # every rank alike (collective)
     if args.resume or restart:
         why = f"elastic restart #{restart}" if restart else "--resume"
         found = training.find_checkpoint(checkpoint_dir)
@@ -497,11 +505,15 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler, reporter:
 def check_step(args, accelerator, model, loss, step: int, checkpoint_dir: str) -> None:
     """Before ``optimizer.step()``: clip (``--max-grad-norm``) or just measure the global gradient norm, and decide
     on every rank together whether this rank's loss or the norm is NaN/inf (``training.find_nonfinite``). Under
-    fp16 loss scaling the scaler skips the step on every rank (``clip_grad_norm_`` marked it) and training goes
+    fp16 loss scaling the scaler skips the step on every rank (marked from the global norm) and training goes
     on; otherwise every rank raises ``NonFiniteError`` here, before the weights or a checkpoint see the values."""
     if args.max_grad_norm > 0:
         norm = training.clip_grad_norm_(model, args.max_grad_norm, accelerator=accelerator)
     else:
+        if accelerator.scaler is not None:
+            # the scaler holds its skip flags only once it has unscaled: unscale now (optimizer.step then does not
+            # again) so that mark_overflow below reaches them, also on a rank whose own shard is finite
+            accelerator.unscale_gradients()
         norm = training.grad_norm(model)
         if accelerator.scaler is not None and not torch.isfinite(norm):
             training.mark_overflow(accelerator.scaler)

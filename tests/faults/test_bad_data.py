@@ -19,6 +19,7 @@ import pytest
 
 import oslo_models as om
 from oslo_models.data import indexed
+from tests.faults import launch
 from tests.helpers import examples
 
 VOCAB = 512  # the tokenizer of conftest.corpus
@@ -94,9 +95,9 @@ def test_train_clm_refuses_a_corpus_with_ids_beyond_the_vocabulary(tokenizer_dir
     beyond = _corpus(tmp_path / "beyond", 2, vocab=1000, high=1000)
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=examples.ROOT)
-    result = subprocess.run([sys.executable, os.path.join(examples.EXAMPLES, "train_clm.py"), "--data", beyond,
-                             "--tokenizer", tokenizer_dir, "--output", str(out), "--steps", "2", *examples.TINY],
-                            env=env, capture_output=True, text=True, timeout=300, cwd=examples.ROOT)
+    command = [sys.executable, *launch.script("train_clm.py", "--data", beyond, "--tokenizer", tokenizer_dir,
+                                              "--output", str(out), "--steps", "2", *examples.TINY)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=examples.ROOT)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(lines) == 1 and "beyond.bin holds token id" in lines[0], result.stderr[-2000:]

@@ -3,8 +3,10 @@ itself from the newest complete checkpoint, and its losses equal the uninterrupt
 two torchrun agents (``--nnodes 2``, loopback rendezvous). examples/train_clm.py, tiny GPT-2, 4 steps, a checkpoint
 every 2.
 
-- tp 2 x pp 2 x dp 2, ZeRO-1 (8 workers): the kill comes once step 4 is logged, during its save, so the first
-  attempt logged the whole uninterrupted curve; the restart resumes at step 2 and recomputes steps 3 and 4.
+- tp 2 x pp 2 x dp 2, ZeRO-1 (8 workers), and cp 2 with ZeRO-3 (2 workers; FSDP shards over the dp x cp ranks,
+  so the resume restores sharded parameters and optimizer state, each cp rank's RNG and the loader under context
+  parallelism): the kill comes once step 4 is logged, during its save, so the first attempt logged the whole
+  uninterrupted curve; the restart resumes at step 2 and recomputes steps 3 and 4.
 - tp 2 x dp 2: the reference is a two-agent job (``--nnodes 2 --nproc_per_node 2``) at ZeRO-2; a one-agent job at
   ZeRO-3 is killed at step 3 and resumes at step 2. ZeRO-2 and ZeRO-3 run the same arithmetic (only when FSDP frees
   the gathered parameters differs), so every loss of both attempts and the final Hub folder of the restarted
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
@@ -44,11 +47,22 @@ def _resumed(outputs, attempts, latest_at_kill, resumed_at):
     assert len(attempts) == 2 and sorted(attempts[1]) == list(range(resumed_at + 1, STEPS + 1)), attempts
 
 
-def test_elastic_restart_tp2_pp2_dp2_zero1(corpus, tmp_path):
+# layout: (workers, options, rank killed, what rank 0 prints of its layout); one job each, killed after its last step
+KILLED_AT_THE_END = {
+    "tp2_pp2_dp2_zero1": (8, ("--tp", "2", "--pp", "2", "--zero", "1", "--microbatches", "2"), 5,
+                          "tp=0/2, dp=0/2, cp=0/1, ep=0/1, pp=0/2, sequence_parallel=False, device=cpu); zero_stage=1"),
+    "cp2_zero3": (2, ("--cp", "2", "--zero", "3"), 1,
+                  "tp=0/1, dp=0/1, cp=0/2, ep=0/1, pp=0/1, sequence_parallel=False, device=cpu); zero_stage=3"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(KILLED_AT_THE_END))
+def test_elastic_restart_after_the_last_step(corpus, tmp_path, layout):
+    nproc, options, victim, printed = KILLED_AT_THE_END[layout]
     out = tmp_path / "out"
-    command = launch.agent(8, restarts=1) + _args(corpus, out, "--tp", "2", "--pp", "2", "--zero", "1",
-                                                  "--microbatches", "2")
-    outputs, latest = launch.run([command], launch.environment(tmp_path), tmp_path, kill=(out, STEPS, 5))
+    command = launch.agent(nproc, restarts=1) + _args(corpus, out, *options)
+    outputs, latest = launch.run([command], launch.environment(tmp_path), tmp_path, kill=(out, STEPS, victim))
+    assert "\n".join(outputs).count(printed) == 2, outputs[0][-3000:]  # both attempts at that layout
     attempts = launch.attempts(out)
     _resumed(outputs, attempts, latest, 2)
     uninterrupted = attempts[0]

@@ -18,6 +18,8 @@ NaN on one rank: a loss that is NaN on rank 1 only is found on both ranks togeth
 ``check_finite`` raises the same ``NonFiniteError`` on both (negative control: each rank's own ``isfinite`` answers
 differently, which the same comparison catches); a NaN in rank 1's shard of a weight makes ``save_checkpoint``
 refuse on both ranks, ``latest`` unchanged.
+
+``world2`` runs in the spawned world of 2 of ``test_worlds.py``.
 """
 from __future__ import annotations
 
@@ -34,7 +36,6 @@ import oslo_models as om
 from oslo_models import training
 from oslo_models.training.checkpoint_integrity import CHECKSUMS, CorruptCheckpointError, digest, verify_checksums
 from tests.faults.write_faults import WriteFaults
-from tests.helpers.dist import run_distributed
 from tests.helpers.models import tiny_gpt2_config
 
 PREVIOUS = "step-00000001"
@@ -253,8 +254,7 @@ def _nonfinite(model, opt, root):
         weight.copy_(kept)
 
 
-def _worker(tmp):
-    dist.init_process_group("gloo")
+def world2(tmp):
     torch.manual_seed(0)
     model = om.AutoModelForCausalLM.from_config(tiny_gpt2_config(), parallel=om.ParallelConfig(
         tensor_parallel_size=2))
@@ -275,6 +275,3 @@ def _worker(tmp):
     _nonfinite(model, opt, root)
     _corruption(model, opt, root, snapshots)
 
-
-def test_full_disk_corrupt_checkpoint_and_nan_on_one_rank(tmp_path):
-    run_distributed(_worker, 2, str(tmp_path), timeout=400)

@@ -2,8 +2,8 @@
 
 Pipeline stages read only their own tensors and tensor-parallel ranks can fail to read on one node only; rank 0
 alone writes files; ``if rank == 0: model.save_pretrained(...)`` leaves the other ranks out of the gather. In each
-case every rank must raise the same error (``distributed.agreement``) quickly. CPU, gloo; every spawn has a short
-timeout so a hang fails the test instead of holding CI."""
+case every rank must raise the same error (``distributed.agreement``) quickly. CPU, gloo: ``world2`` and ``world4``
+run in the spawned worlds of ``test_worlds.py`` (whose timeout fails a hang instead of holding CI)."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,6 @@ import oslo_models as om
 from oslo_models import training
 from oslo_models.conversion.checkpoint import CheckpointReader
 from oslo_models.conversion.loading import MismatchedSizeError
-from tests.helpers.dist import run_distributed
 from tests.helpers.models import save_tiny_gpt2, tiny_gpt2_config
 
 FAST = 30.0  # seconds: "within seconds" on a loaded 2-core CI box
@@ -65,8 +64,8 @@ def read_fails_on(rank: int):
     return mock.patch.object(CheckpointReader, "read", read)
 
 
-def _world2_worker(paths):
-    dist.init_process_group("gloo")  # the library joins an initialized group; the checks below need one at once
+def world2(paths):
+    """tp 2 and pp 2 in a world of 2 (initialized: the library joins it; the checks below need one at once)."""
     rank = dist.get_rank()
     good = paths["good"]
     # tp2: rank 1's reads fail; rank 0 loads everything and would otherwise walk on alone.
@@ -134,8 +133,8 @@ def _world2_worker(paths):
     assert training.load_checkpoint(ckpt, model, opt)["step"] == 1
 
 
-def _world4_worker(paths):
-    dist.init_process_group("gloo")
+def world4(paths):
+    """pp 2 x tp 2 in a world of 4."""
     # pp2 x tp2: stage 1 (ranks 2, 3) finds the bad tensor; stage 0 would otherwise enter training alone.
     same_error_everywhere(lambda: load(paths["bad_shape"], pipeline_parallel_size=2, tensor_parallel_size=2),
                           rf"failed on rank 2: MismatchedSizeError: Checkpoint tensor '{STAGE1_KEY}' has shape "
@@ -157,9 +156,8 @@ def _rewrite(source: str, target, edit) -> str:
     return str(target)
 
 
-@pytest.fixture(scope="module")
-def paths(tmp_path_factory):
-    root = tmp_path_factory.mktemp("agreement")
+def checkpoints(root) -> dict:
+    """The Hub folders the workers load: a good tiny GPT-2 and three broken copies; ``tmp`` for their saves."""
     good = save_tiny_gpt2(root / "good")
     bad_shape = _rewrite(good, root / "bad_shape", lambda w: w.update({STAGE1_KEY: w[STAGE1_KEY][:, :-1].clone()}))
     missing = root / "missing"
@@ -176,10 +174,3 @@ def paths(tmp_path_factory):
     return {"good": good, "bad_shape": bad_shape, "missing": str(missing), "truncated": truncated,
             "tmp": str(root)}
 
-
-def test_tp2_and_pp2_every_rank_gets_the_same_error(paths):
-    run_distributed(_world2_worker, 2, paths, timeout=240)
-
-
-def test_pp2_tp2_every_rank_gets_the_same_error(paths):
-    run_distributed(_world4_worker, 4, paths, timeout=240)
