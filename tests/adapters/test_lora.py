@@ -244,7 +244,7 @@ def test_lora_matches_peft_at_every_layout(model_type, tmp_path):
     model, reference = _ours(model_type, base, adapter), _reference(model_type, base, adapter)
     _train(model, reference, _batch(model_type))
     _check_saved(model_type, model, reference, base, str(tmp_path / "tp1"), merge=True)
-    run_distributed(_layouts_worker, 4, model_type, base, adapter, str(tmp_path))
+    run_distributed(_layouts_worker, 4, model_type, base, adapter, str(tmp_path), timeout=600)
 
 
 def test_refusals_and_negative_control(tmp_path):

@@ -31,7 +31,7 @@ def test_multi_axis_layouts_match_transformers(tmp_path):
         torch.manual_seed(0)
         folders[model_type] = str(tmp_path / model_type)
         model_class.hf_twin(config).save_pretrained(folders[model_type])
-    run_distributed(_train, 8, cells, folders)
+    run_distributed(_train, 8, cells, folders, timeout=900)  # 7 layouts x 5 steps on 8 ranks of 2 cores
 
 
 def test_refused_before_any_group():

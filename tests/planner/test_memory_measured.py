@@ -85,4 +85,4 @@ def _measured_world() -> None:
 
 
 def test_training_state_bytes_equal_measured():
-    run_distributed(_measured_world, 4)
+    run_distributed(_measured_world, 4, timeout=600)
