@@ -1,9 +1,11 @@
-"""Spawn N gloo processes on CPU and run a test function in each.
+"""Run a test function in N gloo processes on CPU.
 
 ``run_distributed(fn, world_size, *args)`` sets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT) in every child, so the library's "initialize from the torchrun environment" path is
 what the tests exercise. ``fn`` must be a module-level function (it is pickled by name). A failure on any rank
-fails the test with that rank's traceback.
+fails the test with that rank's traceback. The ranks are long-lived spawned processes reused from call to call
+(``tests/helpers/dist_pool.py``: the imports are paid once per pytest process, and each call starts from what a
+fresh process would give it); ``OSLO_TEST_POOL=0`` spawns fresh ones every time.
 
 A hang (a collective one rank never joins) fails after ``timeout`` seconds (default ``DEFAULT_TIMEOUT``: 150 s, or
 ``$OSLO_TEST_TIMEOUT``) instead of blocking CI: the error names the ranks still alive, the last ``breadcrumb`` each
@@ -23,6 +25,8 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.helpers import dist_pool
 
 # A deadlock must fail well under 3 minutes on the 2-core CI box (``pytest -n 2``). ``OSLO_TEST_TIMEOUT=<seconds>``
 # raises it on a box shared with other jobs, where every test runs several times slower.
@@ -47,16 +51,23 @@ def breadcrumb(text: str) -> None:
             handle.write(text)
 
 
-def _child(local_rank: int, fn, world_size: int, port: int, args: tuple, report_dir: str) -> None:
+def _enter_task(local_rank: int, world_size: int, port: int, report_dir: str):
+    """The torchrun environment of one rank, and its stack file for the hang report (kept open while the task runs:
+    faulthandler writes to the descriptor from its signal handler)."""
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     os.environ[_BREADCRUMB_ENV] = os.path.join(report_dir, f"rank{local_rank}.step")
-    # Kept open for the life of the process: faulthandler writes to the descriptor from its signal handler.
     stacks = open(os.path.join(report_dir, f"rank{local_rank}.stack"), "w", encoding="utf-8")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     torch.set_num_threads(1)
+    return stacks
+
+
+def _child(local_rank: int, fn, world_size: int, port: int, args: tuple, report_dir: str) -> None:
+    """A fresh spawned rank (``OSLO_TEST_POOL=0``)."""
+    _enter_task(local_rank, world_size, port, report_dir)
     try:
         fn(*args)
     except BaseException:
@@ -74,12 +85,14 @@ def _read(path: str) -> str:
         return ""
 
 
-def _hang_report(fn, world_size: int, timeout: float, ctx, report_dir: str) -> str:
-    """Ask every live rank for its stacks, kill it, and describe who was where."""
-    alive = [rank for rank, proc in enumerate(ctx.processes) if proc.is_alive()]
+def hang_report(fn, world_size: int, timeout: float, processes, report_dir: str, alive: list[int] | None = None) -> str:
+    """Ask every live rank (``alive``: default, every process still running) for its stacks, kill it, and
+    describe who was where."""
+    if alive is None:
+        alive = [rank for rank, proc in enumerate(processes) if proc.is_alive()]
     for rank in alive:
         try:
-            os.kill(ctx.processes[rank].pid, signal.SIGUSR1)
+            os.kill(processes[rank].pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + _STACK_GRACE
@@ -88,8 +101,8 @@ def _hang_report(fn, world_size: int, timeout: float, ctx, report_dir: str) -> s
         time.sleep(0.1)
     time.sleep(0.2)  # let the last lines land
     for rank in alive:
-        ctx.processes[rank].kill()
-    for proc in ctx.processes:
+        processes[rank].kill()
+    for proc in processes:
         proc.join(5)
     done = [rank for rank in range(world_size) if rank not in alive]
     lines = [f"distributed test {fn.__name__} (world {world_size}) hung for {timeout:.0f}s; "
@@ -116,10 +129,13 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
 
 def _run_distributed(fn, world_size: int, args: tuple, timeout: float) -> None:
     port = free_port()
+    if dist_pool.enabled():
+        dist_pool.pool().run(fn, world_size, args, timeout, port)
+        return
     with tempfile.TemporaryDirectory(prefix="oslo_dist_") as report_dir:
         ctx = mp.start_processes(_child, args=(fn, world_size, port, args, report_dir), nprocs=world_size,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
-                raise TimeoutError(_hang_report(fn, world_size, timeout, ctx, report_dir))
+                raise TimeoutError(hang_report(fn, world_size, timeout, ctx.processes, report_dir))
