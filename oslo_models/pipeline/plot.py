@@ -123,7 +123,7 @@ def _svg(rows, title: str, unit: int = 28, height: int = 30) -> str:
     width_px, height_px = int(left + span * unit + 20), top + len(rows) * (height + 6) + 40
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width_px}" height="{height_px}" '
            f'font-family="DejaVu Sans, sans-serif" font-size="9">',
-           f'<rect width="100%" height="100%" fill="white"/>', f'<text x="{left}" y="20" font-size="13">{title}</text>']
+           '<rect width="100%" height="100%" fill="white"/>', f'<text x="{left}" y="20" font-size="13">{title}</text>']
     for rank, row in enumerate(rows):
         y = top + rank * (height + 6)
         out.append(f'<text x="5" y="{y + height / 2 + 4}" font-size="11">rank {rank}</text>')

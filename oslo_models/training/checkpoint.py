@@ -316,7 +316,7 @@ def _target(shape, dtype, spec, context, key, metadata):
     check of the saved global shape, and for a tensor stored whole (see ``_canonical``) ``cut()``, which copies this
     rank's piece out of the loaded full view into the buffer (``None`` when the view is the buffer's own)."""
     buffer = torch.zeros(shape, dtype=dtype)
-    canonical, cut = spec.dcp_view(buffer, context), None
+    canonical = spec.dcp_view(buffer, context)
     if canonical is None:
         full = spec.full_shape_of(tuple(shape), context)
         view, shard_dim = torch.zeros(full, dtype=dtype), None
@@ -325,6 +325,7 @@ def _target(shape, dtype, spec, context, key, metadata):
             buffer.copy_(spec.read_local(full, view.__getitem__, context))
     else:
         view, full, shard_dim = canonical
+        cut = None
     if key not in metadata:
         raise ValueError(f"the checkpoint has no entry {key!r}: it was saved from another model")
     saved = tuple(metadata[key].size)

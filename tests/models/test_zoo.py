@@ -64,13 +64,9 @@ TOY = FamilyRecord(model_type=TOY_TYPE, package=__name__, config="ToyConfig",
 # The MoE decoders run every layout (sequence parallelism, pp x tp, cp with the load-balancing statistics summed
 # over cp): no entry.
 _SOFTCAP = {"cp2 ring x dp2 zero1": "attention logit soft-capping"}
-# DeepSeek-V3 and gpt-oss have their own MoE blocks (not SparseMoeBlock): no sequence parallelism or pipeline x tp
-# yet; MLA and the attention sinks refuse context parallelism themselves (their components' rules)
-_PP_TP = {"pp2 x tp2": "pipeline_parallel_size > 1 together with tensor or expert parallelism"}
-_MLA = {**_PP_TP, "tp2+sp x dp2 zero3": "sequence_parallel is refused",
-        "cp2 ring x dp2 zero1": "multi-head latent attention under context parallelism"}
-_SINKS = {**_PP_TP, "tp2+sp x dp2 zero3": "sequence_parallel with mixture-of-experts",
-          "cp2 ring x dp2 zero1": "attention sinks under context parallelism"}
+# DeepSeek-V3's MLA and gpt-oss's attention sinks refuse context parallelism themselves (their components' rules)
+_MLA = {"cp2 ring x dp2 zero1": "multi-head latent attention under context parallelism"}
+_SINKS = {"cp2 ring x dp2 zero1": "attention sinks under context parallelism"}
 REFUSED = {"deepseek_v3": _MLA, "gpt_oss": _SINKS, "gemma2": _SOFTCAP,
            "bloom": {"cp2 ring x dp2 zero1": "ALiBi"}}
 

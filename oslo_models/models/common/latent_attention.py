@@ -22,8 +22,14 @@ row-parallel (its all-reduce is the forward's only collective). The down project
 summed over TP: the latents reach ``q_b_proj``/``kv_b_proj``, whose column-parallel input all-reduces the gradient
 in backward, and the shared rotary key, which every rank uses for its own heads only, enters the head-parallel
 region through ``copy_to_tensor_parallel_region`` (identity forward, all-reduce backward). So every replicated
-weight ends a backward with the whole gradient on every rank. Sequence parallelism, the 2D/2.5D/3D modes and
-context parallelism are refused (``parallel_rules`` / the style), with the reason.
+weight ends a backward with the whole gradient on every rank. The 2D/2.5D/3D modes and context parallelism are
+refused (``parallel_rules`` / the style), with the reason.
+
+Sequence parallelism: the replicated down projections need every token, so the module all-gathers its ``[b, s/tp,
+h]`` input once over tp and runs on the whole sequence as under plain tensor parallelism (the inner layers with the
+sequence-parallel switch off); ``o_proj`` then reduce-scatters back to ``[b, s/tp, h]``. The gathered input's
+gradient is whole and equal on every rank (every path above ends in an all-reduce), so its backward keeps this
+rank's slice. Cost against plain TP: one all-gather in, a reduce-scatter instead of the all-reduce out.
 
 Shapes: input/output ``[b, s, h]``; ``cos``/``sin`` ``[b, s, d_rope]``.
 """
@@ -34,10 +40,15 @@ from dataclasses import dataclass
 import torch
 
 from ...parallel_layers.layers import Dropout, Linear
-from ...parallel_layers.mappings import copy_to_tensor_parallel_region
+from ...parallel_layers.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    group_size,
+)
 from ...parallel_layers.plan import Colwise, Rowwise, Style, TPDropout, refuse_grid_mode
+from ...parallel_layers.sequence_parallel import SequenceParallelAware
 from .attention import AttentionModule, attend, refuse_context_parallel
-from .parallel_rules import Heads, RefusedAxis, Rule
+from .parallel_rules import Heads, RefusedAxis
 from .rms_norm import RMSNorm
 
 
@@ -54,18 +65,7 @@ class LatentAttentionStyle(Style):
         return module
 
 
-@dataclass(frozen=True)
-class NoSequenceParallel(Rule):
-    """``sequence_parallel`` is refused for this component, with ``reason``."""
-
-    reason: str = ""
-
-    def check(self, parallel, model_type):
-        if parallel.sequence_parallel:
-            raise NotImplementedError(f"{model_type}: sequence_parallel is refused: {self.reason}")
-
-
-class MultiHeadLatentAttention(AttentionModule):
+class MultiHeadLatentAttention(SequenceParallelAware, AttentionModule):
     """DeepSeek's multi-head latent attention (see the module docstring)."""
 
     tp_plan = {"": LatentAttentionStyle(), "q_proj": Colwise(), "q_b_proj": Colwise(), "kv_b_proj": Colwise(),
@@ -74,9 +74,6 @@ class MultiHeadLatentAttention(AttentionModule):
     @classmethod
     def parallel_rules(cls, config) -> list:
         return [Heads("num_attention_heads", config.num_attention_heads),
-                NoSequenceParallel("sequence_parallel", 0, reason="the replicated latent projections would see "
-                                   "only this rank's tokens and the shared rotary key would need its own gather "
-                                   "(not implemented)"),
                 RefusedAxis("context_parallel_size", 0, reason="multi-head latent attention under context "
                             "parallelism is not implemented (values narrower than queries/keys)")]
 
@@ -133,6 +130,19 @@ class MultiHeadLatentAttention(AttentionModule):
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask=None, past_key_values=None, **kwargs):
         refuse_context_parallel(attention_mask, "multi-head latent attention")
+        if not (self.sequence_parallel_active() and group_size(self.tp_group) > 1):
+            out, weights = self.heads_attention(hidden_states, position_embeddings, attention_mask, past_key_values,
+                                                **kwargs)
+            return self.o_proj(out), weights
+        # sequence parallelism (module docstring): gather once, run on the whole sequence, reduce-scatter out
+        whole = gather_from_sequence_parallel_region(hidden_states, self.tp_group, grad_is_partial=False)
+        out, weights = self.sequence_parallel_region.run(False, self.heads_attention, whole, position_embeddings,
+                                                         attention_mask, past_key_values, **kwargs)
+        return self.o_proj(out, sequence_parallel=True), weights
+
+    def heads_attention(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values,
+                        **kwargs):
+        """``[b, s, h]`` -> this rank's heads' attention output ``[b, s, n/tp * d_v]`` (before ``o_proj``)."""
         batch, length = hidden_states.shape[:2]
         query = self.queries(hidden_states)
         q_nope, q_rope = torch.split(query, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
@@ -146,7 +156,5 @@ class MultiHeadLatentAttention(AttentionModule):
             latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)
         key, value = self.expand_kv(latent, k_rope)
         query = torch.cat([q_nope, q_rope], dim=-1)
-        out, weights = attend(self, query, key, value, attention_mask, dropout=self.attn_dropout,
-                              scaling=self.scaling, eager_fallback=self._eager_fallback, **kwargs)
-        return self.o_proj(out), weights
-
+        return attend(self, query, key, value, attention_mask, dropout=self.attn_dropout, scaling=self.scaling,
+                      eager_fallback=self._eager_fallback, **kwargs)

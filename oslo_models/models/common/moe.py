@@ -23,6 +23,8 @@ combined output is whole and sliced. The router, its loss and statistics therefo
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,36 +83,60 @@ class SparseMoeBlock(SequenceParallelAware, nn.Module):
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, *, router_logits: RouterLogits | None = None) -> torch.Tensor:
-        tp_group = self.experts.tp_group
-        sequence_parallel = self.sequence_parallel_active() and group_size(tp_group) > 1
-        local = hidden_states
-        if sequence_parallel:  # [b, s/tp, h] -> [b, s, h]; the routed part below is the same on every tp rank
-            hidden_states = gather_from_sequence_parallel_region(local, tp_group, grad_is_partial=False)
-        shape = hidden_states.shape
-        hidden_states = router_jitter(hidden_states, self.jitter_noise, self.training)
-        flat = hidden_states.reshape(-1, shape[-1])
-        logits, weights, index = self.gate(flat)
-        if router_logits is not None:
-            router_logits.append(logits)
-        group = self.experts.group
-        # experts split over the whole tp group under sequence parallelism: combine their partial sums, then
-        # reduce-scatter (one collective instead of an all-reduce and a slice)
-        partial = sequence_parallel and group_size(self.experts.etp_group) == group_size(tp_group)
-        routed = dispatch(flat, index, self.experts.num_experts, group)
-        expert_out = self.experts(routed.rows, routed.local_counts, reduce_output=not partial)
-        if partial:  # the weights then multiply partial sums: their gradient is summed over tp
-            weights = copy_to_tensor_parallel_region(weights, tp_group)
-        out = combine(expert_out, routed, weights, flat.shape[0], group).reshape(shape)
-        if partial:
-            out = reduce_scatter_to_sequence_parallel_region(out, tp_group)
-        elif sequence_parallel:
-            out = scatter_to_sequence_parallel_region(out, tp_group)
+        routed = route_tokens(self, hidden_states, self.gate, self.experts, router_logits=router_logits,
+                              jitter_noise=self.jitter_noise)
+        out = routed.out
         if hasattr(self, "shared_expert"):
-            gate = F.sigmoid(self.shared_expert_gate(flat)).reshape(*shape[:-1], 1)
-            if sequence_parallel:
-                gate = scatter_to_sequence_parallel_region(gate, tp_group)
-            out = out + gate * self.shared_expert(local)
+            gate = F.sigmoid(self.shared_expert_gate(routed.tokens)).reshape(*routed.shape[:-1], 1)
+            if routed.sequence_parallel:
+                gate = scatter_to_sequence_parallel_region(gate, self.experts.tp_group)
+            out = out + gate * self.shared_expert(hidden_states)
         return out
+
+
+class Routed(NamedTuple):
+    """What ``route_tokens`` returns: ``out`` (the experts' weighted sum, in the input's layout: ``[b, s/tp, h]``
+    under sequence parallelism), ``tokens`` (``[b*s, h]``: the whole sequence the router saw), ``shape`` (its
+    ``[b, s, h]``), ``sequence_parallel`` (whether the call ran sequence-parallel)."""
+
+    out: torch.Tensor
+    tokens: torch.Tensor
+    shape: torch.Size
+    sequence_parallel: bool
+
+
+def route_tokens(block: SequenceParallelAware, local: torch.Tensor, router: nn.Module, experts, *,
+                 router_logits: RouterLogits | None = None, jitter_noise: float = 0.0) -> Routed:
+    """The routed part of every MoE block: ``local`` (``[b, s, h]``, or ``[b, s/tp, h]`` when ``block`` runs
+    sequence-parallel) through ``router`` (``flat [T, h] -> logits, weights, index``) and the (expert-parallel)
+    ``experts``: dispatch by all-to-all over ``ep``, the grouped expert run, the weighted combine back.
+
+    Sequence parallelism (see the module docstring): all-gather over tp first (backward: this rank's slice), route
+    the whole sequence, then hand back this rank's slice: reduce-scatter of the partial sums when the experts are
+    split over the whole tp group (``etp == tp``), else a slice of the whole output."""
+    tp_group = experts.tp_group
+    sequence_parallel = block.sequence_parallel_active() and group_size(tp_group) > 1
+    hidden = gather_from_sequence_parallel_region(local, tp_group, grad_is_partial=False) if sequence_parallel \
+        else local
+    shape = hidden.shape
+    hidden = router_jitter(hidden, jitter_noise, block.training)
+    flat = hidden.reshape(-1, shape[-1])
+    logits, weights, index = router(flat)
+    if router_logits is not None:
+        router_logits.append(logits)
+    # experts split over the whole tp group under sequence parallelism: combine their partial sums, then
+    # reduce-scatter (one collective instead of an all-reduce and a slice)
+    partial = sequence_parallel and group_size(experts.etp_group) == group_size(tp_group)
+    routed = dispatch(flat, index, experts.num_experts, experts.group)
+    expert_out = experts(routed.rows, routed.local_counts, reduce_output=not partial)
+    if partial:  # the weights then multiply partial sums: their gradient is summed over tp
+        weights = copy_to_tensor_parallel_region(weights, tp_group)
+    out = combine(expert_out, routed, weights, flat.shape[0], experts.group).reshape(shape)
+    if partial:
+        out = reduce_scatter_to_sequence_parallel_region(out, tp_group)
+    elif sequence_parallel:
+        out = scatter_to_sequence_parallel_region(out, tp_group)
+    return Routed(out, flat, shape, sequence_parallel)
 
 
 def check_expert_layout(name: str, num_experts: int, parallel, *, expert_intermediate_size: int | None = None,

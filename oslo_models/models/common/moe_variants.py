@@ -8,34 +8,28 @@ own (each carries its ``tp_plan`` fragment and ``parallel_rules``), with ``trans
 - ``ClampedSwigluMoe`` (gpt-oss's ``GptOssMLP``): ``router`` (``BiasedTopKRouter``; replicated) and ``experts``
   (``ClampedSwigluExperts``: biases, interleaved gate|up, clamped SwiGLU; split over ``ep``).
 
-Input/output ``[b, s, h]``; ``forward(x, router_logits=collector)`` appends the router logits ``[b*s, E]`` to a
-``RouterLogits`` collector as ``SparseMoeBlock`` does. Collectives: the dispatch/combine all-to-alls over ``ep``
-(``parallel_layers/moe/dispatch.py``) and the shared experts' TP ones. Like ``SparseMoeBlock``, no sequence
-parallelism (the layout check refuses it before any process group).
+Input/output ``[b, s, h]`` (``[b, s/tp, h]`` under sequence parallelism); ``forward(x, router_logits=collector)``
+appends the router logits ``[b*s, E]`` to a ``RouterLogits`` collector as ``SparseMoeBlock`` does. The routed part
+is ``SparseMoeBlock``'s (``moe.route_tokens``: the whole sequence routed on every tp rank, sequence parallelism by
+an all-gather in and a slice or reduce-scatter out); the shared experts run on the local slice like a dense
+sequence-parallel MLP. Collectives: the dispatch/combine all-to-alls over ``ep``
+(``parallel_layers/moe/dispatch.py``), the sequence-parallel gather/scatter over tp, the shared experts' TP ones.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ...parallel_layers.moe import ExpertParallel, StackedExperts, combine, dispatch
+from ...parallel_layers.moe import ExpertParallel, StackedExperts
 from ...parallel_layers.moe.clamped_experts import ClampedSwigluExperts
 from ...parallel_layers.moe.router_variants import BiasedTopKRouter, GroupLimitedRouter
 from ...parallel_layers.plan import Colwise, Rowwise
+from ...parallel_layers.sequence_parallel import SequenceParallelAware
 from .mlp import GatedMLP
+from .moe import route_tokens
 
 
-def route_to_experts(flat: torch.Tensor, router: nn.Module, experts, router_logits=None) -> torch.Tensor:
-    """``flat [T, h]`` through ``router`` and the (expert-parallel) ``experts``: dispatch by all-to-all over the
-    experts' group, the grouped expert run, combine weighted by the routing weights. Returns ``[T, h]``."""
-    logits, weights, index = router(flat)
-    if router_logits is not None:
-        router_logits.append(logits)
-    routed = dispatch(flat, index, experts.num_experts, experts.group)
-    return combine(experts(routed.rows, routed.local_counts), routed, weights, flat.shape[0], experts.group)
-
-
-class SharedExpertsMoe(nn.Module):
+class SharedExpertsMoe(SequenceParallelAware, nn.Module):
     """DeepSeek-V3's MoE block (see the module docstring). Registered in ``transformers``' order: ``experts``,
     ``gate``, ``shared_experts``."""
 
@@ -60,13 +54,11 @@ class SharedExpertsMoe(nn.Module):
         self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size, act=act)
 
     def forward(self, hidden_states: torch.Tensor, *, router_logits=None) -> torch.Tensor:
-        shape = hidden_states.shape
-        flat = hidden_states.reshape(-1, shape[-1])
-        routed = route_to_experts(flat, self.gate, self.experts, router_logits).reshape(shape)
-        return routed + self.shared_experts(hidden_states)
+        routed = route_tokens(self, hidden_states, self.gate, self.experts, router_logits=router_logits)
+        return routed.out + self.shared_experts(hidden_states)  # a dense (sequence-parallel) MLP on the local slice
 
 
-class ClampedSwigluMoe(nn.Module):
+class ClampedSwigluMoe(SequenceParallelAware, nn.Module):
     """gpt-oss's MoE block (see the module docstring). Registered as ``transformers``: ``router``, ``experts``."""
 
     tp_plan = {"experts": ExpertParallel()}
@@ -82,6 +74,4 @@ class ClampedSwigluMoe(nn.Module):
         self.experts = ClampedSwigluExperts(num_experts, hidden_size, intermediate_size, alpha=alpha, limit=limit)
 
     def forward(self, hidden_states: torch.Tensor, *, router_logits=None) -> torch.Tensor:
-        shape = hidden_states.shape
-        flat = hidden_states.reshape(-1, shape[-1])
-        return route_to_experts(flat, self.router, self.experts, router_logits).reshape(shape)
+        return route_tokens(self, hidden_states, self.router, self.experts, router_logits=router_logits).out

@@ -18,10 +18,11 @@ see ``parallel_layers/moe/router_variants.py``), and so does this project.
 Checkpoints: the per-expert Hub layout ``mlp.experts.N.gate_proj/up_proj/down_proj`` (``transformers``' Qwen2-MoE
 conversion mapping, which it uses for this type), read per rank (only its experts) and written back the same.
 
-Parallelism: attention heads over ``tp`` (MLA's plan fragment), experts over ``ep`` (all-to-all dispatch/combine),
-the shared experts and dense MLPs column/row-parallel; ZeRO 1-3 with experts over the expert-data-parallel group.
-Pipeline stages are the shared stack's (no router loss to carry). Refused, with the reason: sequence and context
-parallelism (MLA and the MoE layout), pipeline x tp/ep (the MoE decoders' rule).
+Parallelism: attention heads over ``tp`` (MLA's plan fragment), experts over ``ep`` (all-to-all dispatch/combine)
+and optionally each expert over ``etp``, the shared experts and dense MLPs column/row-parallel; sequence parallelism
+(the routed part sees the whole sequence, ``moe.route_tokens``); ZeRO 1-3 with experts over the
+expert-data-parallel group. Pipeline stages are the shared stack's (no router loss to carry), with tp and ep.
+Refused, with the reason: context parallelism (MLA's rule).
 """
 from __future__ import annotations
 
@@ -59,8 +60,9 @@ class DeepseekV3PreTrainedModel(mixtral.MixtralPreTrainedModel):
     # ["e_score_correction_bias", "gate.weight"] keeps it; here the patterns name modules
     _keep_in_fp32_modules_strict = ["gate"]
 
-    # its MoE block is not the SparseMoeBlock: no sequence parallelism, pipeline x tp/ep or cp yet
-    _oslo_moe_sequence_parallel = False
+    # its MoE block routes like SparseMoeBlock (moe.route_tokens): sequence parallelism and pipeline x tp/ep run;
+    # context parallelism is refused by its attention's own rule
+    _oslo_moe_sequence_parallel = True
     _oslo_moe_context_parallel = False
 
     @classmethod

@@ -72,13 +72,16 @@ class GptOssPreTrainedModel(mixtral.MixtralPreTrainedModel):
     _can_record_outputs = {"hidden_states": mixtral.MoeDecoderLayer, "attentions": SinkAttention,
                            "router_logits": OutputRecorder(BiasedTopKRouter, index=0)}
 
-    # its MoE block is not the SparseMoeBlock: no sequence parallelism, pipeline x tp/ep or cp yet
-    _oslo_moe_sequence_parallel = False
+    # its MoE block routes like SparseMoeBlock (moe.route_tokens): sequence parallelism and pipeline x tp/ep run;
+    # context parallelism is refused by its attention's own rule
+    _oslo_moe_sequence_parallel = True
     _oslo_moe_context_parallel = False
 
     @classmethod
-    def expert_intermediate_size(cls, config) -> int:
-        return config.intermediate_size
+    def expert_intermediate_size(cls, config) -> None:
+        # its experts carry biases (down_proj_bias is added once per expert, not per etp piece): not split over
+        # expert_tensor_parallel_size; the layout check refuses etp > 1 before any process group
+        return None
 
     @classmethod
     def decoder_options(cls, config) -> dict:
