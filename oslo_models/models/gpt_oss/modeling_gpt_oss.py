@@ -78,10 +78,8 @@ class GptOssPreTrainedModel(mixtral.MixtralPreTrainedModel):
     _oslo_moe_context_parallel = False
 
     @classmethod
-    def expert_intermediate_size(cls, config) -> None:
-        # its experts carry biases (down_proj_bias is added once per expert, not per etp piece): not split over
-        # expert_tensor_parallel_size; the layout check refuses etp > 1 before any process group
-        return None
+    def expert_intermediate_size(cls, config) -> int:
+        return config.intermediate_size
 
     @classmethod
     def decoder_options(cls, config) -> dict:

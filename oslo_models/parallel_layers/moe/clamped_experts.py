@@ -11,8 +11,13 @@ limit)``; ``out = ((up + 1) * gate * sigmoid(alpha * gate)) @ W_d + b_d``.
 
 Under expert parallelism all four tensors are split along dim 0 (experts) over ``ep`` (``ExpertParallel``: rank
 ``r`` holds experts ``r*E/ep .. (r+1)*E/ep``, biases included), so the interleaving, which lives inside one expert's
-last dim, is never cut. Not split over tensor parallelism (see ``experts.py``: every tp rank of an ep rank holds
-the same experts and runs the same tokens).
+last dim, is never cut. By default not split over tensor parallelism (see ``experts.py``: every tp rank of an ep
+rank holds the same experts and runs the same tokens).
+
+Expert tensor parallelism (``etp = k``): ``gate_up_proj`` and its bias keep contiguous blocks of ``2i/k`` along
+the last dim (whole gate|up pairs: units ``r*i/k .. (r+1)*i/k``), ``down_proj`` the same units' rows; the partial
+outputs are summed over etp. ``down_proj_bias`` stays whole on every etp rank and is added once, by etp rank 0;
+its gradient is all-reduced over etp (``copy_to_tensor_parallel_region``), so every rank holds the same bias.
 
 The local experts run as one grouped computation on ``[E_local, C, h]`` (``_GroupedExperts``); the zero rows that
 pad an expert to ``C`` get the bias but their outputs are dropped, so they add nothing to any gradient.
@@ -22,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..mappings import copy_to_tensor_parallel_region, group_rank
+from ..sharding import EvenSplit
 from .experts import _GroupedExperts
 
 
@@ -29,6 +36,9 @@ class ClampedSwigluExperts(_GroupedExperts):
     """``E`` gpt-oss experts in stacked weights (see the module docstring)."""
 
     weight_names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    etp_layouts = {"gate_up_proj": EvenSplit(2, axis="etp"), "gate_up_proj_bias": EvenSplit(1, axis="etp"),
+                   "down_proj": EvenSplit(1, axis="etp")}
+    etp_replicated = ("down_proj_bias",)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, alpha: float, limit: float):
         super().__init__(num_experts)
@@ -49,4 +59,12 @@ class ClampedSwigluExperts(_GroupedExperts):
     def run(self, padded: torch.Tensor) -> torch.Tensor:
         gate_up = torch.bmm(padded, self.weight("gate_up_proj")) + self.weight("gate_up_proj_bias")[:, None]
         hidden = self.clamped_swiglu(gate_up)  # [E_l, C, i]
-        return torch.bmm(hidden, self.weight("down_proj")) + self.weight("down_proj_bias")[:, None]  # [E_l, C, h]
+        return torch.bmm(hidden, self.weight("down_proj")) + self.output_bias()[:, None]  # [E_l, C, h]
+
+    def output_bias(self) -> torch.Tensor:
+        """``down_proj_bias [E_l, h]``; under etp added by etp rank 0 only (the outputs are summed over etp)."""
+        bias = self.weight("down_proj_bias")
+        if self.etp_group is None:
+            return bias
+        bias = copy_to_tensor_parallel_region(bias, self.etp_group)  # backward: all-reduce over etp
+        return bias if group_rank(self.etp_group) == 0 else bias * 0.0

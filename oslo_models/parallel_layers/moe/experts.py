@@ -68,8 +68,9 @@ class _GroupedExperts(nn.Module):
 
     weight_names: tuple[str, ...] = ()
     # expert tensor parallelism: each weight's layout over "etp" (its feed-forward dim); a weight missing here
-    # cannot be split over etp
+    # cannot be split over etp, unless ``etp_replicated`` names it (whole on every etp rank, e.g. an output bias)
     etp_layouts: dict[str, Layout] = {}
+    etp_replicated: tuple[str, ...] = ()
 
     def __init__(self, num_experts: int):
         super().__init__()
@@ -101,7 +102,7 @@ class _GroupedExperts(nn.Module):
         for name in self.weight_names:
             old = getattr(self, name)
             shape = (local, *old.shape[1:])
-            if etp > 1:
+            if etp > 1 and name not in self.etp_replicated:
                 if name not in self.etp_layouts:
                     raise NotImplementedError(f"{type(self).__name__}.{name} cannot be split over "
                                               f"expert_tensor_parallel_size={etp}")
@@ -114,8 +115,8 @@ class _GroupedExperts(nn.Module):
         dim over ``etp``."""
         if self.etp_group is None:
             return {name: EvenSplit(0, axis="ep") for name in self.weight_names}
-        return {name: ExpertTensorSplit(EvenSplit(0, axis="ep"), self.etp_layouts[name])
-                for name in self.weight_names}
+        return {name: EvenSplit(0, axis="ep") if name in self.etp_replicated
+                else ExpertTensorSplit(EvenSplit(0, axis="ep"), self.etp_layouts[name]) for name in self.weight_names}
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, *, reduce_output: bool = True) -> torch.Tensor:
         """``reduce_output=False`` under expert tensor parallelism: return this rank's partial sums (the caller
