@@ -7,7 +7,8 @@
 
 ``om.training.Trainer`` is ``transformers.Trainer`` with :class:`ParallelTrainerMixin` in front; for another
 ``Trainer`` subclass (TRL's ``SFTTrainer``, your own) put the mixin first: ``class SFT(ParallelTrainerMixin,
-SFTTrainer): pass``. Plain ``transformers.Trainer`` under torchrun would treat every process as a data-parallel
+SFTTrainer): pass`` (TRL's fused LM head, which would read only this rank's vocabulary shard, is replaced by the
+same contract computed from the gathered logits: ``trl_head.py``). Plain ``transformers.Trainer`` under torchrun would treat every process as a data-parallel
 replica: it wraps the model in DDP over the whole world (averaging the gradients of *different* tensor-parallel
 shards) and gives every process its own batches (tensor-parallel ranks must see the *same* batch). The mixin changes
 exactly those points, through ``Trainer``'s own overridable methods (nothing is patched):
@@ -42,6 +43,7 @@ import transformers
 
 from . import clip
 from .export import save_pretrained
+from .trl_head import replace_trl_head
 from .zero import shard_data_parallel, unwrap_model
 
 OPTIMIZER_NAME = "optimizer.pt"
@@ -80,6 +82,10 @@ class ParallelTrainerMixin:
         if self.accelerator.num_processes != context.world_size:
             raise ValueError(f"Accelerate sees {self.accelerator.num_processes} process(es) but the model's "
                              f"ParallelContext spans {context.world_size}")
+        # TRL's SFTTrainer replaced the model's forward with a fused LM head that reads the head's weight, which is
+        # this rank's vocabulary shard under tp: the same contract, from the model's gathered logits (trl_head.py)
+        inner = unwrap_model(self.model)
+        replace_trl_head(inner.get_base_model() if _is_peft(inner) else inner)
 
     @property
     def parallel_context(self):
