@@ -6,12 +6,13 @@ run by 2 shared layer groups of 2 inner layers and 16-wide factorized embeddings
 Against the single-process ``transformers`` twin built from the same weights:
 
 - tp=1 in this process: the masked LM's logits, loss and every gradient on a right-padded batch (with token types
-  where the type has them); ``save_pretrained`` -> plain ``transformers`` (same keys and logits); every other head of
+  where the type has them), also with activation checkpointing (every block recomputed);
+  ``save_pretrained`` -> plain ``transformers`` (same keys and logits); every other head of
   the record (sequence and token classification, question answering, multiple choice, pre-training: BERT's NSP,
   ELECTRA's discriminator, ALBERT's sentence order) for one forward and backward;
 - one spawned group of 4 ranks, one AdamW step per layout (``tests/helpers/layouts.py``; the pipeline:
   ``tests/helpers/pipeline.py``): tp=2 with sequence parallelism x dp=2 under ZeRO-3 through ``om.training.prepare``,
-  tp=4, pp=2 x tp=2 (1F1B, 2 microbatches), context parallelism (all-to-all) x dp=2 under ZeRO-1 (with position ids
+  tp=4, the 2D mode on a 2 x 2 grid, pp=2 x tp=2 (1F1B, 2 microbatches), context parallelism (all-to-all) x dp=2 under ZeRO-1 (with position ids
   given, as context parallelism asks of RoBERTa); ELECTRA's discriminator at tp=2 with sequence parallelism too.
 
 A layout the validation code refuses (before any process group) must be one ``REFUSED`` lists for the type, with its
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 import oslo_models as om
 from oslo_models.conversion.checkpoint import InMemoryReader
@@ -37,7 +40,9 @@ from tests.helpers.zoo import tiny_config
 
 # The layouts the validation code refuses for a type, with a fragment of the reason.
 REFUSED = {"albert": {"pp2 x tp2": "shares its layer groups' parameters across depth"},
-           "deberta-v2": {"cp2 all_to_all x dp2 zero1": "relative (c2p / p2c) attention terms need every key's"}}
+           "deberta-v2": {"cp2 all_to_all x dp2 zero1": "relative (c2p / p2c) attention terms need every key's",
+                          "2d tp4": "the relative-embedding table its attention projects"},
+           "modernbert": {"2d tp4": "no grid plan"}}
 HEAD_TASKS = ("sequence_classification", "token_classification", "question_answering", "multiple_choice",
               "pretraining")
 
@@ -100,6 +105,20 @@ def _check_mlm_and_save(model_type: str, path: str, folder) -> None:
     batch.pop("labels")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batch).logits, reference.eval()(**batch).logits, atol=1e-5, rtol=1e-4)
+
+
+def _check_activation_checkpointing(model_type: str, path: str) -> None:
+    """``gradient_checkpointing_enable``: every block recomputed in backward, the same loss and gradients."""
+    model = _om_class(model_type).from_pretrained(path, progress=False).train()
+    model.gradient_checkpointing_enable()
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert layers and all(layer.gradient_checkpointing for layer in layers), model_type
+    reference = _reference(model_type, path)
+    batch = _batch(reference.config, rows=3, seq=8)
+    expected, got = reference(**batch), model(**batch)
+    _assert_outputs_match(got, expected)
+    expected.loss.backward(), got.loss.backward()
+    assert assert_grads_match(model, reference) == len(list(model.parameters()))
 
 
 def _head_inputs(task: str, config) -> dict:
@@ -168,6 +187,7 @@ def _layouts_worker(model_type: str, path: str, discriminator_path: str | None) 
 
     run("tp2+sp x dp2 zero3", 3, tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)
     run("tp4", tensor_parallel_size=4)
+    run("2d tp4", tensor_parallel_size=4, tensor_parallel_mode="2d")  # Optimus on a 2 x 2 grid
     run("pp2 x tp2", pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2)
     positions = torch.arange(16).expand(4, 16)  # given: RoBERTa cannot derive them from one chunk
     run("cp2 all_to_all x dp2 zero1", 1, batch=dict(_batch(config), position_ids=positions),
@@ -189,6 +209,7 @@ def _layouts_worker(model_type: str, path: str, discriminator_path: str | None) 
 def test_encoder_zoo_parity(model_type, tmp_path, single_thread):
     path = _save_reference(model_type, tmp_path / model_type)
     _check_mlm_and_save(model_type, path, tmp_path / "saved")
+    _check_activation_checkpointing(model_type, path)
     _check_heads(model_type)
     discriminator = None
     if model_type == "electra":

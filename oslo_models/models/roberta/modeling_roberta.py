@@ -16,7 +16,7 @@ from transformers.activations import gelu
 
 from ...parallel_layers.head_parallel import VocabBias
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
-from ...parallel_layers.plan import Colwise
+from ...parallel_layers.plan import Colwise, SequenceParallelNorm, StreamLinear
 from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel
 from ..bert.pipeline_bert import MaskedLMPipelineAdapter
 from ..encoder_heads import (
@@ -67,10 +67,11 @@ RobertaPreTrainedModel.base_model_class = RobertaModel
 
 
 class RobertaLMHead(nn.Module):
-    """``decoder(layer_norm(gelu(dense(x))))``; the dense and norm are replicated, the decoder vocab-parallel:
-    ``[b, s, h] -> [b, s, V_padded/tp]``."""
+    """``decoder(layer_norm(gelu(dense(x))))``; the dense and norm are replicated (grid layers under 2D/2.5D/3D, as
+    BERT's transform), the decoder vocab-parallel: ``[b, s, h] -> [b, s, V_padded/tp]``."""
 
-    tp_plan = {"": VocabBias(), "decoder": Colwise(vocab=True)}
+    tp_plan = {"": VocabBias(), "decoder": Colwise(vocab=True), "dense": StreamLinear(),
+               "layer_norm": SequenceParallelNorm()}
 
     def __init__(self, config):
         super().__init__()
