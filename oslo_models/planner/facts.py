@@ -270,7 +270,8 @@ class ModelFacts:
         names none)."""
         if "colwise" not in self.cache:
             styles = self._whole()[0].parallel_plan.styles
-            count = sum(1 for pattern, style in styles.items() if ".*." in pattern and "Colwise" in type(style).__name__)
+            count = sum(1 for pattern, style in styles.items()
+                        if ".*." in pattern and "Colwise" in type(style).__name__)
             self.cache["colwise"] = count or 2
         return self.cache["colwise"]
 

@@ -205,10 +205,15 @@ def pipeline_bubble(schedule: str, pp: int, num_microbatches: int, v: int = 1, r
     key = ("bubble", schedule, pp, num_microbatches, v, recompute)
     if cache is not None and key in cache:
         return cache[key]
-    from ..pipeline.plot import schedule_actions
+    order_key = ("schedule order", schedule, pp, num_microbatches, v)
+    order = cache.get(order_key) if cache is not None else None
+    if order is None:  # building the torch schedule is the slow part (~0.2 s): once per shape, whatever the recompute
+        from ..pipeline.plot import schedule_actions
 
-    order = [[(a.stage_index, _KINDS[str(a.computation_type).rsplit(".", 1)[-1]], a.microbatch_index)
-              for a in row] for row in schedule_actions(schedule, pp, num_microbatches, v)]
+        order = [[(a.stage_index, _KINDS[str(a.computation_type).rsplit(".", 1)[-1]], a.microbatch_index)
+                  for a in row] for row in schedule_actions(schedule, pp, num_microbatches, v)]
+        if cache is not None:
+            cache[order_key] = order
     extra = 3 * recompute  # recomputed forward work, in forward units, done in the backward's input pass
     durations = {"F": 1.0, "B": 2.0 + extra, "I": 1.0 + extra, "W": 1.0}
     span, busy = replay(order, durations)

@@ -90,7 +90,10 @@ def test_activations_follow_checkpointing_and_schedules(facts):
     tp2 = dict(tensor_parallel_size=2)
     assert act(activation_checkpointing="offload", **tp2) < act(activation_checkpointing="partitioned", **tp2) \
         < act(activation_checkpointing="full", **tp2)
-    assert act(tensor_parallel_size=2, sequence_parallel=True) < act(tensor_parallel_size=2) < act()
+    assert act(tensor_parallel_size=2) < act()
+    # measured (test_memory_measured.py): this project's sp keeps one all-gathered block input per column-parallel
+    # linear (5 in a Llama block), so at tp 2 it keeps more than tp alone
+    assert act(tensor_parallel_size=2, sequence_parallel=True) > act(tensor_parallel_size=2)
     gpipe = P(pipeline_parallel_size=2, pipeline_schedule="gpipe", num_microbatches=4)
     assert microbatches_in_flight(gpipe, 4) == 4
     assert microbatches_in_flight(P(pipeline_parallel_size=2, num_microbatches=4), 4) == 2
