@@ -46,6 +46,12 @@ def build_parser(doc: str, *, output: str, model_help: str, lr: float = 3e-3,
     add("--parallel-config", metavar="JSON", help="a ParallelConfig JSON (e.g. `python -m oslo_models plan --json "
                                                   "plan.json`): sets --tp, --pp, --cp, --zero, ... (flags given on "
                                                   "the command line still win)")
+    add("--plan", choices=["auto"], help="choose the layout (--tp, --pp, --zero, ...) and the batch split at launch "
+        "with the planner, for this world (needs --global-batch-size; see examples/_plan.py)")
+    add("--global-batch-size", type=int, metavar="N", help="sequences per optimizer step: sets --batch-size and "
+        "--grad-accum from the layout's data-parallel size (and pipeline microbatches)")
+    add("--memory-per-device", help="--plan auto's memory cap per process, e.g. 16GB (default: the GPU's, or host "
+        "RAM / local processes)")
     add("--model", help=model_help)
     add("--model-type", help="build a small random model of this transformers model type (any: 'mamba', "
                              "'granite', ...; a type without a native family trains on the generic path), sized by "
@@ -135,6 +141,9 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
         parser.error("choose one of --bf16, --fp16 and --mixed-precision")
     if flags:
         args.mixed_precision = flags[0]
+    from _plan import check_options
+
+    check_options(args, parser)
     return args
 
 
@@ -203,11 +212,18 @@ def check_model(args, cfg: om.ParallelConfig, auto) -> None:
         raise UsageError(str(error)) from None
 
 
-def check_launch(args, auto=None) -> om.ParallelConfig:
+def check_launch(args, auto=None, default_config=None) -> om.ParallelConfig:
     """Everything about the launch that can be wrong, from the options and the launcher's environment alone (no
     process group, no model): the world against tp x pp, pipeline limits, ZeRO options, and with ``auto`` (the
-    script's Auto class) ``--model`` / ``--model-type`` against the layout. Raises ``UsageError``."""
+    script's Auto class) ``--model`` / ``--model-type`` against the layout. Raises ``UsageError``. First
+    ``--plan auto`` / ``--global-batch-size`` set the layout and batch options (``_plan.py``; ``default_config(args,
+    vocab_size)``: the script's model when neither ``--model`` nor ``--model-type`` is given)."""
+    from _plan import apply_plan, split_global_batch
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    mixed = args.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if args.plan:
+        apply_plan(args, auto, default_config, mixed)
     try:
         cfg = om.ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel=args.sequence_parallel,
                                 tensor_parallel_mode=args.tp_mode, tensor_parallel_depth=args.tp_depth,
@@ -221,7 +237,8 @@ def check_launch(args, auto=None) -> om.ParallelConfig:
         dp = cfg.resolve_data_parallel_size(world)
     except (ValueError, NotImplementedError) as error:
         raise UsageError(str(error)) from None
-    mixed = args.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if args.global_batch_size and not args.plan:
+        split_global_batch(args, dp)
     for name in ("steps", "seq_len", "batch_size", "grad_accum", "keep_checkpoints"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")

@@ -10,6 +10,7 @@ tensor parallelism, ZeRO over data parallelism and Accelerate.
     ... examples/train_clm.py --model path/to/mixtral --ep 2 --tp 2                   # experts over ranks
     ... examples/train_clm.py --model path/to/granite --tp 2 --zero 3   # no native family: transformers' own class
     ... examples/train_clm.py --model-type mamba --zero 2   # a small new model of any type (here a state space model)
+    ... examples/train_clm.py --plan auto --global-batch-size 64   # the planner picks the layout for this world
     python examples/train_clm.py --config run.yaml          # any option below as a YAML key (dashes or underscores)
 
 ``--model`` takes any causal LM (a Hub id or a local folder with its tokenizer): the native class when the type has a
@@ -73,16 +74,21 @@ def build_model(args, tokenizer, context):
         config = small_config(args, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
         return om.AutoModelForCausalLM.from_config(config, parallel=context).train()
-    eos = tokenizer.eos_token_id
-    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=args.seq_len, n_embd=args.n_embd,
-                                     n_layer=args.n_layer, n_head=args.n_head, bos_token_id=eos, eos_token_id=eos,
-                                     pad_token_id=eos)
+    config = gpt2_config(args, len(tokenizer), tokenizer.eos_token_id)
     return om.AutoModelForCausalLM.from_config(config, parallel=context).train()
+
+
+def gpt2_config(args, vocab_size: int, eos: int | None = None):
+    """The small GPT-2 built when neither --model nor --model-type is given (also what --plan auto plans)."""
+    return transformers.GPT2Config(vocab_size=vocab_size, n_positions=args.seq_len, n_embd=args.n_embd,
+                                   n_layer=args.n_layer, n_head=args.n_head, bos_token_id=eos, eos_token_id=eos,
+                                   pad_token_id=eos)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cfg = check_launch(args, om.AutoModelForCausalLM)  # before any process group or model: one clean error per job
+    # before any process group or model: one clean error per job (and --plan auto's layout)
+    cfg = check_launch(args, om.AutoModelForCausalLM, gpt2_config)
     accelerator, context = make_accelerator(args, cfg)
     prefix, eval_prefix, tokenizer = prepare_data(args, context)
     model = build_model(args, tokenizer, context)

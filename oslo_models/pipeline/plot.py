@@ -41,8 +41,9 @@ def schedule_actions(schedule: str, pp: int, microbatches: int, virtual: int = 1
     ParallelConfig(pipeline_parallel_size=pp, pipeline_schedule=schedule, num_microbatches=microbatches,
                    virtual_pipeline_size=virtual)
     cls = schedule_class(schedule)
-    # Stand-in stages: computing the order reads only the group size/rank and the number of stages.
-    stand_in = mock.create_autospec(PipelineStage, instance=True)
+    # Stand-in stages: computing the order reads only the group size/rank and the number of stages. A plain
+    # spec'd mock (not create_autospec, ~10x slower): the planner builds one per schedule shape it ranks.
+    stand_in = mock.NonCallableMagicMock(spec=PipelineStage)
     stand_in.group_rank, stand_in.group_size, stand_in.submod = 0, pp, None
     stand_in.num_stages = pp * virtual
     if schedule in MULTI_STAGE_SCHEDULES:

@@ -247,8 +247,12 @@ class ModelFacts:
         - post-attention norm: ``1/rms``, output, the MLP's input: ``2h + 1``;
         - MLP: gate and up outputs, the activation, down_proj's input: ``4f`` gated (``2f`` plain), split by tp.
 
-        The norm terms are split by tp under sequence parallelism only. ``seq_len`` does not enter: SDPA keeps no
-        ``s x s`` score matrix (flash / memory-efficient kernels, and the CPU path keep the log-sum-exp only)."""
+        The norm terms are split by tp under sequence parallelism only, except the projections' inputs: there every
+        column-parallel linear of the block all-gathers the sequence itself and keeps its own full copy
+        (``column_parallel_inputs``: 5 for Llama's q, k, v, gate, up; 2 for GPT-2's packed c_attn and c_fc), where
+        without sp one copy serves the attention and one the MLP (measured with the saved-tensor hooks at tp 2,
+        tests/planner/test_memory_measured.py). ``seq_len`` does not enter: SDPA keeps no ``s x s`` score matrix
+        (flash / memory-efficient kernels, and the CPU path keep the log-sum-exp only)."""
         size = element_size or torch.empty((), dtype=self.dtype).element_size()
         h, f, a = self.hidden_size, self.intermediate_size, self.num_heads
         h_kv = h * self.num_kv_heads // a
@@ -257,15 +261,30 @@ class ModelFacts:
         if self.num_experts:  # each token runs experts_per_token experts
             mlp *= self.experts_per_token
         split = 3 * h + 2 * h_kv + a + mlp
-        norms = 5 * h + 2
-        return size * (split / tp + (norms / tp if sequence_parallel else norms))
+        if sequence_parallel and tp > 1:
+            return size * (split / tp + (3 * h + 2) / tp + self.column_parallel_inputs() * h)
+        return size * (split / tp + 5 * h + 2)
 
-    def outside_layers_bytes_per_token(self, *, tp: int = 1, element_size: int | None = None) -> float:
-        """Bytes per token saved outside the blocks (single stage): the final norm (``3h + 1``), the fp32 logits
-        (``vocab / tp``, padded), the token ids and labels (int64)."""
+    def column_parallel_inputs(self) -> int:
+        """Column-parallel (``Colwise``) linears per block, from the model's own tensor-parallel plan (2 if the plan
+        names none)."""
+        if "colwise" not in self.cache:
+            styles = self._whole()[0].parallel_plan.styles
+            count = sum(1 for pattern, style in styles.items()
+                        if ".*." in pattern and "Colwise" in type(style).__name__)
+            self.cache["colwise"] = count or 2
+        return self.cache["colwise"]
+
+    def outside_layers_bytes_per_token(self, *, tp: int = 1, sequence_parallel: bool = False,
+                                       element_size: int | None = None) -> float:
+        """Bytes per token saved outside the blocks (single stage): the final norm (``3h + 1``; under sequence
+        parallelism its input, ``1/rms`` and output split by tp, and the head's all-gathered input whole), the fp32
+        logits (``vocab / tp``, padded), the token ids and labels (int64)."""
         size = element_size or torch.empty((), dtype=self.dtype).element_size()
         vocab = -(-self.vocab_size // tp)
-        return size * (3 * self.hidden_size + 1) + 4 * vocab + 16
+        h = self.hidden_size
+        norm = (2 * h + 1) / tp + h if sequence_parallel and tp > 1 else 3 * h + 1
+        return size * norm + 4 * vocab + 16
 
 
 def _pipeline_config(pp: int, v: int, partition, schedule: str) -> ParallelConfig:

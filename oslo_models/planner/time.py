@@ -19,9 +19,16 @@ Overlap rules: tensor-parallel and expert all-to-all collectives are on the crit
 data-parallel traffic (DDP's all-reduce once per step, FSDP2's gathers and reduce-scatter once per microbatch)
 overlaps the backward of the microbatch it follows, so only what exceeds it is exposed (not overlapped under a
 pipeline: the runner reduces after the schedule); the context-parallel ring overlaps the
-attention it feeds; pipeline sends are exposed once per microbatch boundary. Bubble: ``(pp - 1) / v`` microbatch
-forward+backward times for 1F1B, GPipe and interleaved (``v`` chunks per rank), a third of it for zero-bubble
-(ZB-H1's split of the weight gradient).
+attention it feeds; pipeline sends are exposed once per microbatch boundary.
+
+Bubble: from the schedule's own action list (``pipeline_bubble``): the torch schedule the runner runs gives each
+pipeline rank's compute actions in order (``pipeline.plot.schedule_actions``), which are replayed with the
+pipeline's data dependencies and durations in forward units of one chunk: ``F`` 1, full backward ``B`` 2, its
+halves ``I`` and ``W`` 1 each (zero-bubble's split; on the first stage torch skips ``I`` and ``W`` runs the full
+backward), plus what checkpointing recomputes (``3 x`` the recompute fraction, in ``B`` / ``I``). The bubble is the
+busiest rank's idle time over its compute. With equal units this reproduces the closed forms (``(pp - 1) / (v m)``
+for 1F1B, GPipe and interleaved, a third of it for zero-bubble); with checkpointing zero-bubble's share grows past
+that third (the recomputation sits in the input-gradient pass, on the critical path of every hop).
 """
 from __future__ import annotations
 
@@ -185,8 +192,72 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
         comm["offload"] = 2 * shard / hardware.host_bandwidth + 12 * shard / element / hardware.host_flops
     bubble = 0.0
     if pp > 1:
-        per_microbatch = compute / steps
-        bubble = (pp - 1) / v * per_microbatch
-        if parallel.pipeline_schedule == "zero_bubble":
-            bubble /= 3
+        bubble = compute * pipeline_bubble(parallel.pipeline_schedule, pp, steps, v,
+                                           recompute[parallel.activation_checkpointing], facts.cache)
     return TimeEstimate(compute, comm, bubble)
+
+
+def pipeline_bubble(schedule: str, pp: int, num_microbatches: int, v: int = 1, recompute: float = 0.0,
+                    cache: dict | None = None) -> float:
+    """Idle time over compute time of the busiest pipeline rank, from the schedule's own action list replayed
+    with the pipeline's dependencies (see the module docstring; ``recompute``: the share of the forward+backward
+    work checkpointing adds). Cached in ``cache`` (e.g. ``ModelFacts.cache``) by its arguments."""
+    key = ("bubble", schedule, pp, num_microbatches, v, recompute)
+    if cache is not None and key in cache:
+        return cache[key]
+    order_key = ("schedule order", schedule, pp, num_microbatches, v)
+    order = cache.get(order_key) if cache is not None else None
+    if order is None:  # building the torch schedule is the slow part (~0.2 s): once per shape, whatever the recompute
+        from ..pipeline.plot import schedule_actions
+
+        order = [[(a.stage_index, _KINDS[str(a.computation_type).rsplit(".", 1)[-1]], a.microbatch_index)
+                  for a in row] for row in schedule_actions(schedule, pp, num_microbatches, v)]
+        if cache is not None:
+            cache[order_key] = order
+    extra = 3 * recompute  # recomputed forward work, in forward units, done in the backward's input pass
+    durations = {"F": 1.0, "B": 2.0 + extra, "I": 1.0 + extra, "W": 1.0}
+    span, busy = replay(order, durations)
+    ratio = span / max(busy) - 1.0
+    if cache is not None:
+        cache[key] = ratio
+    return ratio
+
+
+_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W",
+          "F": "F", "B": "B", "I": "I", "W": "W"}
+
+
+def replay(order: list[list[tuple[int, str, int]]], durations: dict) -> tuple[float, list[float]]:
+    """``(makespan, busy time per rank)`` of per-rank actions ``(stage, kind, microbatch)`` run in order, each when
+    its rank is free and its inputs exist: ``F`` after the previous stage's ``F``; ``B`` / ``I`` after this stage's
+    ``F`` and the next stage's input gradient; ``W`` after this stage's ``I``. On stage 0 an ``I`` takes no time and
+    its ``W`` is the full backward (torch has no input gradient to compute there)."""
+    last = max(stage for row in order for stage, _, _ in row)
+    done: dict = {}
+    clocks, busy, cursors = [0.0] * len(order), [0.0] * len(order), [0] * len(order)
+    remaining = sum(len(row) for row in order)
+    while remaining:
+        progressed = False
+        for rank, row in enumerate(order):
+            while cursors[rank] < len(row):
+                stage, kind, mb = row[cursors[rank]]
+                if kind == "F":
+                    needs = [("F", stage - 1, mb)] if stage else []
+                elif kind in ("B", "I"):
+                    needs = [("F", stage, mb)] + ([("dx", stage + 1, mb)] if stage < last else [])
+                else:
+                    needs = [("dx", stage, mb)]
+                if any(need not in done for need in needs):
+                    break
+                width = durations[kind]
+                if stage == 0 and kind in ("I", "W"):
+                    width = 0.0 if kind == "I" else durations["B"]
+                end = max([clocks[rank]] + [done[need] for need in needs]) + width
+                done[("F" if kind == "F" else "dx" if kind in ("B", "I") else "W", stage, mb)] = end
+                clocks[rank], busy[rank] = end, busy[rank] + width
+                cursors[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("a pipeline schedule's actions cannot complete (inconsistent order)")
+    return max(clocks), busy

@@ -1,0 +1,253 @@
+"""The planner's predicted step-time ranking against measured step times (issue 31), on gloo CPU processes.
+
+    python benchmarks/planner_ranking.py [--worlds 2 4] [--rounds 6] [--json benchmarks/planner_ranking.json]
+
+What runs. A small Llama (hidden 256, 4 layers, 8 heads, 4 key/value heads, intermediate 688, vocab 2048; 3.7M
+parameters), global batch 8 x 128 tokens, fp32, AdamW. In ONE spawned world per size (2, 4, 8 processes), every
+rank first calibrates the time model's hardware on this machine, while all ranks run together (the processes
+share the machine's cores, so a rank's rate is what it gets with the others busy):
+
+- ``matmul_flops``: the best of a few ``[tokens, h] x [h, f]``-sized fp32 matmuls (1024 x 256 x 688), each rank at
+  once, the slowest rank's rate (``measured_matmul``);
+- ``intra_bandwidth`` / ``intra_latency``: ``planner.time.measure_links`` (all-reduces of 1 KiB and 4 MiB on the
+  world group, fitted to the ring cost), used for every group (one node).
+
+Then every layout of ``LAYOUTS[world]`` (>= 8 per world: dp with ZeRO 0-3 and HSDP, tp with and without sp, pp
+with 1F1B / interleaved microbatches, cp, checkpointing and their products) is built, wrapped as
+``training.prepare`` wraps it, and all are trained round-robin, one step each per round, for a warm-up round and
+``--rounds`` timed ones (the machine's load drifts alike over every layout); a step is barrier-to-barrier (forward,
+backward, gradient reduction, optimizer step), and a layout's time is its fastest step (the least disturbed by the
+other jobs; the median is kept too). The prediction is ``planner.search.evaluate`` with the
+calibrated hardware (no accumulation: the micro-batch is the replica batch, or batch / microbatches under a
+pipeline). Kendall's tau-b between predicted and measured times (hand-written; no scipy here) is reported per world
+and also for a second calibration, ``effective``: the compute rate the measured dp-only ZeRO-0 layout achieves
+(its FLOPs / its time), which folds the non-matmul work (norms, softmax, AdamW, autograd bookkeeping) into the rate.
+
+Not in CI (minutes on the 2-core sandbox). Timings on a loaded shared machine are noisy: the JSON keeps every step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GLOBAL_BATCH, SEQ = 8, 128
+CONFIG = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+              intermediate_size=688, vocab_size=2048, max_position_embeddings=SEQ)
+
+# (ParallelConfig options, cpu_offload); micro-batch: the replica batch (pp: split into num_microbatches)
+LAYOUTS = {
+    2: [dict(data_parallel_size=2), dict(data_parallel_size=2, zero_stage=1),
+        dict(data_parallel_size=2, zero_stage=2), dict(data_parallel_size=2, zero_stage=3),
+        dict(data_parallel_size=2, activation_checkpointing="full"), dict(tensor_parallel_size=2),
+        dict(tensor_parallel_size=2, sequence_parallel=True), dict(tensor_parallel_size=2,
+                                                                   activation_checkpointing="selective"),
+        dict(pipeline_parallel_size=2, num_microbatches=2), dict(pipeline_parallel_size=2, num_microbatches=8),
+        dict(pipeline_parallel_size=2, num_microbatches=4, pipeline_schedule="interleaved_1f1b",
+             virtual_pipeline_size=2), dict(context_parallel_size=2)],
+    4: [dict(data_parallel_size=4), dict(data_parallel_size=4, zero_stage=2), dict(data_parallel_size=4, zero_stage=3),
+        dict(data_parallel_size=4, zero_stage=2, data_parallel_shard_size=2),
+        dict(tensor_parallel_size=2, data_parallel_size=2), dict(tensor_parallel_size=4),
+        dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2, zero_stage=1),
+        dict(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2),
+        dict(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=4),
+        dict(pipeline_parallel_size=4, num_microbatches=4), dict(context_parallel_size=2, data_parallel_size=2),
+        dict(context_parallel_size=2, tensor_parallel_size=2)],
+    8: [dict(data_parallel_size=8), dict(data_parallel_size=8, zero_stage=3),
+        dict(tensor_parallel_size=2, data_parallel_size=4), dict(tensor_parallel_size=4, data_parallel_size=2),
+        dict(tensor_parallel_size=8), dict(pipeline_parallel_size=2, data_parallel_size=4, num_microbatches=2),
+        dict(pipeline_parallel_size=4, tensor_parallel_size=2, num_microbatches=4),
+        dict(context_parallel_size=2, data_parallel_size=4), dict(context_parallel_size=2, tensor_parallel_size=4)],
+}
+
+
+def kendall_tau(x: list[float], y: list[float]) -> float:
+    """Kendall's tau-b (ties in either list counted as neither concordant nor discordant, tau-b's denominator)."""
+    concordant = discordant = ties_x = ties_y = 0
+    for i in range(len(x)):
+        for j in range(i + 1, len(x)):
+            dx, dy = x[i] - x[j], y[i] - y[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                ties_x += 1
+            elif dy == 0:
+                ties_y += 1
+            elif (dx > 0) == (dy > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denominator = ((concordant + discordant + ties_x) * (concordant + discordant + ties_y)) ** 0.5
+    return (concordant - discordant) / denominator if denominator else 0.0
+
+
+def measured_matmul(repeats: int = 5) -> float:
+    """FLOP/s of a ``[1024, 256] x [256, 688]`` fp32 matmul (the model's MLP shape at one replica's tokens), best
+    of ``repeats``, taken by every rank at once; the slowest rank's (collective)."""
+    import torch.distributed as dist
+
+    a, b = torch.randn(1024, 256), torch.randn(256, 688)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        best = min(best, (time.perf_counter() - start) / 10)
+    rate = torch.tensor([2 * 1024 * 256 * 688 / best])
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+    return float(rate)
+
+
+def _build(options: dict, config):
+    """One layout's model, wrapped as ``training.prepare`` wraps it, its optimizer and this rank's batch."""
+    from accelerate import Accelerator
+
+    import oslo_models as om
+    from oslo_models import training
+    from oslo_models.data import ContextParallelSplitter
+
+    parallel = om.ParallelConfig(**options)
+    torch.manual_seed(0)
+    model = om.LlamaForCausalLM.from_config(config, parallel=parallel).train()
+    context = model.parallel_context
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if parallel.zero_stage:
+        model, optimizer = training.prepare(Accelerator(cpu=True), model, optimizer, zero_stage=parallel.zero_stage)
+    else:
+        model, optimizer = training.shard_data_parallel(model, optimizer)
+    ids = torch.randint(1, config.vocab_size, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    rows = ids[context.dp_rank::context.dp_size].contiguous()
+    batch = {"input_ids": rows, "labels": rows}
+    if context.cp_size > 1:
+        batch = ContextParallelSplitter(context, shift_labels=True)(batch)
+    return model, training.unwrap_model(model), optimizer, batch, context.pp_size > 1
+
+
+def _step(model, inner, optimizer, batch, pipelined) -> float:
+    """One optimizer step, barrier to barrier (every rank of the world)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    if pipelined:
+        inner.train_step(batch)
+    else:
+        model(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _worker(out_dir: str, rounds: int) -> None:
+    import torch.distributed as dist
+    import transformers
+
+    from oslo_models.planner.time import measure_links
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    config = transformers.LlamaConfig(**CONFIG)
+    matmul = measured_matmul()
+    bandwidth, latency = measure_links(sizes=(1 << 10, 1 << 22))
+    built = [_build(options, config) for options in LAYOUTS[world]]
+    times = [[] for _ in built]
+    for round_ in range(rounds + 1):  # round-robin: the machine's load drifts alike over every layout
+        for i, layout in enumerate(built):
+            elapsed = _step(*layout)
+            if round_:  # round 0 warms up
+                times[i].append(elapsed)
+    if dist.get_rank() == 0:
+        rows = [{"options": options, "step_times": t} for options, t in zip(LAYOUTS[world], times)]
+        with open(os.path.join(out_dir, f"world{world}.json"), "w") as handle:
+            json.dump({"matmul_flops": matmul, "bandwidth": bandwidth, "latency": latency, "rows": rows}, handle)
+
+
+def predict(world: int, options: dict, hardware) -> dict:
+    import transformers
+
+    import oslo_models as om
+    from oslo_models.composition import Layout, refusal
+    from oslo_models.planner.facts import ModelFacts
+    from oslo_models.planner.search import evaluate
+
+    facts = predict.facts = getattr(predict, "facts", None) or ModelFacts(om.LlamaForCausalLM,
+                                                                          transformers.LlamaConfig(**CONFIG))
+    parallel = {k: v for k, v in options.items() if k != "zero_stage"}
+    layout = Layout(parallel=parallel, zero_stage=options.get("zero_stage", 0))
+    problem = refusal(layout, facts.model_class, facts.config)
+    if problem:
+        raise ValueError(f"{options}: refused by the composition check: {problem}")
+    dp = layout.parallel_config().resolve_data_parallel_size(world)
+    m = options.get("num_microbatches", 1) if options.get("pipeline_parallel_size", 1) > 1 else 1
+    candidate = evaluate(facts, layout, world, hardware, micro_batch=GLOBAL_BATCH // dp // m, num_microbatches=m,
+                         global_batch=GLOBAL_BATCH, seq_len=SEQ)
+    return {"layout": candidate.describe(), "total": candidate.time.total, "compute": candidate.time.compute,
+            "communication": dict(candidate.time.communication), "bubble": candidate.time.bubble,
+            "flops": facts.flops_per_token(SEQ) * GLOBAL_BATCH * SEQ}
+
+
+def main() -> None:
+    import tempfile
+    from dataclasses import replace
+
+    from oslo_models.planner.time import Hardware
+    from tests.helpers.dist import run_distributed
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=6, help="timed steps per layout (round-robin, after a warm-up)")
+    parser.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                       "planner_ranking.json"))
+    args = parser.parse_args()
+    report = {"machine": "2-core CPU sandbox shared with other jobs, gloo", "torch": torch.__version__,
+              "load_average_before": os.getloadavg(), "config": CONFIG, "global_batch": GLOBAL_BATCH,
+              "seq_len": SEQ, "worlds": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in args.worlds:
+            start = time.perf_counter()
+            run_distributed(_worker, world, tmp, args.rounds, timeout=3600)
+            with open(os.path.join(tmp, f"world{world}.json")) as handle:
+                measured = json.load(handle)
+            calibrated = Hardware(measured["matmul_flops"], measured["bandwidth"], measured["latency"],
+                                  measured["bandwidth"], measured["latency"], devices_per_node=world)
+            rows = []
+            for row in measured["rows"]:
+                rows.append({**row, "measured": min(row["step_times"]), "median": statistics.median(row["step_times"]),
+                             "predicted": predict(world, row["options"], calibrated)})
+            # the effective rate: the first layout (dp only, ZeRO-0) with its communication taken out
+            first = rows[0]
+            effective_rate = first["predicted"]["flops"] / world / max(
+                1e-9, first["measured"] - sum(first["predicted"]["communication"].values()))
+            effective = replace(calibrated, matmul_flops=effective_rate)
+            for row in rows:
+                row["predicted_effective"] = predict(world, row["options"], effective)
+            tau = kendall_tau([r["predicted"]["total"] for r in rows], [r["measured"] for r in rows])
+            tau_eff = kendall_tau([r["predicted_effective"]["total"] for r in rows], [r["measured"] for r in rows])
+            report["worlds"][str(world)] = {"hardware": measured | {"rows": None}, "effective_flops": effective_rate,
+                                            "kendall_tau": tau, "kendall_tau_effective": tau_eff, "rows": rows,
+                                            "seconds": time.perf_counter() - start}
+            print(f"world {world}: matmul {measured['matmul_flops']:.3g} FLOP/s, effective {effective_rate:.3g}, "
+                  f"gloo {measured['bandwidth']:.3g} B/s {measured['latency']:.2e} s; tau {tau:.3f} "
+                  f"(effective rate: {tau_eff:.3f}); {time.perf_counter() - start:.0f} s")
+            ranked = sorted(rows, key=lambda r: r["measured"])
+            for r in ranked:
+                print(f"  {r['predicted']['layout']:<48} measured {r['measured']:.3f} s  predicted "
+                      f"{r['predicted']['total']:.3f} s (effective {r['predicted_effective']['total']:.3f} s)")
+    report["load_average_after"] = os.getloadavg()
+    with open(args.json, "w") as handle:
+        json.dump(report, handle, indent=1)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
