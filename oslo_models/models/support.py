@@ -70,14 +70,15 @@ def replace_in(text: str, table: str) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--write", metavar="README", help="replace the table between the markers of this file")
+    parser.add_argument("--write", metavar="FILE", nargs="+",
+                        help="replace the table between the markers of these files (README.md docs/models.md)")
     args = parser.parse_args(argv)
     table = support_matrix_markdown()
-    if args.write:
-        path = Path(args.write)
+    for path in map(Path, args.write or ()):
         path.write_text(replace_in(path.read_text(encoding="utf-8"), table), encoding="utf-8")
-    else:
-        print(table)
+    if args.write:
+        return
+    print(table)
 
 
 if __name__ == "__main__":
