@@ -66,3 +66,39 @@ def test_paths_named_in_code_blocks_exist():
     assert named, "no example paths found: the extraction is broken"
     missing = sorted(path for path in named if not (ROOT / path).is_file())
     assert not missing, f"code blocks name files that do not exist: {missing}"
+
+
+def launch_lines() -> list[tuple[str, list[str]]]:
+    """(script, options) of every ``examples/train_*.py`` launch in the README's and the launch guide's bash blocks
+    and in the Slurm script (continuation lines joined; the sbatch's ``"$@"`` stands for the README's extra options)."""
+    lines = []
+    for page in (ROOT / "README.md", ROOT / "docs" / "launch.md", ROOT / "examples" / "slurm" / "train.sbatch"):
+        text = page.read_text(encoding="utf-8")
+        codes = [text] if page.suffix == ".sbatch" else code_blocks(page, "bash", marked_only=False)
+        for code in codes:
+            for line in code.replace("\\\n", " ").splitlines():
+                match = re.search(r"examples/(train_\w+)\.py((?:\s+--?[\w-]+(?:\s+[^-\s#][^\s#]*)?)*)", line)
+                if match:
+                    options = [word for word in match.group(2).split() if not word.startswith("$")]
+                    lines.append((match.group(1), options))
+    return lines
+
+
+def test_launch_recipes_parse():
+    """The launch recipes' script options exist (each parsed by the script's own parser, no process started), and
+    the accelerate config file is one accelerate reads."""
+    import importlib
+    import sys
+
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    recipes = launch_lines()
+    assert len(recipes) >= 4, recipes
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        for script, options in recipes:
+            importlib.import_module(script).parse_args(options)  # argparse exits (SystemExit) on an unknown option
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    config = ClusterConfig.from_yaml_file(str(ROOT / "examples" / "accelerate" / "multi_gpu.yaml"))
+    assert config.num_processes == 8 and config.mixed_precision == "bf16"
