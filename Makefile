@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 NPROC  ?= 2
 
-.PHONY: gpu-check venv test test-fast demo bench clean
+.PHONY: gpu-check venv test test-fast demo bench clean docs lint
 
 $(VENV)/.installed: setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,17 @@ $(VENV)/.installed: setup.py pyproject.toml
 venv: $(VENV)/.installed
 
 test: $(VENV)/.installed
+	$(PY) -m ruff check .
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(NPROC) --durations=15 tests
+
+# ruff (pyflakes, pycodestyle; config in pyproject.toml): make test runs it first
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+
+# The docs site (MkDocs Material + mkdocstrings): --strict fails on a broken link or a page missing from the nav
+docs: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 demo: $(VENV)/.installed
 	OMP_NUM_THREADS=1 ACCELERATE_USE_CPU=1 $(VENV)/bin/accelerate launch --multi_gpu --num_processes 4 \
@@ -34,4 +44,4 @@ gpu-check:
 	bash benchmarks/gpu_session.sh
 
 clean:
-	rm -rf demo_out build dist *.egg-info .pytest_cache
+	rm -rf demo_out site build dist *.egg-info .pytest_cache

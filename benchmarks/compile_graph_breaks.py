@@ -5,7 +5,7 @@
 Tiny GPT-2 / BERT (MLM) / T5 v1.1 (gated GELU) / Llama checkpoints built from a seed, loaded at each
 tensor-parallel size (gloo processes for tp > 1), then ``torch._dynamo.explain(model)(**batch, labels=...)``
 with and without ``skip_logits``. Prints one row per (model, tp, skip_logits) with the graph and break counts and
-each break's reason and place; writes JSON. Dropout is 0 in these models (see README, "torch.compile").
+each break's reason and place; writes JSON. Dropout is 0 in these models (see docs/fused-ops.md, "torch.compile").
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 Nothing here is written by hand per family: each record's main class is asked through ``om.capabilities`` (the checks
 ``from_pretrained`` runs before any process group exists: ``validate_parallel_config``, the context-parallel check,
 the pipeline adapter) whether it accepts a small layout of each axis for the record's tiny config. A refusal is shown with the
-reason the user would get. The README's table is this module's output (``python -m oslo_models.models.support``
-prints it; ``--write README.md`` replaces the table between its markers; a test keeps the two equal).
+reason the user would get. The table in README.md and docs/models.md is this module's output (``python -m
+oslo_models.models.support`` prints it; ``--write README.md docs/models.md`` replaces the table between their
+markers; a test keeps them equal).
 
 Options a config turns on (Falcon's ALiBi, Gemma 2's soft-capping) decide some refusals, so the matrix is for each
 record's tiny test config, which turns its family's particulars on.
@@ -70,14 +71,15 @@ def replace_in(text: str, table: str) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--write", metavar="README", help="replace the table between the markers of this file")
+    parser.add_argument("--write", metavar="FILE", nargs="+",
+                        help="replace the table between the markers of these files (README.md docs/models.md)")
     args = parser.parse_args(argv)
     table = support_matrix_markdown()
-    if args.write:
-        path = Path(args.write)
+    for path in map(Path, args.write or ()):
         path.write_text(replace_in(path.read_text(encoding="utf-8"), table), encoding="utf-8")
-    else:
-        print(table)
+    if args.write:
+        return
+    print(table)
 
 
 if __name__ == "__main__":

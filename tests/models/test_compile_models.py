@@ -2,7 +2,7 @@
 tensor-parallel collectives and the fused loss-only head included), and compiled equals eager in the loss and
 every gradient. ``aot_eager`` traces forward and backward like inductor does without needing a C compiler on
 the CI box. Dropout is off in these tiny models: at tp > 1 a dropout that draws from the tensor-parallel RNG
-stream swaps generator states, which ``torch.compile`` cannot trace (see README, "torch.compile")."""
+stream swaps generator states, which ``torch.compile`` cannot trace (see docs/fused-ops.md, "torch.compile")."""
 from __future__ import annotations
 
 import pytest
@@ -51,7 +51,7 @@ def assert_compiled_equals_eager(path: str, name: str, *, skip_logits: bool, **p
 
 
 # Compiling is slow on the 2-core CI box: two families here; benchmarks/compile_graph_breaks.py counts the graph
-# breaks of GPT-2, BERT, T5 and Llama at tp 1 and 2 (zero each, README "torch.compile").
+# breaks of GPT-2, BERT, T5 and Llama at tp 1 and 2 (zero each, docs/fused-ops.md "torch.compile").
 @pytest.mark.parametrize("name,skip_logits", [("gpt2", True), ("llama", False)])
 def test_compiled_equals_eager_tp1(checkpoints, name, skip_logits):
     assert_compiled_equals_eager(checkpoints[name], name, skip_logits=skip_logits)

@@ -12,8 +12,9 @@ Against the single-process ``transformers`` twin built from the same weights:
   ELECTRA's discriminator, ALBERT's sentence order) for one forward and backward;
 - one spawned group of 4 ranks, one AdamW step per layout (``tests/helpers/layouts.py``; the pipeline:
   ``tests/helpers/pipeline.py``): tp=2 with sequence parallelism x dp=2 under ZeRO-3 through ``om.training.prepare``,
-  tp=4, the 2D mode on a 2 x 2 grid, pp=2 x tp=2 (1F1B, 2 microbatches), context parallelism (all-to-all) x dp=2 under ZeRO-1 (with position ids
-  given, as context parallelism asks of RoBERTa); ELECTRA's discriminator at tp=2 with sequence parallelism too.
+  tp=4, the 2D mode on a 2 x 2 grid, pp=2 x tp=2 (1F1B, 2 microbatches), context parallelism (all-to-all) x dp=2
+  under ZeRO-1 (with position ids given, as context parallelism asks of RoBERTa); ELECTRA's discriminator at tp=2
+  with sequence parallelism too.
 
 A layout the validation code refuses (before any process group) must be one ``REFUSED`` lists for the type, with its
 reason; every other layout must run and match. Variants that are another record's classes under another name
