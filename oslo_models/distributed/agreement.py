@@ -29,7 +29,17 @@ import torch.distributed as dist
 
 ARRIVAL_TIMEOUT_ENV = "OSLO_ARRIVAL_TIMEOUT"
 DEFAULT_ARRIVAL_TIMEOUT = 30.0
-_arrival_calls: dict[str, int] = {}  # per process: how many times this rank passed check_arrival(what)
+# How many times this rank passed check_arrival(what) in the current world. The counts belong to one default process
+# group: a process that destroys its group and starts another (a restarted job in one interpreter, a notebook, a
+# reused test process) starts counting from zero with its new peers, as they do.
+_arrival_counts: dict[str, object] = {"world": None, "calls": {}}
+
+
+def _arrival_calls() -> dict[str, int]:
+    world = dist.group.WORLD
+    if _arrival_counts["world"] is not world:
+        _arrival_counts.update(world=world, calls={})
+    return _arrival_counts["calls"]
 
 
 class RankFailure(RuntimeError):
@@ -147,8 +157,9 @@ def check_arrival(context, what: str, rule: str, *, timeout: float | None = None
                                    wait_all_ranks=True)
         return
     timeout = arrival_timeout() if timeout is None else timeout
-    call = _arrival_calls.get(what, 0)
-    _arrival_calls[what] = call + 1
+    calls = _arrival_calls()
+    call = calls.get(what, 0)
+    calls[what] = call + 1
     base = f"oslo_models/arrival/{what}/{call}"
     store.set(f"{base}/rank{context.rank}", b"1")
     count = store.add(base, 1)
@@ -161,7 +172,7 @@ def check_arrival(context, what: str, rule: str, *, timeout: float | None = None
             # Withdraw, so that the next call on this rank meets the others' next call, not this one.
             store.add(base, -1)
             store.delete_key(f"{base}/rank{context.rank}")
-            _arrival_calls[what] = call
+            calls[what] = call
             raise RuntimeError(f"{what} is collective: {rule}. Rank {context.rank} waited {timeout:g} s but "
                                f"rank(s) {missing} of {context.world_size} never called it (call #{call + 1} on "
                                f"this rank). Raise ${ARRIVAL_TIMEOUT_ENV} if ranks are just slow to arrive.")

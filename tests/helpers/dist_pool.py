@@ -8,7 +8,8 @@ torchrun environment, breadcrumb and hang report as a fresh spawn.
 
 What a fresh process would give a test is restored around every task: the environment variables and working
 directory, a nondeterministic torch seed (as a fresh process has), default dtype, grad mode, one
-thread; the default process group is destroyed and the collective watchdog stopped. A worker that failed, hung,
+thread, Accelerate's process-wide state; the default process group is destroyed and the collective watchdog
+stopped. A worker that failed, hung,
 died or grew past ``_MAX_RSS`` is replaced (the next call spawns a fresh one), so one broken test cannot leak into
 the next. ``OSLO_TEST_POOL=0`` spawns fresh processes for every call instead (the old behaviour).
 """
@@ -58,6 +59,10 @@ def _reset_process(environ: dict, cwd: str) -> None:
     torch.set_grad_enabled(True)
     if "torch._dynamo" in sys.modules:
         torch._dynamo.reset()
+    accelerate_state = sys.modules.get("accelerate.state")
+    if accelerate_state is not None:  # Accelerate's process-wide singletons (mixed precision, device mesh, ...)
+        accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
+        accelerate_state.GradientState._reset_state()
     gc.collect()
 
 
