@@ -54,13 +54,15 @@ _REDUCER = "_oslo_gradients_reduced_by"
 def mark_gradients_reduced(model: nn.Module, by: str = "caller") -> None:
     """Record that ``by`` (``"ddp"``, ``"zero1"``, ``"fsdp2"``, ``"caller"``...) reduces ``model``'s gradients over
     its data-parallel (x context-parallel) group, which silences :func:`install_data_parallel_guard`. ``model`` may
-    be a DDP wrapper or a ``torch.compile`` module: the mark goes on the ``oslo_models`` model inside."""
-    while True:
+    be a DDP wrapper, a ``torch.compile`` module or a ``peft`` model: the mark goes on every model down to the
+    ``oslo_models`` model inside."""
+    seen = set()
+    while isinstance(model, nn.Module) and id(model) not in seen:
+        seen.add(id(model))
         setattr(model, _REDUCER, by)
-        inner = getattr(model, "module", None)
-        inner = inner if isinstance(inner, nn.Module) else getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return
+        inner = model.__dict__.get("_modules", {}).get("module") or getattr(model, "_orig_mod", None)
+        if inner is None and callable(getattr(type(model), "get_base_model", None)):
+            inner = model.get_base_model()  # peft's PeftModel: the adapted model underneath
         model = inner
 
 
