@@ -161,8 +161,13 @@ class ParallelConfig:
                                       f"available: {_IMPLEMENTED_TENSOR_PARALLEL_MODES}")
         # pipeline stages and the 2D / 2.5D / 3D grids run on the local chunk like the 1D layers do; experts not yet
         if self.context_parallel_size > 1 and self.expert_parallel_size > 1:
-            raise NotImplementedError(f"context_parallel_size > 1 with expert_parallel_size={self.expert_parallel_size}"
-                                      f" is not implemented yet")
+            raise NotImplementedError(
+                f"context_parallel_size > 1 with expert_parallel_size={self.expert_parallel_size} is not implemented "
+                f"yet: the expert groups are carved out of dp only (ep and edp would have to be built per cp rank, "
+                f"and expert gradients reduced over edp x cp where they are now reduced over edp), and the router's "
+                f"load-balancing loss (output_router_logits=True) is a product of token means over the whole "
+                f"sequence, not a sum of per-chunk terms (it needs an all-reduce over cp); use expert_parallel_size=1 "
+                f"(experts replicated) with context parallelism")
 
     # ------------------------------------------------------------------ HSDP (data_parallel_shard_size)
     def _check_hybrid_sharding(self) -> None:

@@ -30,6 +30,7 @@ from ..conversion.loading import load_checkpoint_into
 from ..conversion.saving import gather_full_state_dict, run_on_main_process, write_hub_folder
 from ..distributed.agreement import all_or_none
 from ..distributed.context import ParallelContext, _world_from_environment
+from ..distributed.data_parallel import install_data_parallel_guard
 from ..parallel_layers.plan import ParallelPlan
 from ..parallel_layers.sequence_parallel import bind_sequence_parallel_region
 from .common.context_parallel import check_context_parallel
@@ -148,6 +149,8 @@ class OsloPreTrainedModel(PreTrainedModel):
             self.initialize_from_twin()
         if self.parallel_context.config.activation_checkpointing is not None:
             self.set_activation_checkpointing(self.parallel_context.config.activation_checkpointing)
+        # dp x cp > 1: an unwrapped model's first backward raises (distributed/data_parallel.py)
+        install_data_parallel_guard(self)
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, **kwargs):
         """``transformers``' hook behind ``gradient_checkpointing_enable`` / ``activation_checkpointing_enable`` and
@@ -371,13 +374,14 @@ class OsloPreTrainedModel(PreTrainedModel):
         return resize_token_embeddings(self, new_num_tokens, pad_to_multiple_of, mean_resizing)
 
     # ------------------------------------------------------------------ training steps
-    def train_step(self, batch, *, labels=None, attention_mask=None, optimizer=None) -> torch.Tensor:
+    def train_step(self, batch, *, labels=None, attention_mask=None, optimizer=None, scaler=None) -> torch.Tensor:
         """Forward + backward of one batch (``input_ids [b, s]`` or a dict with ``input_ids``, ``labels``,
         ``attention_mask``); returns the loss on every rank. With ``pipeline_parallel_size > 1`` this runs the
-        configured pipeline schedule (see ``oslo_models.pipeline.runner``). With ``optimizer``, also steps it.
+        configured pipeline schedule (see ``oslo_models.pipeline.runner``). With ``optimizer``, also steps it;
+        ``scaler`` (fp16): a ``GradScaler`` that scales each microbatch's loss inside the schedule.
         Collective: call on every rank."""
         return self._pipeline_runner().train_step(batch, labels=labels, attention_mask=attention_mask,
-                                                  optimizer=optimizer)
+                                                  optimizer=optimizer, scaler=scaler)
 
     def eval_step(self, batch, *, labels=None, attention_mask=None) -> torch.Tensor:
         """Forward only; returns the loss on every rank (see ``train_step``)."""

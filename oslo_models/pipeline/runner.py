@@ -67,6 +67,7 @@ class _LossFn:
 
     def __init__(self, model, num_microbatches: int):
         self.model, self.adapter, self.num_microbatches = model, adapter_for(model), num_microbatches
+        self.scaler = None  # fp16: the step's GradScaler (set by train_step for the duration of one step)
 
     def __call__(self, outputs, labels, num_items_in_batch=None):
         loss = self.adapter.microbatch_loss(self.model, outputs, labels, num_items_in_batch, self.num_microbatches)
@@ -76,7 +77,9 @@ class _LossFn:
             from ..parallel_layers.context_parallel import sum_over_context
 
             loss = sum_over_context(loss, self.model.parallel_context)
-        return loss
+        # fp16: the schedule backpropagates what this returns, so the loss scale goes in here, per microbatch
+        # (GradScaler.scale: loss x scale, a power of two); train_step divides the recorded losses back
+        return loss if self.scaler is None else self.scaler.scale(loss)
 
 
 def _no_weight_step():
@@ -100,6 +103,7 @@ class PipelineRunner:
         self.layout = getattr(model, "pipeline_layout", None)
         self.adapter = adapter_for(model) if self.pipelined else None
         self.tied = TiedCopies(model, self.layout, self.context) if self.pipelined else None
+        self.loss_fn = _LossFn(model, self.num_microbatches) if self.pipelined else None
         self._schedules: dict[tuple, object] = {}
 
     # ------------------------------------------------------------------ schedule construction
@@ -139,7 +143,7 @@ class PipelineRunner:
                                         input_args=meta(inputs), output_args=meta(outputs), group=context.pp_group,
                                         dw_builder=dw_builder))
         cls = schedule_class(self.schedule_name)
-        loss_fn = _LossFn(model, self.num_microbatches)
+        loss_fn = self.loss_fn
         if self.schedule_name in MULTI_STAGE_SCHEDULES:
             return cls(stages, self.num_microbatches, loss_fn=loss_fn, scale_grads=False), sp
         return cls(stages[0], self.num_microbatches, loss_fn=loss_fn, scale_grads=False), sp
@@ -194,6 +198,8 @@ class PipelineRunner:
                 schedule.eval(*args, target=target, losses=losses, loss_kwargs=loss_kwargs, **batch)
         loss = (torch.stack(losses).sum().detach().float() if layout.has_last
                 else torch.zeros((), dtype=torch.float32, device=self.context.device))
+        if training and self.loss_fn.scaler is not None and layout.has_last:
+            loss = loss / self.loss_fn.scaler.get_scale()  # the recorded losses were scaled (exact: a power of 2)
         dist.broadcast(loss, src=dist.get_global_rank(self.context.pp_group, layout.last_rank),
                        group=self.context.pp_group)
         if self.context.dp_size > 1:
@@ -205,33 +211,64 @@ class PipelineRunner:
         with torch.set_grad_enabled(training):
             loss = self.model(**batch).loss
         if training:
-            loss.backward()
+            scaler = getattr(self, "_scaler", None)
+            (loss if scaler is None else scaler.scale(loss)).backward()
         loss = loss.detach().float()
         if self.context.dp_size > 1:
             dist.all_reduce(loss, group=self.context.dp_group)
             loss /= self.context.dp_size
         return loss
 
-    def train_step(self, batch, *, labels=None, attention_mask=None, optimizer=None) -> torch.Tensor:
+    def train_step(self, batch, *, labels=None, attention_mask=None, optimizer=None, scaler=None) -> torch.Tensor:
         """Forward and backward of one batch through the schedule; returns the mean loss on every rank.
 
         Gradients accumulate into ``.grad`` (tied copies summed, data-parallel replicas averaged). With
         ``optimizer``, also runs ``optimizer.step()`` and ``optimizer.zero_grad()``.
+
+        fp16 (``scaler``: a ``torch.amp.GradScaler``; default the one ``training.prepare`` took from an fp16
+        ``Accelerator``): every microbatch's loss is multiplied by the scale inside the schedule, so the gradients
+        come out scaled like ``scaler.scale(loss).backward()`` leaves them; the returned loss is unscaled. Then, as
+        after any scaled backward: ``scaler.unscale_(optimizer)``, ``training.sync_overflow(scaler, context)`` (all
+        ranks skip together: each pipeline rank sees only its stages' gradients), ``scaler.step(optimizer)``,
+        ``scaler.update()`` - which this method runs itself when given ``optimizer``.
         """
         self._check_dtype()
-        loss = self._run(batch, labels, attention_mask, training=True)
+        scaler = scaler if scaler is not None else getattr(self.model, "_oslo_grad_scaler", None)
+        if scaler is not None and not scaler.is_enabled():
+            scaler = None
+        if scaler is not None:
+            # the scale lives lazily in the scaler: make it on every rank (unscale_ needs it on stages without loss)
+            scaler.scale(torch.zeros((), device=self.context.device))
+        if self.pipelined:
+            self.loss_fn.scaler = scaler
+        self._scaler = scaler
+        try:
+            loss = self._run(batch, labels, attention_mask, training=True)
+        finally:
+            self._scaler = None
+            if self.pipelined:
+                self.loss_fn.scaler = None
         self.sync_gradients()
         if optimizer is not None:
-            optimizer.step()
+            if scaler is not None:
+                from ..training.mixed_precision import sync_overflow
+
+                scaler.unscale_(optimizer)
+                sync_overflow(scaler, self.context)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             optimizer.zero_grad()
         return loss
 
     def _check_dtype(self) -> None:
         if self.pipelined and any(p.dtype == torch.float16 for p in self.model.parameters()):
-            # fp16 gradients need a loss scale applied to every microbatch's loss inside the schedule and an
-            # unscale/skip before the step; none runs here, so small gradients would underflow silently.
-            raise NotImplementedError("training a pipelined model in float16 is not implemented (it needs loss "
-                                      "scaling inside the schedule's backward); use bfloat16 or float32")
+            # fp16 *weights*: GradScaler refuses to unscale fp16 gradients and there are no fp32 master weights, so
+            # small updates would underflow silently. Mixed precision keeps fp32 weights (supported, see train_step).
+            raise NotImplementedError("training a pipelined model with float16 weights is not implemented (no fp32 "
+                                      "master weights to apply the unscaled step to); keep float32 weights and use "
+                                      "mixed_precision='fp16' (autocast + loss scaling), or bfloat16")
 
     @torch.no_grad()
     def eval_step(self, batch, *, labels=None, attention_mask=None) -> torch.Tensor:

@@ -22,6 +22,8 @@ tensor-parallel modes it first cuts the microbatch to this rank's batch block (`
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import torch
@@ -120,8 +122,9 @@ class StageModule(nn.Module):
     the adapter's ``stage_modules`` are attributes. ``forward(*inputs, **kwargs)`` is the adapter's
     ``stage_forward``: the first stage takes the batch's ``first_inputs``, the others the previous stage's outputs.
 
-    Mixed precision (``om.training.prepare`` with Accelerate's ``mixed_precision="bf16"`` sets the model's
-    ``_oslo_autocast_dtype``): the stage runs under ``torch.autocast`` here, inside the schedule, where the
+    Mixed precision (``om.training.prepare`` with Accelerate's ``mixed_precision="bf16"``/``"fp16"`` sets the
+    model's ``_oslo_autocast_dtype``; or the caller's ``torch.autocast`` around ``train_step``): the stage runs
+    under ``torch.autocast`` here, inside the schedule, where the
     Accelerate wrapper of ``model.forward`` never reaches; its floating outputs are cast back to the parameters'
     dtype, the dtype the schedule's point-to-point buffers were declared with.
     """
@@ -151,9 +154,12 @@ class StageModule(nn.Module):
             names = self.adapter.first_inputs if self.is_first else ()
             inputs, kwargs = split_stage_inputs(self.owner, names, inputs, kwargs)
         autocast_dtype = getattr(self.owner, "_oslo_autocast_dtype", None)
-        if autocast_dtype is None:
+        device_type = self.parallel_context.device.type
+        if autocast_dtype is None and not torch.is_autocast_enabled(device_type):
             return self.adapter.stage_forward(self, *inputs, **kwargs)
-        with torch.autocast(self.parallel_context.device.type, dtype=autocast_dtype):
+        # prepare's autocast, or the caller's around train_step (torch's AMP recipe): either way the outputs go
+        # back to the parameters' dtype below
+        with torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
             outputs = self.adapter.stage_forward(self, *inputs, **kwargs)
         dtype = next(self.owner.parameters()).dtype
         cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731

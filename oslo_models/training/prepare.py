@@ -36,7 +36,9 @@ What each piece becomes:
 Pipelined models (``pipeline_parallel_size > 1``) train with ``loss = model.train_step(batch)`` in place of forward
 and ``accelerator.backward``; they are not wrapped (the runner all-reduces gradients over dp), ZeRO-1 shards the
 optimizer and ZeRO-2/3 make each stage an FSDP2 root (``zero.py``); Accelerate's bf16 autocast runs inside each
-stage's forward (``pipeline/stage.py``); fp16 and gradient accumulation are refused with a clear error before anything is wrapped.
+stage's forward (``pipeline/stage.py``); fp16 too, with Accelerate's GradScaler scaling each microbatch's loss inside
+the schedule (``train_step``; then ``clip_grad_norm_`` or ``sync_overflow`` and the optimizer's step as usual);
+gradient accumulation is refused with a clear error before anything is wrapped.
 
 Collectives: none here beyond what DDP/FSDP2 run at construction (a parameter broadcast/none).
 """
@@ -123,9 +125,12 @@ def prepare(accelerator, model, *objects, zero_stage: int | None = None, cpu_off
         raise ValueError("pass at most one optimizer (one model, one optimizer)")
     # Autocast, compile and placement only: Accelerate must not wrap the model in world-wide DDP.
     model = accelerator.prepare_model(model, evaluation_mode=True)
-    if context.pp_size > 1 and str(accelerator.mixed_precision) == "bf16":
-        # The schedule runs the stages, not model.forward (which Accelerate wrapped): each stage autocasts itself.
-        unwrap_model(model)._oslo_autocast_dtype = torch.bfloat16
+    if context.pp_size > 1 and str(accelerator.mixed_precision) in ("bf16", "fp16"):
+        # The schedule runs the stages, not model.forward (which Accelerate wrapped): each stage autocasts itself;
+        # fp16: train_step scales every microbatch's loss with Accelerate's GradScaler (pipeline/runner.py)
+        fp16 = str(accelerator.mixed_precision) == "fp16"
+        unwrap_model(model)._oslo_autocast_dtype = torch.float16 if fp16 else torch.bfloat16
+        unwrap_model(model)._oslo_grad_scaler = accelerator.scaler if fp16 else None
     model, sharded = shard_data_parallel(model, optimizers[0] if optimizers else None, zero_stage=zero_stage,
                                          cpu_offload=cpu_offload, **ddp_kwargs)
     # device_placement=False: the state is already where the parameters are, and Accelerate's placement round trip

@@ -55,7 +55,7 @@ import inspect
 import torch
 from torch import nn
 
-from ..distributed.data_parallel import data_parallel
+from ..distributed.data_parallel import data_parallel, mark_gradients_reduced
 from .layout_rules import check_training_layout
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -217,6 +217,7 @@ def _pipeline_data_parallel(model, optimizer, context, stage: int, ddp_kwargs: d
     if stage == 1 and optimizer is not None:
         optimizer = _zero_redundancy(optimizer, context)
     model._oslo_zero_stage = stage
+    mark_gradients_reduced(model, "pipeline")
     return model, optimizer
 
 
@@ -286,6 +287,7 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         wrapped = data_parallel(model, context, **ddp_kwargs)
         if stage == 1 and optimizer is not None:
             optimizer = _zero_redundancy(optimizer, context, model)
+        mark_gradients_reduced(wrapped, f"zero{stage}" if stage else "ddp")
         wrapped._oslo_zero_stage = stage
         return wrapped, optimizer
 
@@ -304,6 +306,7 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
                      expert_mesh=expert_mesh, dp_size=context.dp_size)
     model._oslo_fsdp_shard_group = shard_group  # the gradient norm adds dp partial sums over it (clip.py)
     model._oslo_zero_stage = stage
+    mark_gradients_reduced(model, f"fsdp2 zero{stage}")
     if optimizer is not None:
         params = dict(model.named_parameters())
         rebuilt = [{**group, "params": [params[name] for name in group["params"]]} for group in groups]

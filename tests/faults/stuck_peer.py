@@ -46,6 +46,7 @@ def world4():
     torch.manual_seed(0)
     config = om.ParallelConfig(tensor_parallel_size=2, collective_timeout=TIMEOUT)
     model = om.AutoModelForCausalLM.from_config(tiny_gpt2_config(), parallel=config)
+    om.distributed.mark_gradients_reduced(model, "caller")  # _step all-reduces the gradients over dp itself
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(rank // 2))
     _step(model, ids)  # everyone healthy: one full step
     dist.barrier()

@@ -12,7 +12,9 @@ Precision: fp32 layouts match at 1e-5. bf16 layouts run the reference under the 
 rounding of partial sums reduced in another order. fp16: Accelerate creates no loss scaler on a CPU and refuses
 fp16 there (``training.check_mixed_precision``), so the fp16 cells run ``torch.autocast("cpu", float16)`` with a
 ``GradScaler("cpu")`` around the step and ``training.sync_overflow`` keeping the ranks' skip decisions together, the
-reference with its own scaler: the same pieces a GPU run uses, without Accelerate's wrapper.
+reference with its own scaler: the same pieces a GPU run uses, without Accelerate's wrapper. Pipelined, the scaler
+goes to ``train_step`` (each microbatch's loss is scaled inside the schedule) and the autocast around it reaches the
+stages.
 """
 from __future__ import annotations
 
@@ -97,7 +99,9 @@ def train_layout(layout: Layout, model_class, path: str, steps: int = STEPS) -> 
     for step in range(steps):
         with _autocast(precision):
             losses = [reference(**replica).loss for replica in replicas]
-            got = model.train_step(local) if pipelined else model(**local).loss
+            # pipelined fp16: the schedule scales each microbatch's loss with the model's scaler (runner.py)
+            got = (model.train_step(local, scaler=scalers and scalers[1]) if pipelined
+                   else model(**local).loss)
         # pipelined: the mean over replicas; else this replica's rows' (data parallelism averages the gradients)
         expected = sum(losses) / len(losses) if mine is None else losses[mine]
         torch.testing.assert_close(got.detach().float(), expected.detach().float(), **tol,

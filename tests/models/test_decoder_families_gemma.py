@@ -292,6 +292,7 @@ def _cp2(paths: dict) -> None:
         for model_type in ("gemma3_text", "olmo2"):
             model = _class(model_type).from_pretrained(paths[model_type], progress=False, parallel=om.ParallelConfig(
                 context_parallel_size=2, context_parallel_mode=mode)).train()
+            om.distributed.mark_gradients_reduced(model, "caller")  # the chunks' gradients are averaged below
             reference = _class(model_type).hf_twin.from_pretrained(paths[model_type]).train()
             ids, mask, labels = padded_batch(101, batch=2, seq=8)
             context = model.parallel_context

@@ -18,6 +18,7 @@ import transformers
 import oslo_models as om
 from oslo_models import training
 from oslo_models.data import ContextParallelSplitter
+from oslo_models.distributed import mark_gradients_reduced
 from tests.helpers import decoders
 from tests.helpers.dist import run_distributed
 from tests.helpers.layouts import train_matches
@@ -167,6 +168,7 @@ def _model_dropout_is_layout_invariant(path: str) -> None:
             for module in model.modules():
                 if hasattr(module, "attn_dropout"):
                     module.attn_dropout.p = 0.0
+        mark_gradients_reduced(model, "caller")  # this rank's share is all-reduced over cp below
         local = ContextParallelSplitter(model.parallel_context)(batch)
         torch.manual_seed(11)
         loss = model(**local).loss

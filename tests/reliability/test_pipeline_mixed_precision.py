@@ -1,9 +1,11 @@
 """Pipeline parallelism with Accelerate's bf16 mixed precision: ``om.training.prepare`` makes each stage run under
 autocast inside the schedule (Accelerate's wrapper of ``model.forward`` never runs there), so pp=2 GPT-2 equals
 ``transformers`` under the same autocast: loss and every gradient over 2 AdamW steps to bf16 tolerance, the
-first loss to fp32 rounding (the fp32 run misses it), every stage matmul in bf16, fp32 master weights. fp16 with pp
-(no loss scaling inside the schedule) is refused before anything runs: ``prepare`` with ``mixed_precision="fp16"``
-and ``train_step`` of a model loaded in float16."""
+first loss to fp32 rounding (the fp32 run misses it), every stage matmul in bf16, fp32 master weights. fp16 with pp:
+``train_step(batch, scaler=...)`` scales each microbatch's loss inside the schedule, under the caller's fp16
+autocast; 3 steps equal ``transformers`` with its own GradScaler (loss, unscaled gradients, parameters), the first
+step overflowing on both (a 2**40 scale) and skipped on every rank (``sync_overflow``), the scales equal after.
+Pure float16 *weights* with pp (no fp32 master copy to unscale into) are refused before the schedule runs."""
 from __future__ import annotations
 
 
@@ -20,6 +22,7 @@ from tests.helpers.models import expected_shard, save_tiny_gpt2
 from tests.helpers.pipeline import ADAMW
 
 BF16 = dict(atol=2e-3, rtol=2e-2)
+FP16 = dict(atol=2e-3, rtol=2e-3)
 
 
 def _batch():
@@ -50,10 +53,10 @@ def _worker(path: str) -> None:
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
 
     refused = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False)
-    with pytest.raises(NotImplementedError, match=r"mixed_precision='fp16' with pipeline_parallel_size > 1"):
-        check_training_layout(refused.parallel_context.config, mixed_precision="fp16")  # what prepare runs
-    with pytest.raises(NotImplementedError, match="pipelined model in float16"):
+    check_training_layout(refused.parallel_context.config, mixed_precision="fp16")  # what prepare runs: accepted
+    with pytest.raises(NotImplementedError, match="pipelined model with float16 weights"):
         refused.half().train_step(_batch())  # before the schedule runs: no collective
+    _fp16_steps_match(path, cfg)
 
     model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
     model, opt = training.prepare(accelerator, model, torch.optim.AdamW(model.parameters(), **ADAMW))
@@ -75,12 +78,40 @@ def _worker(path: str) -> None:
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
 
 
+def _fp16_steps_match(path, cfg) -> None:
+    reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
+    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
+    optimizers = [torch.optim.AdamW(m.parameters(), **ADAMW) for m in (reference, model)]
+    # 2**40 overflows fp16 in the backward: step 0 is skipped, and the backoff brings the scale to 2**10 at once
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, backoff_factor=2.0 ** -30) for _ in range(2)]
+    for step in range(3):
+        with torch.autocast("cpu", dtype=torch.float16):
+            expected = reference(**_batch()).loss
+            loss = model.train_step(_batch(), scaler=scalers[1])
+        scalers[0].scale(expected).backward()
+        torch.testing.assert_close(loss, expected.detach().float(), **FP16)
+        for scaler, optimizer in zip(scalers, optimizers):
+            scaler.unscale_(optimizer)
+        assert training.sync_overflow(scalers[1], model.parallel_context) == (step == 0)
+        if step:
+            grads = dict(reference.named_parameters(remove_duplicate=False))
+            for name, param in model.named_parameters():
+                torch.testing.assert_close(param.grad, expected_shard(model, name, grads[name].grad), **FP16,
+                                           msg=lambda m, n=name: f"step {step} {n}: {m}")
+        for scaler, optimizer in zip(scalers, optimizers):
+            scaler.step(optimizer), scaler.update(), optimizer.zero_grad()
+        assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0 ** 10
+    params = dict(reference.named_parameters(remove_duplicate=False))
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param, expected_shard(model, name, params[name].detach()), atol=1e-3, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return save_tiny_gpt2(tmp_path_factory.mktemp("gpt2"), n_layer=4)
 
 
-def test_bf16_autocast_with_pipeline_matches_transformers(checkpoint):
+def test_bf16_and_fp16_with_pipeline_match_transformers(checkpoint):
     run_distributed(_worker, 2, checkpoint, timeout=180)
 
 

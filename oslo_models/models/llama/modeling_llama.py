@@ -179,6 +179,8 @@ LlamaPreTrainedModel.base_model_class = LlamaModel
 
 class LlamaForCausalLM(ForCausalLM, LlamaPreTrainedModel, GenerationMixin):
     hf_twin = transformers.LlamaForCausalLM
+    # the stack's stages run the grid blocks (pipeline_stack.py): tp4(2d) x pp2 in tests/composition/test_eight_ranks
+    pipeline_grid_modes = True
 
 
 class LlamaForSequenceClassification(ForSequenceClassification, LlamaPreTrainedModel):
