@@ -167,3 +167,19 @@ def test_folder_errors(tmp_path, monkeypatch):
     with open(os.path.join(folder, nvme_offload.LOCK_FILE), "w", encoding="utf-8") as handle:
         handle.write(f"{nvme_offload.socket.gethostname()} {dead}")
     assert prepare_offload_folder(tmp_path / "shared", 0, 1) == folder
+
+
+def test_planner_disk_tier():
+    """The planner's memory model: the moments leave the device for the disk; the step counters and three chunk
+    buffers are in host memory."""
+    from oslo_models.planner.facts import ModelFacts
+    from oslo_models.planner.memory import estimate_memory
+    from tests.helpers.decoders import tiny_config
+
+    facts = ModelFacts(om.LlamaForCausalLM, tiny_config("llama"))
+    base = estimate_memory(facts, om.ParallelConfig(data_parallel_size=2, zero_stage=3), 2)
+    nvme = estimate_memory(facts, om.ParallelConfig(data_parallel_size=2, zero_stage=3, offload="nvme",
+                                                    offload_path="/x"), 2, device="cpu")
+    assert nvme.disk == 2 * base.parameters and nvme.optimizer == 0
+    assert nvme.host == base.optimizer - nvme.disk + 3 * nvme.disk  # tiny: one chunk holds everything
+    assert nvme.total == base.total - base.optimizer
