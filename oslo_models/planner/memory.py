@@ -17,8 +17,8 @@ wrappers place it (``training/zero.py``), so the prediction equals what a rank h
   ``buffers``);
 - CPU offload: the sharded parameters, gradients and state live in host memory (``host``), not on the device.
 - NVMe offload (``ParallelConfig.offload="nvme"``, ``training/nvme_offload.py``; ZeRO 0/2/3): the AdamW moments of
-  the rank's local shards are in its scratch file (``disk``); the ``step`` counters and the step's chunk buffers
-  (at most three chunks: the one updated, the one prefetched, the one written back) in host memory (``host``).
+  the rank's local shards are in its scratch file (``disk``); the ``step`` counters and the step's two chunk
+  buffers (the chunk updated; the one written back, then prefetched) in host memory (``host``).
 
 Bf16 autocast (Accelerate's ``mixed_precision="bf16"``) keeps fp32 parameters, so there is no separate master
 copy; a model loaded in bf16 keeps bf16 parameters, gradients and AdamW moments (torch's ``zeros_like``).
@@ -244,7 +244,7 @@ def estimate_memory(facts: ModelFacts, parallel: ParallelConfig, world_size: int
         from ..training.nvme_offload import DEFAULT_CHUNK_BYTES
 
         disk = MOMENTS * state.parameters  # ZeRO 0/2/3: every local shard's moments (stage 1 is refused)
-        chunks = 3 * min(DEFAULT_CHUNK_BYTES, disk)  # updated + prefetched + written back; a chunk is on the
+        chunks = 2 * min(DEFAULT_CHUNK_BYTES, disk)  # updated + written back/prefetched; a chunk is on the
         buffers += min(DEFAULT_CHUNK_BYTES, disk) if device != "cpu" else 0  # device while it is updated
         return MemoryEstimate(state.parameters, state.gradients, 0, activations, buffers,
                               host=state.optimizer - disk + chunks, disk=disk)

@@ -11,8 +11,9 @@ regions of ``numel * element_size`` bytes (``K`` = 2, 3 with amsgrad), in the pa
 file is sparse zeros: the state of a parameter that never stepped is ``zeros_like``, as Adam's lazy init.
 
 The step walks *chunks* (consecutive parameters of one param group, up to ``chunk_bytes`` of state) with a
-background I/O thread: while chunk ``k`` is updated, chunk ``k + 1`` is read (``os.preadv``) and chunk ``k - 1``
-written back (``os.pwritev``; both release the GIL), so at most three chunks are in memory. Each chunk is updated by
+background I/O thread: while chunk ``k`` is updated, chunk ``k - 1`` is written back (``os.pwritev``) and then chunk
+``k + 1`` read (``os.preadv``; both release the GIL) into the other of two buffers of the largest chunk's size,
+allocated once (a parameter larger than ``chunk_bytes`` is a chunk of its own). Each chunk is updated by
 torch's own functional ``torch.optim.adam.adam`` with the group's hyperparameters on the local tensors: the same
 arithmetic as the in-memory optimizer, bit for bit. No collective runs in the step (the parameters and gradients
 are local shards; FSDP2 reduce-scattered the gradients already).
@@ -41,7 +42,7 @@ import torch
 
 STATE_FILE = "adam_state.bin"
 LOCK_FILE = "owner.lock"
-DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20
 
 
 def _state_keys(amsgrad: bool) -> tuple[str, ...]:
@@ -184,7 +185,7 @@ class DiskOffloadedOptimizer(torch.optim.Optimizer):
         params: parameters or param groups (the same as the wrapped optimizer's; groups keep their keys).
         folder: this rank's locked folder (:func:`prepare_offload_folder`).
         defaults: the Adam/AdamW defaults (``optimizer.defaults``).
-        chunk_bytes: state bytes per chunk of the step (three chunks in memory at most).
+        chunk_bytes: state bytes per chunk of the step (two chunk buffers in memory).
     """
 
     def __init__(self, params, folder: str, defaults: dict, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
@@ -215,6 +216,7 @@ class DiskOffloadedOptimizer(torch.optim.Optimizer):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvme-offload")
         self._finalizer = weakref.finalize(self, _cleanup, folder, self._pool, self._fd_box)
         self._lock = threading.Lock()
+        self._ring = None  # the step's two chunk buffers (``_buffers``)
 
     @classmethod
     def wrap(cls, optimizer: torch.optim.Optimizer, folder: str, **kwargs) -> "DiskOffloadedOptimizer":
@@ -276,15 +278,25 @@ class DiskOffloadedOptimizer(torch.optim.Optimizer):
             chunks.append(current)
         return chunks
 
-    def _read(self, params) -> torch.Tensor:
-        """One contiguous read of the chunk's regions (parameters are consecutive in the file)."""
-        start = self._offsets[params[0]]
-        end = self._offsets[params[-1]] + len(self.state_keys) * self._nbytes(params[-1])
-        buffer = torch.empty(end - start, dtype=torch.uint8)
-        if end > start:
-            got = os.preadv(self._fd_box[0], [buffer.numpy()], start)
-            if got != end - start:
-                raise OSError(f"short read of the offloaded optimizer state ({got} of {end - start} bytes)")
+    def _chunk_bytes(self, params) -> int:
+        return self._offsets[params[-1]] + len(self.state_keys) * self._nbytes(params[-1]) - self._offsets[params[0]]
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """Two buffers of the largest chunk, allocated once (not per chunk: freed chunk-sized blocks would stay in
+        the allocator's arenas and grow the resident memory step after step)."""
+        if self._ring is None:
+            largest = max((self._chunk_bytes(c) for g in self.param_groups for c in self._chunks(g)), default=0)
+            self._ring = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
+        return self._ring
+
+    def _read(self, params, buffer: torch.Tensor) -> torch.Tensor:
+        """One contiguous read of the chunk's regions (parameters are consecutive in the file) into ``buffer``."""
+        size = self._chunk_bytes(params)
+        buffer = buffer[:size]
+        if size:
+            got = os.preadv(self._fd_box[0], [buffer.numpy()], self._offsets[params[0]])
+            if got != size:
+                raise OSError(f"short read of the offloaded optimizer state ({got} of {size} bytes)")
         return buffer
 
     def _write(self, params, buffer: torch.Tensor) -> None:
@@ -308,12 +320,15 @@ class DiskOffloadedOptimizer(torch.optim.Optimizer):
         from torch.optim.adam import adam
 
         chunks = [c for c in self._chunks(group) if any(p.grad is not None for p in c)]
-        pending_read = self._pool.submit(self._read, chunks[0]) if chunks else None
+        # Double buffering with one FIFO I/O thread: chunk k is updated in ring[k % 2] while the thread writes chunk
+        # k - 1 back from the other buffer and then reads chunk k + 1 into it (the FIFO orders the two).
+        ring = self._buffers() if chunks else []
+        pending_read = self._pool.submit(self._read, chunks[0], ring[0]) if chunks else None
         writes = []
         for index, chunk in enumerate(chunks):
             buffer = pending_read.result()
-            if index + 1 < len(chunks):
-                pending_read = self._pool.submit(self._read, chunks[index + 1])  # prefetch while this one runs
+            if index + 1 < len(chunks):  # prefetch while this one runs
+                pending_read = self._pool.submit(self._read, chunks[index + 1], ring[(index + 1) % 2])
             params, grads, states, steps = [], [], [[] for _ in self.state_keys], []
             start, has_complex = self._offsets[chunk[0]], False
             for param in chunk:
