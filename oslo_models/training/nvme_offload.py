@@ -212,7 +212,7 @@ class DiskOffloadedOptimizer(torch.optim.Optimizer):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         os.ftruncate(fd, max(offset, 1))  # sparse zeros: Adam's zero init, disk blocks allocated as written
         self._fd_box = [fd]
-        self._map = torch.UntypedStorage.from_file(path, shared=True, nbytes=max(offset, 1))
+        self._path, self._map = path, None  # the MAP_SHARED view of the file, made on first use (checkpoints)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvme-offload")
         self._finalizer = weakref.finalize(self, _cleanup, folder, self._pool, self._fd_box)
         self._lock = threading.Lock()
@@ -239,6 +239,8 @@ class DiskOffloadedOptimizer(torch.optim.Optimizer):
         """A zero-copy view of the file (``MAP_SHARED``): shaped like the local tensor, a DTensor like ``param``."""
         local = _local(param)
         start = self._region(param, key)
+        if self._map is None:
+            self._map = torch.UntypedStorage.from_file(self._path, shared=True, nbytes=max(self.file_bytes, 1))
         flat = torch.empty(0, dtype=torch.uint8)
         flat.set_(self._map, start, (self._nbytes(param),))
         view = flat.view(local.dtype).view(local.shape)
