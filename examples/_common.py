@@ -76,7 +76,10 @@ def build_parser(doc: str, *, output: str, model_help: str, lr: float = 3e-3,
     add("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved_1f1b or zero_bubble")
     add("--virtual-stages", type=int, default=1, help="stages per rank (interleaved_1f1b, zero_bubble)")
     add("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over the data-parallel group")
-    add("--cpu-offload", action="store_true", help="ZeRO 2/3: params/grads/optimizer on CPU")
+    add("--offload", choices=["cpu", "nvme"], default=None,
+        help="cpu: ZeRO 2/3 params/grads/optimizer in host memory; nvme: the Adam state on disk (--offload-path)")
+    add("--offload-path", default=None, help="--offload nvme: a folder on a local disk (each rank uses rank<N>/)")
+    add("--cpu-offload", action="store_true", help="same as --offload cpu")
     add("--dp-shard", type=int, default=None, metavar="K",
         help="HSDP with --zero 2/3: shard over groups of K data-parallel ranks, replicate across the groups")
     add("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
@@ -154,7 +157,8 @@ _PARALLEL_OPTIONS = {"tensor_parallel_size": "tp", "sequence_parallel": "sequenc
                      "pipeline_parallel_size": "pp", "num_microbatches": "microbatches",
                      "pipeline_schedule": "schedule", "virtual_pipeline_size": "virtual_stages", "zero_stage": "zero",
                      "data_parallel_shard_size": "dp_shard", "activation_checkpointing": "activation_checkpointing",
-                     "collective_timeout": "collective_timeout"}
+                     "collective_timeout": "collective_timeout", "offload": "offload",
+                     "offload_path": "offload_path"}
 
 
 def parallel_config_options(path: str, parser: argparse.ArgumentParser) -> dict:
@@ -224,6 +228,10 @@ def check_launch(args, auto=None, default_config=None) -> om.ParallelConfig:
     mixed = args.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if args.plan:
         apply_plan(args, auto, default_config, mixed)
+    if args.cpu_offload:  # the older spelling of --offload cpu
+        if args.offload == "nvme":
+            raise UsageError("--cpu-offload is --offload cpu: it cannot be combined with --offload nvme")
+        args.offload = "cpu"
     try:
         cfg = om.ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel=args.sequence_parallel,
                                 tensor_parallel_mode=args.tp_mode, tensor_parallel_depth=args.tp_depth,
@@ -233,7 +241,8 @@ def check_launch(args, auto=None, default_config=None) -> om.ParallelConfig:
                                 num_microbatches=args.microbatches, pipeline_schedule=args.schedule,
                                 virtual_pipeline_size=args.virtual_stages,
                                 activation_checkpointing=args.activation_checkpointing,
-                                collective_timeout=args.collective_timeout or None)
+                                collective_timeout=args.collective_timeout or None, offload=args.offload,
+                                offload_path=args.offload_path)
         dp = cfg.resolve_data_parallel_size(world)
     except (ValueError, NotImplementedError) as error:
         raise UsageError(str(error)) from None

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 TENSOR_PARALLEL_MODES = ("1d", "2d", "2.5d", "3d")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 CONTEXT_PARALLEL_MODES = ("ring", "all_to_all")
+OFFLOAD_TIERS = (None, "cpu", "nvme")
 
 _ZERO_STAGES = (0, 1, 2, 3)
 _MAX_SEED = 2**63 - 1
@@ -89,6 +90,11 @@ class ParallelConfig:
             for a peer that stopped participating (hung, stopped, dead) before it fails with an error naming the
             group, the operation and the missing rank(s) (``distributed/watchdog.py``). Default 600 (10 minutes,
             NCCL's own default; gloo's is 30). ``None`` leaves the backend's timeouts alone and starts no watchdog.
+        offload: where the training helpers keep what does not fit the device: ``None``; ``"cpu"`` (FSDP2
+            ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state in host memory, ``zero_stage``
+            2/3; the same as ``prepare(..., cpu_offload=True)``); ``"nvme"`` (ZeRO-Infinity's disk tier: the Adam
+            state in one scratch file per rank under ``offload_path``, ``training/nvme_offload.py``).
+        offload_path: the folder (on a local NVMe disk) for ``offload="nvme"``; each rank uses ``rank<N>/`` in it.
     """
 
     tensor_parallel_size: int = 1
@@ -111,6 +117,8 @@ class ParallelConfig:
     seed: int = 1234
     activation_checkpointing: str | None = None
     collective_timeout: float | None = 600.0
+    offload: str | None = None
+    offload_path: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "tensor_parallel_depth", "pipeline_parallel_size",
@@ -148,12 +156,29 @@ class ParallelConfig:
                                     or not 0 < timeout < float("inf")):
             raise ValueError(f"ParallelConfig.collective_timeout must be a positive number of seconds or None, "
                              f"got {timeout!r}")
+        self._check_offload()
         self._check_expert_tensor_parallel()
         self._check_implemented()
         self._check_hybrid_sharding()
         if self.activation_checkpointing is not None and self.activation_checkpointing not in _ACTIVATION_CHECKPOINTING:
             raise ValueError(f"ParallelConfig.activation_checkpointing={self.activation_checkpointing!r} is unknown; "
                              f"choose None or one of {_ACTIVATION_CHECKPOINTING}")
+
+    def _check_offload(self) -> None:
+        """``offload`` in ``OFFLOAD_TIERS``; ``offload_path`` exactly when it is ``"nvme"`` (the ZeRO stage it needs
+        is checked by ``training.layout_rules``: ``prepare`` may override ``zero_stage``)."""
+        if self.offload not in OFFLOAD_TIERS:
+            raise ValueError(f"ParallelConfig.offload={self.offload!r} is unknown; choose one of {OFFLOAD_TIERS}")
+        path = self.offload_path
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+            object.__setattr__(self, "offload_path", path)
+        if self.offload == "nvme" and (not isinstance(path, str) or not path):
+            raise ValueError(f"ParallelConfig.offload='nvme' needs offload_path, the folder (on a local disk) for the "
+                             f"offloaded optimizer state; got offload_path={path!r}")
+        if self.offload != "nvme" and path is not None:
+            raise ValueError(f"ParallelConfig.offload_path={path!r} is only used by offload='nvme', got "
+                             f"offload={self.offload!r}")
 
     def _check_implemented(self) -> None:
         if self.tensor_parallel_mode not in _IMPLEMENTED_TENSOR_PARALLEL_MODES:

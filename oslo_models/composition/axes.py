@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+NVME_SCRATCH = "/tmp/oslo_nvme_offload"  # the nvme axis's offload_path (each rank writes rank<N>/ in it)
 APPLY_ORDER = ("pp", "tp/sp/grid", "cp", "ep", "activation_checkpointing", "compile", "dp/zero", "mixed_precision")
 
 
@@ -71,7 +72,8 @@ class Layout:
         if p.get("data_parallel_shard_size"):
             parts.append(f"hsdp{p['data_parallel_shard_size']}")
         if self.zero_stage:
-            parts.append(f"zero{self.zero_stage}" + ("+offload" if self.cpu_offload else ""))
+            parts.append(f"zero{self.zero_stage}" + ("+offload" if self.cpu_offload else "")
+                         + ("+nvme" if p.get("offload") == "nvme" else ""))
         if p.get("activation_checkpointing"):
             parts.append(f"ac:{p['activation_checkpointing']}")
         if self.mixed_precision != "no":
@@ -106,6 +108,9 @@ AXES = (
     Axis("z3", "ZeRO-3 (FSDP2, parameters sharded)", _layout(data_parallel_size=2, zero_stage=3)),
     Axis("off", "CPU offload (FSDP2, with ZeRO-3 unless paired)",
          _layout(data_parallel_size=2, zero_stage=3, cpu_offload=True)),
+    # offload_path is a placeholder: tests/helpers/composition.py trains each run in a fresh scratch folder
+    Axis("nvme", "optimizer state on local disk (ZeRO-Infinity's NVMe tier, with ZeRO-3 unless paired)",
+         _layout(data_parallel_size=2, zero_stage=3, offload="nvme", offload_path=NVME_SCRATCH)),
     Axis("cp", "context parallelism (ring)", _layout(context_parallel_size=2)),
     Axis("ep", "expert parallelism (mixture of experts)",
          _layout(moe=True, expert_parallel_size=2, data_parallel_size=2)),

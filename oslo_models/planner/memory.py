@@ -16,6 +16,9 @@ wrappers place it (``training/zero.py``), so the prediction equals what a rank h
   gradients and state are all sharded (at rest: stage 2 keeps the gathered parameters during the step, counted in
   ``buffers``);
 - CPU offload: the sharded parameters, gradients and state live in host memory (``host``), not on the device.
+- NVMe offload (``ParallelConfig.offload="nvme"``, ``training/nvme_offload.py``; ZeRO 0/2/3): the AdamW moments of
+  the rank's local shards are in its scratch file (``disk``); the ``step`` counters and the step's two chunk
+  buffers (the chunk updated; the one written back, then prefetched) in host memory (``host``).
 
 Bf16 autocast (Accelerate's ``mixed_precision="bf16"``) keeps fp32 parameters, so there is no separate master
 copy; a model loaded in bf16 keeps bf16 parameters, gradients and AdamW moments (torch's ``zeros_like``).
@@ -53,7 +56,8 @@ class StateBytes:
 
 @dataclass
 class MemoryEstimate:
-    """Predicted bytes on one device (``host``: bytes moved to host memory by offload)."""
+    """Predicted bytes on one device (``host``: bytes moved to host memory by offload; ``disk``: bytes in the
+    rank's NVMe offload file)."""
 
     parameters: int
     gradients: int
@@ -61,6 +65,7 @@ class MemoryEstimate:
     activations: int
     buffers: int
     host: int = 0
+    disk: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -212,10 +217,11 @@ def recompute_bytes(facts: ModelFacts, parallel: ParallelConfig, *, micro_batch:
 
 def estimate_memory(facts: ModelFacts, parallel: ParallelConfig, world_size: int, *, zero_stage: int | None = None,
                     cpu_offload: bool = False, micro_batch: int = 1, seq_len: int = 1, num_microbatches: int = 1,
-                    mixed_precision: str = "no") -> MemoryEstimate:
+                    mixed_precision: str = "no", device: str = "cuda") -> MemoryEstimate:
     """The busiest rank's memory: the largest training state over pipeline ranks, activations of pipeline rank 0,
     and the transient buffers (DDP's gradient buckets at stages 0/1 without pipeline; FSDP2's gathered
-    parameters: all of the rank's at stage 2, the largest two blocks (current + prefetched) at stage 3)."""
+    parameters: all of the rank's at stage 2, the largest two blocks (current + prefetched) at stage 3).
+    ``device``: where the model trains (``"cpu"``: the NVMe tier's chunk is updated in the host buffer itself)."""
     stage = parallel.zero_stage if zero_stage is None else zero_stage
     pp = parallel.pipeline_parallel_size
     # uniform partitions: the middle pipeline ranks hold the same (the first adds embeddings, the last the head)
@@ -235,6 +241,14 @@ def estimate_memory(facts: ModelFacts, parallel: ParallelConfig, world_size: int
     elif stage == 3:
         buffers = 2 * unsharded // max(1, -(-facts.num_layers // pp))
     buffers += recompute_bytes(facts, parallel, micro_batch=micro_batch, seq_len=seq_len, element_size=element)
-    if cpu_offload:
+    if cpu_offload or parallel.offload == "cpu":
         return MemoryEstimate(0, 0, 0, activations, buffers, host=state.total)
+    if parallel.offload == "nvme":
+        from ..training.nvme_offload import DEFAULT_CHUNK_BYTES
+
+        disk = MOMENTS * state.parameters  # ZeRO 0/2/3: every local shard's moments (stage 1 is refused)
+        chunks = 2 * min(DEFAULT_CHUNK_BYTES, disk)  # updated + written back/prefetched; a chunk is on the
+        buffers += min(DEFAULT_CHUNK_BYTES, disk) if device != "cpu" else 0  # device while it is updated
+        return MemoryEstimate(state.parameters, state.gradients, 0, activations, buffers,
+                              host=state.optimizer - disk + chunks, disk=disk)
     return MemoryEstimate(state.parameters, state.gradients, state.optimizer, activations, buffers)

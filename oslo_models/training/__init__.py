@@ -27,7 +27,7 @@ __all__ = [
     "prepare", "push_to_hub", "save_checkpoint", "save_pretrained", "unsharded", "shard_data_parallel", "sync_overflow", "unwrap_model", "unwrap_optimizer",
     "zero_stage_of",
     "find_checkpoint", "CorruptCheckpointError", "verify_checksums", "NonFiniteError", "check_finite",
-    "describe_nonfinite", "find_nonfinite", "Trainer", "ParallelTrainerMixin",
+    "describe_nonfinite", "find_nonfinite", "Trainer", "ParallelTrainerMixin", "DiskOffloadedOptimizer",
 ]
 
 
@@ -37,4 +37,8 @@ def __getattr__(name: str):
         from . import trainer
 
         return getattr(trainer, name)
+    if name == "DiskOffloadedOptimizer":  # ParallelConfig(offload="nvme"): what prepare returns as the optimizer
+        from .nvme_offload import DiskOffloadedOptimizer
+
+        return DiskOffloadedOptimizer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,9 +18,22 @@ def check_training_layout(parallel: ParallelConfig, *, zero_stage: int | None = 
     stage = parallel.zero_stage if zero_stage is None else zero_stage
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be one of (0, 1, 2, 3), got {stage!r}")
-    if cpu_offload and stage < 2:
+    if cpu_offload and parallel.offload == "nvme":
+        raise ValueError("cpu_offload=True and ParallelConfig.offload='nvme' choose two offload tiers; pick one "
+                         "(offload='cpu' is cpu_offload=True)")
+    if (cpu_offload or parallel.offload == "cpu") and stage < 2:
         raise ValueError(f"cpu_offload needs zero_stage 2 or 3 (FSDP2 offload), got zero_stage={stage}")
     pp = parallel.pipeline_parallel_size
+    if parallel.offload == "nvme":
+        # The disk tier replaces the local optimizer: ZeRO-1's partitioned optimizer and the expert split optimizer
+        # hold theirs inside wrappers the disk optimizer does not replace (yet).
+        if stage == 1:
+            raise NotImplementedError("offload='nvme' with zero_stage=1 is not implemented (ZeroRedundancyOptimizer "
+                                      "keeps its partition in memory); use zero_stage 2 or 3, which shard the "
+                                      "optimizer state over dp too, or 0")
+        if parallel.expert_parallel_size > 1:
+            raise NotImplementedError("offload='nvme' with expert_parallel_size > 1 is not implemented (experts "
+                                      "have their own optimizer over the expert-data-parallel group)")
     if parallel.expert_parallel_size > 1 and pp > 1 and stage >= 1:
         # the pipeline runner reduces expert gradients over edp itself; ZeRO would shard them over dp like dense ones
         raise NotImplementedError(f"expert_parallel_size > 1 with pipeline_parallel_size={pp} and zero_stage={stage} "

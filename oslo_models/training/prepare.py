@@ -113,7 +113,9 @@ def prepare(accelerator, model, *objects, zero_stage: int | None = None, cpu_off
         objects: any of: one optimizer over ``model.parameters()`` (fresh), data loaders, LR schedulers (built on
             that optimizer). Returned in the same order, after the model, like ``accelerator.prepare``.
         zero_stage: 0 (DDP), 1, 2, 3; default ``model.parallel_context.config.zero_stage``.
-        cpu_offload: stages 2/3: parameters, gradients and optimizer state in host memory.
+        cpu_offload: stages 2/3: parameters, gradients and optimizer state in host memory (the same as
+            ``ParallelConfig.offload="cpu"``). ``ParallelConfig.offload="nvme"`` (stages 0/2/3) returns a
+            ``DiskOffloadedOptimizer``: the Adam state on disk under ``offload_path`` (``nvme_offload.py``).
     """
     context = _context_of(model)
     _check_world(accelerator, context)

@@ -51,6 +51,7 @@ FSDP2 lets a parameter belong to one unit only, so it stays in the root with its
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 from torch import nn
@@ -254,7 +255,13 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
             hyperparameters are kept). Stages 2/3 replace the parameters with DTensors, so the optimizer is rebuilt
             on them; stage 1 wraps it in ``ZeroRedundancyOptimizer``.
         zero_stage: 0-3; default ``model.parallel_context.config.zero_stage``.
-        cpu_offload: stages 2/3 only: parameters, gradients and optimizer state in host memory.
+        cpu_offload: stages 2/3 only: parameters, gradients and optimizer state in host memory (the same as
+            ``ParallelConfig.offload="cpu"``).
+
+    With ``ParallelConfig.offload="nvme"`` the returned optimizer is a
+    :class:`~oslo_models.training.nvme_offload.DiskOffloadedOptimizer`: the Adam state of this rank's local shards in
+    a scratch file under ``offload_path`` (its folder is checked and locked on every rank, agreeing on the outcome,
+    before FSDP2 or DDP run any collective).
 
     Returns ``(model, optimizer)``: use the returned objects for forward, backward and step. With one dp rank the
     model is returned unwrapped and the optimizer unchanged (there is nothing to shard).
@@ -265,7 +272,47 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     if model is not unwrap_model(model) or getattr(model, "_oslo_zero_stage", None) is not None:
         raise ValueError("the model is already wrapped for data parallelism; pass the plain model")
     stage = context.config.zero_stage if zero_stage is None else zero_stage
+    cpu_offload = cpu_offload or context.config.offload == "cpu"
     check_training_layout(context.config, zero_stage=stage, cpu_offload=cpu_offload)
+    if context.config.offload != "nvme" or optimizer is None:
+        return _shard_data_parallel(model, optimizer, context, stage, cpu_offload, ddp_kwargs)
+    from ..distributed.agreement import all_or_none
+    from .nvme_offload import DiskOffloadedOptimizer, prepare_offload_folder, release_offload_folder
+
+    inner = unwrap_optimizer(optimizer)
+    if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise ValueError(f"offload='nvme' offloads torch.optim.Adam / AdamW state; got {type(inner).__name__}")
+    _check_fresh(inner)
+    with all_or_none(context, "offload='nvme': preparing the offload folder"):  # every rank raises, or none
+        folder = prepare_offload_folder(context.config.offload_path, context.rank,
+                                        _predicted_state_bytes(inner, context, stage),
+                                        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    try:
+        model, optimizer = _shard_data_parallel(model, optimizer, context, stage, cpu_offload, ddp_kwargs)
+        return model, DiskOffloadedOptimizer.wrap(optimizer, folder)
+    except BaseException:
+        release_offload_folder(folder)  # the lock of a failed setup must not block the next try
+        raise
+
+
+def _predicted_state_bytes(optimizer, context, stage: int) -> int:
+    """Adam's state bytes on this rank after sharding: ZeRO-2/3 split each local tensor's dim 0 over the shard group
+    (``torch.chunk``'s rounding up: an upper bound)."""
+    from .nvme_offload import _local, predicted_state_bytes
+
+    shard = context.config.data_parallel_shard_size or context.dp_cp_size if stage >= 2 else 1
+    sizes = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            local = _local(param)
+            numel = local.numel()
+            if shard > 1 and local.dim() and local.shape[0]:
+                numel = -(-local.shape[0] // shard) * (numel // local.shape[0])
+            sizes.append((numel, local.element_size()))
+    return predicted_state_bytes(sizes, amsgrad=any(g.get("amsgrad") for g in optimizer.param_groups))
+
+
+def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: bool, ddp_kwargs: dict):
     shard = context.config.data_parallel_shard_size
     if shard is not None and shard < context.dp_size and stage < 2:
         raise ValueError(f"the model's ParallelConfig asks for HSDP (data_parallel_shard_size={shard}), which needs "

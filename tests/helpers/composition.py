@@ -61,6 +61,11 @@ def build(layout: Layout, model_class, path: str):
         import dataclasses
 
         parallel = dataclasses.replace(parallel, pipeline_schedule="gpipe", num_microbatches=1)
+    if parallel.offload == "nvme":  # a fresh scratch folder per run: concurrent runs must not share one
+        import dataclasses
+        import tempfile
+
+        parallel = dataclasses.replace(parallel, offload_path=tempfile.mkdtemp(prefix="oslo_nvme_"))
     model = model_class.from_pretrained(path, parallel=parallel, progress=False).train()
     reference = model_class.hf_twin.from_pretrained(path).train()
     return model, reference
@@ -108,6 +113,9 @@ def train_layout(layout: Layout, model_class, path: str, steps: int = STEPS) -> 
                                    msg=lambda m, s=step: f"step {s}: {m}")
         _step(scalers, sum(losses) / len(losses), None if pipelined else got, optimizer, ref_optimizer, context)
     assert_params_match(inner, reference, **param_tol)
+    close = getattr(training.unwrap_optimizer(optimizer), "close", None)  # the NVMe tier's scratch file and lock
+    if close is not None:
+        close()
 
 
 def _step(scalers, expected, got, optimizer, ref_optimizer, context) -> None:

@@ -83,6 +83,9 @@ def test_check_launch_refuses_before_building(examples, monkeypatch):
         ("--cp", "2", "--cp-mode", "all_to_all", "--tp", "3"): "does not divide",
         ("--tp", "2", "--tp-mode", "2d"): "2d",
         ("--compile", "nosuchbackend"): "unknown backend",
+        ("--zero", "3", "--offload", "nvme"): "offload='nvme' needs offload_path",
+        ("--zero", "3", "--offload", "nvme", "--offload-path", "x", "--cpu-offload"): "cannot be combined",
+        ("--zero", "1", "--offload", "nvme", "--offload-path", "x"): "zero_stage=1 is not implemented",
     }
     for argv, message in cases.items():
         with pytest.raises(common.UsageError, match=message):
@@ -104,6 +107,9 @@ def test_check_launch_refuses_before_building(examples, monkeypatch):
     assert (cfg.context_parallel_size, cfg.context_parallel_mode, cfg.activation_checkpointing) == (
         2, "all_to_all", "selective")
     assert common.check_launch(parse(["--ep", "2"])).expert_parallel_size == 2
+    assert common.check_launch(parse(["--zero", "2", "--cpu-offload"])).offload == "cpu"  # the older spelling
+    nvme = common.check_launch(parse(["--zero", "3", "--offload", "nvme", "--offload-path", "/scratch/run1"]))
+    assert (nvme.offload, nvme.offload_path) == ("nvme", "/scratch/run1")
     grid = common.check_launch(parse(["--tp", "4", "--tp-mode", "2d"]))
     assert (grid.tensor_parallel_mode, grid.tensor_parallel_size) == ("2d", 4)
     assert parse(["--compile"]).compile == "inductor"
