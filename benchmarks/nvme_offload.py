@@ -6,8 +6,8 @@ A GPT-2 whose optimizer state is most of its footprint (n_embd 512, 8 layers, vo
 32 tokens, so activations are negligible) trains ``--steps`` AdamW steps on the CPU, one rank, once with the state
 in memory and once with ``ParallelConfig(offload="nvme")``, each in a fresh process (``ru_maxrss`` is per process).
 Reported per run: the peak RSS of the training steps (``VmHWM`` after resetting it once the model and optimizer
-are built, so the peak of building the model does not hide them), the bytes of parameters, gradients and Adam moments, the bytes of
-the rank's offload file, and the median step time (forward + backward + step) after the first step. The saving
+are built, so the peak of building the model does not hide them), the bytes of parameters, gradients and Adam
+moments, the bytes of the rank's offload file, and the median step time (forward + backward + step) after the first step. The saving
 should be close to the moments' bytes (2 x 4 bytes per parameter), less the step's two chunk buffers (16 MiB of
 state each, or the largest parameter's state when it is larger: here the 8192 x 512 embedding's, 32 MiB).
 """
@@ -99,7 +99,8 @@ def main(argv=None) -> None:
         rows.append(json.loads(out.strip().splitlines()[-1]))
     base, nvme = rows
     print(f"GPT-2 n_embd={args.n_embd} n_layer={args.n_layer}: {base['parameters'] / 1e6:.1f}M parameters, "
-          f"Adam moments {base['moment_bytes'] / MIB:.0f} MiB; {args.steps} steps, 1 rank, CPU, {args.threads} thread(s)")
+          f"Adam moments {base['moment_bytes'] / MIB:.0f} MiB; {args.steps} steps, 1 rank, CPU, "
+          f"{args.threads} thread(s)")
     print(f"{'optimizer state':<16} {'RSS before MiB':>15} {'peak RSS MiB':>13} {'on disk MiB':>12} "
           f"{'step s (median)':>16}")
     for row in rows:
