@@ -5,12 +5,11 @@
 A GPT-2 whose optimizer state is most of its footprint (n_embd 512, 8 layers, vocab 8192: ~29M parameters; batch 1 x
 32 tokens, so activations are negligible) trains ``--steps`` AdamW steps on the CPU, one rank, once with the state
 in memory and once with ``ParallelConfig(offload="nvme")``, each in a fresh process (``ru_maxrss`` is per process).
-Reported per run: the peak RSS of the training steps (``VmHWM`` after resetting it once the model and optimizer
-are built, so the peak of building the model does not hide them), the bytes of parameters, gradients and Adam
-moments, the bytes of the rank's offload file, and the median step time (forward + backward + step) after the
-first step. The saving should be close to the moments' bytes (2 x 4 bytes per parameter), less the step's two chunk buffers (16 MiB of
-state each, or the largest parameter's state when it is larger: here the 8192 x 512 embedding's, 32 MiB).
-"""
+Reported per run: the peak RSS of the training steps (``VmHWM`` after resetting it once the model and optimizer are
+built, so the peak of building the model does not hide them), the bytes of parameters, gradients and Adam moments,
+the bytes of the rank's offload file, and the median step time (forward + backward + step) after the first step. The
+saving should be close to the moments' bytes (2 x 4 bytes per parameter), less the step's two chunk buffers (16 MiB
+of state each, or the largest parameter's state when it is larger: here the 8192 x 512 embedding's, 32 MiB). """
 from __future__ import annotations
 
 import argparse
