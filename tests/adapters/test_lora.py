@@ -171,6 +171,7 @@ def _check_dropout(model_type: str, base: str, adapter: str, **layout) -> None:
     slice of the full-width mask), so the loss and every adapter gradient equal plain peft's on this data-parallel
     replica's rows (the model itself is not wrapped: no gradient averaging over dp)."""
     model, reference = _ours(model_type, base, adapter, **layout), _reference(model_type, base, adapter)
+    om.distributed.mark_gradients_reduced(model, "test: per-replica gradients compared, not trained")
     context = model.parallel_context
     batch = {k: v[context.dp_rank::context.dp_size].contiguous() for k, v in _batch(model_type).items()}
     with torch.no_grad():

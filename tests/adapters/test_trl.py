@@ -15,6 +15,7 @@ import torch
 peft = pytest.importorskip("peft")
 trl = pytest.importorskip("trl")
 
+import oslo_models as om  # noqa: E402
 from tests.adapters.test_lora import _ours, _reference, _save_case  # noqa: E402
 from tests.helpers.dist import run_distributed  # noqa: E402
 from tests.helpers.zoo import tiny_config  # noqa: E402
@@ -36,6 +37,7 @@ def _fused_worker(base: str, adapter: str, expected: dict) -> None:
     from tests.adapters.test_lora import assert_adapters_match
 
     model = _ours("llama", base, adapter, tensor_parallel_size=2, data_parallel_size=2)
+    om.distributed.mark_gradients_reduced(model, "test: the same batch on every replica, gradients compared")
     add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))
     assert replace_trl_head(model.get_base_model())
     out, _ = _head_grads(model, expected["batch"], True)

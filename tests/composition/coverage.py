@@ -40,6 +40,8 @@ COVERAGE: dict[str, list[set[str]]] = {
     "tests/reliability/test_pipeline_mixed_precision.py::test_bf16_and_fp16_with_pipeline_match_transformers": [
         {"pp", "bf16"}, {"pp", "fp16"}],
     "tests/training/test_accelerate.py::test_accumulation_with_accelerate_equals_double_batch": [{"tp", "dp"}],
+    "tests/training/test_nvme_offload.py::test_zero3_nvme_offload_equals_in_memory_and_resumes": [
+        {"tp", "dp", "z3", "nvme"}],
 }
 
 
@@ -58,6 +60,8 @@ def axes_of(layout: Layout) -> set[str]:
         found.add(f"z{layout.zero_stage}")
     if layout.cpu_offload:
         found.add("off")
+    if p.get("offload") == "nvme":
+        found.add("nvme")
     if p.get("activation_checkpointing"):
         found.add("ac")
     if layout.mixed_precision != "no":

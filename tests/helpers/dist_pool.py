@@ -7,11 +7,11 @@ each ``run_distributed`` call to the first ``world_size`` of them: rank ``r`` is
 torchrun environment, breadcrumb and hang report as a fresh spawn.
 
 What a fresh process would give a test is restored around every task: the environment variables and working
-directory, a nondeterministic torch seed (as a fresh process has), default dtype, grad mode, one
-thread, Accelerate's process-wide state; the default process group is destroyed and the collective watchdog
-stopped. A worker that failed, hung,
-died or grew past ``_MAX_RSS`` is replaced (the next call spawns a fresh one), so one broken test cannot leak into
-the next. ``OSLO_TEST_POOL=0`` spawns fresh processes for every call instead (the old behaviour).
+directory, a nondeterministic torch seed (as a fresh process has), default dtype, grad mode, one thread,
+Accelerate's process-wide state; the default process group is destroyed and the collective watchdog stopped. A
+worker that failed, hung, died, grew past ``_MAX_RSS`` or ran DTensor code (``_used_dtensor``) is replaced (the next
+call spawns a fresh one), so one broken test cannot leak into the next. ``OSLO_TEST_POOL=0`` spawns fresh processes
+for every call instead (the old behaviour).
 """
 from __future__ import annotations
 
@@ -45,8 +45,24 @@ def _rss() -> int:
         return 0
 
 
-def _reset_process(environ: dict, cwd: str) -> None:
-    """Leave the process as the next task expects a fresh one."""
+def _used_dtensor() -> bool:
+    """Whether the task ran DTensor code (FSDP2 / ZeRO-2/3, DTensor checkpoints): then the worker is not reused.
+    torch caches DTensor placements and redistribution plans process-wide, keyed by mesh shape, and a later world
+    of the same shape was seen to get the previous world's (destroyed) process groups back from them."""
+    caches = []
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None:
+        propagator = dtensor.DTensor._op_dispatcher.sharding_propagator
+        caches += [getattr(propagator, name, None) for name in dir(propagator)]
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    if redistribute is not None:
+        caches.append(getattr(redistribute, "_gen_transform_infos", None))
+    info = [getattr(cache, "cache_info", None) for cache in caches]
+    return any(callable(get) and get().currsize > 0 for get in info)
+
+
+def _reset_process(environ: dict, cwd: str) -> bool:
+    """Leave the process as the next task expects a fresh one; ``False`` when it cannot be reused."""
     if dist.is_initialized():
         dist.destroy_process_group()
     watchdog = sys.modules.get("oslo_models.distributed.watchdog")
@@ -59,11 +75,13 @@ def _reset_process(environ: dict, cwd: str) -> None:
     torch.set_grad_enabled(True)
     if "torch._dynamo" in sys.modules:
         torch._dynamo.reset()
+    fresh = not _used_dtensor()
     accelerate_state = sys.modules.get("accelerate.state")
     if accelerate_state is not None:  # Accelerate's process-wide singletons (mixed precision, device mesh, ...)
         accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
         accelerate_state.GradientState._reset_state()
     gc.collect()
+    return fresh
 
 
 def _serve(conn) -> None:
@@ -91,7 +109,7 @@ def _serve(conn) -> None:
         except BaseException:  # noqa: BLE001 - every failure goes back to the parent
             error = f"rank {rank} failed:\n{traceback.format_exc()}"
         try:
-            _reset_process(environ, cwd)
+            clean = _reset_process(environ, cwd)
         except BaseException:  # noqa: BLE001 - a process that cannot be reset is not reused
             clean = False
             error = error or f"rank {rank} failed while cleaning up:\n{traceback.format_exc()}"
@@ -160,8 +178,11 @@ class Pool:
                 multiprocessing.connection.wait(waitables, timeout=1.0)
                 for rank in sorted(pending):
                     worker = workers[rank]
-                    if worker.conn.poll():
-                        message = worker.conn.recv()
+                    try:
+                        message = worker.conn.recv() if worker.conn.poll() else None
+                    except (EOFError, OSError):  # the worker is gone: judged by its exit code below
+                        message, worker.reusable = None, False
+                    if message is not None:
                         if message == "started":
                             started.add(rank)
                             if len(started) == world_size:
@@ -173,8 +194,11 @@ class Pool:
                         if error:
                             failures[rank] = error
                     elif not worker.process.is_alive():
+                        worker.process.join(1)
                         pending.discard(rank)
-                        failures[rank] = f"process {rank} terminated with exit code {worker.process.exitcode}"
+                        worker.reusable = False
+                        if worker.process.exitcode != 0:  # a rank that ends its process with status 0 succeeded
+                            failures[rank] = f"process {rank} terminated with exit code {worker.process.exitcode}"
                 if pending and not failures and time.monotonic() > deadline:
                     processes = [w.process for w in workers]
                     report = hang_report(fn, world_size, timeout, processes, report_dir, alive=sorted(pending))

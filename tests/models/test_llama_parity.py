@@ -138,6 +138,7 @@ def _resume_across_layouts(path: str, folder: str) -> None:
         optimizer.step(), optimizer.zero_grad()
     training.save_checkpoint(folder, model, opt, step=1)
     resumed = _load(path, 2, True)  # tp2 x dp2: each rank owns one whole kv head now
+    om.distributed.mark_gradients_reduced(resumed, "test: the same batch on every replica")
     opt = torch.optim.AdamW(resumed.parameters(), **ADAMW)
     training.load_checkpoint(folder, resumed, opt)
     assert_params_match(resumed, reference)
