@@ -114,22 +114,23 @@ def hang_report(fn, world_size: int, timeout: float, processes, report_dir: str,
     return "\n".join(lines)
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT) -> None:
+def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, fresh: bool = False) -> None:
     """Run ``fn(*args)`` on ``world_size`` spawned processes; raise if any rank fails or time runs out.
 
     A free port can be taken by another test process between ``free_port`` and rank 0's listen (pytest-xdist runs
-    two at once): that one failure, before any test code ran, is retried once on a new port."""
+    two at once): that one failure, before any test code ran, is retried once on a new port. ``fresh=True``: new
+    processes for this call (a test that a pooled process's history was seen to disturb)."""
     try:
-        _run_distributed(fn, world_size, args, timeout)
+        _run_distributed(fn, world_size, args, timeout, fresh)
     except Exception as error:  # noqa: BLE001 - only the port race is retried
         if "EADDRINUSE" not in str(error):
             raise
-        _run_distributed(fn, world_size, args, timeout)
+        _run_distributed(fn, world_size, args, timeout, fresh)
 
 
-def _run_distributed(fn, world_size: int, args: tuple, timeout: float) -> None:
+def _run_distributed(fn, world_size: int, args: tuple, timeout: float, fresh: bool = False) -> None:
     port = free_port()
-    if dist_pool.enabled():
+    if dist_pool.enabled() and not fresh:
         dist_pool.pool().run(fn, world_size, args, timeout, port)
         return
     with tempfile.TemporaryDirectory(prefix="oslo_dist_") as report_dir:

@@ -207,4 +207,5 @@ def test_context_parallel_with_pipeline_heads_and_checkpoints_match(tmp_path):
     paths["dropout"] = decoders.save_tiny(tmp_path / "dropout", "llama", attention_dropout=0.2)
     for head in HEADS:  # pad 0 (the padded batch's), no classifier dropout (parity in training mode)
         paths[head] = decoders.save_tiny(tmp_path / head, "llama", head, pad_token_id=0, classifier_dropout=0.0)
-    run_distributed(_worker, 4, paths, str(tmp_path / "checkpoint"), timeout=600)
+    run_distributed(_worker, 4, paths, str(tmp_path / "checkpoint"), timeout=600,
+                    fresh=True)  # qa_outputs.bias drifted past 1e-5 after other tests in pooled ranks (open)
