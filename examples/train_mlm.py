@@ -22,7 +22,8 @@ import transformers
 
 import oslo_models as om
 from _common import build_parser, check_launch, export, finish, fit, make_accelerator, parse_args as _parse_args
-from _common import prepare_data, run, small_config
+from _common import run, small_config
+from _data import prepare_data
 from _evaluate import evaluator_for
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

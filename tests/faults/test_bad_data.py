@@ -1,7 +1,7 @@
 """A corpus that cannot be trained on is a clear error naming the file before training starts.
 
 ``.bin``/``.idx`` pairs that do not match (another corpus' ``.bin`` of another size, or of the same size), a
-truncated ``.bin`` or ``.idx``, and ids beyond the model's vocabulary: ``examples/_common.prepare_data`` (what every
+truncated ``.bin`` or ``.idx``, and ids beyond the model's vocabulary: ``examples/_data.prepare_data`` (what every
 example runs before building the loader) raises a ``UsageError`` naming the file; one real run of
 ``train_clm.py`` shows it is one line and exit status 2, with no checkpoint written. Negative controls: without the
 new checks (an index written before fingerprints existed, the dataset read directly) the same files are read
@@ -33,9 +33,10 @@ def tokenizer_dir(corpus):
 @pytest.fixture
 def common(monkeypatch):
     monkeypatch.syspath_prepend(examples.EXAMPLES)
-    import _common
+    import _data
 
-    yield _common
+    yield _data
+    sys.modules.pop("_data", None)
     sys.modules.pop("_common", None)
 
 

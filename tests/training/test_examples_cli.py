@@ -25,7 +25,7 @@ def examples():
 
     sys.path.insert(0, EXAMPLES)
     try:
-        yield {name: importlib.import_module(name) for name in ("_common", "_report", *SCRIPTS)}
+        yield {name: importlib.import_module(name) for name in ("_common", "_data", "_report", *SCRIPTS)}
     finally:
         sys.path.remove(EXAMPLES)
 
@@ -123,14 +123,14 @@ def test_tokenizer_checks(examples, tmp_path):
     bare = tmp_path / "bare"  # a model folder without tokenizer files
     transformers.GPT2Config(vocab_size=5, n_embd=8, n_layer=1, n_head=2).save_pretrained(bare)
     with pytest.raises(common.UsageError, match="no tokenizer files.*--tokenizer"):
-        common.tokenizer_source(parse(["--model", str(bare)]))
+        examples["_data"].tokenizer_source(parse(["--model", str(bare)]))
     tokenizer_dir = tmp_path / "tok"
     examples["train_clm"].train_tokenizer(os.path.join(EXAMPLES, "data", "public_domain.txt"), str(tokenizer_dir), 300)
     args = parse(["--model", str(bare), "--tokenizer", str(tokenizer_dir)])
-    assert common.tokenizer_source(args) == str(tokenizer_dir)
+    assert examples["_data"].tokenizer_source(args) == str(tokenizer_dir)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     with pytest.raises(common.UsageError, match=r"has \d+ tokens but .* embeds 5"):
-        common.check_tokenizer(args, tokenizer)
+        examples["_data"].check_tokenizer(args, tokenizer)
     other = tmp_path / "other"  # a second tokenizer, trained on another vocabulary size
     examples["train_clm"].train_tokenizer(os.path.join(EXAMPLES, "data", "public_domain.txt"), str(other), 280)
     text = tmp_path / "corpus.txt"
@@ -138,12 +138,12 @@ def test_tokenizer_checks(examples, tmp_path):
     import oslo_models as om
 
     om.data.preprocess(str(text), str(tmp_path / "corpus"), str(tokenizer_dir), show_progress=False)
-    common.check_corpus(tokenizer, str(tmp_path / "corpus"), None)
+    examples["_data"].check_corpus(tokenizer, str(tmp_path / "corpus"), None)
     with pytest.raises(common.UsageError, match="tokenizer mismatch.*own --tokenizer"):
-        common.check_corpus(transformers.AutoTokenizer.from_pretrained(other), str(tmp_path / "corpus"))
+        examples["_data"].check_corpus(transformers.AutoTokenizer.from_pretrained(other), str(tmp_path / "corpus"))
     fits = tmp_path / "fits"
     transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=8, n_layer=1, n_head=2).save_pretrained(fits)
-    common.check_tokenizer(parse(["--model", str(fits), "--tokenizer", str(tokenizer_dir)]), tokenizer)
+    examples["_data"].check_tokenizer(parse(["--model", str(fits), "--tokenizer", str(tokenizer_dir)]), tokenizer)
 
 
 def test_every_script_pushes_to_hub_and_shows_defaults(examples, tmp_path):
