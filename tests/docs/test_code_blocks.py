@@ -1,6 +1,7 @@
 """The README's ```python blocks, and the guides' blocks marked ``<!-- test -->`` on the line before them, run here
 in one process on a tiny GPT-2 saved locally (Hub names such as ``"gpt2"`` are replaced by its folder); paths the
-blocks and launch lines name (``examples/...``) must exist. Multi-process layouts are the other tests' business."""
+blocks and launch lines name (``examples/...``) must exist. Blocks marked ``<!-- test: N -->`` run on N processes
+(``test_multiprocess_blocks.py``)."""
 from __future__ import annotations
 
 import re
@@ -9,13 +10,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BLOCK = re.compile(r"(<!-- test -->\n)?```(python|bash)\n(.*?)```", re.S)
+BLOCK = re.compile(r"(?:<!-- test(?:: (\d+))? -->\n)?```(python|bash)\n(.*?)```", re.S)
 
 
-def code_blocks(page: Path, language: str, marked_only: bool) -> list[str]:
-    """The ``language`` blocks of ``page`` (only those marked ``<!-- test -->`` when ``marked_only``)."""
-    found = BLOCK.findall(page.read_text(encoding="utf-8"))
-    return [code for mark, lang, code in found if lang == language and (mark or not marked_only)]
+def code_blocks(page: Path, language: str, marked_only: bool, world_size: int = 1) -> list[str]:
+    """The ``language`` blocks of ``page`` (when ``marked_only``: only those marked ``<!-- test -->``, or
+    ``<!-- test: N -->`` for ``world_size`` N)."""
+    text = page.read_text(encoding="utf-8")
+    found = [(match.group(0).startswith("<!--"), int(match.group(1) or 1), match.group(2), match.group(3))
+             for match in BLOCK.finditer(text)]
+    return [code for marked, world, lang, code in found
+            if lang == language and (not marked_only or (marked and world == world_size))]
 
 
 def runnable_blocks() -> list[tuple[str, str]]:
