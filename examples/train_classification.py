@@ -46,7 +46,8 @@ from train_mlm import train_tokenizer
 BUILTIN_DATA = os.path.join(HERE, "data", "sentiment.csv")
 
 
-def parse_args(argv=None):
+def make_parser():
+    """This script's options: the shared ones (``_common.build_parser``) and its own."""
     parser = build_parser(__doc__, output="train_classification_out", lr=1e-3,
                           model_help="Hub id or folder to fine-tune, of any type with a sequence-classification "
                                      "head; default: a tiny BERT from config",
@@ -59,7 +60,11 @@ def parse_args(argv=None):
     parser.add_argument("--eval-split", help="the held-out split of a datasets --data")
     parser.add_argument("--eval-fraction", type=float, default=0.2,
                         help="without --eval-data / --eval-split: the last fraction of the training rows held out")
-    return _parse_args(parser, argv)
+    return parser
+
+
+def parse_args(argv=None):
+    return _parse_args(make_parser(), argv)
 
 
 # ---------------------------------------------------------------------------------------------- data

@@ -42,12 +42,17 @@ from _common import parse_args as _parse_args, run, small_config
 from _evaluate import evaluator_for
 
 
-def parse_args(argv=None):
+def make_parser():
+    """This script's options: the shared ones (``_common.build_parser``) and its own."""
     parser = build_parser(__doc__, output="train_clm_out",
                           model_help="Hub id or folder to fine-tune, of any causal-LM type (native family or "
                                      "generic path); default: a small GPT-2 from config")
     parser.add_argument("--prompt", default="Shall I compare thee", help="sampled from the saved model at the end")
-    return _parse_args(parser, argv)
+    return parser
+
+
+def parse_args(argv=None):
+    return _parse_args(make_parser(), argv)
 
 
 def train_tokenizer(text_file: str, folder: str, vocab_size: int):

@@ -29,7 +29,8 @@ from _evaluate import evaluator_for
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
-def parse_args(argv=None):
+def make_parser():
+    """This script's options: the shared ones (``_common.build_parser``) and its own."""
     parser = build_parser(__doc__, output="train_mlm_out", lr=1e-3,
                           model_help="Hub id or folder to fine-tune, of any masked-LM type; default: a tiny BERT "
                                      "from config",
@@ -38,7 +39,11 @@ def parse_args(argv=None):
     parser.add_argument("--whole-word-mask", action="store_true", help="mask all pieces of a chosen word")
     parser.add_argument("--prompt", default="Shall I [MASK] thee to a summer's day?",
                         help="filled in by the saved model at the end")
-    return _parse_args(parser, argv)
+    return parser
+
+
+def parse_args(argv=None):
+    return _parse_args(make_parser(), argv)
 
 
 def train_tokenizer(text_file: str, folder: str, vocab_size: int):

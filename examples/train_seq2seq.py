@@ -29,7 +29,8 @@ from _data import prepare_data
 from _evaluate import evaluator_for
 
 
-def parse_args(argv=None):
+def make_parser():
+    """This script's options: the shared ones (``_common.build_parser``) and its own."""
     parser = build_parser(__doc__, output="train_seq2seq_out", lr=3e-3,
                           model_help="Hub id or folder to fine-tune, of any seq2seq type; default: a tiny T5 from "
                                      "config",
@@ -40,7 +41,11 @@ def parse_args(argv=None):
     parser.add_argument("--mean-noise-span-length", type=float, default=3.0, help="mean corrupted span length")
     parser.add_argument("--prompt", default="Shall I <extra_id_0> thee to a summer's <extra_id_1>?",
                         help="spans filled in by the saved model at the end")
-    return _parse_args(parser, argv)
+    return parser
+
+
+def parse_args(argv=None):
+    return _parse_args(make_parser(), argv)
 
 
 def tokenizer_trainer(sentinels: int):
