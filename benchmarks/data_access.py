@@ -186,7 +186,8 @@ def main() -> None:
           f"{packed['of_samples']} samples; generate {gen_s:.1f}s, build arrow files {arrow_s:.1f}s")
     print(f"{'reader':<46}{'samples':>9}{'samples/s':>11}{'speedup':>9}{'RSS growth MB':>15}"
           f"{'RssAnon MB':>12}{'RssFile MB':>12}")
-    names = {"packed": "PackedCausalLMDataset (memmap)", "arrow_fixed_uint16": "datasets Arrow FixedSizeList<uint16>, torch",
+    names = {"packed": "PackedCausalLMDataset (memmap)",
+             "arrow_fixed_uint16": "datasets Arrow FixedSizeList<uint16>, torch",
              "arrow_list_int64": "datasets Arrow List<int64>, torch"}
     for r in results:
         split = r["rss_end_split_mb"]

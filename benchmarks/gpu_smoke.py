@@ -118,7 +118,8 @@ def main() -> None:
             else:
                 print(f"{model_type:<22}{'ok' if row['ok'] else 'FAIL':<6}{row['logits']:>10.1e}{row['loss']:>10.1e}"
                       f"{row['grads']:>10.1e}{row['bf16_rel']:>10.1e}"
-                      + (f"{row['logits_vs_eager_experts']:>15.1e}" if row["logits_vs_eager_experts"] is not None else ""))
+                      + ("" if row["logits_vs_eager_experts"] is None
+                         else f"{row['logits_vs_eager_experts']:>15.1e}"))
     with open(args.json, "w") as handle:
         json.dump(dict(device=name, torch=torch.__version__,
                        transformers=transformers.__version__, date=datetime.date.today().isoformat(), rows=rows),

@@ -90,7 +90,8 @@ def main() -> None:
     for row in rows:
         print(f"{row['variant']:<20}{row['peak_growth_mib']:>16.0f}{row['loss']:>10.4f}")
     by = {row["variant"]: row["peak_growth_mib"] for row in rows}
-    ratios = {"fused/unfused": by["fused"] / by["unfused"], "model skip_logits/model": by["model_skip_logits"] / by["model"]}
+    ratios = {"fused/unfused": by["fused"] / by["unfused"],
+              "model skip_logits/model": by["model_skip_logits"] / by["model"]}
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     if args.json:

@@ -115,7 +115,8 @@ def main() -> None:
         rows += run(f"oslo tp={tp}", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp),
                                       me, "--worker", "--tp", str(tp), "--path", path, "--out", out], out)
     summary = []
-    print(f"{args.arch} {num_params / 1e6:.1f}M parameters, checkpoint {model_bytes / 2**20:.0f} MiB (fp32 safetensors)")
+    print(f"{args.arch} {num_params / 1e6:.1f}M parameters, "
+          f"checkpoint {model_bytes / 2**20:.0f} MiB (fp32 safetensors)")
     print(f"{'load':<16}{'ranks':>6}{'max peak RSS growth / rank':>29}{'x model':>9}{'held x model':>14}"
           f"{'max seconds':>13}")
     for label in dict.fromkeys(row["label"] for row in rows):
@@ -129,7 +130,8 @@ def main() -> None:
         print(f"{label:<16}{len(group):>6}{growth / 2**20:>25.0f} MiB{growth / model_bytes:>9.2f}"
               f"{held / model_bytes:>14.2f}{seconds:>13.2f}")
     with open(args.json, "w", encoding="utf-8") as handle:
-        json.dump({"arch": args.arch, "num_params": num_params, "model_bytes": model_bytes, "results": summary}, handle, indent=2)
+        json.dump({"arch": args.arch, "num_params": num_params, "model_bytes": model_bytes, "results": summary}, handle,
+                  indent=2)
     print(f"wrote {args.json}")
 
 

@@ -5,9 +5,10 @@
     torchrun --nproc_per_node 2 examples/train_mlm.py --tp 2 --sequence-parallel --steps 50
 
 ``--model`` takes a masked LM of any type (native family or, e.g. ``megatron-bert``, the generic path); ``--model-type
-TYPE`` builds a small new one of any type. Without either a tiny BERT is built from config; without ``--data`` the built-in public-domain corpus
-(examples/data) is tokenized with a WordPiece vocabulary ([PAD] [UNK] [CLS] [SEP] [MASK]) trained on it offline.
-Samples are packed ``--seq-len`` windows of the corpus, masked 80/10/10 by ``om.data.MLMCollator``.
+TYPE`` builds a small new one of any type. Without either a tiny BERT is built from config; without ``--data`` the
+built-in public-domain corpus (examples/data) is tokenized with a WordPiece vocabulary ([PAD] [UNK] [CLS] [SEP] [MASK])
+trained on it offline. Samples are packed ``--seq-len`` windows of the corpus, masked 80/10/10 by
+``om.data.MLMCollator``.
 
 Writes to ``--output``: ``checkpoint/`` (``--resume``), ``loss.json``, ``loss.png`` and ``model/``, a Hub folder that
 plain ``transformers.BertForMaskedLM`` loads. Options and ``--config run.yaml`` as in train_clm.py.

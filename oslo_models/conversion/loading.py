@@ -1,9 +1,9 @@
 """Fill a (tensor-parallel) model from a checkpoint, each rank reading only the slices it owns.
 
 The model arrives with parameters already allocated at their local shapes (``to_empty`` after a meta build).
-For every parameter the model's ``ParallelPlan`` gives its ``Layout`` (``parallel_layers/sharding.py``); the layout cuts this rank's piece out of
-the checkpoint through ``CheckpointReader.read`` (a safetensors slice), so peak host memory is the local shard
-plus one tensor piece, never the full model.
+For every parameter the model's ``ParallelPlan`` gives its ``Layout`` (``parallel_layers/sharding.py``); the layout cuts
+this rank's piece out of the checkpoint through ``CheckpointReader.read`` (a safetensors slice), so peak host memory is
+the local shard plus one tensor piece, never the full model.
 
 Checkpoint keys are matched to parameter names the way ``transformers`` does: exactly, or with the base-model
 prefix added or removed (``h.0.attn.c_attn.weight`` <-> ``transformer.h.0.attn.c_attn.weight``).

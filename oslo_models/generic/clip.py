@@ -2,11 +2,11 @@
 
 A generic model has no plan of its own: its gradients say how they are laid out. A DTensor gradient (tensor
 parallel over ``tp``, FSDP2 over ``dp``, or both) is split along the mesh dimensions where its placement is
-``Shard`` (or ``_StridedShard``) and held whole along the others; a plain tensor is held whole by every rank (DDP / ZeRO-1 replicas, and
-the parameters a tensor-parallel plan leaves alone, whose gradients are equal on all tp ranks). Every element of the
-full gradient therefore lives on ``world / (product of its sharded mesh sizes)`` ranks. Each rank adds up
-``|g|^p`` over its local elements divided by that count, and one all-reduce (sum) over the world gives the total;
-for ``p = inf`` it takes the maximum (copies do not matter). ``Partial`` gradients (a sum still pending) are
+``Shard`` (or ``_StridedShard``) and held whole along the others; a plain tensor is held whole by every rank (DDP /
+ZeRO-1 replicas, and the parameters a tensor-parallel plan leaves alone, whose gradients are equal on all tp ranks).
+Every element of the full gradient therefore lives on ``world / (product of its sharded mesh sizes)`` ranks. Each rank
+adds up ``|g|^p`` over its local elements divided by that count, and one all-reduce (sum) over the world gives the
+total; for ``p = inf`` it takes the maximum (copies do not matter). ``Partial`` gradients (a sum still pending) are
 reduced to ``Replicate`` first.
 
 Collectives: one all-reduce of one number over the world (plus the redistribution of any ``Partial`` gradient).

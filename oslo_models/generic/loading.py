@@ -55,7 +55,9 @@ def _parallel_config(parallel):
 def _resolve_context(parallel):
     from ..distributed.context import ParallelContext
 
-    return parallel if isinstance(parallel, ParallelContext) else ParallelContext.from_config(_parallel_config(parallel))
+    if isinstance(parallel, ParallelContext):
+        return parallel
+    return ParallelContext.from_config(_parallel_config(parallel))
 
 
 def _resolve_dtype(dtype):

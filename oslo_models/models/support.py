@@ -2,10 +2,10 @@
 
 Nothing here is written by hand per family: each record's main class is asked through ``om.capabilities`` (the checks
 ``from_pretrained`` runs before any process group exists: ``validate_parallel_config``, the context-parallel check,
-the pipeline adapter) whether it accepts a small layout of each axis for the record's tiny config. A refusal is shown with the
-reason the user would get. The table in README.md and docs/models.md is this module's output (``python -m
-oslo_models.models.support`` prints it; ``--write README.md docs/models.md`` replaces the table between their
-markers; a test keeps them equal).
+the pipeline adapter) whether it accepts a small layout of each axis for the record's tiny config. A refusal is shown
+with the reason the user would get. The table in README.md and docs/models.md is this module's output (``python -m
+oslo_models.models.support`` prints it; ``--write README.md docs/models.md`` replaces the table between their markers; a
+test keeps them equal).
 
 Options a config turns on (Falcon's ALiBi, Gemma 2's soft-capping) decide some refusals, so the matrix is for each
 record's tiny test config, which turns its family's particulars on.

@@ -70,8 +70,8 @@ def _block(template, roles):
 def _formulas():
     a = lambda p, x: p["attn"](x)[0]  # noqa: E731
     return {
-        PreNormBlock: (("attn_norm", "attn", "mlp_norm", "mlp"), lambda p, x: (lambda h: h + p["mlp"](p["mlp_norm"](h)))(
-            x + a(p, p["attn_norm"](x)))),
+        PreNormBlock: (("attn_norm", "attn", "mlp_norm", "mlp"),
+                       lambda p, x: (lambda h: h + p["mlp"](p["mlp_norm"](h)))(x + a(p, p["attn_norm"](x)))),
         ParallelResidualBlock: (ParallelResidualBlock.roles, lambda p, x: a(p, p["attn_norm"](x))
                                 + p["mlp"](p["mlp_norm"](x)) + x),
         PostNormBlock: (PostNormBlock.roles, lambda p, x: (lambda h: p["mlp_norm"](h + p["mlp"](h)))(

@@ -188,7 +188,8 @@ class GPTJStyleMLP(DenseMLP):
 
 def test_dense_mlp_matches_gpt_neox_and_gptj():
     torch.manual_seed(0)
-    neox = _randomize(GPTNeoXMLP(transformers.GPTNeoXConfig(hidden_size=H, num_attention_heads=4, intermediate_size=64)))
+    neox_config = transformers.GPTNeoXConfig(hidden_size=H, num_attention_heads=4, intermediate_size=64)
+    neox = _randomize(GPTNeoXMLP(neox_config))
     _same(_load(NeoXMLP(H, 64, act="gelu"), neox), neox)
     gptj = _randomize(GPTJMLP(64, transformers.GPTJConfig(n_embd=H, n_head=4, resid_pdrop=0.0))).eval()
     _same(_load(GPTJStyleMLP(H, 64, act="gelu_new"), gptj), gptj)

@@ -95,11 +95,11 @@ def run_model(path: str, name: str, *, tp: int, fused: bool):
 def assert_on_equals_off(path: str, name: str, tp: int, truth=None):
     """Fused on equals fused off: loss, and every gradient to fp32 tolerance (atol 1e-5, rtol 1e-4).
 
-    ``truth`` (tp=1): a function giving the float64 ``transformers`` gradients. Two fp32 paths that sum in a different order can
-    differ by more than the tolerance where the sums cancel (BERT's tied word embeddings at the wide init this test
-    uses: both paths are off the float64 gradient by up to 2e-5 there). So with ``truth`` an element may also pass
-    by being at least as close to the float64 gradient as the unfused path is: the fused path is never less
-    accurate than the unfused one."""
+    ``truth`` (tp=1): a function giving the float64 ``transformers`` gradients. Two fp32 paths that sum in a different
+    order can differ by more than the tolerance where the sums cancel (BERT's tied word embeddings at the wide init this
+    test uses: both paths are off the float64 gradient by up to 2e-5 there). So with ``truth`` an element may also pass
+    by being at least as close to the float64 gradient as the unfused path is: the fused path is never less accurate
+    than the unfused one."""
     off, loss_off = run_model(path, name, tp=tp, fused=False)
     on, loss_on = run_model(path, name, tp=tp, fused=True)
     torch.testing.assert_close(loss_on, loss_off, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name} tp{tp} loss: {m}")

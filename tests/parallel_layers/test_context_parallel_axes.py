@@ -7,8 +7,8 @@ at cp2 x dp2 (sequence classification pools the last non-padding token from the 
 classification, question answering); cp2 x pp2 through ``model.train_step`` (Llama ring 3 steps, all-to-all 1;
 GPT-2, tied embeddings across the stages, ring 3); a
 resumable checkpoint saved at cp2 x dp2 (ZeRO-1 over dp x cp) resumes equal to the uninterrupted run, at cp2 x dp2
-and resharded to cp1 x dp4; cp2 x 2.5D (depth 2) and cp2 x 3D (q=1) x dp2. The 8-process layouts (cp2 x 2D with tp4, ring and all-to-all;
-pp2 x cp2 x tp2 with sequence parallelism) are in ``tests/composition/test_eight_ranks.py``.
+and resharded to cp1 x dp4; cp2 x 2.5D (depth 2) and cp2 x 3D (q=1) x dp2. The 8-process layouts (cp2 x 2D with tp4,
+ring and all-to-all; pp2 x cp2 x tp2 with sequence parallelism) are in ``tests/composition/test_eight_ranks.py``.
 """
 from __future__ import annotations
 

@@ -14,11 +14,14 @@ from tests.helpers import decoders
 from tests.helpers.models import padded_batch, save_tiny_gpt2
 
 
+GRID_DEPTH = "q\\*q\\*tensor_parallel_depth"
+
+
 @pytest.mark.parametrize("options,match", [
     (dict(tensor_parallel_size=2, tensor_parallel_mode="2d"), "a square"),
     (dict(tensor_parallel_size=8, tensor_parallel_mode="2d"), "a square"),
-    (dict(tensor_parallel_size=4, tensor_parallel_mode="2.5d", tensor_parallel_depth=2), "q\\*q\\*tensor_parallel_depth"),
-    (dict(tensor_parallel_size=8, tensor_parallel_mode="2.5d", tensor_parallel_depth=3), "q\\*q\\*tensor_parallel_depth"),
+    (dict(tensor_parallel_size=4, tensor_parallel_mode="2.5d", tensor_parallel_depth=2), GRID_DEPTH),
+    (dict(tensor_parallel_size=8, tensor_parallel_mode="2.5d", tensor_parallel_depth=3), GRID_DEPTH),
     (dict(tensor_parallel_size=2, tensor_parallel_depth=2), "only used by tensor_parallel_mode='2.5d'"),
     (dict(tensor_parallel_size=4, tensor_parallel_mode="2d", sequence_parallel=True), "sequence_parallel"),
     (dict(tensor_parallel_size=4, tensor_parallel_mode="3d"), "a cube"),

@@ -5,8 +5,9 @@ decoders (names, biases, activation and layout per family) and Phi-3's ``PackedG
 written with plain layers for a Megatron split.
 
 ``wi`` (and ``wi_0``/``wi_1``) are column-parallel: input ``[b, s, d_model]`` (``[b, s/tp, d_model]`` under
-sequence parallelism, read from the context's region: each gathers the sequence), output ``[b, s, d_ff/tp]``. ``wo`` is row-parallel: it
-all-reduces (or reduce-scatters) back to ``d_model``. The dropout between them acts on TP-split activations.
+sequence parallelism, read from the context's region: each gathers the sequence), output ``[b, s, d_ff/tp]``. ``wo`` is
+row-parallel: it all-reduces (or reduce-scatters) back to ``d_model``. The dropout between them acts on TP-split
+activations.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from .loss import context_num_items, sum_over_context
 from .mask import ContextParallelMask, build_context_parallel_mask
 from .ring import ring_attention
 
-__all__ = ["AttentionDropout", "ContextParallelMask", "keep_mask", "all_to_all_attention", "attention_function", "build_context_parallel_mask",
-           "check_sequence_length", "context_num_items", "context_parallel_attention", "heads_to_sequence",
-           "merge_sequence", "ring_attention", "sequence_to_heads", "split_sequence", "sum_over_context",
-           "token_index"]
+__all__ = ["AttentionDropout", "ContextParallelMask", "keep_mask", "all_to_all_attention", "attention_function",
+           "build_context_parallel_mask", "check_sequence_length", "context_num_items", "context_parallel_attention",
+           "heads_to_sequence", "merge_sequence", "ring_attention", "sequence_to_heads", "split_sequence",
+           "sum_over_context", "token_index"]
