@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .layers import Linear, linear_forward
-from .mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, group_size
+from .mappings import copy_to_tensor_parallel_region, group_size
 from .plan import Style, refuse_grid_mode
 from .sharding import EvenSplit, Layout, PackedSplit, _resized, _with, divide
 from .tensor_parallel import ColumnParallelLinear
@@ -181,10 +181,7 @@ class GroupedQKVColumnParallelLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
         if self.replica_group is None:
             return super().forward(x, sequence_parallel=sequence_parallel)
-        if self.sequence_parallel_active(sequence_parallel):
-            x = gather_from_sequence_parallel_region(x, self.group, grad_is_partial=True)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.group)
+        x = self.enter_tensor_parallel(x, sequence_parallel)
         return linear_forward(x, self._with_summed_copies(self.weight), self._with_summed_copies(self.bias),
                               self.layout)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .layers import Linear, linear_forward
-from .mappings import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, group_size
+from .mappings import copy_to_tensor_parallel_region, group_size
 from .plan import Style, _weight_out_dim, refuse_grid_mode
 from .sharding import HeadSplit, PackedSplit
 from .tensor_parallel import ColumnParallelLinear
@@ -90,10 +90,7 @@ class KVHeadColumnParallelLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
         if self.replica_group is None:
             return super().forward(x, sequence_parallel=sequence_parallel)
-        if self.sequence_parallel_active(sequence_parallel):
-            x = gather_from_sequence_parallel_region(x, self.group, grad_is_partial=True)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.group)
+        x = self.enter_tensor_parallel(x, sequence_parallel)
         weight = copy_to_tensor_parallel_region(self.weight, self.replica_group)  # backward: sum the copies
         bias = copy_to_tensor_parallel_region(self.bias, self.replica_group) if self.bias is not None else None
         return linear_forward(x, weight, bias, self.layout)
@@ -179,10 +176,7 @@ class PackedKVHeadColumnParallelLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
         if all(replicas is None for replicas in self.replica_groups):
             return super().forward(x, sequence_parallel=sequence_parallel)
-        if self.sequence_parallel_active(sequence_parallel):
-            x = gather_from_sequence_parallel_region(x, self.group, grad_is_partial=True)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.group)
+        x = self.enter_tensor_parallel(x, sequence_parallel)
         bias = self._summed_over_replicas(self.bias) if self.bias is not None else None
         return linear_forward(x, self._summed_over_replicas(self.weight), bias, self.layout)
 

@@ -22,7 +22,6 @@ from .layers import Dropout, Embedding, LayerNorm, Linear, linear_forward
 from .sequence_parallel import SequenceParallelAware
 from .mappings import (
     copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     group_rank,
     group_size,
@@ -91,10 +90,7 @@ class ColumnParallelLinear(SequenceParallelAware, Linear):
         """``y``; with ``skip_bias_add=True`` (Megatron's option) ``(x A, b)``: this rank's unbiased output
         ``[b, s, out/tp]`` and bias ``[out/tp]`` (or ``None``), for a caller that fuses the add with what follows
         (``fused_ops.bias_gelu``). Not for a vocab or gathered output (``ValueError``)."""
-        if self.sequence_parallel_active(sequence_parallel):
-            x = gather_from_sequence_parallel_region(x, self.group, grad_is_partial=True)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.group)
+        x = self.enter_tensor_parallel(x, sequence_parallel)
         if skip_bias_add:
             if self.vocab_size is not None or self.gather_output:
                 raise ValueError("skip_bias_add=True is for a split hidden output, not an LM head or a gathered one")

@@ -247,10 +247,10 @@ class ModelFacts:
         - post-attention norm: ``1/rms``, output, the MLP's input: ``2h + 1``;
         - MLP: gate and up outputs, the activation, down_proj's input: ``4f`` gated (``2f`` plain), split by tp.
 
-        The norm terms are split by tp under sequence parallelism only, except the projections' inputs: there every
-        column-parallel linear of the block all-gathers the sequence itself and keeps its own full copy
-        (``column_parallel_inputs``: 5 for Llama's q, k, v, gate, up; 2 for GPT-2's packed c_attn and c_fc), where
-        without sp one copy serves the attention and one the MLP (measured with the saved-tensor hooks at tp 2,
+        The norm terms are split by tp under sequence parallelism only, except the projections' inputs: there the
+        block all-gathers each norm output once and keeps that full copy for all the column-parallel linears reading
+        it (q, k, v; gate, up: ``SequenceParallelRegion.enter_tensor_parallel``), so one copy serves the attention
+        and one the MLP, as without sp (``gathered_inputs``; measured with the saved-tensor hooks at tp 2,
         tests/planner/test_memory_measured.py). ``seq_len`` does not enter: SDPA keeps no ``s x s`` score matrix
         (flash / memory-efficient kernels, and the CPU path keep the log-sum-exp only)."""
         size = element_size or torch.empty((), dtype=self.dtype).element_size()
@@ -262,8 +262,13 @@ class ModelFacts:
             mlp *= self.experts_per_token
         split = 3 * h + 2 * h_kv + a + mlp
         if sequence_parallel and tp > 1:
-            return size * (split / tp + (3 * h + 2) / tp + self.column_parallel_inputs() * h)
+            return size * (split / tp + (3 * h + 2) / tp + self.gathered_inputs() * h)
         return size * (split / tp + 5 * h + 2)
+
+    def gathered_inputs(self) -> int:
+        """Distinct block inputs the column-parallel linears all-gather under sequence parallelism: the attention's
+        and the MLP's (one for a block with a single column-parallel linear)."""
+        return min(2, self.column_parallel_inputs())
 
     def column_parallel_inputs(self) -> int:
         """Column-parallel (``Colwise``) linears per block, from the model's own tensor-parallel plan (2 if the plan
