@@ -9,12 +9,18 @@ norm (replicated blocks' gradients counted once), the parameters after each step
 """
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import pytest
 import torch
 
 import oslo_models as om
 from oslo_models import training
-from tests.helpers.decoders import VOCAB, hf_class, save_tiny
+from oslo_models.planner import Hardware, ModelFacts, SearchSpace
+from oslo_models.planner.blocks import BLOCK_OPTIONS, best_plan, block_costs, brute_force_plan, evaluate_plan
+from oslo_models.planner.search import search
+from tests.helpers.decoders import VOCAB, hf_class, save_tiny, tiny_config
 from tests.helpers.dist import run_distributed
 from tests.helpers.layouts import train_matches
 from tests.helpers.models import padded_batch
@@ -71,3 +77,61 @@ def test_block_checkpoint_count_is_checked(tmp_path):
     with pytest.raises(ValueError, match="block_plan has 3 entries but LlamaForCausalLM has 2 checkpointable"):
         om.AutoModelForCausalLM.from_pretrained(path, parallel=om.ParallelConfig(
             zero_stage=3, block_plan=[{"checkpoint": True}] * 3), progress=False)
+
+
+# a slow link: replicating, keeping gathered, resharding and checkpointing each trade memory for time
+SLOW = Hardware(5e9, 2e7, 5e-5, 2e7, 5e-5, 8)
+
+
+def _costs(layers: int = 3, **kw):
+    facts = ModelFacts(om.LlamaForCausalLM, tiny_config("llama", num_hidden_layers=layers))
+    return block_costs(facts, 2, SLOW, global_batch=8, seq_len=64, micro_batch=2, **kw)
+
+
+def _key(costs, plan):
+    memory, time_ = evaluate_plan(costs, plan)
+    return time_.total, memory.total
+
+
+def test_block_search_equals_brute_force():
+    costs = _costs()
+    uniform = sorted(evaluate_plan(costs, (option,) * costs.blocks)[0].total for option in BLOCK_OPTIONS)
+    assert len(set(np.round(costs.time[0], 12))) > 1  # the options really differ in time here
+    mixed = 0
+    rng = np.random.default_rng(0)
+    for trial in range(3):  # the model's blocks, then blocks made unequal (random factors on every cost)
+        if trial:
+            costs.memory *= rng.uniform(0.5, 1.5, costs.memory.shape)
+            costs.time *= rng.uniform(0.5, 1.5, costs.time.shape)
+        for cap in np.linspace(uniform[0] * 0.9, uniform[-1] * 1.1, 12):
+            fast, slow = best_plan(costs, cap), brute_force_plan(costs, cap)
+            assert (fast is None) == (slow is None), cap
+            if fast is not None:
+                assert _key(costs, fast) == pytest.approx(_key(costs, slow), rel=1e-12), (cap, fast, slow)
+                assert evaluate_plan(costs, fast)[0].total <= cap
+                mixed += len(set(fast)) > 1
+    assert mixed  # some caps are met only by mixing choices
+
+
+def test_hundred_blocks_at_1024_ranks_plan_fast():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=8,
+                         num_hidden_layers=100, vocab_size=32000)
+    facts = ModelFacts(om.LlamaForCausalLM, config)
+    start = time.perf_counter()
+    costs = block_costs(facts, 1024, Hardware(400e12, 50e9, 5e-6, 5e9, 1e-5, 8), tensor_parallel_size=8,
+                        global_batch=1024, seq_len=4096, micro_batch=1, mixed_precision="bf16")
+    assert costs.blocks == 100
+    plans = [best_plan(costs, cap) for cap in (5e9, 20e9, 40e9, 80e9)]
+    assert time.perf_counter() - start < 20 and all(plans)
+
+
+def test_search_offers_per_block_plans_that_round_trip():
+    facts = ModelFacts(om.LlamaForCausalLM, tiny_config("llama", num_hidden_layers=4))
+    space = SearchSpace(checkpointing=(None,), zero_stages=(0, 3), per_block=True, context_parallel=False)
+    result = search(facts, 2, memory_cap=3e6, global_batch=8, seq_len=64, hardware=SLOW, space=space, top=50)
+    planned = [c for c in result.candidates if c.parallel_config.block_plan]
+    assert planned and all("blocks " in c.describe() for c in planned)
+    config = planned[0].parallel_config
+    assert om.ParallelConfig.from_json(config.to_json()) == config and config.zero_stage == 3
