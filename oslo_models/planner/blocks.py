@@ -20,7 +20,8 @@ largest ``torch.chunk`` piece):
   =============  ====================================  =========================================================
 
   a block's traffic overlaps its own forward + backward compute (FSDP2 prefetches the next block's gather while
-  this one computes): exposed ``max(0, traffic - compute)``, per microbatch;
+  this one computes): exposed ``max(0, traffic - overlap x compute)`` per microbatch (``Hardware.overlap``: 1 by
+  default, 0 for gloo on a CPU box whose cores run both);
 - transients: while a resharded block runs, it and the prefetched next one are gathered (``2 x`` the largest
   block's parameters, when any block is ``S``); while a checkpointed block is recomputed, one block's activations
   (when any block is ``+c``).
@@ -134,7 +135,7 @@ def block_costs(facts: ModelFacts, world_size: int, hardware: Hardware, *, tenso
                 traffic = (3 if choice.reshard_after_forward else 2) * all_gather(full[i], dp, link)
             else:
                 traffic = all_reduce(full[i], dp, link)
-            time[i, j] = steps * (compute + max(0.0, traffic - compute))
+            time[i, j] = steps * (compute + max(0.0, traffic - hardware.overlap * compute))
     root_forward = 2 * numels[-1] * tokens / tp / hardware.matmul_flops
     comm = {"dp": steps * 2 * all_gather(full[-1], dp, link)}
     if tp > 1:  # as estimate_time: 2 all-reduces forward + 2 backward per block
