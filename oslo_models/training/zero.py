@@ -327,6 +327,12 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
         if stage != 3:
             raise ValueError(f"the model's ParallelConfig has a block_plan, applied by the FSDP2 engine: it needs "
                              f"zero_stage=3, got zero_stage={stage}")
+        from ..generic import is_generic
+
+        if is_generic(unwrap_model(model)):
+            raise NotImplementedError("a block_plan on a transformers model (the generic path) is not implemented: "
+                                      "its blocks are not built with the plan's checkpoint flags; use a native "
+                                      "oslo_models family")
         if cpu_offload:
             raise NotImplementedError("a block_plan with cpu_offload is not implemented: offload policies are per "
                                       "engine, not per block")
