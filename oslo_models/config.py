@@ -95,6 +95,9 @@ class ParallelConfig:
             2/3; the same as ``prepare(..., cpu_offload=True)``); ``"nvme"`` (ZeRO-Infinity's disk tier: the Adam
             state in one scratch file per rank under ``offload_path``, ``training/nvme_offload.py``).
         offload_path: the folder (on a local NVMe disk) for ``offload="nvme"``; each rank uses ``rank<N>/`` in it.
+        block_plan: per-block data parallelism (OSDP / Galvatron; ``block_plan.py``): one entry per transformer
+            block, ``{"shard": bool, "reshard_after_forward": bool, "checkpoint": bool}``; with ``zero_stage=3``
+            only (the FSDP2 engine then shards or replicates each block as the plan says). ``None``: uniform.
     """
 
     tensor_parallel_size: int = 1
@@ -119,6 +122,7 @@ class ParallelConfig:
     collective_timeout: float | None = 600.0
     offload: str | None = None
     offload_path: str | None = None
+    block_plan: tuple | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "tensor_parallel_depth", "pipeline_parallel_size",
@@ -157,12 +161,16 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.collective_timeout must be a positive number of seconds or None, "
                              f"got {timeout!r}")
         self._check_offload()
+        from .block_plan import check_block_plan_layout, normalize_block_plan
+
+        object.__setattr__(self, "block_plan", normalize_block_plan(self.block_plan))
         self._check_expert_tensor_parallel()
         self._check_implemented()
         self._check_hybrid_sharding()
         if self.activation_checkpointing is not None and self.activation_checkpointing not in _ACTIVATION_CHECKPOINTING:
             raise ValueError(f"ParallelConfig.activation_checkpointing={self.activation_checkpointing!r} is unknown; "
                              f"choose None or one of {_ACTIVATION_CHECKPOINTING}")
+        check_block_plan_layout(self)
 
     def _check_offload(self) -> None:
         """``offload`` in ``OFFLOAD_TIERS``; ``offload_path`` exactly when it is ``"nvme"`` (the ZeRO stage it needs

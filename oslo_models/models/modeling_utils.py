@@ -149,6 +149,11 @@ class OsloPreTrainedModel(PreTrainedModel):
             self.initialize_from_twin()
         if self.parallel_context.config.activation_checkpointing is not None:
             self.set_activation_checkpointing(self.parallel_context.config.activation_checkpointing)
+        block_plan = self.parallel_context.config.block_plan
+        if block_plan is not None and any(choice.checkpoint for choice in block_plan):
+            from .common.checkpointing import apply_block_checkpointing  # per-block plan (block_plan.py)
+
+            apply_block_checkpointing(self, [choice.checkpoint for choice in block_plan])
         # dp x cp > 1: an unwrapped model's first backward raises (distributed/data_parallel.py)
         install_data_parallel_guard(self)
 

@@ -2,6 +2,7 @@
 
     python -m oslo_models plan --model path/or/config.json --world-size 16 --memory-per-device 80GB \\
         --global-batch 512 --seq-len 4096 [--devices-per-node 8] [--profile] [--top 10] [--json plan.json]
+        [--per-block]   # also per-block plans: ParallelConfig.block_plan (planner/blocks.py)
 
 The JSON file is exactly ``ParallelConfig.to_json`` of the best layout (``ParallelConfig.from_json`` reads it);
 the training options a ParallelConfig does not hold (micro-batch size, gradient accumulation, mixed precision) are
@@ -28,6 +29,8 @@ def add_parser(commands, formatter_class) -> None:
     plan.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="default rates of this device type")
     plan.add_argument("--profile", action="store_true", help="measure the matmul rate on this machine's device")
     plan.add_argument("--offload", action="store_true", help="also consider CPU offload (ZeRO-2/3)")
+    plan.add_argument("--per-block", action="store_true",
+                      help="also plan per block (ZeRO 'auto': shard/replicate, reshard, checkpoint each block)")
     plan.add_argument("--mixed-precision", choices=("bf16", "no"), default="bf16", help="Accelerate's setting")
     plan.add_argument("--top", type=int, default=10, help="rows to print")
     plan.add_argument("--json", help="write the best layout's ParallelConfig here")
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.profile:
         hardware = replace(hardware, matmul_flops=profile_matmul())
     space = SearchSpace(cpu_offload=(False, True) if args.offload else (False,),
-                        mixed_precision=args.mixed_precision)
+                        mixed_precision=args.mixed_precision, per_block=args.per_block)
     cap = parse_bytes(args.memory_per_device)
     result = plan(args.model, world_size=args.world_size, memory_per_device=cap, global_batch=args.global_batch,
                   seq_len=args.seq_len, top=args.top, hardware=hardware, space=space)

@@ -36,6 +36,7 @@ class SearchSpace:
     context_parallel: bool = True
     max_microbatches: int = 64
     mixed_precision: str = "bf16"
+    per_block: bool = False  # also per-block plans (ParallelConfig.block_plan; blocks.py): zero_stage="auto"
 
 
 @dataclass
@@ -67,6 +68,11 @@ class Candidate:
         shard = self.layout.parallel.get("data_parallel_shard_size")
         v = self.layout.parallel.get("virtual_pipeline_size", 1)
         schedule = f"{schedule}, v{v}" if v > 1 else schedule
+        plan = self.layout.parallel.get("block_plan")
+        if plan:
+            from ..block_plan import describe_plan
+
+            schedule = f"blocks {describe_plan(plan)}"
         return (self.layout.describe() + (f" hsdp{shard}" if shard else "") + (f" ({schedule})" if schedule else "")
                 + f" {extra}")
 
@@ -195,8 +201,43 @@ def brute_force(facts: ModelFacts, world_size: int, *, memory_cap: float, global
                                  global_batch=global_batch, seq_len=seq_len)
             if candidate.memory.total <= memory_cap:
                 fitting.append(candidate)
+    for candidate in per_block_candidates(facts, world_size, memory_cap=memory_cap, global_batch=global_batch,
+                                          seq_len=seq_len, hardware=hardware, space=space):
+        result.considered += 1
+        fitting.append(candidate)
     result.candidates = sorted(fitting, key=Candidate.sort_key)[:top]
     return result
+
+
+def per_block_candidates(facts: ModelFacts, world_size: int, *, memory_cap: float, global_batch: int, seq_len: int,
+                         hardware: Hardware, space: SearchSpace):
+    """With ``space.per_block``: for every ``tp x dp`` shape (no pp, cp, ep: what ``block_plan`` composes with),
+    sequence parallelism on/off and micro-batch size, the fastest per-block plan under the cap
+    (``blocks.best_plan``, exact), as a ``Candidate`` with ``zero_stage=3`` and its ``block_plan``."""
+    if not space.per_block or 3 not in space.zero_stages:
+        return
+    from .blocks import best_plan, block_costs, evaluate_plan
+
+    for tp in _divisors(world_size):
+        dp = world_size // tp
+        if dp == 1 or global_batch % dp:
+            continue
+        for sp in (space.sequence_parallel if tp > 1 else (False,)):
+            base = dict(tensor_parallel_size=tp, data_parallel_size=dp, **({"sequence_parallel": True} if sp else {}))
+            probe = Layout(parallel=base, zero_stage=3, mixed_precision=space.mixed_precision)
+            if refusal(probe, facts.model_class, facts.config) is not None:
+                continue
+            for mbs in _divisors(global_batch // dp):
+                costs = block_costs(facts, world_size, hardware, tensor_parallel_size=tp, sequence_parallel=sp,
+                                    global_batch=global_batch, seq_len=seq_len, micro_batch=mbs,
+                                    mixed_precision=space.mixed_precision)
+                plan = best_plan(costs, memory_cap)
+                if plan is None:
+                    continue
+                memory, time = evaluate_plan(costs, plan)
+                layout = Layout(parallel=dict(base, block_plan=plan), zero_stage=3,
+                                mixed_precision=space.mixed_precision)
+                yield Candidate(layout, mbs, global_batch // dp // mbs, memory, time, global_batch, seq_len)
 
 
 def search(facts: ModelFacts, world_size: int, *, memory_cap: float, global_batch: int, seq_len: int,
@@ -235,6 +276,14 @@ def search(facts: ModelFacts, world_size: int, *, memory_cap: float, global_batc
                 heapq.heappush(heap, entry)
             elif entry[:3] > heap[0][:3]:
                 heapq.heapreplace(heap, entry)
+    for candidate in per_block_candidates(facts, world_size, memory_cap=memory_cap, global_batch=global_batch,
+                                          seq_len=seq_len, hardware=hardware, space=space):
+        result.considered += 1
+        entry = (-candidate.time.total, -candidate.memory.total, _Reverse(candidate.describe()), candidate)
+        if len(heap) < top:
+            heapq.heappush(heap, entry)
+        elif entry[:3] > heap[0][:3]:
+            heapq.heapreplace(heap, entry)
     result.candidates = sorted((entry[3] for entry in heap), key=Candidate.sort_key)
     if not result.candidates:  # nothing fits: find the least memory any accepted layout reaches, in full
         everything = brute_force(facts, world_size, memory_cap=float("inf"), global_batch=global_batch,

@@ -49,6 +49,10 @@ class Hardware:
     devices_per_node: int = 8
     host_bandwidth: float = 25e9  # device <-> host (offload), bytes/s
     host_flops: float = 1e11  # the optimizer step on the host under offload, FLOP/s
+    # the share of a block's compute its data-parallel traffic can hide behind, in the per-block model
+    # (blocks.py): 1 where collectives run on their own engine (NCCL), 0 where they share the cores (gloo on a
+    # small CPU box: nothing overlaps)
+    overlap: float = 1.0
 
     @classmethod
     def default(cls, device_type: str = "cuda", devices_per_node: int = 8) -> "Hardware":

@@ -41,6 +41,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def _replicated_over_dp(grad) -> bool:
+    """An FSDP2 gradient with no sharded mesh dimension (``block_plan``'s ``shard=False`` blocks): whole on every
+    dp rank, while it is summed over the dp shard group with the sharded ones."""
+    placements = getattr(grad, "placements", None)
+    if placements is None:
+        return False
+    sizes = grad.device_mesh.shape  # its (dp_replicate, dp_shard=1) mesh: Shard(0) over one rank is whole
+    return not any(p.is_shard() and size > 1 for p, size in zip(placements, sizes))
+
+
 def _all_reduce(values: torch.Tensor, group, op) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(values, op=op, group=group)
@@ -99,6 +109,8 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
             # key/value heads), a ZeRO-3 shard of it (a DTensor's local rows) by one count
             value = (value / spec.num_replicas(context) if hasattr(param.grad, "to_local")
                      else spec.norm_share(local.detach().float(), norm_type, context))
+        if not is_inf and _replicated_over_dp(param.grad):  # a per-block plan's replicated block: the same
+            value = value / dist.get_world_size(inner._oslo_fsdp_shard_group)  # sum on every dp rank, count once
         (split if sharded else replicated).append(value)
 
     def combine(values):

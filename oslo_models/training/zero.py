@@ -320,6 +320,23 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
     if optimizer is not None:
         optimizer = unwrap_optimizer(optimizer)
         _check_fresh(optimizer)
+    plan = context.config.block_plan
+    if plan is not None:  # checked before any collective (training/per_block.py)
+        from .per_block import check_block_plan
+
+        if stage != 3:
+            raise ValueError(f"the model's ParallelConfig has a block_plan, applied by the FSDP2 engine: it needs "
+                             f"zero_stage=3, got zero_stage={stage}")
+        from ..generic import is_generic
+
+        if is_generic(unwrap_model(model)):
+            raise NotImplementedError("a block_plan on a transformers model (the generic path) is not implemented: "
+                                      "its blocks are not built with the plan's checkpoint flags; use a native "
+                                      "oslo_models family")
+        if cpu_offload:
+            raise NotImplementedError("a block_plan with cpu_offload is not implemented: offload policies are per "
+                                      "engine, not per block")
+        check_block_plan(model, plan)
     if context.dp_cp_size == 1 and not cpu_offload:
         model._oslo_zero_stage = stage
         return model, optimizer
@@ -347,6 +364,10 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
     mesh, shard_group = _data_parallel_mesh(context)
     if context.pp_size > 1:
         _pipeline_fully_shard(model, mesh, reshard_after_forward=stage == 3, cpu_offload=cpu_offload)
+    elif plan is not None:  # per block: sharded or replicated (training/per_block.py)
+        from .per_block import fully_shard_blocks
+
+        fully_shard_blocks(model, mesh, context, plan)
     else:
         expert_mesh = _expert_data_parallel_mesh(context) if context.ep_size > 1 else None
         _fully_shard(model, mesh, reshard_after_forward=stage == 3, cpu_offload=cpu_offload,

@@ -181,3 +181,18 @@ def apply_activation_checkpointing(model, mode: str | None, base: Callable | Non
         if isinstance(module, AttentionModule):
             module.core_checkpoint = function if mode == "selective" else None
     model.activation_checkpointing_mode = mode
+
+
+def apply_block_checkpointing(model, flags) -> None:
+    """Checkpoint (mode ``"full"``) exactly the blocks whose flag is set, one flag per ``GradientCheckpointingLayer``
+    in module order (``ParallelConfig.block_plan``'s ``checkpoint`` keys); ``ValueError`` when the counts differ."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    if len(layers) != len(flags):
+        raise ValueError(f"ParallelConfig.block_plan has {len(flags)} entries but {type(model).__name__} has "
+                         f"{len(layers)} checkpointable blocks; give one entry per block")
+    function = checkpoint_function(model.parallel_context, "full")
+    for layer, flag in zip(layers, flags):
+        layer.gradient_checkpointing = bool(flag)
+        layer._gradient_checkpointing_func = function
