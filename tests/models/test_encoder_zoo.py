@@ -46,6 +46,7 @@ REFUSED = {"deberta-v2": {"cp2 all_to_all x dp2 zero1": "relative (c2p / p2c) at
 # ALBERT's 4 layers run groups 0, 0, 1, 1: cut after layer 0, group 0 runs on both stages (its copies' gradients
 # summed across them) and group 1 on the last only
 PIPELINE = {"albert": dict(pipeline_partition=(1, 3))}
+PIPELINE_HEADS = ("sequence_classification", "token_classification", "question_answering")
 HEAD_TASKS = ("sequence_classification", "token_classification", "question_answering", "multiple_choice",
               "pretraining")
 
@@ -204,7 +205,35 @@ def _check_albert_pipeline(model, path: str, layout: dict) -> None:
         assert_grads_match(broken, reference)
 
 
-def _layouts_worker(model_type: str, path: str, discriminator_path: str | None) -> None:
+def _pipeline_heads(model_type: str, root) -> dict[str, str]:
+    """Saved tiny checkpoints of the record's classification / QA heads that have pipeline stages."""
+    paths = {}
+    for task in PIPELINE_HEADS:
+        if task in family_record(model_type).classes and _om_class(model_type, task).pipeline_adapter is not None:
+            torch.manual_seed(3)
+            config = tiny_config(model_type, num_labels=2 if task == "question_answering" else 3)
+            paths[task] = str(root / task)
+            _om_class(model_type, task).hf_twin(config).save_pretrained(paths[task])
+    return paths
+
+
+def _check_pipeline_heads(model_type: str, heads: dict[str, str], layout: dict) -> None:
+    """Each head with pipeline stages at the pp layout: one AdamW step equal to transformers' (loss, every gradient
+    and parameter); QA's positions become the adapter's labels."""
+    for task, path in heads.items():
+        model = _om_class(model_type, task).from_pretrained(path, parallel=om.ParallelConfig(**layout),
+                                                           progress=False).train()
+        reference = _reference(model_type, path, task)
+        batch = _batch(reference.config, seq=8)
+        labels = batch.pop("labels")
+        targets = {"sequence_classification": dict(labels=torch.tensor([0, 2, 1, 0])),
+                   "token_classification": dict(labels=torch.where(labels == -100, labels, labels % 3)),
+                   "question_answering": dict(start_positions=torch.tensor([1, 3, 0, 2]),
+                                              end_positions=torch.tensor([2, 7, 5, 4]))}[task]
+        assert_pipeline_matches(model, reference, dict(batch, **targets), steps=1)
+
+
+def _layouts_worker(model_type: str, path: str, discriminator_path: str | None, heads: dict[str, str]) -> None:
     """Four ranks, one AdamW step per layout against transformers on the whole batch; a refused layout is recorded
     with its reason (every rank takes the same decisions: they depend on the config only)."""
     om_class, config = _om_class(model_type), tiny_config(model_type)
@@ -219,6 +248,8 @@ def _layouts_worker(model_type: str, path: str, discriminator_path: str | None) 
             _check_albert_pipeline(model, path, layout)
         elif layout.get("pipeline_parallel_size", 1) > 1:
             assert_pipeline_matches(model, _reference(model_type, path), _batch(config, seq=8), steps=1)
+        if layout.get("pipeline_parallel_size", 1) > 1:
+            _check_pipeline_heads(model_type, heads, layout)
         else:
             train_matches(model, _reference(model_type, path), batch or _batch(config), zero_stage=zero_stage,
                           shift_labels=False)
@@ -255,7 +286,7 @@ def test_encoder_zoo_parity(model_type, tmp_path, single_thread):
         torch.manual_seed(2)
         discriminator = str(tmp_path / "discriminator")
         _om_class(model_type, "pretraining").hf_twin(tiny_config(model_type)).save_pretrained(discriminator)
-    run_distributed(_layouts_worker, 4, model_type, path, discriminator)
+    run_distributed(_layouts_worker, 4, model_type, path, discriminator, _pipeline_heads(model_type, tmp_path))
 
 
 def test_shared_albert_groups_are_one_parameter(single_thread):

@@ -52,7 +52,12 @@ from ..encoder_heads import (
     ForMultipleChoice,
 )
 from .configuration_albert import AlbertConfig
-from .pipeline_albert import AlbertMaskedLMPipelineAdapter
+from .pipeline_albert import (
+    AlbertMaskedLMPipelineAdapter,
+    AlbertQuestionAnsweringPipelineAdapter,
+    AlbertSequenceClassificationPipelineAdapter,
+    AlbertTokenClassificationPipelineAdapter,
+)
 
 
 def _classifier_dropout(config) -> float:
@@ -283,16 +288,19 @@ class AlbertForPreTraining(ForMaskedLM, AlbertPreTrainedModel):
 
 class AlbertForSequenceClassification(EncoderForSequenceClassification, AlbertPreTrainedModel):
     hf_twin = transformers.AlbertForSequenceClassification
+    pipeline_adapter_class = AlbertSequenceClassificationPipelineAdapter
     classifier_dropout = staticmethod(_classifier_dropout)
 
 
 class AlbertForTokenClassification(EncoderForTokenClassification, AlbertPreTrainedModel):
     hf_twin = transformers.AlbertForTokenClassification
+    pipeline_adapter_class = AlbertTokenClassificationPipelineAdapter
     classifier_dropout = staticmethod(_classifier_dropout)
 
 
 class AlbertForQuestionAnswering(EncoderForQuestionAnswering, AlbertPreTrainedModel):
     hf_twin = transformers.AlbertForQuestionAnswering
+    pipeline_adapter_class = AlbertQuestionAnsweringPipelineAdapter
 
 
 class AlbertForMultipleChoice(ForMultipleChoice, AlbertPreTrainedModel):

@@ -22,7 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from ..bert.pipeline_bert import MaskedLMPipelineAdapter
+from ..bert.pipeline_bert import (
+    MaskedLMPipelineAdapter,
+    QuestionAnsweringPipelineAdapter,
+    SequenceClassificationPipelineAdapter,
+    TokenClassificationPipelineAdapter,
+)
 
 
 def group_of_layer(config, layer: int) -> int:
@@ -30,8 +35,9 @@ def group_of_layer(config, layer: int) -> int:
     return int(layer / (config.num_hidden_layers / config.num_hidden_groups))
 
 
-class AlbertMaskedLMPipelineAdapter(MaskedLMPipelineAdapter):
-    """``MaskedLMPipelineAdapter`` whose flat layers are the depth over the shared groups."""
+class AlbertDepth:
+    """The part of every ALBERT head's adapter that differs from BERT's: flat layers are the depth over the shared
+    groups (mixed in before a BERT head adapter)."""
 
     def layer_ids(self, model) -> list[tuple[str, int]]:
         config, path = model.config, self.layer_paths[0]
@@ -53,3 +59,28 @@ class AlbertMaskedLMPipelineAdapter(MaskedLMPipelineAdapter):
         path = self.layer_paths[0]
         shared = [(f"{path}.{group}.{name}",) for group in range(model.config.num_hidden_groups) for name in inner]
         return [*super().tied_groups(model), *shared]
+
+
+class AlbertMaskedLMPipelineAdapter(AlbertDepth, MaskedLMPipelineAdapter):
+    """The MLM head ``predictions`` on the last stage (its decoder tied to the word embeddings)."""
+
+
+class AlbertSequenceClassificationPipelineAdapter(AlbertDepth, SequenceClassificationPipelineAdapter):
+    """ALBERT's pooler is two modules of the base model (``pooler`` linear, ``pooler_activation`` tanh) on the
+    first token, then ``dropout`` and ``classifier``: ``logits [mb, num_labels]``."""
+
+    @classmethod
+    def head_modules_of(cls, model_class):
+        return {"pooler": "albert.pooler", "pooler_activation": "albert.pooler_activation", "dropout": "dropout",
+                "classifier": "classifier"}
+
+    def head_forward(self, stage, hidden):
+        return stage.classifier(stage.dropout(stage.pooler_activation(stage.pooler(hidden[:, 0]))))
+
+
+class AlbertTokenClassificationPipelineAdapter(AlbertDepth, TokenClassificationPipelineAdapter):
+    pass
+
+
+class AlbertQuestionAnsweringPipelineAdapter(AlbertDepth, QuestionAnsweringPipelineAdapter):
+    pass
