@@ -230,6 +230,9 @@ class EncoderForQuestionAnswering(EncoderHeadModel):
     """Replicated span head ``qa_outputs`` (``config.num_labels`` outputs, as ``transformers``' encoders):
     ``start_logits, end_logits [b, s]``."""
 
+    #: whether a ``dropout`` runs before ``qa_outputs`` (DistilBERT's ``qa_dropout``)
+    span_dropout: ClassVar[bool] = False
+
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
         self.qa_outputs = Linear(config.hidden_size, config.num_labels)

@@ -10,8 +10,9 @@ layers) and says how one stage runs them. ``keep_stage_modules`` then, while the
 - drops (sets to ``None``) the non-layer modules none of this rank's stages runs (embeddings off the first
   stage, final norm and head off the last one).
 
-Tied weights (an input embedding and the output embedding, or T5's embedding shared by encoder and decoder):
-stages on different ranks hold copies of one tensor. Every copy is loaded from the same checkpoint tensor; after
+Tied weights (an input embedding and the output embedding, or T5's embedding shared by encoder and decoder; a
+layer module several stages run, as ALBERT's shared layer groups): stages on different ranks hold copies of one
+tensor. Every copy is loaded from the same checkpoint tensor; after
 each backward their gradients are summed over the ranks holding a copy (``TiedCopies``), so with the same
 optimizer they stay equal and equal the single-process tied weight.
 
@@ -172,13 +173,17 @@ def _module_of(name: str) -> str:
 
 
 def ranks_holding(model, layout: PipelineLayout, names: tuple[str, ...]) -> list[int]:
-    """Pipeline ranks whose stages hold a copy of any parameter in ``names``."""
+    """Pipeline ranks whose stages hold a copy of any parameter in ``names``: a parameter of one of the stage's
+    non-layer modules, or one inside one of its layers (a layer module run on several stages: ALBERT's shared
+    groups)."""
     adapter = adapter_for(model)
     owners = {_module_of(name) for name in names}
+    layer_ids = adapter.layer_ids(model)
     ranks = set()
     for stage in range(layout.num_stages):
         paths = set(adapter.stage_modules(model, layout, stage).values())
-        if owners & paths:
+        layers = {f"{layer_ids[i][0]}.{layer_ids[i][1]}." for i in layout.ranges[stage]}
+        if owners & paths or any(owner.startswith(layer) for owner in owners for layer in layers):
             ranks.add(stage_to_rank(stage, layout.pp_size))
     return sorted(ranks)
 
@@ -196,17 +201,22 @@ class TiedCopies:
         local = dict(model.named_parameters(remove_duplicate=False))
         # [pp, dp (x cp), tp] global ranks; 2D/2.5D/3D: tp's grid sub-axes flattened into the last dim
         mesh = context.mesh.mesh.reshape(context.pp_size, -1, context.tp_size)
+        by_ranks: dict[tuple[int, ...], object] = {}  # one process group per set of pipeline ranks (ALBERT: many
+        # tied parameters, the same ranks), made in the same order on every rank
         for names in adapter_for(model).tied_groups(model):
             pp_ranks = ranks_holding(model, layout, names)
             if len(pp_ranks) < 2:
                 continue  # one rank holds every copy: they are one Parameter there already
-            mine = None
-            for dp in range(mesh.shape[1]):
-                for tp in range(mesh.shape[2]):
-                    ranks = [int(mesh[pp, dp, tp]) for pp in pp_ranks]
-                    group = dist.new_group(ranks)
-                    if context.rank in ranks:
-                        mine = group
+            if tuple(pp_ranks) not in by_ranks:
+                mine = None
+                for dp in range(mesh.shape[1]):
+                    for tp in range(mesh.shape[2]):
+                        ranks = [int(mesh[pp, dp, tp]) for pp in pp_ranks]
+                        group = dist.new_group(ranks)
+                        if context.rank in ranks:
+                            mine = group
+                by_ranks[tuple(pp_ranks)] = mine
+            mine = by_ranks[tuple(pp_ranks)]
             params = {id(local[name]): local[name] for name in names if name in local}
             if mine is not None and params:
                 if len(params) > 1:

@@ -234,10 +234,19 @@ def _pipeline_fully_shard(model, mesh, *, reshard_after_forward: bool, cpu_offlo
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
     layout = model.pipeline_layout
-    modules = {}
+    modules, seen = {}, set()
     for index in layout.local_stages:
         # sequence_parallel is set per schedule by the runner (it depends on the batch's sequence length)
         module = StageModule(model, index, layout, sequence_parallel=False)
+        ids = [id(layer) for layer in module.layers]
+        if len(set(ids)) < len(ids) or seen & set(ids):
+            # one FSDP2 unit per layer module: a module run at several depths of this rank's stages (ALBERT's
+            # shared layer groups) would be one unit gathered and resharded per use, or two roots' unit
+            raise ValueError(f"ZeRO-2/3 under pipeline parallelism shards each layer of a stage as one unit; "
+                             f"{type(model).__name__} runs one layer module at several depths of its local stages "
+                             f"(shared layer parameters), which that sharding does not cover: use zero_stage=1 "
+                             f"(or 0) with pipeline parallelism for it")
+        seen.update(ids)
         for layer in module.layers:
             fully_shard(layer, **options)
         fully_shard(module, **{**options, "reshard_after_forward": False})

@@ -40,10 +40,13 @@ from tests.helpers.pipeline import assert_pipeline_matches
 from tests.helpers.zoo import tiny_config
 
 # The layouts the validation code refuses for a type, with a fragment of the reason.
-REFUSED = {"albert": {"pp2 x tp2": "shares its layer groups' parameters across depth"},
-           "deberta-v2": {"cp2 all_to_all x dp2 zero1": "relative (c2p / p2c) attention terms need every key's",
+REFUSED = {"deberta-v2": {"cp2 all_to_all x dp2 zero1": "relative (c2p / p2c) attention terms need every key's",
                           "2d tp4": "the relative-embedding table its attention projects"},
            "modernbert": {"2d tp4": "no grid plan"}}
+# ALBERT's 4 layers run groups 0, 0, 1, 1: cut after layer 0, group 0 runs on both stages (its copies' gradients
+# summed across them) and group 1 on the last only
+PIPELINE = {"albert": dict(pipeline_partition=(1, 3))}
+PIPELINE_HEADS = ("sequence_classification", "token_classification", "question_answering")
 HEAD_TASKS = ("sequence_classification", "token_classification", "question_answering", "multiple_choice",
               "pretraining")
 
@@ -169,7 +172,68 @@ def _refusal(om_class, config, **layout) -> str | None:
     return None
 
 
-def _layouts_worker(model_type: str, path: str, discriminator_path: str | None) -> None:
+def _check_albert_pipeline(model, path: str, layout: dict) -> None:
+    """ALBERT at pp2 x tp2 with group 0 on both stages: 3 AdamW steps equal transformers' (loss, every gradient,
+    every parameter); the shared copies saved once -> plain transformers holds the reference's trained weights.
+    Negative control: a fresh model whose shared copies' gradients are not summed across the stages mismatches."""
+    import torch.distributed as dist
+
+    reference = _reference("albert", path)
+    batch = _batch(reference.config, seq=8)
+    names = {id(param): name for name, param in model.named_parameters()}
+    tied = [names[id(param)] for param, _ in model._pipeline_runner().tied.groups]
+    # every parameter of group 0's 2 inner layers, on both ranks (+ the tied word embeddings / decoder)
+    assert sum("albert_layer_groups.0." in name for name in tied) == 2 * 16, tied
+    assert_pipeline_matches(model, reference, batch, steps=3)
+    folder = path + "-pp"
+    model.save_pretrained(folder)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        saved = type(reference).from_pretrained(folder)
+        expected = reference.state_dict()
+        assert set(saved.state_dict()) == set(expected)
+        for key, value in saved.state_dict().items():
+            torch.testing.assert_close(value, expected[key], atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+    broken = _om_class("albert").from_pretrained(path, parallel=om.ParallelConfig(**layout), progress=False).train()
+    runner, names = broken._pipeline_runner(), {id(param): name for name, param in broken.named_parameters()}
+    runner.tied.groups = [(param, group) for param, group in runner.tied.groups
+                          if "albert_layer_groups" not in names[id(param)]]
+    reference = _reference("albert", path)
+    reference(**batch).loss.backward()
+    broken.train_step(_batch(reference.config, seq=8))
+    with pytest.raises(AssertionError, match="albert_layer_groups.0"):
+        assert_grads_match(broken, reference)
+
+
+def _pipeline_heads(model_type: str, root) -> dict[str, str]:
+    """Saved tiny checkpoints of the record's classification / QA heads that have pipeline stages."""
+    paths = {}
+    for task in PIPELINE_HEADS:
+        if task in family_record(model_type).classes and _om_class(model_type, task).pipeline_adapter is not None:
+            torch.manual_seed(3)
+            config = tiny_config(model_type, num_labels=2 if task == "question_answering" else 3)
+            paths[task] = str(root / task)
+            _om_class(model_type, task).hf_twin(config).save_pretrained(paths[task])
+    return paths
+
+
+def _check_pipeline_heads(model_type: str, heads: dict[str, str], layout: dict) -> None:
+    """Each head with pipeline stages at the pp layout: one AdamW step equal to transformers' (loss, every gradient
+    and parameter); QA's positions become the adapter's labels."""
+    for task, path in heads.items():
+        model = _om_class(model_type, task).from_pretrained(path, parallel=om.ParallelConfig(**layout),
+                                                           progress=False).train()
+        reference = _reference(model_type, path, task)
+        batch = _batch(reference.config, seq=8)
+        labels = batch.pop("labels")
+        targets = {"sequence_classification": dict(labels=torch.tensor([0, 2, 1, 0])),
+                   "token_classification": dict(labels=torch.where(labels == -100, labels, labels % 3)),
+                   "question_answering": dict(start_positions=torch.tensor([1, 3, 0, 2]),
+                                              end_positions=torch.tensor([2, 7, 5, 4]))}[task]
+        assert_pipeline_matches(model, reference, dict(batch, **targets), steps=1)
+
+
+def _layouts_worker(model_type: str, path: str, discriminator_path: str | None, heads: dict[str, str]) -> None:
     """Four ranks, one AdamW step per layout against transformers on the whole batch; a refused layout is recorded
     with its reason (every rank takes the same decisions: they depend on the config only)."""
     om_class, config = _om_class(model_type), tiny_config(model_type)
@@ -180,8 +244,12 @@ def _layouts_worker(model_type: str, path: str, discriminator_path: str | None) 
             refused[name] = reason
             return
         model = om_class.from_pretrained(path, parallel=om.ParallelConfig(**layout), progress=False).train()
-        if layout.get("pipeline_parallel_size", 1) > 1:
+        if model_type == "albert" and layout.get("pipeline_parallel_size", 1) > 1:
+            _check_albert_pipeline(model, path, layout)
+        elif layout.get("pipeline_parallel_size", 1) > 1:
             assert_pipeline_matches(model, _reference(model_type, path), _batch(config, seq=8), steps=1)
+        if layout.get("pipeline_parallel_size", 1) > 1:
+            _check_pipeline_heads(model_type, heads, layout)
         else:
             train_matches(model, _reference(model_type, path), batch or _batch(config), zero_stage=zero_stage,
                           shift_labels=False)
@@ -189,7 +257,8 @@ def _layouts_worker(model_type: str, path: str, discriminator_path: str | None) 
     run("tp2+sp x dp2 zero3", 3, tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)
     run("tp4", tensor_parallel_size=4)
     run("2d tp4", tensor_parallel_size=4, tensor_parallel_mode="2d")  # Optimus on a 2 x 2 grid
-    run("pp2 x tp2", pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2)
+    run("pp2 x tp2", pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2,
+        **PIPELINE.get(model_type, {}))
     positions = torch.arange(16).expand(4, 16)  # given: RoBERTa cannot derive them from one chunk
     run("cp2 all_to_all x dp2 zero1", 1, batch=dict(_batch(config), position_ids=positions),
         context_parallel_size=2, context_parallel_mode="all_to_all", data_parallel_size=2)
@@ -217,7 +286,7 @@ def test_encoder_zoo_parity(model_type, tmp_path, single_thread):
         torch.manual_seed(2)
         discriminator = str(tmp_path / "discriminator")
         _om_class(model_type, "pretraining").hf_twin(tiny_config(model_type)).save_pretrained(discriminator)
-    run_distributed(_layouts_worker, 4, model_type, path, discriminator)
+    run_distributed(_layouts_worker, 4, model_type, path, discriminator, _pipeline_heads(model_type, tmp_path))
 
 
 def test_shared_albert_groups_are_one_parameter(single_thread):

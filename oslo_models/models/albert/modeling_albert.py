@@ -9,9 +9,8 @@ What differs from BERT:
   ``inner_group_num`` layers; layer ``i`` of the ``num_hidden_layers`` runs group ``int(i / (L / G))``. The stack
   runs that list (``_layers``: the same group module several times), so each shared parameter is one tensor: one
   parameter object, its gradient summed over its uses by autograd, saved once under ``transformers``' key, split
-  once by the plan (``albert_layer_groups.*.albert_layers.*``). Pipeline stages would each need a copy of a group
-  used on several stages, with the copies' gradients all-reduced across those stages: not implemented, so pipeline
-  parallelism is refused for ALBERT (``validate_parallel_config``, before any process group);
+  once by the plan (``albert_layer_groups.*.albert_layers.*``). Pipeline stages cut the depth: a group run on
+  several stages is held by each of their ranks, its copies' gradients summed across them (``pipeline_albert.py``);
 - each layer (``AlbertLayer``): ``attention`` (q/k/v column-parallel on this rank's heads, ``dense`` row-parallel:
   all-reduce, or reduce-scatter under sequence parallelism, dropout, ``LayerNorm(x + .)``), then ``ffn`` (column-)
   and ``ffn_output`` (row-parallel) and ``full_layer_layer_norm(a + .)``;
@@ -35,7 +34,6 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.albert.modeling_albert import AlbertForPreTrainingOutput, eager_attention_forward
 from transformers.utils.generic import can_return_tuple
 
-from ...config import ParallelConfig
 from ...parallel_layers.head_parallel import VocabBias
 from ...parallel_layers.layers import Dropout, LayerNorm, Linear
 from ...parallel_layers.plan import Colwise, Rowwise, SequenceParallelNorm, StreamLinear, TPDropout
@@ -54,6 +52,12 @@ from ..encoder_heads import (
     ForMultipleChoice,
 )
 from .configuration_albert import AlbertConfig
+from .pipeline_albert import (
+    AlbertMaskedLMPipelineAdapter,
+    AlbertQuestionAnsweringPipelineAdapter,
+    AlbertSequenceClassificationPipelineAdapter,
+    AlbertTokenClassificationPipelineAdapter,
+)
 
 
 def _classifier_dropout(config) -> float:
@@ -169,17 +173,6 @@ class AlbertPreTrainedModel(BertPreTrainedModel):
     _no_split_modules = ["AlbertEmbeddings", "AlbertLayerGroup"]
     _can_record_outputs = {"hidden_states": AlbertLayer, "attentions": AlbertAttention}
 
-    @classmethod
-    def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
-        super().validate_parallel_config(config, parallel)
-        if parallel.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"ALBERT shares its layer groups' parameters across depth (num_hidden_groups="
-                f"{config.num_hidden_groups} for num_hidden_layers={config.num_hidden_layers}): pipeline stages "
-                f"would each hold a copy of a shared group and their gradients would have to be all-reduced across "
-                f"those stages, which is not implemented; use pipeline_parallel_size=1 (tensor, sequence, context "
-                f"and data parallelism all apply)")
-
 
 class AlbertModel(AlbertPreTrainedModel, BertModel):
     """Factorized embeddings, the shared layer groups over ``num_hidden_layers``, optional pooler;
@@ -197,6 +190,11 @@ class AlbertModel(AlbertPreTrainedModel, BertModel):
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.pooler_activation(self.pooler(hidden[:, 0]))
+
+    @classmethod
+    def embedding_extras(cls, config) -> tuple[str, ...]:
+        """What the embedding phase runs besides ``embeddings``: a pipeline's first stage keeps it."""
+        return ("encoder.embedding_hidden_mapping_in",)
 
     def embedding_output(self, **inputs) -> torch.Tensor:
         return self.encoder.embedding_hidden_mapping_in(self.embeddings(**inputs))  # [b, s, e] -> [b, s, h]
@@ -253,6 +251,7 @@ class AlbertForMaskedLM(ForMaskedLM, AlbertPreTrainedModel):
     head_name, head_class = "predictions", AlbertMLMHead
     _decoder_bias_owner = "predictions"
     _oslo_context_parallel = True
+    pipeline_adapter_class = AlbertMaskedLMPipelineAdapter
     _tied_weights_keys = {"predictions.decoder.weight": "albert.embeddings.word_embeddings.weight",
                           "predictions.decoder.bias": "predictions.bias"}
 
@@ -289,16 +288,19 @@ class AlbertForPreTraining(ForMaskedLM, AlbertPreTrainedModel):
 
 class AlbertForSequenceClassification(EncoderForSequenceClassification, AlbertPreTrainedModel):
     hf_twin = transformers.AlbertForSequenceClassification
+    pipeline_adapter_class = AlbertSequenceClassificationPipelineAdapter
     classifier_dropout = staticmethod(_classifier_dropout)
 
 
 class AlbertForTokenClassification(EncoderForTokenClassification, AlbertPreTrainedModel):
     hf_twin = transformers.AlbertForTokenClassification
+    pipeline_adapter_class = AlbertTokenClassificationPipelineAdapter
     classifier_dropout = staticmethod(_classifier_dropout)
 
 
 class AlbertForQuestionAnswering(EncoderForQuestionAnswering, AlbertPreTrainedModel):
     hf_twin = transformers.AlbertForQuestionAnswering
+    pipeline_adapter_class = AlbertQuestionAnsweringPipelineAdapter
 
 
 class AlbertForMultipleChoice(ForMultipleChoice, AlbertPreTrainedModel):

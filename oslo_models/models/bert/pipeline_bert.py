@@ -17,6 +17,7 @@ parallelism, not from formulas.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ...distributed.context import ParallelContext
 from ...pipeline.adapter import PipelineAdapter
@@ -168,9 +169,17 @@ class SequenceClassificationPipelineAdapter(EncoderPipelineAdapter):
 
     @classmethod
     def head_modules_of(cls, model_class):
+        if model_class.head_class is not None:  # its own classifier module on the hidden states (RoBERTa, ELECTRA)
+            return {"classifier": "classifier"}
+        if hasattr(model_class, "first_token_logits"):  # DistilBERT: pre_classifier on the first token
+            return {"pre_classifier": "pre_classifier", "dropout": "dropout", "classifier": "classifier"}
         return {"pooler": f"{model_class.base_model_prefix}.pooler", "dropout": "dropout", "classifier": "classifier"}
 
     def head_forward(self, stage, hidden):
+        if self.model_class.head_class is not None:
+            return stage.classifier(hidden)
+        if hasattr(self.model_class, "first_token_logits"):  # the model's rule, run on the stage's modules
+            return self.model_class.first_token_logits(stage, hidden)
         return stage.classifier(stage.dropout(stage.pooler(hidden)))
 
     def head_output_shape(self, model, mb, seq_len):
@@ -186,3 +195,68 @@ class SequenceClassificationPipelineAdapter(EncoderPipelineAdapter):
         if not items:  # every label of this microbatch ignored: it adds nothing (the mean would be NaN)
             return logits.sum() * 0.0
         return sequence_classification_loss(logits, labels, model.config) * (items / num_items_in_batch)
+
+
+class TokenClassificationPipelineAdapter(EncoderPipelineAdapter):
+    """Token classification: the last stage runs the replicated ``dropout`` and ``classifier`` on every token ->
+    ``logits [mb, s, num_labels]``; the loss is the model's cross-entropy (``-100`` ignored) as this microbatch's
+    summed token losses over the whole batch's labelled tokens."""
+
+    @classmethod
+    def head_modules_of(cls, model_class):
+        return {"dropout": "dropout", "classifier": "classifier"}
+
+    def head_forward(self, stage, hidden):
+        return stage.classifier(stage.dropout(hidden))
+
+    def head_output_shape(self, model, mb, seq_len):
+        return mb, seq_len, model.config.num_labels
+
+    def loss(self, model, logits, labels, num_items_in_batch):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum"
+                               ) / num_items_in_batch
+
+
+class QuestionAnsweringPipelineAdapter(EncoderPipelineAdapter):
+    """Extractive QA: the last stage runs the replicated span head ``qa_outputs`` -> ``[mb, s, 2]`` (start, end).
+
+    The batch takes ``start_positions`` / ``end_positions`` (``[b]``); ``prepare_batch`` turns them into the
+    ``labels [b, 2]`` the schedule hands the loss: clamped to ``[0, s]`` as ``transformers`` does, ``s`` (outside
+    the sequence: ignored there) written ``-100``. ``transformers``' loss is the mean of the start and the end
+    cross-entropies, each a mean over its own non-ignored rows; a microbatch's share is exact when both counts are
+    equal (``(sum_start + sum_end) / (2 n)``), so a batch whose start and end counts differ is refused."""
+
+    batch_keys = EncoderPipelineAdapter.batch_keys + ("start_positions", "end_positions")
+
+    @classmethod
+    def head_modules_of(cls, model_class):
+        # DistilBERT's span head runs a dropout first (``span_dropout``)
+        return {"qa_outputs": "qa_outputs", **({"dropout": "dropout"} if model_class.span_dropout else {})}
+
+    def prepare_batch(self, model, batch):
+        if "start_positions" not in batch or "end_positions" not in batch:
+            raise ValueError("A pipelined question-answering step takes start_positions and end_positions")
+        seq_len = batch["input_ids"].shape[-1]
+        positions = torch.stack([batch.pop("start_positions").reshape(-1), batch.pop("end_positions").reshape(-1)],
+                                dim=-1).clamp(0, seq_len)
+        labels = positions.masked_fill(positions == seq_len, -100)
+        counts = (labels != -100).sum(0)
+        if counts[0] != counts[1]:
+            raise ValueError(f"A pipelined question-answering step needs as many start as end positions inside the "
+                             f"sequence (got {int(counts[0])} and {int(counts[1])}): transformers averages each "
+                             f"over its own rows, which microbatches cannot split exactly otherwise")
+        batch["labels"] = labels
+        return batch
+
+    def head_forward(self, stage, hidden):
+        return stage.qa_outputs(stage.dropout(hidden) if self.model_class.span_dropout else hidden)
+
+    def head_output_shape(self, model, mb, seq_len):
+        return mb, seq_len, 2
+
+    def num_loss_items(self, labels: torch.Tensor) -> int:
+        return int((labels[:, 0] != -100).sum())
+
+    def loss(self, model, logits, labels, num_items_in_batch):
+        start, end = (F.cross_entropy(logits[..., i], labels[:, i], reduction="sum") for i in (0, 1))
+        return (start + end) / (2 * num_items_in_batch)

@@ -41,7 +41,12 @@ from ...parallel_layers.plan import (
 )
 from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel
 from ..bert.parallel_plan import prefixed
-from ..bert.pipeline_bert import MaskedLMPipelineAdapter
+from ..bert.pipeline_bert import (
+    MaskedLMPipelineAdapter,
+    QuestionAnsweringPipelineAdapter,
+    SequenceClassificationPipelineAdapter,
+    TokenClassificationPipelineAdapter,
+)
 from ..common import attend, split_heads
 from ..common.attention import AttentionModule
 from ..common.blocks import PostNormBlock
@@ -225,6 +230,7 @@ class _FirstTokenClassifier:
 class DistilBertForSequenceClassification(_FirstTokenClassifier, EncoderForSequenceClassification,
                                           DistilBertPreTrainedModel):
     hf_twin = transformers.DistilBertForSequenceClassification
+    pipeline_adapter_class = SequenceClassificationPipelineAdapter
 
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
@@ -236,6 +242,7 @@ class DistilBertForSequenceClassification(_FirstTokenClassifier, EncoderForSeque
 
 class DistilBertForTokenClassification(EncoderForTokenClassification, DistilBertPreTrainedModel):
     hf_twin = transformers.DistilBertForTokenClassification
+    pipeline_adapter_class = TokenClassificationPipelineAdapter
     classifier_dropout = staticmethod(lambda config: config.dropout)
 
 
@@ -243,6 +250,8 @@ class DistilBertForQuestionAnswering(EncoderForQuestionAnswering, DistilBertPreT
     """The span head after a ``qa_dropout`` dropout."""
 
     hf_twin = transformers.DistilBertForQuestionAnswering
+    span_dropout = True
+    pipeline_adapter_class = QuestionAnsweringPipelineAdapter
 
     def build_head(self, config) -> None:
         super().build_head(config)

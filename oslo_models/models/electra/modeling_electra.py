@@ -33,7 +33,12 @@ from ...parallel_layers.layers import Dropout, LayerNorm, Linear
 from ...parallel_layers.plan import Colwise, SequenceParallelNorm, StreamLinear
 from ..bert.modeling_bert import BERT_SPEC, BertEmbeddings, BertEncoder, BertModel, BertPreTrainedModel
 from ..bert.parallel_plan import prefixed
-from ..bert.pipeline_bert import MaskedLMPipelineAdapter
+from ..bert.pipeline_bert import (
+    MaskedLMPipelineAdapter,
+    QuestionAnsweringPipelineAdapter,
+    SequenceClassificationPipelineAdapter,
+    TokenClassificationPipelineAdapter,
+)
 from ..common.outputs import passed_on
 from ..encoder_heads import (
     EncoderForQuestionAnswering,
@@ -185,15 +190,18 @@ class ElectraForPreTraining(EncoderHeadModel, ElectraPreTrainedModel):
 
 class ElectraForSequenceClassification(EncoderForSequenceClassification, ElectraPreTrainedModel):
     hf_twin = transformers.ElectraForSequenceClassification
+    pipeline_adapter_class = SequenceClassificationPipelineAdapter
     head_class = ElectraClassificationHead
 
 
 class ElectraForTokenClassification(EncoderForTokenClassification, ElectraPreTrainedModel):
     hf_twin = transformers.ElectraForTokenClassification
+    pipeline_adapter_class = TokenClassificationPipelineAdapter
 
 
 class ElectraForQuestionAnswering(EncoderForQuestionAnswering, ElectraPreTrainedModel):
     hf_twin = transformers.ElectraForQuestionAnswering
+    pipeline_adapter_class = QuestionAnsweringPipelineAdapter
 
 
 class ElectraForMultipleChoice(ForMultipleChoice, ElectraPreTrainedModel):

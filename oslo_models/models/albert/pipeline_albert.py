@@ -1,0 +1,86 @@
+"""ALBERT's masked LM as pipeline stages: BERT's encoder stages (``bert/pipeline_bert.py``: the base model's own
+phases on each stage's layers, one hidden-state tensor ``[mb, s(/tp), h]`` between stages) over ALBERT's depth
+sharing.
+
+The pipeline cuts the ``num_hidden_layers`` layers (the depth), not the ``num_hidden_groups`` modules of
+``albert.encoder.albert_layer_groups``: flat layer ``i`` is the group ``transformers`` runs there
+(``int(i / (L / G))``), so ``layer_ids`` maps several flat layers to one container index. A stage keeps each group
+its layers run once (under its Hub name: ``albert.encoder.albert_layer_groups.<g>...``) and runs it once per layer.
+
+A group run by layers on two stages (the cut falls inside the group's layers: 4 layers over 1 group, or
+``pipeline_partition=(1, 3)`` over 2 groups) is held by both pipeline ranks: each of its parameters is a *tied
+group* of one name (``tied_groups``), like a tied input / output embedding. Both copies load the one checkpoint
+tensor; after each backward ``TiedCopies`` all-reduces (sums) their gradients over the pipeline ranks holding them
+(one group per set of ranks, on each (dp, tp) coordinate), so each copy's gradient is the single-process gradient
+summed over every use, and with the same optimizer the copies stay equal; the gradient norm counts the copy of the
+lowest rank only (``tied_duplicates``), saving writes the key once (stages' state dicts merge by name).
+
+The first stage also holds ``encoder.embedding_hidden_mapping_in`` (``embedding_extras``: ``[b, s, e] -> [b, s, h]``),
+the last the MLM head ``predictions`` (its vocab-parallel ``decoder`` a copy of the word embeddings: tied too).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..bert.pipeline_bert import (
+    MaskedLMPipelineAdapter,
+    QuestionAnsweringPipelineAdapter,
+    SequenceClassificationPipelineAdapter,
+    TokenClassificationPipelineAdapter,
+)
+
+
+def group_of_layer(config, layer: int) -> int:
+    """The layer group ``transformers``' ``AlbertTransformer`` runs at depth ``layer``."""
+    return int(layer / (config.num_hidden_layers / config.num_hidden_groups))
+
+
+class AlbertDepth:
+    """The part of every ALBERT head's adapter that differs from BERT's: flat layers are the depth over the shared
+    groups (mixed in before a BERT head adapter)."""
+
+    def layer_ids(self, model) -> list[tuple[str, int]]:
+        config, path = model.config, self.layer_paths[0]
+        return [(path, group_of_layer(config, i)) for i in range(config.num_hidden_layers)]
+
+    def layer_parameter_counts(self, model) -> tuple[list[float], float, float]:
+        """Per flat layer: its group's parameters (every layer runs a whole group: the same compute); the
+        embeddings' and the head's as BERT's."""
+        group_costs, first, last = super().layer_parameter_counts(model)  # one cost per group module
+        return [group_costs[group] for _, group in self.layer_ids(model)], first, last
+
+    def tied_groups(self, model) -> list[tuple[str, ...]]:
+        """The tied embedding, and each shared group's parameters one by one (a one-name group: the same key on
+        every pipeline rank whose stages run the group); ``TiedCopies`` drops those only one rank holds."""
+        from .modeling_albert import AlbertLayerGroup  # (modeling_albert imports this module)
+
+        with torch.device("meta"):  # the names only: every group has the same ones, whatever this rank holds
+            inner = [name for name, _ in AlbertLayerGroup(model.config).named_parameters()]
+        path = self.layer_paths[0]
+        shared = [(f"{path}.{group}.{name}",) for group in range(model.config.num_hidden_groups) for name in inner]
+        return [*super().tied_groups(model), *shared]
+
+
+class AlbertMaskedLMPipelineAdapter(AlbertDepth, MaskedLMPipelineAdapter):
+    """The MLM head ``predictions`` on the last stage (its decoder tied to the word embeddings)."""
+
+
+class AlbertSequenceClassificationPipelineAdapter(AlbertDepth, SequenceClassificationPipelineAdapter):
+    """ALBERT's pooler is two modules of the base model (``pooler`` linear, ``pooler_activation`` tanh) on the
+    first token, then ``dropout`` and ``classifier``: ``logits [mb, num_labels]``."""
+
+    @classmethod
+    def head_modules_of(cls, model_class):
+        return {"pooler": "albert.pooler", "pooler_activation": "albert.pooler_activation", "dropout": "dropout",
+                "classifier": "classifier"}
+
+    def head_forward(self, stage, hidden):
+        return stage.classifier(stage.dropout(stage.pooler_activation(stage.pooler(hidden[:, 0]))))
+
+
+class AlbertTokenClassificationPipelineAdapter(AlbertDepth, TokenClassificationPipelineAdapter):
+    pass
+
+
+class AlbertQuestionAnsweringPipelineAdapter(AlbertDepth, QuestionAnsweringPipelineAdapter):
+    pass
