@@ -21,14 +21,17 @@ FOUR_RANKS = (
     ("sp", "off", "ac", "compile"),           # tp2+sp x dp2 x ZeRO-3 + cpu offload x checkpointing x compile
     ("cp", "off", "bf16", "compile"),         # cp2 x dp2 x ZeRO-3 + cpu offload x bf16 x compile
     ("cp", "z2", "nvme", "fp16", "ac", "moe"),  # Mixtral: cp2 x dp2 x ZeRO-2 + disk x fp16 x checkpointing
-    ("ep", "tp", "z2", "ac", "bf16", "compile"),  # Mixtral: tp2 x ep2 x dp2 x ZeRO-2 x checkpointing x bf16 x compile
-    ("ep", "tp", "off", "fp16"),              # Mixtral: tp2 x ep2 x dp2 x ZeRO-3 + cpu offload x fp16
-    ("pp", "nvme", "compile"),                # pp2 x dp2 x ZeRO-3 + disk x compile
+    ("ep", "tp", "z2", "ac"),                 # Mixtral: tp2 x ep2 x dp2 x ZeRO-2 x checkpointing
+    ("ep", "tp", "off"),                      # Mixtral: tp2 x ep2 x dp2 x ZeRO-3 + cpu offload
+    ("pp", "nvme"),                           # pp2 x dp2 x ZeRO-3 + disk
+    ("tp", "z1", "bf16"),                     # tp2 x dp2 x ZeRO-1 x bf16
+    ("tp", "off", "fp16"),                    # tp2 x dp2 x ZeRO-3 + cpu offload x fp16
+    ("pp", "tp", "compile"),                  # pp2 x tp2 x compile (pp x dp x compile: see test_coverage.py)
 )
 EIGHT_RANKS = (
-    ("grid", "z1", "ac", "bf16"),             # 2D tp4 x dp2 x ZeRO-1 x checkpointing x bf16
-    ("grid", "z2", "nvme", "fp16"),           # 2D tp4 x dp2 x ZeRO-2 + disk x fp16
-    ("grid", "off", "compile"),               # 2D tp4 x dp2 x ZeRO-3 + cpu offload x compile
+    ("grid", "z1", "ac"),                     # 2D tp4 x dp2 x ZeRO-1 x checkpointing
+    ("grid", "z2", "nvme", "compile"),        # 2D tp4 x dp2 x ZeRO-2 + disk x compile
+    ("grid", "off"),                          # 2D tp4 x dp2 x ZeRO-3 + cpu offload
 )
 
 

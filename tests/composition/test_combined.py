@@ -8,9 +8,10 @@ Tolerances (``tests/helpers/composition.py``): fp32 1e-5. bf16 and fp16 layouts 
 ``training.sync_overflow``), so both round the same operands to the same dtype; what differs is the order partial
 sums are reduced in (tp's row-parallel all-reduce, ZeRO's reduce-scatter of gradients, cp's chunked attention), an
 error of a few units in the last place of the low-precision type: losses 2e-2 (bf16, 8 mantissa bits: 2^-8 = 4e-3
-relative per rounding, a few roundings deep) and 2e-3 (fp16, 11 bits), parameters 2e-3 / 1e-3 absolute after 3
-AdamW steps of lr 1e-3 (each step moves a parameter by at most ~lr, so a wrong gradient sign or a missed update shows
-as >= 1e-3 on many parameters, and an axis left out entirely fails the loss check long before).
+relative per rounding, a few roundings deep) and 2e-3 (fp16, 11 bits), parameters 2e-3 absolute after 3
+AdamW steps of lr 1e-3 (AdamW moves an element whose gradient is at the dtype's rounding level by ~lr per step either
+way: up to 2 x lr apart, seen once at fp16; a missing, doubled or unreduced gradient moves whole tensors by more,
+and an axis left out entirely fails the loss check first).
 
 Compile: ``torch.compile(backend="aot_eager")``, the cheapest backend that still runs our compile path end to end
 (dynamo traces the parallel layers' collectives and the checkpointed blocks, AOTAutograd builds the joint
