@@ -60,7 +60,10 @@ def mark_gradients_reduced(model: nn.Module, by: str = "caller") -> None:
     while isinstance(model, nn.Module) and id(model) not in seen:
         seen.add(id(model))
         setattr(model, _REDUCER, by)
-        inner = model.__dict__.get("_modules", {}).get("module") or getattr(model, "_orig_mod", None)
+        # `is None`, never `or`: a wrapped torch.compile module has no truth value (its __len__ raises TypeError)
+        inner = model.__dict__.get("_modules", {}).get("module")
+        if inner is None:
+            inner = getattr(model, "_orig_mod", None)
         if inner is None and callable(getattr(type(model), "get_base_model", None)):
             inner = model.get_base_model()  # peft's PeftModel: the adapted model underneath
         model = inner

@@ -4,9 +4,11 @@ A cell (an axis alone or a pair, ``oslo_models.composition.table.pairs``) is *te
 default suite trains a layout with every axis of the cell turned on against single-process ``transformers`` (or, for
 ``ac`` and ``compile``, against the same model without it, which those tests compare to ``transformers`` elsewhere).
 ``COVERAGE`` declares, per test (``path::function``), the layouts it trains as sets of the table's axis names (what
-its docstring says it runs); the 8-process test's layouts come from ``multi_axis()`` itself. A layout covers every
-pair of its axes. ``tests/composition/test_matrix.py`` runs, in CI, exactly the composing cells no declared test
-covers (``residual_cells``), so no cell is neither tested nor refused; ``test_coverage.py`` checks all of it.
+its docstring says it runs); the combined layouts (``combined.py``: ``test_combined.py`` at 4 processes, the grid
+ones in the 8-process test) and the 8-process test's ``multi_axis()`` layouts come from those lists themselves. A
+layout covers every pair of its axes. ``residual_cells`` are the composing cells no declared test covers: none
+(``test_coverage.py`` asserts it), so every cell is tested in CI or refused; the opt-in pair matrix
+(``tests/composition/test_matrix.py``, ``OSLO_COMPOSITION_MATRIX=1``) trains each cell once more on its own.
 """
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from itertools import combinations
 
 from oslo_models.composition import Layout
 from oslo_models.composition.table import multi_axis, pairs
+from tests.composition.combined import combined_cells
 
 EIGHT_RANKS = "tests/composition/test_eight_ranks.py::test_multi_axis_layouts_match_transformers"
+COMBINED = "tests/composition/test_combined.py::test_combined_layouts_match_transformers"
 
 COVERAGE: dict[str, list[set[str]]] = {
     # zoo (every family; Llama among them): one AdamW step per layout
@@ -74,9 +78,10 @@ def axes_of(layout: Layout) -> set[str]:
 
 
 def declared() -> dict[str, list[set[str]]]:
-    """``COVERAGE`` plus the 8-process test's composing layouts."""
-    eight = [axes_of(c.layout) for c in multi_axis() if c.status == "composes"]
-    return {**COVERAGE, EIGHT_RANKS: eight}
+    """``COVERAGE`` plus the combined layouts and the 8-process test's composing layouts."""
+    eight = [axes_of(c.layout) for c in multi_axis() + combined_cells(8) if c.status == "composes"]
+    four = [axes_of(c.layout) for c in combined_cells(4) if c.status == "composes"]
+    return {**COVERAGE, COMBINED: four, EIGHT_RANKS: eight}
 
 
 def covering_tests() -> dict[frozenset, str]:
@@ -91,6 +96,6 @@ def covering_tests() -> dict[frozenset, str]:
 
 
 def residual_cells() -> list:
-    """The composing cells no declared test covers: ``test_matrix.py`` trains these in CI."""
+    """The composing cells no declared test covers (none: ``test_coverage.py``)."""
     covered = covering_tests()
     return [c for c in pairs() if c.status == "composes" and frozenset(c.axes) not in covered]

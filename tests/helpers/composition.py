@@ -31,7 +31,11 @@ from tests.helpers.pipeline import ADAMW, local_rows
 STEPS = 5
 TOLERANCE = {"no": dict(atol=1e-5, rtol=1e-5), "bf16": dict(atol=2e-2, rtol=2e-2),
              "fp16": dict(atol=2e-3, rtol=2e-3)}
-PARAM_TOLERANCE = {"no": dict(atol=1e-5, rtol=1e-4), "bf16": dict(atol=2e-3, rtol=0), "fp16": dict(atol=1e-3, rtol=0)}
+# Low precision, parameters: AdamW (lr 1e-3, eps 1e-5) moves an element whose gradient is at the dtype's rounding
+# level by ~lr per step whatever that gradient's size, so the two sides' reduction orders can turn one element's step
+# the other way: up to 2 x lr apart (seen: fp16 at tp2+sp x dp2 x ZeRO-1 x compile, 1 of 3264 embedding elements
+# 1.05e-3 apart after 3 steps). A missing or doubled gradient moves whole tensors by more.
+PARAM_TOLERANCE = {"no": dict(atol=1e-5, rtol=1e-4), "bf16": dict(atol=2e-3, rtol=0), "fp16": dict(atol=2e-3, rtol=0)}
 
 
 def _is_moe(config) -> bool:
