@@ -285,7 +285,7 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     _check_fresh(inner)
     with all_or_none(context, "offload='nvme': preparing the offload folder"):  # every rank raises, or none
         folder = prepare_offload_folder(context.config.offload_path, context.rank,
-                                        _predicted_state_bytes(inner, context, stage),
+                                        _predicted_state_bytes(inner, context, stage, unwrap_model(model)),
                                         local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     try:
         model, optimizer = _shard_data_parallel(model, optimizer, context, stage, cpu_offload, ddp_kwargs)
@@ -295,17 +295,24 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         raise
 
 
-def _predicted_state_bytes(optimizer, context, stage: int) -> int:
+def _predicted_state_bytes(optimizer, context, stage: int, model) -> int:
     """Adam's state bytes on this rank after sharding: ZeRO-2/3 split each local tensor's dim 0 over the shard group
-    (``torch.chunk``'s rounding up: an upper bound)."""
+    (``torch.chunk``'s rounding up: an upper bound); experts (ep > 1) over the expert-data-parallel group instead."""
     from .nvme_offload import _local, predicted_state_bytes
 
-    shard = context.config.data_parallel_shard_size or context.dp_cp_size if stage >= 2 else 1
+    dense = context.config.data_parallel_shard_size or context.dp_cp_size if stage >= 2 else 1
+    experts = set()
+    if context.ep_size > 1:
+        from ..distributed.expert_parallel import expert_parameter_names
+
+        names = set(expert_parameter_names(model))
+        experts = {id(p) for name, p in model.named_parameters() if name in names}
     sizes = []
     for group in optimizer.param_groups:
         for param in group["params"]:
             local = _local(param)
             numel = local.numel()
+            shard = (context.edp_size if stage >= 2 else 1) if id(param) in experts else dense
             if shard > 1 and local.dim() and local.shape[0]:
                 numel = -(-local.shape[0] // shard) * (numel // local.shape[0])
             sizes.append((numel, local.element_size()))
