@@ -89,6 +89,8 @@ def test_two_nodes_zero2_and_elastic_restart_zero3(corpus, tmp_path):
     assert text.count("ParallelContext(rank=0/4, tp=0/2, dp=0/2") == 2, text[-3000:]  # one world of 4, twice
     attempts = launch.attempts(two)
     _resumed(outputs, attempts, latest, 2)
+    # each node's first local rank prints (Accelerate's local main process): both read the agreed restart count
+    assert all("elastic restart #1" in output for output in outputs), [output[-2000:] for output in outputs]
     reference = attempts[0]
     assert sorted(reference) == list(range(1, STEPS + 1))
     assert attempts[1] == {step: reference[step] for step in (3, 4)}  # bit for bit
