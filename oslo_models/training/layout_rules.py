@@ -29,6 +29,9 @@ def check_training_layout(parallel: ParallelConfig, *, zero_stage: int | None = 
         # optimizer) holds its state inside a wrapper the disk optimizer does not replace (yet). Experts at stages
         # 0/2/3 are fine: one plain optimizer over every local tensor (FSDP2 shards experts over edp), no collective
         # in its step.
+        if parallel.offload_params and stage != 3:
+            raise ValueError(f"offload_params=True offloads ZeRO-3's sharded parameters (DeepSpeed's offload_param "
+                             f"needs stage 3 too); got zero_stage={stage}")
         if stage == 1:
             raise NotImplementedError("offload='nvme' with zero_stage=1 is not implemented (ZeroRedundancyOptimizer "
                                       "keeps its partition in memory); use zero_stage 2 or 3, which shard the "

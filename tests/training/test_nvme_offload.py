@@ -1,8 +1,10 @@
 """Optimizer state offloaded to disk (``ParallelConfig(offload="nvme")``, ``training/nvme_offload.py``).
 
-One spawned group of 4 ranks checks two layouts. tp 2 x dp 2, ZeRO-3 (GPT-2): training with the Adam state on disk
-equals training with it in memory bit for bit (4 steps: every loss, every parameter), a checkpoint taken from it at
-step 2 resumes bit-identically in fresh objects, and the scratch files are gone after ``close``. ep 2 x dp 2,
+One spawned group of 4 ranks checks two layouts. tp 2 x dp 2, ZeRO-3 (GPT-2): training with the Adam state and the
+parameter shards on disk (``offload_params=True``: every shard lies in the mapped file, none resident after a step)
+equals training in memory bit for bit (4 steps: every loss, every parameter), a checkpoint taken from it at step 2
+resumes bit-identically in fresh objects (loaded into the file), and the scratch files are gone after ``close``.
+ep 2 x dp 2,
 ZeRO-3 (Mixtral: experts sharded over the expert-data-parallel group, the rest over dp, one optimizer over both):
 2 steps on disk equal 2 in memory bit for bit. The rest runs in this process: the step
 against ``torch.optim.AdamW`` (several chunks, param groups, a missing gradient, amsgrad, ``load_state_dict``) and
@@ -32,7 +34,7 @@ SAVED_AT = 2
 
 def _build(path, offload_path=None):
     parallel = om.ParallelConfig(tensor_parallel_size=2, zero_stage=3, offload="nvme" if offload_path else None,
-                                 offload_path=offload_path)
+                                 offload_path=offload_path, offload_params=bool(offload_path))
     model = om.AutoModelForCausalLM.from_pretrained(path, parallel=parallel, progress=False).train()
     return training.shard_data_parallel(model, make_optimizer(model.parameters()))
 
@@ -47,7 +49,11 @@ def _nvme_worker(path, moe_path, scratch, ckpt_dir):
     assert isinstance(opt, DiskOffloadedOptimizer)
     rank_folder = opt.folder
     assert rank_folder.endswith(f"rank{torch.distributed.get_rank()}")
+    params_file = opt.parameter_file
+    assert os.path.exists(params_file.path)
+    _assert_file_backed(model, params_file)
     got, _ = train_steps(model, opt, range(SAVED_AT))
+    assert params_file.resident_bytes() == 0  # dropped after the step
     training.save_checkpoint(ckpt_dir, model, opt, step=SAVED_AT)
     assert not any(name.endswith(".bin") for _, _, names in os.walk(ckpt_dir) for name in names)  # not scratch
     got += train_steps(model, opt, range(SAVED_AT, NUM_STEPS))[0]
@@ -62,6 +68,7 @@ def _nvme_worker(path, moe_path, scratch, ckpt_dir):
     torch.manual_seed(999)  # the RNG state must come from the checkpoint
     model, opt = _build(path, os.path.join(scratch, "b"))
     info = training.load_checkpoint(ckpt_dir, model, opt)
+    _assert_file_backed(model, opt.parameter_file)  # loaded in place, into the file
     assert info["step"] == SAVED_AT and info["same_layout"]
     resumed, _ = train_steps(model, opt, range(SAVED_AT, NUM_STEPS))
     for a, b in zip(resumed, losses[SAVED_AT:]):
@@ -71,6 +78,17 @@ def _nvme_worker(path, moe_path, scratch, ckpt_dir):
     opt.close()
     del model, opt
     _experts(moe_path, os.path.join(scratch, "moe"))
+
+
+def _assert_file_backed(model, params_file):
+    """Every parameter's local shard (and FSDP's all-gather input) lies in the mapped parameter file."""
+    from oslo_models.training.nvme_params import fsdp_units
+
+    base = params_file.storage.data_ptr()
+    for _, params in fsdp_units(training.unwrap_model(model)):
+        for fsdp_param in params:
+            for tensor in (fsdp_param._sharded_param_data, fsdp_param.sharded_param._local_tensor):
+                assert tensor.untyped_storage().data_ptr() == base, fsdp_param._module_info.param_name
 
 
 def _experts(path, scratch):
@@ -161,6 +179,10 @@ def test_config_and_layout_errors():
         om.ParallelConfig(offload="nvme")
     with pytest.raises(ValueError, match="only used by offload='nvme'"):
         om.ParallelConfig(offload="cpu", offload_path="/tmp/x")
+    with pytest.raises(ValueError, match="offload_params=True puts ZeRO-3 parameters on disk and needs offload='nvme'"):
+        om.ParallelConfig(offload="cpu", offload_params=True)
+    with pytest.raises(ValueError, match="DeepSpeed's offload_param needs stage 3 too"):
+        check_training_layout(om.ParallelConfig(offload="nvme", offload_path="/x", offload_params=True), zero_stage=2)
     nvme = om.ParallelConfig(offload="nvme", offload_path="/tmp/x")
     with pytest.raises(ValueError, match="choose two offload tiers"):
         check_training_layout(nvme, zero_stage=3, cpu_offload=True)
