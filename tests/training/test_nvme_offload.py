@@ -237,3 +237,6 @@ def test_planner_disk_tier():
     assert nvme.disk == 2 * base.parameters and nvme.optimizer == 0
     assert nvme.host == base.optimizer - nvme.disk + 2 * nvme.disk  # tiny: one chunk holds everything
     assert nvme.total == base.total - base.optimizer
+    params = estimate_memory(facts, om.ParallelConfig(data_parallel_size=2, zero_stage=3, offload="nvme",
+                                                      offload_path="/x", offload_params=True), 2, device="cpu")
+    assert params.parameters == 0 and params.disk == nvme.disk + base.parameters
