@@ -119,7 +119,7 @@ def test_zero3_nvme_offload_equals_in_memory_and_resumes(tmp_path):
     torch.manual_seed(0)
     HF["mixtral"](CONFIGS["mixtral"]()).save_pretrained(tmp_path / "mixtral")
     run_distributed(_nvme_worker, 4, path, str(tmp_path / "mixtral"), str(tmp_path / "scratch"),
-                    str(tmp_path / "ckpt"), timeout=400)
+                    str(tmp_path / "ckpt"), timeout=600)
     assert os.listdir(tmp_path / "scratch" / "a") == []  # every rank's folder removed
 
 
