@@ -98,6 +98,8 @@ class ParallelConfig:
         block_plan: per-block data parallelism (OSDP / Galvatron; ``block_plan.py``): one entry per transformer
             block, ``{"shard": bool, "reshard_after_forward": bool, "checkpoint": bool}``; with ``zero_stage=3``
             only (the FSDP2 engine then shards or replicates each block as the plan says). ``None``: uniform.
+        offload_params: with ``offload="nvme"`` and ``zero_stage=3``, the sharded parameters live in a scratch file
+            there too (DeepSpeed's ``offload_param.device=nvme``; ``training/nvme_params.py``).
     """
 
     tensor_parallel_size: int = 1
@@ -123,6 +125,7 @@ class ParallelConfig:
     offload: str | None = None
     offload_path: str | None = None
     block_plan: tuple | None = None
+    offload_params: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "tensor_parallel_depth", "pipeline_parallel_size",
@@ -184,6 +187,11 @@ class ParallelConfig:
         if self.offload == "nvme" and (not isinstance(path, str) or not path):
             raise ValueError(f"ParallelConfig.offload='nvme' needs offload_path, the folder (on a local disk) for the "
                              f"offloaded optimizer state; got offload_path={path!r}")
+        if self.offload_params not in (True, False):
+            raise ValueError(f"ParallelConfig.offload_params must be a bool, got {self.offload_params!r}")
+        if self.offload_params and self.offload != "nvme":
+            raise ValueError(f"ParallelConfig.offload_params=True puts ZeRO-3 parameters on disk and needs "
+                             f"offload='nvme' (with offload_path), got offload={self.offload!r}")
         if self.offload != "nvme" and path is not None:
             raise ValueError(f"ParallelConfig.offload_path={path!r} is only used by offload='nvme', got "
                              f"offload={self.offload!r}")

@@ -55,13 +55,16 @@ def _world_from_environment() -> tuple[int, int]:
     return world, rank
 
 
+ATTEMPT_ENV = "OSLO_MODELS_ELASTIC_ATTEMPT"
+
+
 def init_process_group_from_environment(device_type: str | None = None, *, timeout: float | None = None) -> None:
     """Initialize the default group from torchrun's environment (NCCL on CUDA, gloo on CPU); a no-op when it is.
 
     ``timeout``: the backend's collective timeout in seconds (``None``: its default). Under torchrun's elastic
     agent the workers share the agent's key-value store, which outlives a restart: the keys of the previous
     attempt (gloo's peer addresses, barrier counters) would be read by the next one, which then connects to dead
-    ranks. Each attempt (``TORCHELASTIC_RESTART_COUNT``) therefore gets its own key prefix."""
+    ranks. Each attempt therefore gets its own key prefix, which every rank must agree on (:func:`_attempt`)."""
     if dist.is_initialized():
         return
     missing = [key for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if key not in os.environ]
@@ -76,11 +79,32 @@ def init_process_group_from_environment(device_type: str | None = None, *, timeo
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                               timeout=kwargs.get("timeout", timedelta(minutes=30)))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = _attempt(store, rank)
         dist.init_process_group(backend=backend, store=dist.PrefixStore(f"oslo_models/attempt{attempt}", store),
                                 rank=rank, world_size=world, **kwargs)
     else:
         dist.init_process_group(backend=backend, **kwargs)
+
+
+def _attempt(store, rank: int) -> int:
+    """This job's attempt number under torchrun's elastic agents, the same on every rank.
+
+    ``TORCHELASTIC_RESTART_COUNT`` alone is not: with several nodes, an agent whose workers were still healthy when
+    another node's failed restarts them as a *membership change*, which torchrun does not count (its count stays
+    behind). Each rank therefore also counts its own starts in the agent's store (``add`` on a per-rank key, which
+    outlives restarts): exact unless this rank died before reaching here in an earlier attempt. The larger of the
+    two is wrong only if both are (a rank that died during start-up on a node that was restarted uncounted).
+    Recorded in this process's environment as ``OSLO_MODELS_ELASTIC_ATTEMPT`` for the watchdog's keys."""
+    starts = store.add(f"oslo_models/starts/rank{rank}", 1)
+    attempt = max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), starts - 1)
+    os.environ[ATTEMPT_ENV] = str(attempt)
+    return attempt
+
+
+def elastic_attempt() -> int:
+    """The attempt number agreed at :func:`init_process_group_from_environment` (torchrun's restart count when the
+    group was started otherwise)."""
+    return int(os.environ.get(ATTEMPT_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
 @dataclass(frozen=True)

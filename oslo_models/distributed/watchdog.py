@@ -276,8 +276,9 @@ def ensure_watchdog(rank: int, world_size: int, timeout: float) -> Watchdog:
     if watchdog is not None and watchdog.world_group is not dist.group.WORLD:
         watchdog.stop()  # it watched a default group that has since been destroyed
     if watchdog is None or watchdog._stop.is_set():
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        watchdog = Watchdog(_own_store(timeout), rank, world_size, timeout, attempt=attempt)
+        from .context import elastic_attempt  # every rank's agreed attempt: the process group's key prefix too
+
+        watchdog = Watchdog(_own_store(timeout), rank, world_size, timeout, attempt=elastic_attempt())
         _PROCESS["watchdog"] = watchdog
         atexit.register(watchdog._stop.set)  # no join at exit: a store that is already gone must not delay it
     else:

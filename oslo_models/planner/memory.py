@@ -18,7 +18,9 @@ wrappers place it (``training/zero.py``), so the prediction equals what a rank h
 - CPU offload: the sharded parameters, gradients and state live in host memory (``host``), not on the device.
 - NVMe offload (``ParallelConfig.offload="nvme"``, ``training/nvme_offload.py``; ZeRO 0/2/3): the AdamW moments of
   the rank's local shards are in its scratch file (``disk``); the ``step`` counters and the step's two chunk
-  buffers (the chunk updated; the one written back, then prefetched) in host memory (``host``).
+  buffers (the chunk updated; the one written back, then prefetched) in host memory (``host``). With
+  ``offload_params=True`` (ZeRO-3, ``training/nvme_params.py``) the parameter shards are on disk too (the gathered
+  units stay in ``buffers``).
 
 Bf16 autocast (Accelerate's ``mixed_precision="bf16"``) keeps fp32 parameters, so there is no separate master
 copy; a model loaded in bf16 keeps bf16 parameters, gradients and AdamW moments (torch's ``zeros_like``).
@@ -249,6 +251,7 @@ def estimate_memory(facts: ModelFacts, parallel: ParallelConfig, world_size: int
         disk = MOMENTS * state.parameters  # ZeRO 0/2/3: every local shard's moments (stage 1 is refused)
         chunks = 2 * min(DEFAULT_CHUNK_BYTES, disk)  # updated + written back/prefetched; a chunk is on the
         buffers += min(DEFAULT_CHUNK_BYTES, disk) if device != "cpu" else 0  # device while it is updated
-        return MemoryEstimate(state.parameters, state.gradients, 0, activations, buffers,
-                              host=state.optimizer - disk + chunks, disk=disk)
+        on_disk = state.parameters if parallel.offload_params else 0  # nvme_params.py: ZeRO-3 shards in a file
+        return MemoryEstimate(state.parameters - on_disk, state.gradients, 0, activations, buffers,
+                              host=state.optimizer - disk + chunks, disk=disk + on_disk)
     return MemoryEstimate(state.parameters, state.gradients, state.optimizer, activations, buffers)

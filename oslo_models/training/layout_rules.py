@@ -25,15 +25,17 @@ def check_training_layout(parallel: ParallelConfig, *, zero_stage: int | None = 
         raise ValueError(f"cpu_offload needs zero_stage 2 or 3 (FSDP2 offload), got zero_stage={stage}")
     pp = parallel.pipeline_parallel_size
     if parallel.offload == "nvme":
-        # The disk tier replaces the local optimizer: ZeRO-1's partitioned optimizer and the expert split optimizer
-        # hold theirs inside wrappers the disk optimizer does not replace (yet).
+        # The disk tier replaces the local optimizer: ZeRO-1's partitioned optimizer (and with experts its split
+        # optimizer) holds its state inside a wrapper the disk optimizer does not replace (yet). Experts at stages
+        # 0/2/3 are fine: one plain optimizer over every local tensor (FSDP2 shards experts over edp), no collective
+        # in its step.
+        if parallel.offload_params and stage != 3:
+            raise ValueError(f"offload_params=True offloads ZeRO-3's sharded parameters (DeepSpeed's offload_param "
+                             f"needs stage 3 too); got zero_stage={stage}")
         if stage == 1:
             raise NotImplementedError("offload='nvme' with zero_stage=1 is not implemented (ZeroRedundancyOptimizer "
                                       "keeps its partition in memory); use zero_stage 2 or 3, which shard the "
                                       "optimizer state over dp too, or 0")
-        if parallel.expert_parallel_size > 1:
-            raise NotImplementedError("offload='nvme' with expert_parallel_size > 1 is not implemented (experts "
-                                      "have their own optimizer over the expert-data-parallel group)")
     if parallel.expert_parallel_size > 1 and pp > 1 and stage >= 1:
         # the pipeline runner reduces expert gradients over edp itself; ZeRO would shard them over dp like dense ones
         raise NotImplementedError(f"expert_parallel_size > 1 with pipeline_parallel_size={pp} and zero_stage={stage} "

@@ -42,6 +42,7 @@ import torch
 
 STATE_FILE = "adam_state.bin"
 LOCK_FILE = "owner.lock"
+PARAM_FILE = "zero3_params.bin"  # nvme_params.py's file of ZeRO-3 parameter shards (offload_params=True)
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 
@@ -127,8 +128,9 @@ def prepare_offload_folder(offload_path: str, rank: int, needed_bytes: int, *, l
 
 
 def release_offload_folder(folder: str) -> None:
-    """Delete the scratch file, the lock and the (then empty) rank folder."""
-    for name in (STATE_FILE, LOCK_FILE):
+    """Delete the scratch files (the parameters' too, ``nvme_params.py``: a mapping outlives its unlinked file), the
+    lock and the (then empty) rank folder."""
+    for name in (STATE_FILE, PARAM_FILE, LOCK_FILE):
         try:
             os.unlink(os.path.join(folder, name))
         except FileNotFoundError:
@@ -217,6 +219,7 @@ class DiskOffloadedOptimizer(torch.optim.Optimizer):
         self._finalizer = weakref.finalize(self, _cleanup, folder, self._pool, self._fd_box)
         self._lock = threading.Lock()
         self._ring = None  # the step's two chunk buffers (``_buffers``)
+        self.after_chunk = None  # called with each updated chunk's parameters (nvme_params.ParameterFile.attach)
 
     @classmethod
     def wrap(cls, optimizer: torch.optim.Optimizer, folder: str, **kwargs) -> "DiskOffloadedOptimizer":
@@ -359,6 +362,8 @@ class DiskOffloadedOptimizer(torch.optim.Optimizer):
                  decoupled_weight_decay=group.get("decoupled_weight_decay", False))
             if params and params[0].device.type != "cpu":  # device state: copy the moments back to the buffer
                 self._copy_back(chunk, buffer, states, start)
+            if self.after_chunk is not None:  # offload_params: the chunk's parameter pages leave the process
+                self.after_chunk(chunk)
             writes.append(self._pool.submit(self._write, chunk, buffer))  # written while the next chunk runs
         for write in writes:
             write.result()

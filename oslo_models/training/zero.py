@@ -289,32 +289,49 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     from .nvme_offload import DiskOffloadedOptimizer, prepare_offload_folder, release_offload_folder
 
     inner = unwrap_optimizer(optimizer)
+    if context.config.offload_params and context.device.type != "cpu":
+        raise NotImplementedError(f"offload_params=True is implemented for CPU devices (FSDP2 keeps the shards on "
+                                  f"{context.device.type} there); use offload_params=False (optimizer state on disk)")
     if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
         raise ValueError(f"offload='nvme' offloads torch.optim.Adam / AdamW state; got {type(inner).__name__}")
     _check_fresh(inner)
     with all_or_none(context, "offload='nvme': preparing the offload folder"):  # every rank raises, or none
+        state = _predicted_state_bytes(inner, context, stage, unwrap_model(model))
+        keys = 3 if any(g.get("amsgrad") for g in inner.param_groups) else 2
         folder = prepare_offload_folder(context.config.offload_path, context.rank,
-                                        _predicted_state_bytes(inner, context, stage),
+                                        state + (state // keys if context.config.offload_params else 0),
                                         local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     try:
         model, optimizer = _shard_data_parallel(model, optimizer, context, stage, cpu_offload, ddp_kwargs)
-        return model, DiskOffloadedOptimizer.wrap(optimizer, folder)
+        optimizer = DiskOffloadedOptimizer.wrap(optimizer, folder)
+        if context.config.offload_params:  # the parameter shards move into the same folder (deleted on close)
+            from .nvme_params import ParameterFile
+
+            ParameterFile(model, folder).attach(optimizer)
+        return model, optimizer
     except BaseException:
         release_offload_folder(folder)  # the lock of a failed setup must not block the next try
         raise
 
 
-def _predicted_state_bytes(optimizer, context, stage: int) -> int:
+def _predicted_state_bytes(optimizer, context, stage: int, model) -> int:
     """Adam's state bytes on this rank after sharding: ZeRO-2/3 split each local tensor's dim 0 over the shard group
-    (``torch.chunk``'s rounding up: an upper bound)."""
+    (``torch.chunk``'s rounding up: an upper bound); experts (ep > 1) over the expert-data-parallel group instead."""
     from .nvme_offload import _local, predicted_state_bytes
 
-    shard = context.config.data_parallel_shard_size or context.dp_cp_size if stage >= 2 else 1
+    dense = context.config.data_parallel_shard_size or context.dp_cp_size if stage >= 2 else 1
+    experts = set()
+    if context.ep_size > 1:
+        from ..distributed.expert_parallel import expert_parameter_names
+
+        names = set(expert_parameter_names(model))
+        experts = {id(p) for name, p in model.named_parameters() if name in names}
     sizes = []
     for group in optimizer.param_groups:
         for param in group["params"]:
             local = _local(param)
             numel = local.numel()
+            shard = (context.edp_size if stage >= 2 else 1) if id(param) in experts else dense
             if shard > 1 and local.dim() and local.shape[0]:
                 numel = -(-local.shape[0] // shard) * (numel // local.shape[0])
             sizes.append((numel, local.element_size()))
@@ -346,7 +363,8 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
             raise NotImplementedError("a block_plan with cpu_offload is not implemented: offload policies are per "
                                       "engine, not per block")
         check_block_plan(model, plan)
-    if context.dp_cp_size == 1 and not cpu_offload:
+    if context.dp_cp_size == 1 and not cpu_offload and not context.config.offload_params:
+        # (one dp rank: nothing to shard; offload_params still needs FSDP2's units, whose shards go to the file)
         model._oslo_zero_stage = stage
         return model, optimizer
 
@@ -365,8 +383,8 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
         return wrapped, optimizer
 
     if context.mesh is None:
-        raise ValueError("zero_stage 2/3 and cpu_offload need torch.distributed (launch with torchrun or "
-                         "accelerate launch)")
+        raise ValueError("zero_stage 2/3, cpu_offload and offload_params need torch.distributed (launch with "
+                         "torchrun or accelerate launch)")
     if ddp_kwargs:
         raise ValueError(f"DDP options {sorted(ddp_kwargs)} do not apply to zero_stage {stage} (FSDP2)")
     groups = _param_groups_by_name(model, optimizer) if optimizer is not None else None

@@ -7,10 +7,14 @@ every 2.
   so the resume restores sharded parameters and optimizer state, each cp rank's RNG and the loader under context
   parallelism): the kill comes once step 4 is logged, during its save, so the first attempt logged the whole
   uninterrupted curve; the restart resumes at step 2 and recomputes steps 3 and 4.
-- tp 2 x dp 2: the reference is a two-agent job (``--nnodes 2 --nproc_per_node 2``) at ZeRO-2; a one-agent job at
-  ZeRO-3 is killed at step 3 and resumes at step 2. ZeRO-2 and ZeRO-3 run the same arithmetic (only when FSDP frees
-  the gathered parameters differs), so every loss of both attempts and the final Hub folder of the restarted
-  ZeRO-3 job equal the two-node job's bit for bit, and plain ``transformers`` loads that folder.
+- tp 2 x dp 2: a two-agent job (``--nnodes 2 --nproc_per_node 2``, ``--max-restarts 1`` on both) at ZeRO-2 whose
+  rank 3 (second node) is killed once step 4 is logged: the first node's agent may restart its healthy workers as a
+  membership change, which torchrun does not count (``TORCHELASTIC_RESTART_COUNT`` stays 0 there), yet rank 0 (on
+  that node) reports elastic restart #1 and every rank resumes at step 2 in one world (the attempt is agreed on,
+  ``distributed/context.py``). Its first attempt is the reference; a one-agent job at ZeRO-3 is killed at step 3
+  and resumes at step 2. ZeRO-2 and ZeRO-3 run the same arithmetic (only when FSDP frees the gathered parameters
+  differs), so every loss of both jobs' attempts and the final Hub folders equal bit for bit, and plain
+  ``transformers`` loads them.
 
 The negative control of the self-resume (a restart without it trains from scratch, silently) is in
 ``test_resume_decision.py``.
@@ -77,14 +81,19 @@ def test_two_nodes_zero2_and_elastic_restart_zero3(corpus, tmp_path):
     two = tmp_path / "two_nodes"
     endpoint = f"127.0.0.1:{free_port()}"
     layout = ("--tp", "2", "--zero", "2")
-    nodes = [launch.agent(2, nodes=2, endpoint=endpoint, host=host) + _args(corpus, two, *layout)
+    nodes = [launch.agent(2, restarts=1, nodes=2, endpoint=endpoint, host=host) + _args(corpus, two, *layout)
              for host in (True, False)]
     (two / "logs").mkdir(parents=True)
-    outputs, _ = launch.run(nodes, env, two / "logs")
+    outputs, latest = launch.run(nodes, env, two / "logs", kill=(two, STEPS, 3))
     text = "\n".join(outputs)
-    assert "ParallelContext(rank=0/4, tp=0/2, dp=0/2" in text, text[-3000:]  # one world of 4, not two of 2
-    (reference,) = launch.attempts(two)
+    assert text.count("ParallelContext(rank=0/4, tp=0/2, dp=0/2") == 2, text[-3000:]  # one world of 4, twice
+    attempts = launch.attempts(two)
+    _resumed(outputs, attempts, latest, 2)
+    # each node's first local rank prints (Accelerate's local main process): both read the agreed restart count
+    assert all("elastic restart #1" in output for output in outputs), [output[-2000:] for output in outputs]
+    reference = attempts[0]
     assert sorted(reference) == list(range(1, STEPS + 1))
+    assert attempts[1] == {step: reference[step] for step in (3, 4)}  # bit for bit
     hub = two / "model"
     plain = transformers.AutoModelForCausalLM.from_pretrained(hub).eval()
     oslo = om.AutoModelForCausalLM.from_pretrained(str(hub), progress=False).eval()
@@ -105,3 +114,17 @@ def test_two_nodes_zero2_and_elastic_restart_zero3(corpus, tmp_path):
     restarted, uninterrupted = load_file(one / "model" / "model.safetensors"), load_file(hub / "model.safetensors")
     assert restarted.keys() == uninterrupted.keys()
     assert all(torch.equal(restarted[key], uninterrupted[key]) for key in restarted)
+
+
+def test_attempt_agreed_when_a_node_restarts_uncounted(monkeypatch):
+    """The attempt prefix of the process group's keys: a node whose agent restarted its healthy workers as a
+    membership change (restart count still 0) agrees with the node that counted the failure (1)."""
+    from oslo_models.distributed.context import ATTEMPT_ENV, _attempt, elastic_attempt
+
+    store = torch.distributed.HashStore()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert [_attempt(store, rank) for rank in (0, 1)] == [0, 0]  # first attempt, both nodes
+    assert _attempt(store, 0) == 1  # second attempt on the uncounted node (the restart count alone says 0)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert _attempt(store, 1) == 1 and elastic_attempt() == 1  # the node that counted it
+    monkeypatch.delenv(ATTEMPT_ENV)

@@ -1,8 +1,12 @@
 """Optimizer state offloaded to disk (``ParallelConfig(offload="nvme")``, ``training/nvme_offload.py``).
 
-One spawned group (tp 2 x dp 2, ZeRO-3) checks that training with the Adam state on disk equals training with it in
-memory bit for bit (5 steps: every loss, every parameter), that a checkpoint taken from it resumes bit-identically
-in fresh objects, and that the scratch files are gone after ``close``. The rest runs in this process: the step
+One spawned group of 4 ranks checks two layouts. tp 2 x dp 2, ZeRO-3 (GPT-2): training with the Adam state and the
+parameter shards on disk (``offload_params=True``: every shard lies in the mapped file, none resident after a step)
+equals training in memory bit for bit (4 steps: every loss, every parameter), a checkpoint taken from it at step 2
+resumes bit-identically in fresh objects (loaded into the file), and the scratch files are gone after ``close``.
+ep 2 x dp 2,
+ZeRO-3 (Mixtral: experts sharded over the expert-data-parallel group, the rest over dp, one optimizer over both):
+2 steps on disk equal 2 in memory bit for bit. The rest runs in this process: the step
 against ``torch.optim.AdamW`` (several chunks, param groups, a missing gradient, amsgrad, ``load_state_dict``) and
 every error raised before a process group.
 """
@@ -21,19 +25,21 @@ from oslo_models.training.layout_rules import check_training_layout
 from oslo_models.training.nvme_offload import DiskOffloadedOptimizer, prepare_offload_folder
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import save_tiny_gpt2
+from tests.models.test_moe_parity import ADAMW, CONFIGS, HF, VOCAB
 from tests.training.test_zero_checkpoint import make_optimizer, tp_local_params, train_steps
 
-NUM_STEPS = 5
+NUM_STEPS = 4
+SAVED_AT = 2
 
 
 def _build(path, offload_path=None):
     parallel = om.ParallelConfig(tensor_parallel_size=2, zero_stage=3, offload="nvme" if offload_path else None,
-                                 offload_path=offload_path)
+                                 offload_path=offload_path, offload_params=bool(offload_path))
     model = om.AutoModelForCausalLM.from_pretrained(path, parallel=parallel, progress=False).train()
     return training.shard_data_parallel(model, make_optimizer(model.parameters()))
 
 
-def _nvme_worker(path, scratch, ckpt_dir):
+def _nvme_worker(path, moe_path, scratch, ckpt_dir):
     model, opt = _build(path)
     losses, _ = train_steps(model, opt, range(NUM_STEPS))
     final = tp_local_params(model)
@@ -43,10 +49,14 @@ def _nvme_worker(path, scratch, ckpt_dir):
     assert isinstance(opt, DiskOffloadedOptimizer)
     rank_folder = opt.folder
     assert rank_folder.endswith(f"rank{torch.distributed.get_rank()}")
-    got, _ = train_steps(model, opt, range(3))
-    training.save_checkpoint(ckpt_dir, model, opt, step=3)
+    params_file = opt.parameter_file
+    assert os.path.exists(params_file.path)
+    _assert_file_backed(model, params_file)
+    got, _ = train_steps(model, opt, range(SAVED_AT))
+    assert params_file.resident_bytes() == 0  # dropped after the step
+    training.save_checkpoint(ckpt_dir, model, opt, step=SAVED_AT)
     assert not any(name.endswith(".bin") for _, _, names in os.walk(ckpt_dir) for name in names)  # not scratch
-    got += train_steps(model, opt, range(3, NUM_STEPS))[0]
+    got += train_steps(model, opt, range(SAVED_AT, NUM_STEPS))[0]
     for step, (a, b) in enumerate(zip(got, losses)):
         assert torch.equal(a, b), (step, a, b)
     for name, value in tp_local_params(model).items():
@@ -58,18 +68,58 @@ def _nvme_worker(path, scratch, ckpt_dir):
     torch.manual_seed(999)  # the RNG state must come from the checkpoint
     model, opt = _build(path, os.path.join(scratch, "b"))
     info = training.load_checkpoint(ckpt_dir, model, opt)
-    assert info["step"] == 3 and info["same_layout"]
-    resumed, _ = train_steps(model, opt, range(3, NUM_STEPS))
-    for a, b in zip(resumed, losses[3:]):
+    _assert_file_backed(model, opt.parameter_file)  # loaded in place, into the file
+    assert info["step"] == SAVED_AT and info["same_layout"]
+    resumed, _ = train_steps(model, opt, range(SAVED_AT, NUM_STEPS))
+    for a, b in zip(resumed, losses[SAVED_AT:]):
         assert torch.equal(a, b), (a, b)
     for name, value in tp_local_params(model).items():
         assert torch.equal(value, final[name]), name
     opt.close()
+    del model, opt
+    _experts(moe_path, os.path.join(scratch, "moe"))
+
+
+def _assert_file_backed(model, params_file):
+    """Every parameter's local shard (and FSDP's all-gather input) lies in the mapped parameter file."""
+    from oslo_models.training.nvme_params import fsdp_units
+
+    base = params_file.storage.data_ptr()
+    for _, params in fsdp_units(training.unwrap_model(model)):
+        for fsdp_param in params:
+            for tensor in (fsdp_param._sharded_param_data, fsdp_param.sharded_param._local_tensor):
+                assert tensor.untyped_storage().data_ptr() == base, fsdp_param._module_info.param_name
+
+
+def _experts(path, scratch):
+    """ep 2 x dp 2, ZeRO-3: the expert shards' moments (over edp) and the dense ones' (over dp) in one file."""
+    finals = []
+    for offload_path in (None, scratch):
+        parallel = om.ParallelConfig(expert_parallel_size=2, zero_stage=3, offload="nvme" if offload_path else None,
+                                     offload_path=offload_path)
+        model = om.AutoModelForCausalLM.from_pretrained(path, parallel=parallel, progress=False).train()
+        model, opt = training.shard_data_parallel(model, torch.optim.AdamW(model.parameters(), **ADAMW))
+        assert isinstance(opt, DiskOffloadedOptimizer) == bool(offload_path)
+        ctx = training.unwrap_model(model).parallel_context
+        for step in range(2):
+            ids = torch.randint(1, VOCAB, (4, 8), generator=torch.Generator().manual_seed(step))
+            local = ids.chunk(ctx.dp_size)[ctx.dp_rank]
+            model(local, labels=local, output_router_logits=False).loss.backward()
+            opt.step(), opt.zero_grad()
+        finals.append(tp_local_params(model))
+        if offload_path:
+            opt.close()
+        del model, opt
+    for name, value in finals[0].items():
+        assert torch.equal(finals[1][name], value), name
 
 
 def test_zero3_nvme_offload_equals_in_memory_and_resumes(tmp_path):
     path = save_tiny_gpt2(tmp_path / "gpt2")
-    run_distributed(_nvme_worker, 4, path, str(tmp_path / "scratch"), str(tmp_path / "ckpt"), timeout=400)
+    torch.manual_seed(0)
+    HF["mixtral"](CONFIGS["mixtral"]()).save_pretrained(tmp_path / "mixtral")
+    run_distributed(_nvme_worker, 4, path, str(tmp_path / "mixtral"), str(tmp_path / "scratch"),
+                    str(tmp_path / "ckpt"), timeout=600)
     assert os.listdir(tmp_path / "scratch" / "a") == []  # every rank's folder removed
 
 
@@ -129,6 +179,10 @@ def test_config_and_layout_errors():
         om.ParallelConfig(offload="nvme")
     with pytest.raises(ValueError, match="only used by offload='nvme'"):
         om.ParallelConfig(offload="cpu", offload_path="/tmp/x")
+    with pytest.raises(ValueError, match="offload_params=True puts ZeRO-3 parameters on disk and needs offload='nvme'"):
+        om.ParallelConfig(offload="cpu", offload_params=True)
+    with pytest.raises(ValueError, match="DeepSpeed's offload_param needs stage 3 too"):
+        check_training_layout(om.ParallelConfig(offload="nvme", offload_path="/x", offload_params=True), zero_stage=2)
     nvme = om.ParallelConfig(offload="nvme", offload_path="/tmp/x")
     with pytest.raises(ValueError, match="choose two offload tiers"):
         check_training_layout(nvme, zero_stage=3, cpu_offload=True)
@@ -183,3 +237,6 @@ def test_planner_disk_tier():
     assert nvme.disk == 2 * base.parameters and nvme.optimizer == 0
     assert nvme.host == base.optimizer - nvme.disk + 2 * nvme.disk  # tiny: one chunk holds everything
     assert nvme.total == base.total - base.optimizer
+    params = estimate_memory(facts, om.ParallelConfig(data_parallel_size=2, zero_stage=3, offload="nvme",
+                                                      offload_path="/x", offload_params=True), 2, device="cpu")
+    assert params.parameters == 0 and params.disk == nvme.disk + base.parameters
