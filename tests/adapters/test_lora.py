@@ -129,7 +129,11 @@ def _check_saved(model_type: str, model, reference, base: str, folder: str, *, m
     saved by our model open in plain transformers with the merged reference's logits."""
     context = model.parallel_context
     ids = _batch(model_type)["input_ids"]
-    adapters.save_adapter(model, os.path.join(folder, "adapter"))
+    if context.pp_size > 1:  # peft keeps the entries of the LoRA layers a rank holds: its stage's
+        adapters.save_adapter(model, os.path.join(folder, "adapter"))
+    else:  # the standard call on every rank: its state dict holds the adapters gathered (ParallelLoraLinear's hook)
+        model.save_pretrained(os.path.join(folder, "adapter"), is_main_process=context.rank == 0)
+        context.barrier()
     with torch.no_grad():
         expected = reference.eval()(input_ids=ids).logits
     if context.rank == 0:
