@@ -31,8 +31,12 @@ Shapes (``r`` the rank, ``tp`` the tensor-parallel size; LoRA's ``A`` is ``[r, i
 
 Adapters are initialized exactly as ``peft`` initializes them on the single-process model: full-size ``A`` and
 ``B`` are built and drawn by ``peft``'s own ``update_layer`` (same shapes, same order, same generator), then sliced.
-``load_state_dict`` slices full (saved) tensors to the local piece; ``adapter_state_dict`` / ``save_adapter``
-gather them back (collective), so a saved folder is a plain ``peft`` adapter. ``merge`` / ``merge_and_unload`` add
+``load_state_dict`` slices full (saved) tensors to the local piece. ``state_dict()`` holds the adapters *full*: a
+state-dict post-hook (``_gather_adapters_hook``, collective over tp and ZeRO-3's dp: every rank takes the state dict)
+gathers them, so the standard ``PeftModel.save_pretrained`` on every rank writes a plain ``peft`` adapter (pass
+``is_main_process=rank == 0``, else every rank writes the same bytes). Under pipeline parallelism ``peft`` keeps the
+entries of the LoRA layers this rank holds (its stage's): ``save_adapter`` collects every stage on rank 0.
+``merge`` / ``merge_and_unload`` add
 the local ``B A`` to the local weight slice, which is the slice of the full merged weight.
 
 Refused with a reason: DoRA (its magnitude normalizes each column of ``W + BA`` over the full input, a per-forward
