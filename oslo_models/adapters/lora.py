@@ -36,8 +36,8 @@ state-dict post-hook (``_gather_adapters_hook``, collective over tp and ZeRO-3's
 gathers them, so the standard ``PeftModel.save_pretrained`` on every rank writes a plain ``peft`` adapter (pass
 ``is_main_process=rank == 0``, else every rank writes the same bytes). Under pipeline parallelism ``peft`` keeps the
 entries of the LoRA layers this rank holds (its stage's): ``save_adapter`` collects every stage on rank 0.
-``merge`` / ``merge_and_unload`` add
-the local ``B A`` to the local weight slice, which is the slice of the full merged weight.
+``merge`` / ``merge_and_unload`` add the local ``B A`` to the local weight slice, which is the slice of the full
+merged weight.
 
 Refused with a reason: DoRA (its magnitude normalizes each column of ``W + BA`` over the full input, a per-forward
 collective under row parallelism that is not implemented), ``init_lora_weights`` methods that read the base weight
