@@ -29,7 +29,7 @@ setup(
         "peft": ["peft>=0.17"],  # oslo_models.adapters (LoRA); imported only there
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],  # make docs
         "dev": ["datasets>=2.18", "triton>=3.0", "matplotlib>=3.6", "pytest>=7", "pytest-xdist>=3", "peft>=0.17",
-                "hypothesis>=6.100", "ruff>=0.5",
+                "hypothesis>=6.100", "ruff>=0.5", "trl>=1.16,<2",  # trl: tests/adapters/test_trl.py (~5 s)
                 "parameterized>=0.9"],  # parameterized: transformers' common model tests import it
     },
     entry_points={"console_scripts": ["oslo-models=oslo_models.cli:main"]},

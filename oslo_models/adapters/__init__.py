@@ -4,7 +4,8 @@
 
     from oslo_models import adapters
     model = peft.get_peft_model(model, adapters.lora_config(r=16, target_modules=["q_proj", "v_proj"]))
-    adapters.save_adapter(model, "adapter/")                 # every rank; rank 0 writes a plain peft folder
+    model.save_pretrained("adapter/", is_main_process=rank == 0)   # every rank (tp, ZeRO): a plain peft folder
+    adapters.save_adapter(model, "adapter/")                 # every rank, any layout (pipeline too); rank 0 writes
     model = adapters.load_adapter(base, "adapter/", is_trainable=True)   # any peft adapter, sliced on load
 """
 from __future__ import annotations

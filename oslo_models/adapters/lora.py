@@ -31,9 +31,13 @@ Shapes (``r`` the rank, ``tp`` the tensor-parallel size; LoRA's ``A`` is ``[r, i
 
 Adapters are initialized exactly as ``peft`` initializes them on the single-process model: full-size ``A`` and
 ``B`` are built and drawn by ``peft``'s own ``update_layer`` (same shapes, same order, same generator), then sliced.
-``load_state_dict`` slices full (saved) tensors to the local piece; ``adapter_state_dict`` / ``save_adapter``
-gather them back (collective), so a saved folder is a plain ``peft`` adapter. ``merge`` / ``merge_and_unload`` add
-the local ``B A`` to the local weight slice, which is the slice of the full merged weight.
+``load_state_dict`` slices full (saved) tensors to the local piece. ``state_dict()`` holds the adapters *full*: a
+state-dict post-hook (``_gather_adapters_hook``, collective over tp and ZeRO-3's dp: every rank takes the state dict)
+gathers them, so the standard ``PeftModel.save_pretrained`` on every rank writes a plain ``peft`` adapter (pass
+``is_main_process=rank == 0``, else every rank writes the same bytes). Under pipeline parallelism ``peft`` keeps the
+entries of the LoRA layers this rank holds (its stage's): ``save_adapter`` collects every stage on rank 0.
+``merge`` / ``merge_and_unload`` add the local ``B A`` to the local weight slice, which is the slice of the full
+merged weight.
 
 Refused with a reason: DoRA (its magnitude normalizes each column of ``W + BA`` over the full input, a per-forward
 collective under row parallelism that is not implemented), ``init_lora_weights`` methods that read the base weight
@@ -138,6 +142,8 @@ class ParallelLoraLinear(PeftLoraLinear):
         # The weight layout decides the merge's transpose, not the config: GPT-2's c_attn is a Linear with the
         # ``conv1d`` layout ([in, out], as transformers' Conv1D), Llama's q_proj the ``linear`` one.
         self.fan_in_fan_out = getattr(base, "layout", "linear") == "conv1d"
+        # peft saves ``model.state_dict()``'s adapter entries: they come gathered (plain peft's full tensors)
+        self.register_state_dict_post_hook(_gather_adapters_hook)
 
     # ------------------------------------------------------------------ construction
     def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
@@ -184,6 +190,21 @@ class ParallelLoraLinear(PeftLoraLinear):
     def gather_adapter(self, key: str, local: torch.Tensor) -> torch.Tensor:
         """The full tensor of adapter parameter ``key`` from every rank's piece. Collective over the TP group."""
         return self.adapter_param_layouts()[key].gather(local, self.lora_group)
+
+    def gathered_state(self, state_dict: dict, prefix: str) -> None:
+        """Replace this layer's adapter entries of ``state_dict`` by their full tensors (in place): ZeRO-3 (FSDP2)
+        shards all-gathered over data parallelism, then the tensor-parallel pieces joined by their ``Layout``.
+        Collective over the TP (and ZeRO-3) group: every rank that takes a state dict takes part."""
+        for key in self.adapter_param_layouts():
+            tensor = state_dict.get(prefix + key)
+            if tensor is None:
+                continue
+            tensor = tensor.detach()
+            if hasattr(tensor, "full_tensor"):  # a ZeRO-3 (FSDP2) DTensor: gather its data-parallel shards
+                tensor = tensor.full_tensor()
+            if group_size(self.lora_group) > 1:
+                tensor = self.gather_adapter(key, tensor)
+            state_dict[prefix + key] = tensor
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A saved adapter holds full tensors: keep this rank's piece (a local piece, e.g. a resumed training
@@ -251,6 +272,13 @@ class ParallelLoraLinear(PeftLoraLinear):
                 y = base.gather(y)
             return y
         return lora_b(lora_a(dropout(x)))
+
+
+def _gather_adapters_hook(module: ParallelLoraLinear, state_dict: dict, prefix: str, local_metadata) -> None:
+    """``state_dict`` post-hook: the adapter entries are the full tensors (``ParallelLoraLinear.gathered_state``),
+    so ``PeftModel.save_pretrained`` / ``get_peft_model_state_dict`` write a plain ``peft`` adapter at any layout.
+    Base weights stay this rank's pieces (``save_pretrained`` of the model gathers those)."""
+    module.gathered_state(state_dict, prefix)
 
 
 def sliced_dropout(dropout: nn.Module, x: torch.Tensor, group) -> torch.Tensor:
@@ -392,23 +420,19 @@ def _context_of(model: nn.Module):
 def adapter_state_dict(model: PeftModel) -> dict[str, torch.Tensor] | None:
     """The full adapter tensors (``peft``'s key names, adapter name included) on global rank 0, ``None`` elsewhere.
 
-    Collective: call on every rank. ZeRO-3 (FSDP2) shards are all-gathered over data parallelism first, then the
-    tensor-parallel pieces joined by their ``Layout``; pipeline stages send theirs to rank 0."""
+    Collective: call on every rank. ``model.state_dict()`` already holds this stage's adapters full (ZeRO-3 shards
+    all-gathered over data parallelism, tensor-parallel pieces joined by their ``Layout``: ``_gather_adapters_hook``);
+    pipeline stages send theirs to rank 0."""
     context = _context_of(model)
     check_arrival(context, "save_adapter", SAVE_RULE)
-    owners = {name: module for name, module in model.named_modules() if isinstance(module, ParallelLoraLinear)}
     keep = context.tp_rank == 0 and context.dp_rank == 0
     out: dict[str, torch.Tensor] = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
+    for key, tensor in model.state_dict(keep_vars=True).items():  # the adapters come gathered (_gather_adapters_hook)
         if "lora_" not in key and "modules_to_save" not in key:
             continue
         tensor = tensor.detach()
-        if hasattr(tensor, "full_tensor"):  # a ZeRO-3 (FSDP2) DTensor: gather its data-parallel shards
+        if hasattr(tensor, "full_tensor"):  # a ZeRO-3 (FSDP2) DTensor outside the LoRA layers (modules_to_save)
             tensor = tensor.full_tensor()
-        for owner_name, owner in owners.items():
-            if key.startswith(owner_name + ".") and key[len(owner_name) + 1:] in owner.adapter_param_layouts():
-                tensor = owner.gather_adapter(key[len(owner_name) + 1:], tensor)
-                break
         if keep:
             out[key] = tensor.to("cpu", copy=True).contiguous()
     if context.pp_size > 1:  # stages hold disjoint adapters: merge them on global rank 0
@@ -420,8 +444,10 @@ def adapter_state_dict(model: PeftModel) -> dict[str, torch.Tensor] | None:
 
 def save_adapter(model: PeftModel, save_directory: str | os.PathLike, **kwargs) -> None:
     """Write a plain ``peft`` adapter folder (``adapter_config.json`` + ``adapter_model.safetensors`` of full
-    tensors) that ``peft.PeftModel.from_pretrained`` opens on any model, parallel or not. Call on every rank:
-    the adapters are gathered (``adapter_state_dict``) and rank 0 writes through ``PeftModel.save_pretrained``."""
+    tensors) that ``peft.PeftModel.from_pretrained`` opens on any model, parallel or not. Call on every rank: the
+    adapters are gathered (``adapter_state_dict``) and rank 0 writes through ``PeftModel.save_pretrained``. Without
+    pipeline parallelism ``model.save_pretrained(save_directory, is_main_process=rank == 0)`` on every rank does the
+    same; with it, ``peft`` picks the entries of the LoRA layers this rank holds (its stage): use this function."""
     from ..training.zero import unwrap_model
 
     model = unwrap_model(model)

@@ -129,7 +129,11 @@ def _check_saved(model_type: str, model, reference, base: str, folder: str, *, m
     saved by our model open in plain transformers with the merged reference's logits."""
     context = model.parallel_context
     ids = _batch(model_type)["input_ids"]
-    adapters.save_adapter(model, os.path.join(folder, "adapter"))
+    if context.pp_size > 1:  # peft keeps the entries of the LoRA layers a rank holds: its stage's
+        adapters.save_adapter(model, os.path.join(folder, "adapter"))
+    else:  # the standard call on every rank: its state dict holds the adapters gathered (ParallelLoraLinear's hook)
+        model.save_pretrained(os.path.join(folder, "adapter"), is_main_process=context.rank == 0)
+        context.barrier()
     with torch.no_grad():
         expected = reference.eval()(input_ids=ids).logits
     if context.rank == 0:
@@ -151,18 +155,18 @@ def _check_saved(model_type: str, model, reference, base: str, folder: str, *, m
     context.barrier()
 
 
-def _dropout_adapter(adapter: str, p: float = 0.25) -> str:
-    """A copy of the adapter folder with ``lora_dropout=p``."""
+def _dropout_adapter(adapter: str, p: float = 0.25, **options) -> str:
+    """A copy of the adapter folder with ``lora_dropout=p`` (and other ``LoraConfig`` ``options``)."""
     import json
     import shutil
 
-    folder = adapter + "_dropout"
+    folder = adapter + ("_dropout" if not options else "_" + "_".join(options))
     shutil.copytree(adapter, folder)
     path = os.path.join(folder, "adapter_config.json")
     with open(path) as handle:
         config = json.load(handle)
     with open(path, "w") as handle:
-        json.dump({**config, "lora_dropout": p}, handle)
+        json.dump({**config, "lora_dropout": p, **options}, handle)
     return folder
 
 
@@ -249,9 +253,9 @@ def test_lora_matches_peft_at_every_layout(model_type, tmp_path):
 
 
 def test_refusals_and_negative_control(tmp_path):
-    """DoRA and base-weight inits are refused with the reason; plain peft on a conv1d-layout weight gets our layer and
-    merges like the reference; a square conv1d-layout layer merged as if its weight were [out, in] (the transpose the
-    layout decides, broken on purpose) misses the merged reference."""
+    """DoRA and base-weight inits are refused with the reason; rsLoRA matches plain peft (tp 1); plain peft on a
+    conv1d-layout weight gets our layer and merges like the reference; a square conv1d-layout layer merged as if its
+    weight were [out, in] (the transpose the layout decides, broken on purpose) misses the merged reference."""
     base, adapter = _save_case("gpt2", tmp_path)
     with pytest.raises(NotImplementedError, match="DoRA"):
         peft.get_peft_model(_ours("gpt2", base, None), adapters.lora_config(r=4, target_modules=["c_attn"],
@@ -266,7 +270,12 @@ def test_refusals_and_negative_control(tmp_path):
     llama_base, _ = _save_case("llama", tmp_path / "llama")  # tp 1, linear layout: plain peft is right, allowed
     peft.get_peft_model(_ours("llama", llama_base, None), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     ids = _batch("gpt2")["input_ids"]
+    rslora = _dropout_adapter(adapter, 0.0, use_rslora=True)  # rsLoRA works: scaling alpha / sqrt(r)
     with torch.no_grad():
+        ours, plain = _ours("gpt2", base, rslora).eval(), _reference("gpt2", base, rslora).eval()
+        torch.testing.assert_close(ours(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(plain(input_ids=ids).logits, _reference("gpt2", base, adapter).eval()(
+            input_ids=ids).logits, atol=1e-4), "use_rslora changed nothing"
         expected = _reference("gpt2", base, adapter).merge_and_unload().eval()(input_ids=ids).logits
         loaded = peft.PeftModel.from_pretrained(_ours("gpt2", base, None), adapter)  # plain peft's own loader
         torch.testing.assert_close(loaded.merge_and_unload().eval()(input_ids=ids).logits, expected, atol=1e-5,

@@ -2,7 +2,8 @@
 multiplies by the LM head's weight, which under tensor parallelism is this rank's vocabulary shard (a wrong, low
 loss: 3.95 instead of 4.63 on the tiny Llama at tp 2, seen). ``ParallelTrainerMixin`` puts ``training/trl_head.py``
 in its place; this checks that head against TRL's own on plain ``peft`` + ``transformers`` at tp 2 x dp 2: the
-loss, every per-token field and every adapter gradient (fp32, 1e-5). Skipped when TRL is not installed.
+loss, every per-token field and every adapter gradient (fp32, 1e-5). TRL is in the dev extras (its requirements are
+already the dev extras' own); skipped when it is not installed.
 
 Not yet equal: a whole ``SFTTrainer`` run through the mixin (its step-1 loss matches, its gradient norm and later
 steps differ by ~5e-4 even at tp 1, with the head's gradients equal: open in issue 32).
