@@ -139,9 +139,9 @@ def _state_bytes(model, optimizer) -> int:
 
 def _worker(name: str, layout, model_type: str, path: str, shape: dict, steps: int, out_file: str) -> None:
     import torch.distributed as dist
-    from accelerate import Accelerator
 
     import oslo_models as om
+    from accelerate import Accelerator
     from oslo_models import training
     from tests.helpers.layouts import local_batch
 

@@ -276,8 +276,13 @@ def _worker(rank, world, port, cfg, out_path):
     if cfg["realtime"]:  # before gloo starts its threads, so that they inherit the policy
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(cfg["realtime"]))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble)
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
     classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
                "zero_bubble": ScheduleInterleavedZeroBubble}

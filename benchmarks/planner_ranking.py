@@ -108,9 +108,8 @@ def measured_matmul(repeats: int = 5) -> float:
 
 def _build(options: dict, config):
     """One layout's model, wrapped as ``training.prepare`` wraps it, its optimizer and this rank's batch."""
-    from accelerate import Accelerator
-
     import oslo_models as om
+    from accelerate import Accelerator
     from oslo_models import training
     from oslo_models.data import ContextParallelSplitter
 

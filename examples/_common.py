@@ -18,12 +18,12 @@ import transformers
 from tqdm.auto import tqdm
 
 import oslo_models as om
-from oslo_models import training
-from oslo_models.cli import HelpFormatter
-from oslo_models.training.layout_rules import check_training_layout
-from oslo_models.generic import is_generic
 from _evaluate import Evaluator
 from _report import Reporter, check_trackers, export_files, trackers
+from oslo_models import training
+from oslo_models.cli import HelpFormatter
+from oslo_models.generic import is_generic
+from oslo_models.training.layout_rules import check_training_layout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

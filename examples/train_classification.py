@@ -37,9 +37,19 @@ import torch
 import transformers
 
 import oslo_models as om
-from _common import HERE, UsageError, build_parser, check_launch, export, finish, fit, make_accelerator
+from _common import (
+    HERE,
+    UsageError,
+    build_parser,
+    check_launch,
+    export,
+    finish,
+    fit,
+    make_accelerator,
+    run,
+    small_config,
+)
 from _common import parse_args as _parse_args
-from _common import run, small_config
 from _data import tokenizer_source
 from train_mlm import train_tokenizer
 

@@ -36,9 +36,9 @@ import torch
 import transformers
 
 import oslo_models as om
-from _common import build_parser, check_launch, export, finish, fit, make_accelerator
+from _common import build_parser, check_launch, export, finish, fit, make_accelerator, run, small_config
+from _common import parse_args as _parse_args
 from _data import prepare_data as _prepare_data
-from _common import parse_args as _parse_args, run, small_config
 from _evaluate import evaluator_for
 
 

@@ -22,8 +22,8 @@ import torch
 import transformers
 
 import oslo_models as om
-from _common import build_parser, check_launch, export, finish, fit, make_accelerator, parse_args as _parse_args
-from _common import run, small_config
+from _common import build_parser, check_launch, export, finish, fit, make_accelerator, run, small_config
+from _common import parse_args as _parse_args
 from _data import prepare_data
 from _evaluate import evaluator_for
 

@@ -10,14 +10,20 @@ Typical use::
 ``datasets`` is only needed to preprocess (it is imported lazily there); reading needs numpy and torch.
 """
 from .blended import BlendedDataset, exact_counts
-from .collators import (CausalLMCollator, ContextParallelSplitter, MLMCollator, Seq2SeqCollator,
-                        SequenceParallelSplitter, T5SpanCorruptionCollator, t5_lengths)
+from .collators import (
+                        CausalLMCollator,
+                        ContextParallelSplitter,
+                        MLMCollator,
+                        Seq2SeqCollator,
+                        SequenceParallelSplitter,
+                        T5SpanCorruptionCollator,
+                        t5_lengths,
+)
 from .indexed import FORMAT_VERSION, MMapTokenDataset, check_token_ids, tokenizer_identity, write_token_file
 from .loader import ResumableDataLoader, build_dataloader
 from .packed import PackedCausalLMDataset
 from .preprocessing import preprocess
 from .sampler import DistributedResumableSampler
-
 
 __all__ = [
     "BlendedDataset", "CausalLMCollator", "ContextParallelSplitter", "DistributedResumableSampler", "FORMAT_VERSION",

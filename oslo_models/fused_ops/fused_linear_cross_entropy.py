@@ -44,10 +44,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from oslo_models.fused_ops.cross_entropy import (_grad_torch, _stats_torch, check_args, combine_stats,
-                                                 cross_entropy_reference, vocab_range)
+from oslo_models.fused_ops.cross_entropy import (
+    _grad_torch,
+    _stats_torch,
+    check_args,
+    combine_stats,
+    cross_entropy_reference,
+    vocab_range,
+)
 from oslo_models.fused_ops.dispatch import use_triton
-
 
 CUDA_MIN_CHUNK_LOGITS = 1 << 25
 

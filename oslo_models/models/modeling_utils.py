@@ -33,9 +33,9 @@ from ..distributed.context import ParallelContext, _world_from_environment
 from ..distributed.data_parallel import install_data_parallel_guard
 from ..parallel_layers.plan import ParallelPlan
 from ..parallel_layers.sequence_parallel import bind_sequence_parallel_region
+from .common.bias_act import configure_fused_ops
 from .common.context_parallel import check_context_parallel
 from .common.parallel_rules import check_rules, spec_rules
-from .common.bias_act import configure_fused_ops
 from .common.pretrained_options import parse_load_options
 
 

@@ -24,6 +24,19 @@ from torch import nn
 LAYOUTS = ("linear", "conv1d")
 
 
+def autocast_operands(*tensors: torch.Tensor | None) -> tuple:
+    """``tensors`` cast to the autocast dtype of their device when autocast is on there (what autocast does to a
+    matmul's operands), else unchanged. For the grid layers' own autograd Functions: autocast reaches their forward
+    but not their backward, so an fp32 weight saved in the forward would meet a low-precision gradient there; cast
+    outside the Function, the cast's own backward returns the weight's gradient in fp32."""
+    first = next(t for t in tensors if t is not None)
+    device = first.device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None or not t.is_floating_point() else t.to(dtype) for t in tensors)
+
+
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
     """``x @ W (+ b)`` for either weight layout; conv1d uses ``addmm`` exactly as ``transformers``' Conv1D."""
     if layout == "linear":

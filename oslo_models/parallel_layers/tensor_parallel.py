@@ -19,7 +19,6 @@ from torch import nn
 
 from .. import fused_ops
 from .layers import Dropout, Embedding, LayerNorm, Linear, linear_forward
-from .sequence_parallel import SequenceParallelAware
 from .mappings import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
@@ -28,6 +27,7 @@ from .mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from .sequence_parallel import SequenceParallelAware
 from .sharding import divide, padded_size, split_layout
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import Embedding, LayerNorm, Linear
+from .layers import Embedding, LayerNorm, Linear, autocast_operands
 from .mappings import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region
 from .sharding import EvenSplit, GridBlock, Layout, split_layout
 from .summa import Grid, gather_ids, reduce_scatter_rows, sum_over, summa_linear
@@ -69,9 +69,10 @@ class Linear2D(Linear):
                    dtype=module.weight.dtype)
 
     def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
-        y = summa_linear(x, self.weight, self.grid, self.layout)
-        if self.bias is not None:
-            y = y + _replicated_over_batch(self.bias, self.grid)
+        x, weight, bias = autocast_operands(x, self.weight, self.bias)
+        y = summa_linear(x, weight, self.grid, self.layout)
+        if bias is not None:
+            y = y + _replicated_over_batch(bias, self.grid)
         if self.vocab_size is not None:
             y = self.mask_vocab_padding(y)
         return y

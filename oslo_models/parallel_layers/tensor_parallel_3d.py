@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import Embedding, Linear, linear_forward
+from .layers import Embedding, Linear, autocast_operands, linear_forward
 from .mappings import _all_gather, _reduce_scatter, copy_to_tensor_parallel_region, gather_from_tensor_parallel_region
 from .sharding import EvenSplit, GridBlock, Layout, split_layout
 from .summa import Grid, _Axis, gather_ids, reduce_scatter_rows
@@ -144,8 +144,9 @@ class Linear3D(Linear):
     def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
         cube = self.cube
         in_axis, out_axis = _axis(cube, self.in_axis_name), _axis(cube, self.out_axis_name)
+        x, weight = autocast_operands(x, self.weight)
         flat = x.reshape(-1, x.shape[-1])
-        y = _Linear3D.apply(flat, self.weight, cube, in_axis, out_axis, self.layout)
+        y = _Linear3D.apply(flat, weight, cube, in_axis, out_axis, self.layout)
         y = y.view(-1, *x.shape[1:-1], y.shape[-1])
         if self.bias is not None and self.vocab_size is not None:
             y = y + _replicated(_GatherWeightRows.apply(self.bias, cube.dep), in_axis)

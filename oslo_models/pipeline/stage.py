@@ -24,7 +24,6 @@ tensor-parallel modes it first cuts the microbatch to this rank's batch block (`
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass
 
 import torch

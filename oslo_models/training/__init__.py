@@ -15,9 +15,9 @@ corrupt); a save that fails on any rank (a full disk) fails on every rank and le
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checkpoint_folders import find_checkpoint
 from .checkpoint_integrity import CorruptCheckpointError, verify_checksums
-from .finite import NonFiniteError, check_finite, describe_nonfinite, find_nonfinite
-from .export import plain_copy, push_to_hub, save_pretrained, unsharded
 from .clip import clip_grad_norm_, grad_norm
+from .export import plain_copy, push_to_hub, save_pretrained, unsharded
+from .finite import NonFiniteError, check_finite, describe_nonfinite, find_nonfinite
 from .mixed_precision import check_mixed_precision, mark_overflow, sync_overflow
 from .prepare import prepare
 from .zero import ZERO_STAGES, shard_data_parallel, unwrap_model, unwrap_optimizer, zero_stage_of

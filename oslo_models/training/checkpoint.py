@@ -51,11 +51,20 @@ import torch
 from ..conversion.atomic import fsync_path
 from ..conversion.saving import run_on_main_process
 from ..distributed.agreement import _lineage, agree_on_failure, all_or_none, check_arrival, rebuild_error
-from .checkpoint_folders import (MARKER, describe_missing, find_checkpoint, older_complete, partial_dir,
-                                 prepare_partial, publish_step, remove_partial, step_dir_name)
+from ..generic import is_generic
+from .checkpoint_folders import (
+    MARKER,
+    describe_missing,
+    find_checkpoint,
+    older_complete,
+    partial_dir,
+    prepare_partial,
+    publish_step,
+    remove_partial,
+    step_dir_name,
+)
 from .checkpoint_integrity import CHECKSUMS, CorruptCheckpointError, record_checksums, verify_checksums
 from .finite import NonFiniteError
-from ..generic import is_generic
 from .zero import unwrap_model, unwrap_optimizer
 
 _TRAINER_STATE = "trainer_state.pt"

@@ -31,6 +31,7 @@ import os
 import torch
 
 from .nvme_offload import PARAM_FILE
+
 _MADV_DONTNEED = 4  # linux/mman.h
 
 

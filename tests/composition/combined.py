@@ -30,8 +30,8 @@ FOUR_RANKS = (
     ("pp", "tp", "compile"),                  # pp2 x tp2 x compile (with dp, prepare refuses a compiled pipeline: open)
 )
 EIGHT_RANKS = (
-    ("grid", "z1", "ac"),                     # 2D tp4 x dp2 x ZeRO-1 x checkpointing
-    ("grid", "z2", "nvme"),                   # 2D tp4 x dp2 x ZeRO-2 + disk (with compile: 450 s here, see below)
+    ("grid", "z1", "ac", "bf16"),             # 2D tp4 x dp2 x ZeRO-1 x checkpointing x bf16
+    ("grid", "z2", "nvme", "fp16"),           # 2D tp4 x dp2 x ZeRO-2 + disk x fp16 (compile: 450 s here)
     ("grid", "off"),                          # 2D tp4 x dp2 x ZeRO-3 + cpu offload
 )
 

@@ -7,8 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from oslo_models.data import MMapTokenDataset, write_token_file
-from oslo_models.data import indexed
+from oslo_models.data import MMapTokenDataset, indexed, write_token_file
 
 from .conftest import random_docs
 

@@ -49,8 +49,9 @@ def _autocast(precision: str):
 
 
 def _accelerator(layout: Layout):
-    from accelerate import Accelerator
     from accelerate.state import AcceleratorState
+
+    from accelerate import Accelerator
 
     # Accelerate keeps one state per process; the layouts of one group differ in mixed precision
     AcceleratorState._reset_state(reset_partial_state=False)

@@ -96,8 +96,9 @@ def assert_gpt2_data_parallel_steps_match(path: str, parallel, global_ids: torch
     ``global_ids`` (the same slice within a TP group, disjoint across dp), against plain ``transformers`` on the
     whole batch: the dp-mean loss of every step and the parameters after ``steps`` AdamW steps.
     ``layout``: the expected ``(dp_size, tp_size)``."""
-    import oslo_models as om
     import transformers
+
+    import oslo_models as om
 
     reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)

@@ -18,8 +18,8 @@ import torch
 import transformers
 
 import oslo_models as om
-from tests.helpers.dist import run_distributed
 from tests.helpers import encoders
+from tests.helpers.dist import run_distributed
 from tests.helpers.layouts import train_matches
 from tests.helpers.models import assert_grads_match
 from tests.helpers.pipeline import assert_pipeline_matches

@@ -14,8 +14,12 @@ from safetensors.torch import load_file
 
 import oslo_models as om
 from tests.helpers.dist import run_distributed
-from tests.helpers.encoders import mlm_batch, save_tiny, tiny_bert_config
-from tests.helpers.encoders import single_thread  # noqa: F401 (a fixture)
+from tests.helpers.encoders import (
+    mlm_batch,
+    save_tiny,
+    single_thread,  # noqa: F401 (a fixture)
+    tiny_bert_config,
+)
 from tests.helpers.models import assert_params_match
 
 HEADS = {  # our Auto class -> transformers class, with a batch's extra inputs

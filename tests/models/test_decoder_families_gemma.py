@@ -222,7 +222,8 @@ def test_switching_a_particular_off_breaks_parity(switch):
 def test_olmo2_post_norms_are_not_pre_norms():
     """The sandwich layer with only post norms equals ``Olmo2DecoderLayer``; the same modules and keys as pre-norms
     (Llama's pre-norm layer under OLMo 2's names) do not (negative control)."""
-    from transformers.models.olmo2.modeling_olmo2 import Olmo2DecoderLayer as HFLayer, Olmo2RotaryEmbedding
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2DecoderLayer as HFLayer
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RotaryEmbedding
 
     from oslo_models.models.llama.modeling_llama import LlamaDecoderLayer
     from oslo_models.models.olmo2 import modeling_olmo2 as olmo2

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import oslo_models as om

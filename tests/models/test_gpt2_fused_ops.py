@@ -13,8 +13,8 @@ import oslo_models as om
 from oslo_models.fused_ops._utils import HAS_TRITON, interpreter_enabled
 from oslo_models.parallel_layers.tensor_parallel import SequenceParallelLayerNorm
 from tests.helpers.dist import run_distributed
-from tests.helpers.ops import OpsSeen
 from tests.helpers.models import padded_batch, save_tiny_gpt2
+from tests.helpers.ops import OpsSeen
 
 pytestmark = pytest.mark.skipif(not (HAS_TRITON and interpreter_enabled()),
                                 reason="needs triton with TRITON_INTERPRET=1 set before import")

@@ -8,8 +8,13 @@ import transformers
 
 import oslo_models as om
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import (assert_gpt2_data_parallel_steps_match, assert_grads_match, assert_params_match,
-                                  padded_batch, save_tiny_gpt2)
+from tests.helpers.models import (
+    assert_gpt2_data_parallel_steps_match,
+    assert_grads_match,
+    assert_params_match,
+    padded_batch,
+    save_tiny_gpt2,
+)
 
 
 @pytest.fixture(scope="module")

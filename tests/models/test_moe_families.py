@@ -22,10 +22,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 
 import oslo_models as om
+from accelerate import Accelerator
 from oslo_models.models.gpt_oss.modeling_gpt_oss import check_not_quantized
 from oslo_models.models.registry import family_record
 from tests.helpers.dist import run_distributed
@@ -218,6 +218,7 @@ def test_gpt_oss_swiglu_constants_follow_the_installed_transformers(monkeypatch)
     # transformers 5.17 hard-coded the experts' SwiGLU (1.702, 7.0) and ignored the config's values; later versions
     # read them. The GPU smoke test (transformers 5.17) caught the difference on the tiny config's limit of 0.02.
     import transformers
+
     from oslo_models.models.gpt_oss.modeling_gpt_oss import swiglu_constants
 
     config = tiny_config("gpt_oss")

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from accelerate import Accelerator
 from safetensors.torch import load_file
 
 import oslo_models as om
+from accelerate import Accelerator
 from oslo_models.models.common.moe import check_expert_layout
 from oslo_models.training import clip_grad_norm_, load_checkpoint, save_checkpoint
 from tests.helpers.dist import run_distributed

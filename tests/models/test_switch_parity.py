@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from accelerate import Accelerator
 from safetensors.torch import load_file
 
 import oslo_models as om
+from accelerate import Accelerator
 from oslo_models.conversion.checkpoint import InMemoryReader
 from oslo_models.models.common.expert_keys import ExpertKeyReader
 from oslo_models.training import clip_grad_norm_

@@ -10,8 +10,12 @@ import transformers
 
 import oslo_models as om
 from tests.helpers.dist import run_distributed
-from tests.helpers.encoders import assert_steps_match, save_tiny_t5, seq2seq_batch
-from tests.helpers.encoders import single_thread  # noqa: F401 (a fixture)
+from tests.helpers.encoders import (
+    assert_steps_match,
+    save_tiny_t5,
+    seq2seq_batch,
+    single_thread,  # noqa: F401 (a fixture)
+)
 
 
 @pytest.fixture(scope="module")

@@ -29,13 +29,13 @@ import transformers
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import oslo_models as om
+from oslo_models.models.common.context_parallel import check_context_parallel
 from oslo_models.models.declare import declare_stack_family
 from oslo_models.models.family import FamilyRecord
 from oslo_models.models.heads import ForCausalLM
 from oslo_models.models.llama import TINY_DECODER
 from oslo_models.models.llama.modeling_llama import LLAMA_SPEC, LlamaPreTrainedModel
 from oslo_models.models.registry import families, register_family, unregister_family
-from oslo_models.models.common.context_parallel import check_context_parallel
 from tests.helpers.dist import run_distributed
 from tests.helpers.layouts import train_matches
 from tests.helpers.models import assert_grads_match, padded_batch

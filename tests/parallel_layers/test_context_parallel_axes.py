@@ -127,9 +127,14 @@ def _dropout_follows_the_chunk(mode: str) -> None:
     """Ring / all-to-all attention with dropout at cp2 equal the dense computation over the whole sequence with
     the same keep bits (outputs and the gradients of q, k, v), and the bits are Bernoulli(1 - p)."""
     from oslo_models.distributed.context import ParallelContext
-    from oslo_models.parallel_layers.context_parallel import (AttentionDropout, all_to_all_attention,
-                                                              build_context_parallel_mask, keep_mask, ring_attention,
-                                                              split_sequence)
+    from oslo_models.parallel_layers.context_parallel import (
+        AttentionDropout,
+        all_to_all_attention,
+        build_context_parallel_mask,
+        keep_mask,
+        ring_attention,
+        split_sequence,
+    )
 
     context = ParallelContext.from_config(om.ParallelConfig(context_parallel_size=2, context_parallel_mode=mode))
     gen = torch.Generator().manual_seed(3)

@@ -13,7 +13,6 @@ from oslo_models.parallel_layers.plan import ShardSpec
 from tests.helpers import decoders
 from tests.helpers.models import padded_batch, save_tiny_gpt2
 
-
 GRID_DEPTH = "q\\*q\\*tensor_parallel_depth"
 
 

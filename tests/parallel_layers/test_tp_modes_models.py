@@ -16,8 +16,13 @@ from oslo_models.parallel_layers.plan import ShardSpec
 from tests.helpers import decoders
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import VOCAB, assert_steps_match, save_tiny, tiny_bert_config, tiny_t5_config
-from tests.helpers.models import (assert_gpt2_data_parallel_steps_match, assert_params_match, padded_batch,
-                                  save_tiny_gpt2, tiny_gpt2_config)
+from tests.helpers.models import (
+    assert_gpt2_data_parallel_steps_match,
+    assert_params_match,
+    padded_batch,
+    save_tiny_gpt2,
+    tiny_gpt2_config,
+)
 
 # 8 heads so that the family's divisibility check (heads % tensor_parallel_size) passes at tp=8 too.
 MODEL = dict(n_head=8, n_embd=32, n_layer=2, vocab_size=101, n_positions=64)

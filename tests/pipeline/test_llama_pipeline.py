@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 
 import torch
-from accelerate import Accelerator
 
 import oslo_models as om
+from accelerate import Accelerator
 from oslo_models import training
 from tests.helpers.decoders import VOCAB, hf_class, save_tiny
 from tests.helpers.dist import run_distributed

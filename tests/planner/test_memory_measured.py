@@ -14,9 +14,9 @@ tp2 x sp x cp2 (hidden 128). Not measured here: pipeline ranks' in-flight microb
 from __future__ import annotations
 
 import torch
-from accelerate import Accelerator
 
 import oslo_models as om
+from accelerate import Accelerator
 from oslo_models import training
 from oslo_models.planner.facts import ModelFacts
 from oslo_models.planner.memory import activation_bytes, training_state

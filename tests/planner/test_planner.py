@@ -15,8 +15,15 @@ import oslo_models as om
 from oslo_models.cli import main
 from oslo_models.composition import check_layout
 from oslo_models.planner import Hardware, ModelFacts, SearchSpace, parse_bytes
-from oslo_models.planner.memory import (STEP_BYTES, _chunk_rows, activation_bytes, estimate_memory,
-                                        microbatches_in_flight, training_state, zero1_owned)
+from oslo_models.planner.memory import (
+    STEP_BYTES,
+    _chunk_rows,
+    activation_bytes,
+    estimate_memory,
+    microbatches_in_flight,
+    training_state,
+    zero1_owned,
+)
 from oslo_models.planner.search import brute_force, search
 from oslo_models.planner.time import all_gather, all_reduce, estimate_time
 from tests.helpers.decoders import tiny_config

@@ -13,8 +13,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import oslo_models as om
-from tests.helpers.dist import run_distributed
 from tests.helpers import zoo
+from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import VOCAB, save_tiny
 
 CASES = {  # model_type -> (transformers class, oslo auto class, oslo class name)

@@ -8,13 +8,12 @@ step overflowing on both (a 2**40 scale) and skipped on every rank (``sync_overf
 Pure float16 *weights* with pp (no fp32 master copy to unscale into) are refused before the schedule runs."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 import transformers
-from accelerate import Accelerator
 
 import oslo_models as om
+from accelerate import Accelerator
 from oslo_models import training
 from oslo_models.training.layout_rules import check_training_layout
 from tests.helpers.dist import run_distributed

@@ -22,10 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from accelerate import Accelerator
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import oslo_models as om
+from accelerate import Accelerator
 from oslo_models import training
 from tests.helpers.decoders import VOCAB, hf_class, save_tiny
 from tests.helpers.dist import run_distributed

@@ -8,14 +8,14 @@ the checkpoint key views (legacy ``LayerNorm.gamma/beta``; keys ``transformers``
 from .attention import GroupedQueryAttention, attend, split_heads
 from .attention_variants import FullWidthQKNormAttention, PackedQKVAttention, SinkAttention
 from .causal_masks import causal_masks, layer_types
-from .lm_loss import causal_token_loss, full_logits, keep_last_logits, token_loss
 from .full_width_norm import FullWidthRMSNorm
 from .layer_norm import HeadLayerNormStyle, LayerNorm, ParameterFreeLayerNorm
+from .lm_loss import causal_token_loss, full_logits, keep_last_logits, token_loss
 from .mlp import DenseActDense, DenseGatedActDense, DenseMLP, GatedMLP, PackedGatedMLP
 from .packed_attention import HeadPackedAttention
 from .positions import LearnedPositionalEmbedding, alibi_slopes, build_alibi, local_alibi_slopes
-from .rms_norm import RMSNorm, SequenceParallelRMSNorm, SequenceParallelRMSNormStyle
 from .renamed_keys import RenamedHubKeys
+from .rms_norm import RMSNorm, SequenceParallelRMSNorm, SequenceParallelRMSNormStyle
 from .rotary import (
     InterleavedRotaryEmbedding,
     PartialRotaryEmbedding,

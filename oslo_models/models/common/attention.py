@@ -17,8 +17,8 @@ from transformers.models.llama.modeling_llama import eager_attention_forward as 
 
 from ...parallel_layers.context_parallel import ContextParallelMask, attention_function
 from ...parallel_layers.kv_heads import HeadsLinear, KVHeadColwise
-from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
 from ...parallel_layers.layers import Dropout, Linear
+from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
 from .parallel_rules import Heads, KeyValueHeads
 from .rms_norm import RMSNorm, SequenceParallelRMSNormStyle
 from .rotary import apply_partial_rotary

@@ -23,8 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...parallel_layers.context_parallel import (build_context_parallel_mask, context_num_items, merge_sequence,
-                                                  split_sequence, sum_over_context, token_index)
+from ...parallel_layers.context_parallel import (
+    build_context_parallel_mask,
+    context_num_items,
+    merge_sequence,
+    split_sequence,
+    sum_over_context,
+    token_index,
+)
 
 
 def context_parallel_inputs(model, inputs_embeds: torch.Tensor, attention_mask, position_ids, past_key_values=None,

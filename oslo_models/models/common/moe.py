@@ -37,11 +37,11 @@ from ...parallel_layers.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from ...parallel_layers.moe import ExpertParallel, StackedExperts, TopKRouter, combine, dispatch, router_jitter
 from ...parallel_layers.plan import Colwise, Rowwise
 from ...parallel_layers.sequence_parallel import SequenceParallelAware
-from .parallel_rules import Features
-from ...parallel_layers.moe import ExpertParallel, StackedExperts, TopKRouter, combine, dispatch, router_jitter
 from .mlp import GatedMLP
+from .parallel_rules import Features
 
 
 class RouterLogits:

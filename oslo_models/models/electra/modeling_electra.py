@@ -42,9 +42,9 @@ from ..bert.pipeline_bert import (
 from ..common.outputs import passed_on
 from ..encoder_heads import (
     EncoderForQuestionAnswering,
-    EncoderHeadModel,
     EncoderForSequenceClassification,
     EncoderForTokenClassification,
+    EncoderHeadModel,
     ForMaskedLM,
     ForMultipleChoice,
     classifier_dropout,

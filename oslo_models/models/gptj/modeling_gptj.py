@@ -24,6 +24,7 @@ import torch
 import transformers
 from torch import nn
 from transformers.generation import GenerationMixin
+
 try:
     from transformers.models.gptj.modeling_gptj import eager_attention_forward
 except ImportError:  # transformers < 5.2x (e.g. 5.17) computes GPT-J's eager attention inside GPTJAttention

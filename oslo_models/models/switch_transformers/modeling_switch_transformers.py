@@ -37,8 +37,11 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
-from transformers.modeling_outputs import MoEModelOutputWithPastAndCrossAttentions, Seq2SeqMoEModelOutput
-from transformers.modeling_outputs import Seq2SeqMoEOutput
+from transformers.modeling_outputs import (
+    MoEModelOutputWithPastAndCrossAttentions,
+    Seq2SeqMoEModelOutput,
+    Seq2SeqMoEOutput,
+)
 from transformers.utils.generic import can_return_tuple
 
 from ...config import ParallelConfig

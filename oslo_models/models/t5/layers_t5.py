@@ -6,7 +6,6 @@ Shapes: b batch, s sequence, d d_model, n heads (n/tp per rank), d_kv head dim.
 """
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 from transformers.cache_utils import EncoderDecoderCache

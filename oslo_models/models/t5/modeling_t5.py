@@ -58,8 +58,8 @@ from ..common.outputs import capture_parallel_outputs
 from ..common.parallel_rules import check_rules
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_t5 import T5Config
-from .parallel_plan import T5_PLAN
 from .layers_t5 import T5Attention, T5Block, T5LayerCrossAttention, T5LayerSelfAttention
+from .parallel_plan import T5_PLAN
 from .pipeline_t5 import T5PipelineAdapter
 
 
