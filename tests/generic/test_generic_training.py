@@ -17,7 +17,6 @@ group resumes at another tp/dp/ZeRO layout (ZeRO-1 / ZeRO-3): step 3 and the fin
 from __future__ import annotations
 
 import os
-import shutil
 from unittest import mock
 
 import pytest
@@ -29,6 +28,7 @@ import oslo_models as om
 from oslo_models import training
 from tests.generic.models import auto_class, save
 from tests.helpers.dist import breadcrumb, run_distributed
+from tests.helpers.fake_hub import CopyingHub
 
 STEPS, GLOBAL_BATCH, SEQ, MAX_NORM = 3, 4, 8, 0.5
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -185,28 +185,12 @@ def _resume(paths, refs, work, context):
         _check_saved(model, name, os.path.join(work, "resumed", name), ref_state, context)
 
 
-class _RecordingHub:
-    """A stand-in for huggingface_hub.HfApi that copies the uploaded folder."""
-
-    def __init__(self, target):
-        self.target = target
-
-    def __call__(self, token=None):
-        return self
-
-    def create_repo(self, repo_id, private=None, exist_ok=False):
-        pass
-
-    def upload_folder(self, repo_id, folder_path, commit_message, revision=None):
-        shutil.copytree(folder_path, os.path.join(self.target, f"rank{dist.get_rank()}"))
-        return "uploaded"
-
-
 def _push(paths, work, context):
     model = om.AutoModelForCausalLM.from_pretrained(paths["mamba"], parallel=context)
-    with mock.patch("huggingface_hub.HfApi", _RecordingHub(os.path.join(work, "hub"))):
+    hub = CopyingHub(os.path.join(work, "hub"), folder_name=lambda _: f"rank{dist.get_rank()}")
+    with mock.patch("huggingface_hub.HfApi", hub):
         result = training.push_to_hub(model, "me/tiny-mamba")
-    assert (result == "uploaded") == (context.rank == 0)
+    assert (result == "uploaded me/tiny-mamba") == (context.rank == 0)
 
 
 @pytest.mark.slow

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from unittest import mock
 
 import pytest
@@ -22,6 +21,7 @@ import oslo_models as om
 from oslo_models.models.registry import family_record
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import single_thread  # noqa: F401 (a fixture)
+from tests.helpers.fake_hub import CopyingHub
 from tests.helpers.zoo import tiny_config
 
 TYPES = ("albert", "distilbert", "electra", "deberta-v2", "modernbert", "bart")
@@ -72,23 +72,6 @@ def _assert_same_logits(model, reference) -> None:
         torch.testing.assert_close(model(**inputs).logits, reference(**inputs).logits, atol=1e-5, rtol=1e-4)
 
 
-class _CopyingApi:
-    """``huggingface_hub.HfApi``'s two calls ``push_to_hub`` makes, copying the uploaded folder to ``target``."""
-
-    def __init__(self, target: str):
-        self.target = target
-
-    def __call__(self, token=None):
-        return self
-
-    def create_repo(self, repo_id, private=None, exist_ok=False):
-        pass
-
-    def upload_folder(self, repo_id, folder_path, commit_message, revision=None):
-        shutil.copytree(folder_path, os.path.join(self.target, repo_id.replace("/", "--")))
-        return f"uploaded {repo_id}"
-
-
 def _tp2_worker(root: str) -> None:
     """Every family at tp=2: the old checkpoint's logits, then push_to_hub -> plain transformers."""
     for model_type in TYPES:
@@ -99,7 +82,7 @@ def _tp2_worker(root: str) -> None:
         reference = hf_class.from_pretrained(folder).eval()
         _assert_same_logits(model, reference)
         hub = os.path.join(root, "hub", model_type)
-        with mock.patch("huggingface_hub.HfApi", _CopyingApi(hub)):
+        with mock.patch("huggingface_hub.HfApi", CopyingHub(hub)):
             model.push_to_hub("me/tiny")
         torch.distributed.barrier()  # (the process group exists once the first model is built)
         if torch.distributed.get_rank() == 0:  # what the Hub received: plain transformers, same keys and logits

@@ -3,7 +3,6 @@ upload error reaches every rank instead of leaving them blocked. The Hub is repl
 from __future__ import annotations
 
 import os
-import shutil
 from unittest import mock
 
 import pytest
@@ -12,33 +11,18 @@ import transformers
 
 import oslo_models as om
 from tests.helpers.dist import run_distributed
+from tests.helpers.fake_hub import CopyingHub
 from tests.helpers.models import padded_batch, save_tiny_gpt2
-
-
-class _RecordingApi:
-    def __init__(self, target: str, fail: bool):
-        self.target, self.fail = target, fail
-
-    def __call__(self, token=None):
-        return self
-
-    def create_repo(self, repo_id, private=None, exist_ok=False):
-        if self.fail:
-            raise ConnectionError("hub unreachable")
-
-    def upload_folder(self, repo_id, folder_path, commit_message, revision=None):
-        shutil.copytree(folder_path, os.path.join(self.target, repo_id.replace("/", "--")))
-        return f"uploaded {repo_id}"
 
 
 def _push_worker(source: str, target: str) -> None:
     model = om.AutoModelForCausalLM.from_pretrained(source, parallel=om.ParallelConfig(tensor_parallel_size=2),
                                                     progress=False)
     rank = torch.distributed.get_rank()
-    with mock.patch("huggingface_hub.HfApi", _RecordingApi(os.path.join(target, f"rank{rank}"), fail=False)):
+    with mock.patch("huggingface_hub.HfApi", CopyingHub(os.path.join(target, f"rank{rank}"))):
         result = model.push_to_hub("me/tiny")
     assert (result == "uploaded me/tiny") == (rank == 0)
-    with mock.patch("huggingface_hub.HfApi", _RecordingApi(target, fail=True)):
+    with mock.patch("huggingface_hub.HfApi", CopyingHub(target, fail=True)):
         with pytest.raises((ConnectionError, RuntimeError), match="hub unreachable"):
             model.push_to_hub("me/tiny")
 
