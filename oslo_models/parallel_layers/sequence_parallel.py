@@ -63,7 +63,7 @@ class SequenceParallelRegion:
         layers reading the same tensor inside one stack forward share one entry (one collective each way); outside
         a stack, or while ``torch.compile`` traces, each call enters on its own."""
         # inference tensors have no version counter to check; compiled graphs stay free of the Python-side sharing
-        if self._depth == 0 or x.is_inference() or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or self._depth == 0 or x.is_inference():
             return enter_tensor_parallel_alone(x, group, sequence_parallel)
         grad_mode = torch.is_grad_enabled()
         shared = self._shared
