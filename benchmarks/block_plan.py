@@ -107,18 +107,14 @@ def _calibrate(out: str) -> None:
     import transformers
 
     import oslo_models as om
-    from benchmarks.planner_ranking import measured_matmul
+    from benchmarks.planner_ranking import calibrate_world
     from oslo_models.planner.blocks import BLOCK_OPTIONS, best_plan, block_costs, evaluate_plan
     from oslo_models.planner.facts import ModelFacts
     from oslo_models.planner.memory import estimate_memory
-    from oslo_models.planner.time import Hardware, measure_links
+    from oslo_models.planner.time import Hardware
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    world = dist.get_world_size()
+    world, matmul, bandwidth, latency = calibrate_world()
     config = transformers.LlamaConfig(**CONFIG)
-    matmul = measured_matmul()
-    bandwidth, latency = measure_links(sizes=(1 << 10, 1 << 22))
     hardware = Hardware(matmul, bandwidth, latency, bandwidth, latency, devices_per_node=world, overlap=0.0)
     facts = ModelFacts(om.LlamaForCausalLM, config)
     costs = block_costs(facts, world, hardware, global_batch=GLOBAL_BATCH, seq_len=SEQ,

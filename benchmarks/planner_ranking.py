@@ -146,18 +146,26 @@ def _step(model, inner, optimizer, batch, pipelined) -> float:
     return time.perf_counter() - start
 
 
-def _worker(out_dir: str, rounds: int) -> None:
+def calibrate_world() -> tuple[int, float, float, float]:
+    """Join (or start) the gloo world and measure this machine: ``(world size, matmul FLOP/s, link bandwidth,
+    link latency)``, the last two fitted on the current process group (collective)."""
     import torch.distributed as dist
-    import transformers
 
     from oslo_models.planner.time import measure_links
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    config = transformers.LlamaConfig(**CONFIG)
     matmul = measured_matmul()
     bandwidth, latency = measure_links(sizes=(1 << 10, 1 << 22))
+    return dist.get_world_size(), matmul, bandwidth, latency
+
+
+def _worker(out_dir: str, rounds: int) -> None:
+    import torch.distributed as dist
+    import transformers
+
+    world, matmul, bandwidth, latency = calibrate_world()
+    config = transformers.LlamaConfig(**CONFIG)
     built = [_build(options, config) for options in LAYOUTS[world]]
     times = [[] for _ in built]
     for round_ in range(rounds + 1):  # round-robin: the machine's load drifts alike over every layout
