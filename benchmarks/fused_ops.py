@@ -100,7 +100,7 @@ def _cases(args, device, dtype):
             moved = 5 * tokens * hidden * es  # fwd: read x, write y; bwd: read x, dy, write dx
             if "layer_norm" in args.ops:
                 providers = {"eager": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b),
-                             "oslo": lambda x, w, b: fused_ops.layer_norm(x, w, b)}
+                             "oslo": lambda x, w, b: fused_ops.layer_norm(x, w, b, force_triton=True)}
                 if liger is not None and hasattr(liger, "liger_layer_norm"):
                     providers["liger"] = lambda x, w, b: liger.liger_layer_norm(x, w, b, 1e-5)
                 yield ("layer_norm", f"{tokens}x{hidden}", moved,

@@ -166,9 +166,22 @@ def run_variant(args) -> dict:
             result["mfu"] = tokens / seconds * flops_per_token / (peak * 1e12)
     else:
         result["peak_memory_bytes"] = rss.growth_bytes
+    if args.profile and device.type == "cuda":
+        result["profile"] = _profile(step, data[0].to(device))
     if "compile" not in args.variant:
         result["saved_activation_bytes"] = _saved_activation_bytes(model, data[0].to(device))
     return result
+
+
+def _profile(step, ids, rows: int = 20) -> str:
+    """The GPU kernels of two more training steps, by their own GPU time (where a variant's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step(ids)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60)
 
 
 def _saved_activation_bytes(model, ids) -> int:
@@ -206,6 +219,8 @@ def _skip_reason(variant: str, model: str) -> str | None:
 def _run_subprocess(args, variant: str) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", variant, "--device", args.device,
                "--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.profile:
+        command.append("--profile")
     for name in ("batch", "seq", "peak_tflops", "threads"):
         if getattr(args, name):
             command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -250,6 +265,8 @@ def main(argv=None) -> None:
                         help="run the variant list this many times, interleaved; keep each variant's fastest run "
                              "(on a shared box the least disturbed one)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (cpu default 1)")
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA: after timing, print each variant's top GPU kernels over two more steps")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
@@ -279,6 +296,9 @@ def main(argv=None) -> None:
                 if kept is None or row.get(key, 0) > kept.get(key, 0):
                     best[(model, variant)] = row
     rows = list(best.values())
+    for row in rows:
+        if "profile" in row:
+            print(f"## {row['model']} {row['variant']}: GPU kernels over two steps\n{row.pop('profile')}")
     print(_table(rows, args.device))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

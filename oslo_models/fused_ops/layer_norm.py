@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from oslo_models.fused_ops._utils import as_rows, num_reduction_programs, row_block_settings, tl, triton
-from oslo_models.fused_ops.dispatch import use_triton
+from oslo_models.fused_ops.dispatch import env_forces, use_triton
 
 
 @triton.jit
@@ -156,9 +156,15 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, eps: float = 1e-5, *,
                enabled: bool = True, force_triton: bool = False) -> torch.Tensor:
-    """LayerNorm of ``x`` ``[..., hidden]`` with ``weight``/``bias`` ``[hidden]``; see ``dispatch.use_triton``."""
+    """LayerNorm of ``x`` ``[..., hidden]`` with ``weight``/``bias`` ``[hidden]``.
+
+    Unlike the other ops, ``enabled=True`` alone keeps torch's own kernel: ATen's LayerNorm is already one fused
+    kernel per pass, and on an H200 (bf16, forward + backward, BENCHMARKS.md) it was 3-7x faster than this one at
+    hidden <= 4096 (8192 x 768: 0.17 vs 1.24 ms) and tied at 32768 x 4096. The Triton kernel runs when forced
+    (``force_triton=True`` or ``OSLO_FUSED_OPS=force``), which is how its tests reach it."""
     _check_inputs(x, weight, bias)
-    if use_triton(x, weight, bias, enabled=enabled, force_triton=force_triton):
+    if force_triton or (enabled and env_forces()):
+        use_triton(x, weight, bias, force_triton=True)  # raises when the kernel cannot run here
         return torch.ops.oslo_models.layer_norm(x, weight, bias, eps)
     return layer_norm_reference(x, weight, bias, eps)
 
