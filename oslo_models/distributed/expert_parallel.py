@@ -24,9 +24,14 @@ from torch import nn
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
-    """Names of the parameters the model's plan splits over the expert-parallel group."""
-    plan = model.parallel_plan
-    return [name for name, _ in model.named_parameters() if plan.shard_spec(model, name).axis == "ep"]
+    """Names (as ``model.named_parameters()`` gives them) of the parameters the plan splits over the
+    expert-parallel group. ``model`` may be a ``torch.compile`` module: its names carry ``_orig_mod.``, while the
+    plan knows the model's own names (without this, DDP and FSDP2 took a compiled model's experts for dense
+    weights and averaged them over dp)."""
+    inner = getattr(model, "_orig_mod", model)
+    prefix = "" if inner is model else "_orig_mod."
+    plan = inner.parallel_plan
+    return [prefix + name for name, _ in inner.named_parameters() if plan.shard_spec(inner, name).axis == "ep"]
 
 
 def register_expert_gradient_reduction(model: nn.Module, ddp: nn.Module | None = None) -> None:
