@@ -27,7 +27,7 @@ FOUR_RANKS = (
     ("pp", "nvme"),                           # pp2 x dp2 x ZeRO-3 + disk
     ("tp", "z1", "bf16"),                     # tp2 x dp2 x ZeRO-1 x bf16
     ("tp", "off", "fp16"),                    # tp2 x dp2 x ZeRO-3 + cpu offload x fp16
-    ("pp", "tp", "compile"),                  # pp2 x tp2 x compile (with dp, prepare refuses a compiled pipeline: open)
+    ("pp", "tp", "compile"),                  # pp2 x tp2 x compile (pp2 x dp2 x compile trains too: run by hand)
 )
 EIGHT_RANKS = (
     ("grid", "z1", "ac", "bf16"),             # 2D tp4 x dp2 x ZeRO-1 x checkpointing x bf16
