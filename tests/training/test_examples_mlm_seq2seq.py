@@ -34,6 +34,9 @@ def test_example_smoke(tmp_path, script, plain_cls, oslo_cls, layout):
                              str(out), "--eval-data", examples.eval_file(tmp_path), "--eval-samples", "16",
                              "--report-to", "jsonl", timeout=240)
     assert "plain transformers" in result.stdout
+    # pipelined runs: no abort at teardown (a gloo group freed during interpreter finalization once hung or aborted a
+    # rank at exit; the mechanism is tested in test_teardown_frees_pipeline_groups_before_destroying below)
+    assert "terminate called" not in result.stderr
     report, metrics = examples.read_run(out)
     losses = report["losses"]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
@@ -56,17 +59,6 @@ def test_example_smoke(tmp_path, script, plain_cls, oslo_cls, layout):
         expected, got = plain(**kwargs).logits, oslo(**kwargs).logits
     assert torch.isfinite(expected).all()
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-
-
-def test_pipeline_runs_exit_cleanly_every_time(tmp_path):
-    """Several tiny pipelined runs in a row: every one exits 0 within its timeout with no abort at teardown (a gloo
-    group freed during interpreter finalization once hung or aborted a rank at exit; ``_common.run`` frees the
-    pipeline runner's groups and destroys the process groups while the interpreter is whole)."""
-    for attempt in range(3):
-        out = tmp_path / f"out{attempt}"
-        result = examples.launch(examples.torchrun(2), "train_seq2seq.py", "--pp", "2", "--microbatches", "2",
-                                 "--steps", "1", *examples.TINY, "--n-layer", "1", "--output", str(out), timeout=120)
-        assert "terminate called" not in result.stderr and "plain transformers" in result.stdout
 
 
 def _teardown_worker(path):
