@@ -7,8 +7,8 @@ tensors.
 
 Under pipeline parallelism it cannot: ``peft`` (``get_peft_model_state_dict``) keeps the state-dict entries under
 the LoRA layers it finds among the model's *modules*, and a rank holds only its stage's layers, so whatever the state
-dict holds, ``peft`` would write this stage's adapters alone, a partial adapter that loads without a complaint (the
-missing layers keep their base weights). So an ``oslo_models`` model split into stages refuses
+dict holds, ``peft`` would write this stage's adapters alone: a partial adapter, which ``peft`` loads with a mere
+warning about missing keys (those layers keep their base weights). So an ``oslo_models`` model split into stages refuses
 ``get_peft_model_state_dict`` (``PeftModel.save_pretrained`` and the trainers' adapter exports call it): a state-dict
 pre-hook raises ``NotImplementedError`` naming :func:`save_adapter`, on every rank, before any collective and before
 any weight file is written. :func:`save_adapter` (every rank, any layout) collects every stage's adapters on rank 0
@@ -34,8 +34,8 @@ SAVE_RULE = ("every rank calls adapters.save_adapter() / adapter_state_dict() (t
 PIPELINE_SAVE_RULE = (
     "peft's get_peft_model_state_dict (PeftModel.save_pretrained, the trainers' adapter export) at "
     "pipeline_parallel_size={pp} would save only this rank's pipeline stage: peft keeps the entries of the LoRA "
-    "layers it finds among the model's modules, and each rank holds only its stage's layers (a partial adapter that "
-    "loads without complaint). Call oslo_models.adapters.save_adapter(model, folder) on every rank instead: it "
+    "layers it finds among the model's modules, and each rank holds only its stage's layers (a partial adapter, which "
+    "peft loads with a mere warning). Call oslo_models.adapters.save_adapter(model, folder) on every rank instead: it "
     "collects every stage's adapters (gathered over tensor parallelism) and rank 0 writes one complete plain peft "
     "folder")
 
