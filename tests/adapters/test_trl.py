@@ -10,9 +10,12 @@ norms and metrics of plain ``SFTTrainer`` at every step (padded rows of several 
 gradient checkpointing on, ``average_tokens_across_devices``), at tp 1 and at tp 2 x dp 2 (rows split by dp rank
 only). One default is set: ``bf16=False``. ``SFTConfig`` defaults to ``bf16=True``, so both trainers ran under CPU
 bf16 autocast, which is what made them differ from each other and from a direct fp32 computation (issue 32: grad
-norm 0.62371 vs 0.62328). Under bf16 both trainers equal a direct autocast computation of their own model bit for
-bit; the two models then differ by a few bf16 ulps in the backward (step-1 grad norm 0.67364 vs 0.67433 here, fp32
-0.673886): the negative control below. In fp32 they agree to ~1e-6. TRL is in the dev extras; skipped without it.
+norm 0.62371 vs 0.62328). Under bf16 each trainer equals a direct autocast computation of its own model bit for bit,
+and the two models' forwards, activation gradients and LoRA gradients are bitwise equal through a plain logits loss;
+what differs is the LM head's backward: TRL's chunked head accumulates the hidden states' gradient in fp32, ours
+(``trl_head.py``) differentiates the model's bf16 autocast logits as plain ``transformers`` does (adapter gradients a
+few bf16 ulps apart, step-1 grad norm 0.67364 vs 0.67433 here, fp32 0.673886): the negative control below. In fp32
+they agree to ~1e-6. TRL is in the dev extras; skipped without it.
 """
 from __future__ import annotations
 
