@@ -5,7 +5,7 @@
     from oslo_models import adapters
     model = peft.get_peft_model(model, adapters.lora_config(r=16, target_modules=["q_proj", "v_proj"]))
     model.save_pretrained("adapter/", is_main_process=rank == 0)   # every rank (tp, ZeRO): a plain peft folder
-    adapters.save_adapter(model, "adapter/")                 # every rank, any layout (pipeline too); rank 0 writes
+    adapters.save_adapter(model, "adapter/")   # every rank, any layout (pipeline: the only way); rank 0 writes
     model = adapters.load_adapter(base, "adapter/", is_trainable=True)   # any peft adapter, sliced on load
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ _LAZY = {
     "lora_config": "lora",
     "register_parallel_layers": "lora",
     "ParallelLoraLinear": "lora",
-    "adapter_state_dict": "lora",
-    "save_adapter": "lora",
+    "adapter_state_dict": "saving",
+    "save_adapter": "saving",
     "load_adapter": "lora",
 }
 

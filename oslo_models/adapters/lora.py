@@ -34,8 +34,9 @@ Adapters are initialized exactly as ``peft`` initializes them on the single-proc
 ``load_state_dict`` slices full (saved) tensors to the local piece. ``state_dict()`` holds the adapters *full*: a
 state-dict post-hook (``_gather_adapters_hook``, collective over tp and ZeRO-3's dp: every rank takes the state dict)
 gathers them, so the standard ``PeftModel.save_pretrained`` on every rank writes a plain ``peft`` adapter (pass
-``is_main_process=rank == 0``, else every rank writes the same bytes). Under pipeline parallelism ``peft`` keeps the
-entries of the LoRA layers this rank holds (its stage's): ``save_adapter`` collects every stage on rank 0.
+``is_main_process=rank == 0``, else every rank writes the same bytes). Under pipeline parallelism ``peft`` would keep
+the entries of the LoRA layers this rank holds (its stage's): refused, ``save_adapter`` collects every stage
+(``saving.py``).
 ``merge`` / ``merge_and_unload`` add the local ``B A`` to the local weight slice, which is the slice of the full
 merged weight.
 
@@ -62,8 +63,6 @@ from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from ..conversion.saving import run_on_main_process
-from ..distributed.agreement import check_arrival
 from ..parallel_layers.kv_heads import KVHeadColumnParallelLinear
 from ..parallel_layers.layers import Linear
 from ..parallel_layers.mappings import (
@@ -81,8 +80,6 @@ from ..parallel_layers.tensor_parallel_3d import Linear3D, VocabEmbedding3D
 
 # init_lora_weights values that only draw from the generator (the others read the base weight)
 _SEEDED_INITS = (True, False, "gaussian")
-SAVE_RULE = ("every rank calls adapters.save_adapter() / adapter_state_dict() (the adapters are gathered over the "
-             "tensor-parallel ranks, then rank 0 alone writes): do not guard it with `if rank == 0:`")
 
 
 def _base(layer: nn.Module) -> nn.Module:
@@ -365,7 +362,11 @@ def adopt_adapter_layers(model: nn.Module) -> None:
     compute wrong (split over tensor parallelism, or a ``conv1d`` weight) by ``ParallelLoraLinear`` with the same
     adapters. Called when ``peft`` sets ``model.peft_config``, right after building its layers and before
     ``PeftModel.from_pretrained`` loads an adapter's tensors (which then load sliced). Warns when a fresh adapter's
-    initialization could not be kept (``PLAIN_CONFIG_NOTE``)."""
+    initialization could not be kept (``PLAIN_CONFIG_NOTE``). A pipelined model also gets the guard that refuses
+    ``peft``'s own adapter export, which would save one stage (``saving.guard_stage_export``)."""
+    from .saving import guard_stage_export
+
+    guard_stage_export(model)
     configs = model.peft_config
     replaced, inexact = [], []
     for name, module in list(model.named_modules()):
@@ -407,74 +408,6 @@ def register_parallel_layers(config: LoraConfig) -> LoraConfig:
 def lora_config(**kwargs) -> LoraConfig:
     """``peft.LoraConfig(**kwargs)`` that knows the ``oslo_models`` parallel layers (``register_parallel_layers``)."""
     return register_parallel_layers(LoraConfig(**kwargs))
-
-
-def _context_of(model: nn.Module):
-    inner = model.get_base_model() if isinstance(model, PeftModel) else model
-    context = getattr(inner, "parallel_context", None)
-    if context is None:
-        raise TypeError(f"{type(inner).__name__} is not an oslo_models model (no parallel_context)")
-    return context
-
-
-def adapter_state_dict(model: PeftModel) -> dict[str, torch.Tensor] | None:
-    """The full adapter tensors (``peft``'s key names, adapter name included) on global rank 0, ``None`` elsewhere.
-
-    Collective: call on every rank. ``model.state_dict()`` already holds this stage's adapters full (ZeRO-3 shards
-    all-gathered over data parallelism, tensor-parallel pieces joined by their ``Layout``: ``_gather_adapters_hook``);
-    pipeline stages send theirs to rank 0."""
-    context = _context_of(model)
-    check_arrival(context, "save_adapter", SAVE_RULE)
-    keep = context.tp_rank == 0 and context.dp_rank == 0
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():  # the adapters come gathered (_gather_adapters_hook)
-        if "lora_" not in key and "modules_to_save" not in key:
-            continue
-        tensor = tensor.detach()
-        if hasattr(tensor, "full_tensor"):  # a ZeRO-3 (FSDP2) DTensor outside the LoRA layers (modules_to_save)
-            tensor = tensor.full_tensor()
-        if keep:
-            out[key] = tensor.to("cpu", copy=True).contiguous()
-    if context.pp_size > 1:  # stages hold disjoint adapters: merge them on global rank 0
-        from ..pipeline.checkpoint import collect_stage_state_dicts
-
-        return collect_stage_state_dicts(out if keep else None, context)
-    return out if context.rank == 0 else None
-
-
-def save_adapter(model: PeftModel, save_directory: str | os.PathLike, **kwargs) -> None:
-    """Write a plain ``peft`` adapter folder (``adapter_config.json`` + ``adapter_model.safetensors`` of full
-    tensors) that ``peft.PeftModel.from_pretrained`` opens on any model, parallel or not. Call on every rank: the
-    adapters are gathered (``adapter_state_dict``) and rank 0 writes through ``PeftModel.save_pretrained``. Without
-    pipeline parallelism ``model.save_pretrained(save_directory, is_main_process=rank == 0)`` on every rank does the
-    same; with it, ``peft`` picks the entries of the LoRA layers this rank holds (its stage): use this function."""
-    from ..training.zero import unwrap_model
-
-    model = unwrap_model(model)
-    context = _context_of(model)
-    full = adapter_state_dict(model)
-    run_on_main_process(context, _write_adapter, model, save_directory, full, context.pp_size > 1,
-                        what="save_adapter (writing on rank 0)", **kwargs)
-    context.barrier()
-
-
-def _write_adapter(model: PeftModel, save_directory, full: dict[str, torch.Tensor], all_stages: bool,
-                   **kwargs) -> None:
-    """``PeftModel.save_pretrained`` on rank 0. Under pipeline parallelism ``peft`` keeps only the adapters of the
-    modules rank 0 holds (its stage), so each adapter's weights file is then rewritten with every stage's tensors,
-    in ``peft``'s format (adapter name dropped from the keys, ``adapter_model.safetensors``, format ``pt``)."""
-    from peft.utils import SAFETENSORS_WEIGHTS_NAME
-    from safetensors.torch import save_file
-
-    model.save_pretrained(save_directory, state_dict=full, is_main_process=True, **kwargs)
-    if not all_stages:
-        return
-    names = kwargs.get("selected_adapters") or list(model.peft_config)
-    for name in names:
-        folder = save_directory if name == "default" else os.path.join(save_directory, name)
-        tensors = {key.replace(f".{name}.", "."): tensor for key, tensor in full.items()
-                   if "lora_" in key and f".{name}." in key}
-        save_file(tensors, os.path.join(folder, SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
 
 
 def load_adapter(model: nn.Module, model_id: str | os.PathLike, adapter_name: str = "default", *,

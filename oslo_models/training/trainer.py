@@ -86,6 +86,8 @@ class ParallelTrainerMixin:
         # this rank's vocabulary shard under tp: the same contract, from the model's gathered logits (trl_head.py)
         inner = unwrap_model(self.model)
         replace_trl_head(inner.get_base_model() if _is_peft(inner) else inner)
+        if hasattr(self, "_tp_size"):  # TRL's trainers divide their world-wide token count (a metric) by it
+            self._tp_size = context.tp_size
 
     @property
     def parallel_context(self):

@@ -9,8 +9,10 @@ head would score every token against ``V/tp`` rows only: a wrong, too low loss, 
 
 ``fused_lm_head_forward`` is the same contract computed from the model's own forward: its logits come gathered
 over tp (``[b, s, V]``, every rank), the fields are a log-softmax over the whole vocabulary in fp32. Memory: the full
-logits, as a plain ``transformers`` forward holds them. ``ParallelTrainerMixin`` puts it in place of TRL's function on
-an ``oslo_models`` model.
+logits, as a plain ``transformers`` forward holds them. Under autocast (``SFTConfig`` defaults to ``bf16=True``) the
+gradient flows through the model's bf16 logits, as in a plain ``transformers`` loss; TRL's chunked head accumulates its
+backward in fp32, so there the two differ by a few bf16 ulps (equal in fp32: ``tests/adapters/test_trl.py``).
+``ParallelTrainerMixin`` puts it in place of TRL's function on an ``oslo_models`` model.
 """
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ plain ``peft`` with the reference's logits; ``merge_and_unload`` + ``save_pretra
 ``transformers`` with the merged reference's logits. Layouts (4 ranks, one group per family): tp2 + SP x dp2,
 tp4, tp2 x dp2 ZeRO-3, pp2 x tp2 (GPT-2, Llama), tp2 x dp2 ZeRO-1/2 (Llama). tp 1 runs in the test process, with
 ``get_peft_model``'s own init. Llama's group also checks ``lora_dropout`` (peft's masks at tp2 + SP and tp4) and the
-refusal of a plain ``LoraConfig`` at tp4.
+refusal of a plain ``LoraConfig`` at tp4. Pipelined (pp2 x tp2, and Llama's pp2 with plain peft's own layers): plain
+``PeftModel.save_pretrained`` raises naming ``save_adapter`` and writes no adapter (peft would save one stage);
+``save_adapter`` writes every stage.
 """
 from __future__ import annotations
 
@@ -129,7 +131,8 @@ def _check_saved(model_type: str, model, reference, base: str, folder: str, *, m
     saved by our model open in plain transformers with the merged reference's logits."""
     context = model.parallel_context
     ids = _batch(model_type)["input_ids"]
-    if context.pp_size > 1:  # peft keeps the entries of the LoRA layers a rank holds: its stage's
+    if context.pp_size > 1:  # peft would keep the entries of the LoRA layers a rank holds (its stage's): refused
+        _check_stage_export_refused(model, folder)
         adapters.save_adapter(model, os.path.join(folder, "adapter"))
     else:  # the standard call on every rank: its state dict holds the adapters gathered (ParallelLoraLinear's hook)
         model.save_pretrained(os.path.join(folder, "adapter"), is_main_process=context.rank == 0)
@@ -153,6 +156,37 @@ def _check_saved(model_type: str, model, reference, base: str, folder: str, *, m
             torch.testing.assert_close(plain(input_ids=ids).logits, merged_reference, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(merged_reference, expected, atol=1e-5, rtol=1e-5)
     context.barrier()
+
+
+def _check_stage_export_refused(model, folder: str) -> None:
+    """Pipelined: plain ``PeftModel.save_pretrained`` on every rank raises, naming ``save_adapter``, before writing
+    an adapter (peft would write this stage's adapters alone: the negative control of the guard)."""
+    context = model.parallel_context
+    plain = os.path.join(folder, "plain_save")
+    with pytest.raises(NotImplementedError, match="adapters.save_adapter"):
+        model.save_pretrained(plain, is_main_process=context.rank == 0)
+    context.barrier()
+    assert not any(os.path.exists(os.path.join(plain, name)) for name in ("adapter_model.safetensors",
+                                                                          "adapter_config.json"))
+
+
+def _check_pipeline_plain_peft(model_type: str, base: str, adapter: str, root: str) -> None:
+    """pp 2 alone (x dp 2), adapter loaded by plain peft (peft's own LoRA layers at tp 1): the guard sits on the
+    model, not on our layers; save_adapter writes every stage (the reopened adapter gives the reference's logits)."""
+    model = peft.PeftModel.from_pretrained(_ours(model_type, base, None, pipeline_parallel_size=2,
+                                                 num_microbatches=2), adapter)
+    folder = os.path.join(root, "pp2_plain")
+    _check_stage_export_refused(model, folder)
+    adapters.save_adapter(model, os.path.join(folder, "adapter"))
+    if model.parallel_context.rank == 0:
+        ids = _batch(model_type)["input_ids"]
+        reopened = peft.PeftModel.from_pretrained(CASES[model_type][0].from_pretrained(base),
+                                                  os.path.join(folder, "adapter")).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(reopened(input_ids=ids).logits,
+                                       _reference(model_type, base, adapter).eval()(input_ids=ids).logits,
+                                       atol=1e-5, rtol=1e-5)
+    model.parallel_context.barrier()
 
 
 def _dropout_adapter(adapter: str, p: float = 0.25, **options) -> str:
@@ -219,6 +253,7 @@ def _layouts_worker(model_type: str, base: str, adapter: str, root: str) -> None
             dist.all_gather(copies, a.contiguous())  # one tp group of 4: replicated A equal, split A distinct
             assert all(torch.equal(c, copies[0]) for c in copies) == (not isinstance(layer.get_base_layer(),
                                                                                    RowParallelLinear))
+        _check_pipeline_plain_peft(model_type, base, adapter, root)  # after the fresh draws: stages draw unequally
     layouts = [("tp2_sp_dp2", 0, dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)),
                ("tp4", 0, dict(tensor_parallel_size=4)),
                ("tp2_dp2_zero3", 3, dict(tensor_parallel_size=2, data_parallel_size=2))]
