@@ -89,6 +89,13 @@ class Grid:
 
 
 # ---------------------------------------------------------------------------------------------- raw collectives
+# Under torch.compile these run eagerly, as a unit: dynamo cannot trace the in-place subgroup broadcasts and
+# reduces, and falling back frame by frame made it compile each helper once per weight shape (static parameter
+# shapes), past its recompile limit: a 2D grid model took minutes to compile and then ran these uncompiled anyway.
+_eager = torch.compiler.disable
+
+
+@_eager
 def _broadcast(x: torch.Tensor, axis: _Axis, src: int) -> torch.Tensor:
     """``x`` of axis rank ``src`` on every rank of ``axis`` (others pass a buffer of the same shape)."""
     if axis.size == 1:
@@ -98,6 +105,7 @@ def _broadcast(x: torch.Tensor, axis: _Axis, src: int) -> torch.Tensor:
     return buffer
 
 
+@_eager
 def _reduce(x: torch.Tensor, axis: _Axis, dst: int) -> torch.Tensor:
     """Sum of ``x`` over ``axis``; meaningful on axis rank ``dst`` only."""
     if axis.size == 1:
@@ -107,6 +115,7 @@ def _reduce(x: torch.Tensor, axis: _Axis, dst: int) -> torch.Tensor:
     return out
 
 
+@_eager
 def all_reduce(x: torch.Tensor, axis: _Axis) -> torch.Tensor:
     if axis.size == 1:
         return x
@@ -116,6 +125,7 @@ def all_reduce(x: torch.Tensor, axis: _Axis) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- SUMMA products
+@_eager
 def summa_ab(a: torch.Tensor, b: torch.Tensor, grid: Grid) -> torch.Tensor:
     """``C_ij = sum_t A_it B_tj``: ``a`` ``[m, k/q]``, ``b`` ``[k/q, n/q]`` -> ``[m, n/q]``. 2q broadcasts."""
     out = None
@@ -125,6 +135,7 @@ def summa_ab(a: torch.Tensor, b: torch.Tensor, grid: Grid) -> torch.Tensor:
     return out
 
 
+@_eager
 def summa_abt(a: torch.Tensor, b: torch.Tensor, grid: Grid) -> torch.Tensor:
     """``C_ij = sum_t A_it B_jt^T``: ``a`` ``[m, k/q]``, ``b`` ``[n/q, k/q]`` -> ``[m, n/q]``. q broadcasts (column)
     and q reduces (row)."""
@@ -136,6 +147,7 @@ def summa_abt(a: torch.Tensor, b: torch.Tensor, grid: Grid) -> torch.Tensor:
     return out
 
 
+@_eager
 def summa_atb(a: torch.Tensor, b: torch.Tensor, grid: Grid) -> torch.Tensor:
     """``C_ij = sum_t A_ti^T B_tj``: ``a`` ``[m/q, k/q]`` (rows: the contracted dim), ``b`` ``[m/q, n/q]`` ->
     ``[k/q, n/q]``. q broadcasts (row) and q reduces (column)."""
