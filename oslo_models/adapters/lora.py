@@ -362,11 +362,12 @@ def adopt_adapter_layers(model: nn.Module) -> None:
     compute wrong (split over tensor parallelism, or a ``conv1d`` weight) by ``ParallelLoraLinear`` with the same
     adapters. Called when ``peft`` sets ``model.peft_config``, right after building its layers and before
     ``PeftModel.from_pretrained`` loads an adapter's tensors (which then load sliced). Warns when a fresh adapter's
-    initialization could not be kept (``PLAIN_CONFIG_NOTE``). A pipelined model also gets the guard that refuses
-    ``peft``'s own adapter export, which would save one stage (``saving.guard_stage_export``)."""
-    from .saving import guard_stage_export
+    initialization could not be kept (``PLAIN_CONFIG_NOTE``). The model also gets the guard that refuses ``peft``'s
+    own adapter export when pipelined (it would save one stage) and a lone rank's gathering state dict
+    (``saving.guard_adapter_export``)."""
+    from .saving import guard_adapter_export
 
-    guard_stage_export(model)
+    guard_adapter_export(model)
     configs = model.peft_config
     replaced, inexact = [], []
     for name, module in list(model.named_modules()):

@@ -11,7 +11,9 @@ dict holds, ``peft`` would write this stage's adapters alone: a partial adapter,
 warning about missing keys (those layers keep their base weights). So an ``oslo_models`` model split into stages refuses
 ``get_peft_model_state_dict`` (``PeftModel.save_pretrained`` and the trainers' adapter exports call it): a state-dict
 pre-hook raises ``NotImplementedError`` naming :func:`save_adapter`, on every rank, before any collective and before
-any weight file is written. :func:`save_adapter` (every rank, any layout) collects every stage's adapters on rank 0
+any weight file is written. The same hook makes a rank that takes the state dict alone (``if rank == 0:
+model.save_pretrained(...)`` at tp > 1 or ZeRO-3) fail with the rule instead of hanging in the adapters' gather.
+:func:`save_adapter` (every rank, any layout) collects every stage's adapters on rank 0
 (one ``gather_object`` over the pipeline group of rank 0, after the tp gathers inside each stage) and writes the folder
 atomically: staged in a sibling folder, fsynced, then swapped in (``conversion.atomic.publish_dir``).
 """
@@ -53,19 +55,39 @@ def _inside_peft_export() -> bool:
     return False
 
 
-def _refuse_stage_export(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    """State-dict pre-hook of a pipelined model with adapters: see the module docstring."""
-    pp = module.parallel_context.pp_size
-    if pp > 1 and _inside_peft_export():
-        raise NotImplementedError(PIPELINE_SAVE_RULE.format(pp=pp))
+STATE_DICT_RULE = ("every rank takes the state dict of a model with adapters split over tensor parallelism or "
+                   "sharded by ZeRO-3 (its LoRA layers gather their adapters, a collective): call "
+                   "model.save_pretrained(folder, is_main_process=rank == 0) on every rank, never under "
+                   "`if rank == 0:`")
 
 
-def guard_stage_export(model: nn.Module) -> None:
-    """Install :func:`_refuse_stage_export` on a pipelined model (once; ``peft`` sets ``peft_config`` per adapter)."""
+def _gathers_adapters(module: nn.Module) -> bool:
+    """Whether taking ``module``'s state dict runs the adapters' collective: it holds LoRA layers (not after
+    ``merge_and_unload``, when the model's own save gathers on its own terms), split over tp or sharded by ZeRO-3."""
+    from .lora import ParallelLoraLinear
+
+    if not any(isinstance(m, ParallelLoraLinear) for m in module.modules()):
+        return False
+    return module.parallel_context.tp_size > 1 or any(hasattr(p, "full_tensor") for p in module.parameters())
+
+
+def _check_export(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """State-dict pre-hook of a model with adapters, before any collective: a pipelined model refuses ``peft``'s
+    own export (see the module docstring), and a state dict that gathers adapters first checks that every rank
+    takes it (``check_arrival``: a rank alone gets a ``RuntimeError`` naming the rule, not a hang)."""
+    context = module.parallel_context
+    if context.pp_size > 1 and _inside_peft_export():
+        raise NotImplementedError(PIPELINE_SAVE_RULE.format(pp=context.pp_size))
+    if _gathers_adapters(module):
+        check_arrival(context, "adapter_state_dict", STATE_DICT_RULE)
+
+
+def guard_adapter_export(model: nn.Module) -> None:
+    """Install :func:`_check_export` on a parallel model (once; ``peft`` sets ``peft_config`` per adapter)."""
     context = getattr(model, "parallel_context", None)
-    if context is None or context.pp_size == 1 or model.__dict__.get("_oslo_stage_export_guard") is not None:
+    if context is None or context.world_size == 1 or model.__dict__.get("_oslo_export_guard") is not None:
         return
-    model.__dict__["_oslo_stage_export_guard"] = model.register_state_dict_pre_hook(_refuse_stage_export)
+    model.__dict__["_oslo_export_guard"] = model.register_state_dict_pre_hook(_check_export)
 
 
 def _context_of(model: nn.Module):

@@ -170,6 +170,20 @@ def _check_stage_export_refused(model, folder: str) -> None:
                                                                           "adapter_config.json"))
 
 
+def _check_lone_save_refused(model, root: str) -> None:
+    """``if rank == 0: model.save_pretrained(...)`` at tp > 1: rank 0 gets the rule within the arrival timeout
+    instead of hanging in the adapters' gather (the other ranks never take a state dict)."""
+    context = model.parallel_context
+    if context.rank == 0:
+        os.environ["OSLO_ARRIVAL_TIMEOUT"] = "2"
+        try:
+            with pytest.raises(RuntimeError, match="every rank takes the state dict"):
+                model.save_pretrained(os.path.join(root, "lone"))
+        finally:
+            del os.environ["OSLO_ARRIVAL_TIMEOUT"]
+    context.barrier()
+
+
 def _check_pipeline_plain_peft(model_type: str, base: str, adapter: str, root: str) -> None:
     """pp 2 alone (x dp 2), adapter loaded by plain peft (peft's own LoRA layers at tp 1): the guard sits on the
     model, not on our layers; save_adapter writes every stage (the reopened adapter gives the reference's logits)."""
@@ -239,6 +253,7 @@ def _layouts_worker(model_type: str, base: str, adapter: str, root: str) -> None
         reference = _reference(model_type, base, adapter)
         assert_adapters_match(model, reference)
         _train(model, reference, _batch(model_type))
+        _check_lone_save_refused(model, root)
         # ... and a fresh one is a valid init, the same on every rank (peft drew at the local sizes, so not its
         # single-process values: warned), with B zero: the model starts as the base model
         ours = _ours(model_type, base, None, tensor_parallel_size=4)
