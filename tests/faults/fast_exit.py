@@ -21,18 +21,18 @@ import sys
 import traceback
 
 
-def main() -> None:
-    if len(sys.argv) < 2:
-        raise SystemExit("usage: fast_exit.py SCRIPT ARGS... | -m MODULE ARGS...")
+def run_program(argv: list[str]) -> int:
+    """Run ``argv`` (``SCRIPT ARGS...`` or ``-m MODULE ARGS...``) as ``__main__``, then its ``atexit`` handlers;
+    flush the output streams and return the exit status (the caller leaves with ``os._exit``)."""
     code = 0
     try:
-        if sys.argv[1] == "-m":
-            module = sys.argv[2]
-            sys.argv = [module, *sys.argv[3:]]
+        if argv[0] == "-m":
+            module = argv[1]
+            sys.argv = [module, *argv[2:]]
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
-            script = sys.argv[1]
-            sys.argv = sys.argv[1:]
+            script = argv[0]
+            sys.argv = list(argv)
             sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT`: its folder first
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_:
@@ -50,7 +50,13 @@ def main() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(code)
+    return code
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: fast_exit.py SCRIPT ARGS... | -m MODULE ARGS...")
+    os._exit(run_program(sys.argv[1:]))
 
 
 if __name__ == "__main__":
