@@ -1,0 +1,51 @@
+"""``forkserver.py`` stands in for the program it forks: torchrun's agent sees the same arguments, environment,
+working directory, output and exit status as from a fresh interpreter, a death by signal included (the elastic
+tests' SIGKILL must reach the agent as exit code -9, or a restart could come from the other ranks' errors alone),
+and the agent's SIGTERM reaches the program. Each case is its own negative control: a client that exits 0 or
+with another status, or does not forward the signal, fails it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from tests.faults import forkserver as forkserver_module
+from tests.faults import launch
+
+PROGRAM = """
+import json, os, signal, sys, time
+print(json.dumps([os.getcwd(), os.environ["FAULT_PROBE"], sys.argv[1:], os.getpid()]), flush=True)
+what = sys.argv[1]
+if what == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if what == "wait":
+    time.sleep(60)
+sys.exit(int(what))
+"""
+
+
+def test_forked_programs_exit_as_their_own(forkserver, tmp_path):
+    if forkserver == "0":
+        return  # fresh interpreters: nothing stands in for them
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM)
+    env = dict(os.environ, FAULT_PROBE="probe", **{forkserver_module.ENV: forkserver})
+
+    def start(what):
+        return subprocess.Popen([sys.executable, launch.FORKSERVER, str(script), what], env=env, cwd=tmp_path,
+                                stdout=subprocess.PIPE, text=True)
+
+    for what, code in (("0", 0), ("3", 3), ("kill", -signal.SIGKILL)):
+        client = start(what)
+        out, _ = client.communicate(timeout=60)
+        assert client.returncode == code, (what, client.returncode, out)
+        cwd, probe, args, pid = json.loads(out)
+        assert (cwd, probe, args) == (str(tmp_path), "probe", [what]), out
+        assert pid == launch.forked(client.pid, forkserver) != client.pid  # the process the tests kill
+    client = start("wait")
+    assert client.stdout.readline()  # running
+    client.send_signal(signal.SIGTERM)  # as the agent stops its workers: forwarded, and the program dies of it
+    client.wait(timeout=60)
+    assert client.returncode == -signal.SIGTERM, client.returncode
