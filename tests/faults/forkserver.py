@@ -122,7 +122,8 @@ def serve(address: str) -> None:
     import selectors
     import threading
 
-    for name in ("tests.faults.fast_exit", *PRELOAD):  # fast_exit: what every child runs the program with
+    # fast_exit: what every child runs the program with; world: the ranks of test_worlds.py
+    for name in ("tests.faults.fast_exit", "tests.faults.world", *PRELOAD):
         importlib.import_module(name)
     assert threading.active_count() == 1, f"threads after the imports: {threading.enumerate()} (fork is unsafe)"
     pids_dir = address + ".pids"

@@ -2,7 +2,7 @@
 working directory, output and exit status as from a fresh interpreter, a death by signal included (the elastic
 tests' SIGKILL must reach the agent as exit code -9, or a restart could come from the other ranks' errors alone),
 and the agent's SIGTERM reaches the program. Each case is its own negative control: a client that exits 0 or
-with another status, or does not forward the signal, fails it."""
+with another status, or does not forward the signal, fails it. And ``world.run`` fails on a failed or hung rank."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
+
+import pytest
 
 from tests.faults import forkserver as forkserver_module
-from tests.faults import launch
+from tests.faults import launch, world
 
 PROGRAM = """
 import json, os, signal, sys, time
@@ -49,3 +52,22 @@ def test_forked_programs_exit_as_their_own(forkserver, tmp_path):
     client.send_signal(signal.SIGTERM)  # as the agent stops its workers: forwarded, and the program dies of it
     client.wait(timeout=60)
     assert client.returncode == -signal.SIGTERM, client.returncode
+
+
+def _fails_on_rank1():
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 fails on purpose")
+
+
+def _hangs(seconds):
+    time.sleep(seconds)
+
+
+def test_forked_world_reports_a_failed_and_a_hung_rank(forkserver, tmp_path):
+    """``world.run`` (the ranks of ``test_worlds.py``) fails the call with the failing rank's error, and a world
+    that does not finish in time with every rank's stack, instead of passing."""
+    world.run(forkserver, f"{__name__}:_hangs", 2, [0], timeout=60, log_dir=tmp_path)  # healthy: no error
+    with pytest.raises(AssertionError, match=r"(?s)exit codes \[0, 1\].*ValueError: rank 1 fails on purpose"):
+        world.run(forkserver, f"{__name__}:_fails_on_rank1", 2, [], timeout=60, log_dir=tmp_path)
+    with pytest.raises(AssertionError, match=r"(?s)hung for 3 s.*--- rank 1.*in _hangs"):
+        world.run(forkserver, f"{__name__}:_hangs", 2, [60], timeout=3, log_dir=tmp_path)
