@@ -25,6 +25,7 @@ own, and each worker is its own process, killed with a real SIGKILL.
 from __future__ import annotations
 
 import array
+import io
 import json
 import os
 import signal
@@ -75,7 +76,8 @@ def client(argv: list[str]) -> None:
         os.execv(sys.executable, [sys.executable, os.path.join(HERE, "fast_exit.py"), *argv])
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(address)
-    _send(sock, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}, fds=(0, 1, 2))
+    streams = [[isinstance(stream.buffer, io.FileIO), stream.line_buffering] for stream in (sys.stdout, sys.stderr)]
+    _send(sock, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "streams": streams}, fds=(0, 1, 2))
     reply, _ = _recv(sock)
     worker = reply["pid"]
 
@@ -113,7 +115,16 @@ def _child(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     random.seed()  # a fresh interpreter's seed, not the server's
+    # the client's buffering (torchrun starts its workers with `python -u`: what a killed worker printed is there)
+    sys.stdout, sys.stderr = (_text_stream(fd, like, *buffering)
+                              for fd, like, buffering in zip((1, 2), (sys.stdout, sys.stderr), request["streams"]))
     os._exit(fast_exit.run_program(request["argv"]))
+
+
+def _text_stream(fd: int, like, unbuffered: bool, line_buffering: bool):
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding=like.encoding, errors=like.errors,
+                            line_buffering=line_buffering, write_through=unbuffered)
 
 
 def serve(address: str) -> None:

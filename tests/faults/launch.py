@@ -41,6 +41,7 @@ class ForkServer:
         self.address = os.path.join(str(tmp), "forkserver.sock")
         self.log = open(os.path.join(str(tmp), "forkserver.log"), "w+")
         env = environment(tmp)
+        env.pop("PYTHONUNBUFFERED", None)  # each child takes its client's buffering (test_forkserver checks it)
         self.proc = subprocess.Popen([sys.executable, FORKSERVER, "--serve", self.address], env=env,
                                      stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
                                      cwd=examples.ROOT)
