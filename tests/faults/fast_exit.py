@@ -4,8 +4,10 @@
     python tests/faults/fast_exit.py -m MODULE ARGS...       # as ``python -m MODULE ARGS...`` (torchrun's agent)
 
 Why: a process that imported torch, transformers and torch._dynamo spends about 2 s of CPU tearing its modules
-down after ``main`` has returned (measured on the 2-core CI box), and the fault tests start some 40 such
-processes (torchrun agents and workers). Everything the program does, its ``atexit`` handlers included, runs as
+down after ``main`` has returned (measured on the 2-core CI box), and the fault tests start some 50 such
+processes (torchrun agents and workers, each forked from ``forkserver.py``, which runs them with
+:func:`run_program`, or without a server started through this file). Everything the program does, its ``atexit``
+handlers included, runs as
 usual; only the module teardown after them is skipped, and the output streams are flushed before leaving.
 Exit status: as Python's (``sys.exit(n)``, ``sys.exit("text")`` -> 1 with the text on stderr, an uncaught
 exception -> 1 with its traceback on stderr).
