@@ -1,12 +1,26 @@
 """A tokenizer and a token corpus built once per test process for the fault tests' example runs (each run then
-skips training a tokenizer and tokenizing: ``--data PREFIX --tokenizer DIR``)."""
+skips training a tokenizer and tokenizing: ``--data PREFIX --tokenizer DIR``), and the fork server their workers
+start from (``forkserver.py``: torch imported once per test process, not once per worker)."""
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 
+from tests.faults import forkserver as forkserver_module
+from tests.faults import launch
 from tests.helpers import examples
+
+
+@pytest.fixture(scope="session")
+def forkserver(tmp_path_factory):
+    """The address for ``launch.environment(tmp, forkserver)``; ``OSLO_FAULT_FORKSERVER=0``: fresh interpreters."""
+    if os.environ.get(forkserver_module.ENV) == "0":
+        yield "0"
+        return
+    with launch.ForkServer(tmp_path_factory.mktemp("forkserver")) as address:
+        yield address
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,10 @@
     python tests/faults/fast_exit.py -m MODULE ARGS...       # as ``python -m MODULE ARGS...`` (torchrun's agent)
 
 Why: a process that imported torch, transformers and torch._dynamo spends about 2 s of CPU tearing its modules
-down after ``main`` has returned (measured on the 2-core CI box), and the fault tests start some 40 such
-processes (torchrun agents and workers). Everything the program does, its ``atexit`` handlers included, runs as
+down after ``main`` has returned (measured on the 2-core CI box), and the fault tests start some 50 such
+processes (torchrun agents and workers, each forked from ``forkserver.py``, which runs them with
+:func:`run_program`, or without a server started through this file). Everything the program does, its ``atexit``
+handlers included, runs as
 usual; only the module teardown after them is skipped, and the output streams are flushed before leaving.
 Exit status: as Python's (``sys.exit(n)``, ``sys.exit("text")`` -> 1 with the text on stderr, an uncaught
 exception -> 1 with its traceback on stderr).
@@ -21,18 +23,18 @@ import sys
 import traceback
 
 
-def main() -> None:
-    if len(sys.argv) < 2:
-        raise SystemExit("usage: fast_exit.py SCRIPT ARGS... | -m MODULE ARGS...")
+def run_program(argv: list[str]) -> int:
+    """Run ``argv`` (``SCRIPT ARGS...`` or ``-m MODULE ARGS...``) as ``__main__``, then its ``atexit`` handlers;
+    flush the output streams and return the exit status (the caller leaves with ``os._exit``)."""
     code = 0
     try:
-        if sys.argv[1] == "-m":
-            module = sys.argv[2]
-            sys.argv = [module, *sys.argv[3:]]
+        if argv[0] == "-m":
+            module = argv[1]
+            sys.argv = [module, *argv[2:]]
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
-            script = sys.argv[1]
-            sys.argv = sys.argv[1:]
+            script = argv[0]
+            sys.argv = list(argv)
             sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT`: its folder first
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_:
@@ -50,7 +52,13 @@ def main() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(code)
+    return code
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: fast_exit.py SCRIPT ARGS... | -m MODULE ARGS...")
+    os._exit(run_program(sys.argv[1:]))
 
 
 if __name__ == "__main__":

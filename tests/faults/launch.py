@@ -3,8 +3,9 @@ rendezvous), a worker killed with SIGKILL at a chosen step, and the per-step los
 
 The losses come from ``OUTPUT/metrics.jsonl`` (``--report-to jsonl``: rank 0 appends one exact JSON line per
 optimizer step); a restarted attempt appends again from its resumed step, so the file splits into attempts where
-the step number goes back. Workers are found as the agent's child processes, their rank and attempt read from
-their environment (``RANK``, ``TORCHELASTIC_RESTART_COUNT``).
+the step number goes back. Workers are found as the agent's child processes, their rank read from their environment
+(``RANK``). The workers are forked from a server that has imported torch once (``forkserver.py``; the agent's
+children stand in for them); ``OSLO_FAULT_FORKSERVER=0`` runs each in a fresh interpreter instead.
 """
 from __future__ import annotations
 
@@ -15,17 +16,54 @@ import subprocess
 import sys
 import time
 
+from tests.faults import forkserver as forkserver_module
 from tests.helpers import examples
 
-# Agents and workers run through fast_exit.py: the same programs, without ~2 s of CPU each for module teardown.
-FAST_EXIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_exit.py")
-TORCHRUN = [sys.executable, FAST_EXIT, "-m", "torch.distributed.run"]
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Agents and workers start through forkserver.py: forked from a process that imported torch once, or (without a
+# server) in a fresh interpreter through fast_exit.py, without ~2 s of CPU each for module teardown.
+FORKSERVER = os.path.join(HERE, "forkserver.py")
+TORCHRUN = [sys.executable, FORKSERVER, "-m", "torch.distributed.run"]
 
 
-def environment(tmp) -> dict:
+def environment(tmp, forkserver: str = "0") -> dict:
+    """The jobs' environment; ``forkserver``: the address of a :class:`ForkServer` ("0": fresh interpreters)."""
     # matplotlib is not needed (loss.png is skipped) and costs every run a second of rank 0's time
     path = os.pathsep.join([examples.without_matplotlib(tmp), examples.ROOT])
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONWARNINGS="ignore")
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONWARNINGS="ignore",
+                **{forkserver_module.ENV: forkserver})
+
+
+class ForkServer:
+    """``forkserver.py --serve`` for the duration of a ``with`` block (the ``address`` its clients connect to)."""
+
+    def __init__(self, tmp, timeout: float = 300):
+        self.address = os.path.join(str(tmp), "forkserver.sock")
+        self.log = open(os.path.join(str(tmp), "forkserver.log"), "w+")
+        env = environment(tmp)
+        env.pop("PYTHONUNBUFFERED", None)  # each child takes its client's buffering (test_forkserver checks it)
+        self.proc = subprocess.Popen([sys.executable, FORKSERVER, "--serve", self.address], env=env,
+                                     stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+                                     cwd=examples.ROOT)
+        self.timeout = timeout
+
+    def __enter__(self) -> str:
+        deadline = time.monotonic() + self.timeout
+        while not os.path.exists(self.address):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise AssertionError("the fork server did not start:\n" + _tail([self.log]))
+            time.sleep(0.05)
+        return self.address
+
+    def __exit__(self, *exc) -> None:
+        self.proc.stdin.close()  # the server's cue to kill what is left and go
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
 
 
 def agent(nproc: int, *, restarts: int = 0, nodes: int = 1, endpoint: str | None = None, host: bool = True):
@@ -39,8 +77,8 @@ def agent(nproc: int, *, restarts: int = 0, nodes: int = 1, endpoint: str | None
 
 
 def script(name: str, *args: str) -> list[str]:
-    """The worker command after torchrun's options: ``examples/NAME ARGS`` run through ``fast_exit.py``."""
-    return [FAST_EXIT, os.path.join(examples.EXAMPLES, name), *args]
+    """The worker command after torchrun's options: ``examples/NAME ARGS`` run through ``forkserver.py``."""
+    return [FORKSERVER, os.path.join(examples.EXAMPLES, name), *args]
 
 
 def attempts(out) -> list[dict[int, float]]:
@@ -60,7 +98,8 @@ def attempts(out) -> list[dict[int, float]]:
 
 
 def workers(agent_pid: int) -> dict[int, int]:
-    """``{rank: pid}`` of the agent's workers of its current attempt."""
+    """``{rank: pid}`` of the agent's workers of its current attempt (forked ones: the process the server forked
+    for the agent's child, see ``forkserver.py``)."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -75,8 +114,20 @@ def workers(agent_pid: int) -> dict[int, int]:
         except (OSError, ValueError, IndexError):
             continue
         if b"RANK" in env:
-            found[int(env[b"RANK"])] = int(entry)
+            found[int(env[b"RANK"])] = forked(int(entry), env.get(forkserver_module.ENV.encode(), b"0").decode())
     return found
+
+
+def forked(pid: int, server: str) -> int:
+    """The process that runs the program of the ``forkserver.py`` client ``pid`` (itself without a server)."""
+    if server == "0":
+        return pid
+    mapping = os.path.join(server + ".pids", str(pid))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(mapping):  # written as the server forks the client's program
+        assert time.monotonic() < deadline, f"nothing forked for client {pid}"
+        time.sleep(0.01)
+    return int(open(mapping).read())
 
 
 def run(commands: list[list[str]], env: dict, log_dir, *, timeout: float = 400, kill=None,
@@ -101,7 +152,7 @@ def run(commands: list[list[str]], env: dict, log_dir, *, timeout: float = 400, 
                 time.sleep(0.02)
             pids = {}
             for proc in procs:
-                pids.update(workers(proc.pid))
+                pids.update(workers(forked(proc.pid, env[forkserver_module.ENV])))
             os.kill(pids[0], signal.SIGSTOP)
             latest = os.path.join(out, "checkpoint", "latest")
             latest_at_kill = open(latest).read().strip() if os.path.exists(latest) else None

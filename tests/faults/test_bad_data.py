@@ -19,6 +19,7 @@ import pytest
 
 import oslo_models as om
 from oslo_models.data import indexed
+from tests.faults import forkserver as forkserver_module
 from tests.faults import launch
 from tests.helpers import examples
 
@@ -92,10 +93,10 @@ def test_bad_corpora_are_refused_before_training(common, tokenizer_dir, tmp_path
     assert not np.array_equal(silent.read(0, 40), om.data.MMapTokenDataset(good).read(0, 40))
 
 
-def test_train_clm_refuses_a_corpus_with_ids_beyond_the_vocabulary(tokenizer_dir, tmp_path):
+def test_train_clm_refuses_a_corpus_with_ids_beyond_the_vocabulary(tokenizer_dir, forkserver, tmp_path):
     beyond = _corpus(tmp_path / "beyond", 2, vocab=1000, high=1000)
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=examples.ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=examples.ROOT, **{forkserver_module.ENV: forkserver})
     command = [sys.executable, *launch.script("train_clm.py", "--data", beyond, "--tokenizer", tokenizer_dir,
                                               "--output", str(out), "--steps", "2", *examples.TINY)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=examples.ROOT)

@@ -61,11 +61,12 @@ KILLED_AT_THE_END = {
 
 
 @pytest.mark.parametrize("layout", sorted(KILLED_AT_THE_END))
-def test_elastic_restart_after_the_last_step(corpus, tmp_path, layout):
+def test_elastic_restart_after_the_last_step(corpus, forkserver, tmp_path, layout):
     nproc, options, victim, printed = KILLED_AT_THE_END[layout]
     out = tmp_path / "out"
     command = launch.agent(nproc, restarts=1) + _args(corpus, out, *options)
-    outputs, latest = launch.run([command], launch.environment(tmp_path), tmp_path, kill=(out, STEPS, victim))
+    outputs, latest = launch.run([command], launch.environment(tmp_path, forkserver), tmp_path,
+                                  kill=(out, STEPS, victim))
     assert "\n".join(outputs).count(printed) == 2, outputs[0][-3000:]  # both attempts at that layout
     attempts = launch.attempts(out)
     _resumed(outputs, attempts, latest, 2)
@@ -76,8 +77,8 @@ def test_elastic_restart_after_the_last_step(corpus, tmp_path, layout):
     assert report["losses"] == [uninterrupted[step] for step in range(1, STEPS + 1)]
 
 
-def test_two_nodes_zero2_and_elastic_restart_zero3(corpus, tmp_path):
-    env = launch.environment(tmp_path)
+def test_two_nodes_zero2_and_elastic_restart_zero3(corpus, forkserver, tmp_path):
+    env = launch.environment(tmp_path, forkserver)
     two = tmp_path / "two_nodes"
     endpoint = f"127.0.0.1:{free_port()}"
     layout = ("--tp", "2", "--zero", "2")

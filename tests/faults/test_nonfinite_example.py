@@ -22,13 +22,14 @@ from tests.helpers import examples
 from tests.helpers.models import tiny_gpt2_config
 
 
-def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
+def test_nan_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(corpus, forkserver, tmp_path):
     out = tmp_path / "out"
     command = launch.agent(2) + launch.script(
         "train_clm.py", "--tp", "2", "--data", corpus["data"], "--tokenizer", corpus["tokenizer"], "--output",
         str(out), *examples.TINY, "--steps", "6", "--save-every", "1", "--lr", "1e30", "--warmup", "2",
         "--report-to", "jsonl")
-    (text,), _ = launch.run([command], launch.environment(tmp_path), tmp_path, expect_success=False)
+    (text,), _ = launch.run([command], launch.environment(tmp_path, forkserver), tmp_path,
+                              expect_success=False)
     stops = [line for line in text.splitlines() if "train_clm.py: stopped:" in line]
     assert len(stops) == 1, text[-4000:]  # one line (rank 0), every rank exited with it (status 3)
     assert re.search(r"non-finite \(NaN/inf\) values at step 3: the loss on rank\(s\) \[0, 1\] and the grad norm on "

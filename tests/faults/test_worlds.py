@@ -1,5 +1,6 @@
-"""The in-process fault checks, in two spawned gloo worlds instead of one per check: each spawned rank costs several
-seconds of CPU to import torch and transformers, the checks themselves a fraction of that.
+"""The in-process fault checks, in two gloo worlds instead of one per check, their ranks forked from the fault tests'
+server (``world.py``, ``forkserver.py``): a spawned rank costs ~8 s of CPU to import torch and transformers, the
+checks themselves a fraction of that.
 
 - world 2: every rank gets the same error at tp 2 and pp 2 (``rank_agreement.world2``), then a full disk at every
   write of a save, a corrupt checkpoint on resume and a NaN on one rank (``checkpoint_faults.world2``), and the
@@ -19,9 +20,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from tests.faults import checkpoint_faults, rank_agreement, stuck_peer
+from tests.faults import checkpoint_faults, rank_agreement, stuck_peer, world
 from tests.helpers import examples
-from tests.helpers.dist import run_distributed
 
 
 def _leave() -> None:
@@ -71,9 +71,9 @@ def paths(tmp_path_factory):
     return rank_agreement.checkpoints(tmp_path_factory.mktemp("agreement"))
 
 
-def test_world2_rank_agreement_full_disk_corrupt_checkpoint_nan_on_one_rank(paths, tmp_path):
-    run_distributed(_world2, 2, paths, str(tmp_path), timeout=360)
+def test_world2_rank_agreement_full_disk_corrupt_checkpoint_nan_on_one_rank(forkserver, paths, tmp_path):
+    world.run(forkserver, f"{__name__}:_world2", 2, [paths, str(tmp_path)], timeout=360, log_dir=tmp_path)
 
 
-def test_world4_rank_agreement_then_a_stopped_rank(paths):
-    run_distributed(_world4, 4, paths, timeout=360)
+def test_world4_rank_agreement_then_a_stopped_rank(forkserver, paths, tmp_path):
+    world.run(forkserver, f"{__name__}:_world4", 4, [paths], timeout=360, log_dir=tmp_path)
