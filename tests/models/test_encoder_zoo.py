@@ -48,9 +48,12 @@ PIPELINE = {"albert": dict(pipeline_partition=(1, 3))}
 # The heads run at pp2 x tp2 per family (each one more 4-rank build and step: CI time): every adapter of
 # bert/pipeline_bert.py once (DistilBERT's first-token classifier, ELECTRA's own classifier module, token
 # classification, QA) on a family that needs it; BERT's sequence classification runs in tests/models/test_bert_parity.py
-PIPELINE_HEADS = {"distilbert": ("sequence_classification", "question_answering"),
-                  "electra": ("sequence_classification", "token_classification"),
-                  "albert": ("question_answering",)}
+PIPELINE_HEADS = {"bert": ("multiple_choice",),  # BERT's pooler (RoBERTa's too)
+                  "distilbert": ("sequence_classification", "question_answering", "multiple_choice"),
+                  "electra": ("sequence_classification", "token_classification", "multiple_choice"),
+                  "albert": ("question_answering", "multiple_choice"),
+                  "deberta-v2": ("sequence_classification", "token_classification", "question_answering",
+                                 "multiple_choice")}
 HEAD_TASKS = ("sequence_classification", "token_classification", "question_answering", "multiple_choice",
               "pretraining")
 
@@ -230,10 +233,14 @@ def _check_pipeline_heads(model_type: str, heads: dict[str, str], layout: dict) 
         reference = _reference(model_type, path, task)
         batch = _batch(reference.config, seq=8)
         labels = batch.pop("labels")
+        if task == "multiple_choice":  # [b, c, s]: each row with 3 different choices (rolled tokens)
+            batch = {key: torch.stack([value.roll(c, dims=-1) if key == "input_ids" else value for c in range(3)],
+                                      dim=1) for key, value in batch.items()}
         targets = {"sequence_classification": dict(labels=torch.tensor([0, 2, 1, 0])),
                    "token_classification": dict(labels=torch.where(labels == -100, labels, labels % 3)),
                    "question_answering": dict(start_positions=torch.tensor([1, 3, 0, 2]),
-                                              end_positions=torch.tensor([2, 7, 5, 4]))}[task]
+                                              end_positions=torch.tensor([2, 7, 5, 4])),
+                   "multiple_choice": dict(labels=torch.tensor([2, 0, 1, 2]))}[task]
         assert_pipeline_matches(model, reference, dict(batch, **targets), steps=1)
 
 

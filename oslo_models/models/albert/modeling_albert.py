@@ -54,6 +54,7 @@ from ..encoder_heads import (
 from .configuration_albert import AlbertConfig
 from .pipeline_albert import (
     AlbertMaskedLMPipelineAdapter,
+    AlbertMultipleChoicePipelineAdapter,
     AlbertQuestionAnsweringPipelineAdapter,
     AlbertSequenceClassificationPipelineAdapter,
     AlbertTokenClassificationPipelineAdapter,
@@ -305,4 +306,5 @@ class AlbertForQuestionAnswering(EncoderForQuestionAnswering, AlbertPreTrainedMo
 
 class AlbertForMultipleChoice(ForMultipleChoice, AlbertPreTrainedModel):
     hf_twin = transformers.AlbertForMultipleChoice
+    pipeline_adapter_class = AlbertMultipleChoicePipelineAdapter
     classifier_dropout = staticmethod(_classifier_dropout)

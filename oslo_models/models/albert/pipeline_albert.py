@@ -24,6 +24,7 @@ import torch
 
 from ..bert.pipeline_bert import (
     MaskedLMPipelineAdapter,
+    MultipleChoicePipelineAdapter,
     QuestionAnsweringPipelineAdapter,
     SequenceClassificationPipelineAdapter,
     TokenClassificationPipelineAdapter,
@@ -65,9 +66,9 @@ class AlbertMaskedLMPipelineAdapter(AlbertDepth, MaskedLMPipelineAdapter):
     """The MLM head ``predictions`` on the last stage (its decoder tied to the word embeddings)."""
 
 
-class AlbertSequenceClassificationPipelineAdapter(AlbertDepth, SequenceClassificationPipelineAdapter):
+class AlbertPooledHead:
     """ALBERT's pooler is two modules of the base model (``pooler`` linear, ``pooler_activation`` tanh) on the
-    first token, then ``dropout`` and ``classifier``: ``logits [mb, num_labels]``."""
+    first token, then ``dropout`` and ``classifier`` (mixed in before a BERT head adapter)."""
 
     @classmethod
     def head_modules_of(cls, model_class):
@@ -76,6 +77,14 @@ class AlbertSequenceClassificationPipelineAdapter(AlbertDepth, SequenceClassific
 
     def head_forward(self, stage, hidden):
         return stage.classifier(stage.dropout(stage.pooler_activation(stage.pooler(hidden[:, 0]))))
+
+
+class AlbertSequenceClassificationPipelineAdapter(AlbertDepth, AlbertPooledHead, SequenceClassificationPipelineAdapter):
+    """``logits [mb, num_labels]`` from the pooled first token."""
+
+
+class AlbertMultipleChoicePipelineAdapter(AlbertDepth, AlbertPooledHead, MultipleChoicePipelineAdapter):
+    """One score per flattened choice from the pooled first token: ``[mb*c, 1]``."""
 
 
 class AlbertTokenClassificationPipelineAdapter(AlbertDepth, TokenClassificationPipelineAdapter):
