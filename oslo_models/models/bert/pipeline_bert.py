@@ -246,7 +246,7 @@ class QuestionAnsweringPipelineAdapter(EncoderPipelineAdapter):
     def prepare_batch(self, model, batch):
         if "start_positions" not in batch or "end_positions" not in batch:
             raise ValueError("A pipelined question-answering step takes start_positions and end_positions")
-        seq_len = batch["input_ids"].shape[-1]
+        seq_len = self.span_length(batch)
         positions = torch.stack([batch.pop("start_positions").reshape(-1), batch.pop("end_positions").reshape(-1)],
                                 dim=-1).clamp(0, seq_len)
         labels = positions.masked_fill(positions == seq_len, -100)
@@ -257,6 +257,10 @@ class QuestionAnsweringPipelineAdapter(EncoderPipelineAdapter):
                              f"over its own rows, which microbatches cannot split exactly otherwise")
         batch["labels"] = labels
         return batch
+
+    def span_length(self, batch) -> int:
+        """The length the span logits have (positions past it are ignored)."""
+        return batch["input_ids"].shape[-1]
 
     def head_forward(self, stage, hidden):
         return stage.qa_outputs(stage.dropout(hidden) if self.model_class.span_dropout else hidden)
