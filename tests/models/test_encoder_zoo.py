@@ -242,6 +242,25 @@ def _check_pipeline_heads(model_type: str, heads: dict[str, str], layout: dict) 
                                               end_positions=torch.tensor([2, 7, 5, 4])),
                    "multiple_choice": dict(labels=torch.tensor([2, 0, 1, 2]))}[task]
         assert_pipeline_matches(model, reference, dict(batch, **targets), steps=1)
+        if task == "multiple_choice" and model_type == "bert":
+            _check_choices_grouping_matters(path, layout, dict(batch, **targets))
+
+
+def _check_choices_grouping_matters(path: str, layout: dict, batch: dict) -> None:
+    """Negative control of the multiple-choice stages: scores grouped choice-major (``[c, mb]`` transposed: each
+    question's scores taken from other questions' rows) instead of question-major give another loss."""
+    from oslo_models.models.bert.pipeline_bert import MultipleChoicePipelineAdapter
+
+    class ChoiceMajor(MultipleChoicePipelineAdapter):
+        def loss(self, model, logits, labels, num_items_in_batch):
+            return super().loss(model, logits.view(-1, labels.shape[0]).t().reshape(-1, 1), labels,
+                                num_items_in_batch)
+
+    om_class = _om_class("bert", "multiple_choice")
+    broken = type(om_class.__name__, (om_class,), {"pipeline_adapter_class": ChoiceMajor})
+    model = broken.from_pretrained(path, parallel=om.ParallelConfig(**layout), progress=False).train()
+    expected = _reference("bert", path, "multiple_choice")(**batch).loss
+    assert not torch.allclose(model.train_step(batch), expected.detach(), atol=1e-3)
 
 
 def _check_albert_zero_pipeline(path: str, one_group_path: str) -> None:
