@@ -165,8 +165,8 @@ def _layouts_worker(paths: dict, expected_refusals: dict, heads: dict) -> None:
 
 
 def _check_pipeline_heads(heads: dict) -> None:
-    """ModernBERT's sequence classification (``mean`` pooling: the last stage reads the attention mask), token
-    classification, QA and multiple choice (``cls``: each row's first non-padding token) at pp 2 x tp 2 (1F1B, 2
+    """ModernBERT's sequence classification (``mean`` pooling: the last stage reads the attention mask), QA and
+    multiple choice (``cls``: each row's first non-padding token) at pp 2 x tp 2 (1F1B, 2
     microbatches): one AdamW step equal to transformers' (loss, every gradient and parameter)."""
     ids, mask, labels = padded_batch(101, batch=4, seq=8)
     batch = dict(input_ids=ids, attention_mask=mask)
@@ -229,7 +229,8 @@ def _check_layouts(model_type: str, path: str, expected_refusals: dict) -> None:
 
 # the layouts the validation code refuses, with a fragment of the reason; every other one must match transformers
 REFUSED = {"modernbert": {}}
-PIPELINE_HEADS = ("sequence_classification", "token_classification", "question_answering", "multiple_choice")
+# token classification left out (CI time): the same every-token rule as QA's, the loss the generic adapter's
+PIPELINE_HEADS = ("sequence_classification", "question_answering", "multiple_choice")
 
 
 def test_layouts_match_transformers(tmp_path):
