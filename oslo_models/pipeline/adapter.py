@@ -32,6 +32,8 @@ class PipelineAdapter:
     batch_keys: tuple[str, ...] = ("input_ids", "labels", "attention_mask")
     #: batch keys fed positionally to the first stage
     first_inputs: tuple[str, ...] = ("input_ids",)
+    #: dimensions of the batch's ``input_ids`` (3: ``[batch, choices, seq]``, flattened by ``prepare_batch``)
+    input_ids_dims: int = 2
     #: whether stages run under the 2D / 2.5D / 3D tensor-parallel modes (their ``stage_io`` gives grid blocks)
     grid_modes: bool = False
 

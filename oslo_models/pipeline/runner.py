@@ -165,8 +165,10 @@ class PipelineRunner:
         if not {"labels", "shift_labels", "start_positions"} & set(batch):  # (QA: positions become labels)
             raise ValueError("A pipeline step computes the loss: pass labels (or a batch with 'labels')")
         input_ids = batch.get("input_ids")
-        if input_ids is None or input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got "
+        # [batch, seq]; [batch, choices, seq] for a multiple-choice head (its adapter flattens the choices)
+        dims = getattr(getattr(type(self.model), "pipeline_adapter", None), "input_ids_dims", 2)
+        if input_ids is None or input_ids.ndim != dims:
+            raise ValueError(f"input_ids must be [{'batch, choices, seq' if dims == 3 else 'batch, seq'}], got "
                              f"{None if input_ids is None else tuple(input_ids.shape)}")
         if input_ids.shape[0] % self.num_microbatches:
             raise ValueError(f"The batch of {input_ids.shape[0]} sequences is not divisible by num_microbatches="

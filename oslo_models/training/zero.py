@@ -50,6 +50,7 @@ FSDP2 lets a parameter belong to one unit only, so it stays in the root with its
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 
@@ -283,6 +284,9 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     stage = context.config.zero_stage if zero_stage is None else zero_stage
     cpu_offload = cpu_offload or context.config.offload == "cpu"
     check_training_layout(context.config, zero_stage=stage, cpu_offload=cpu_offload)
+    if stage != context.config.zero_stage and context.pp_size > 1:  # the model's rules at this stage (ALBERT x pp)
+        inner = unwrap_model(model)
+        type(inner).validate_parallel_config(inner.config, dataclasses.replace(context.config, zero_stage=stage))
     if context.config.offload != "nvme" or optimizer is None:
         return _shard_data_parallel(model, optimizer, context, stage, cpu_offload, ddp_kwargs)
     from ..distributed.agreement import all_or_none

@@ -234,6 +234,16 @@ def _layouts_worker(paths: dict) -> None:
     # 3 encoder layers + 1 decoder layer in 2 stages: stage 0 = encoder 0-1, stage 1 = encoder 2 and the decoder
     pipelined = model(dict(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2), path=paths["pp"])
     assert_pipeline_matches(pipelined, reference(paths["pp"]), _batch(), steps=1)
+    # the other heads at pp 2 x tp 2 (cut between encoder and decoder): sequence classification on the last <eos>
+    # (its decoder reads input_ids shifted right), QA on given decoder inputs (4 long: positions index them, 9 is
+    # past them: ignored)
+    for name in ("BartForSequenceClassification", "BartForQuestionAnswering"):
+        batch = _call(name, _batch())
+        if name == "BartForQuestionAnswering":
+            batch.update(start_positions=torch.tensor([0, 1, 2, 9]), end_positions=torch.tensor([1, 3, 2, 9]))
+        head = model(dict(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2), path=paths[name],
+                     cls=getattr(om, name))
+        assert_pipeline_matches(head, reference(paths[name], getattr(transformers, name)), batch, steps=1)
     # BERT as a cross-attention decoder: tp 2 + SP x dp 2, then its cached decode loop at tp 2
     bert = model(dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2), path=paths["bert"],
                  cls=om.BertLMHeadModel)

@@ -48,9 +48,13 @@ PIPELINE = {"albert": dict(pipeline_partition=(1, 3))}
 # The heads run at pp2 x tp2 per family (each one more 4-rank build and step: CI time): every adapter of
 # bert/pipeline_bert.py once (DistilBERT's first-token classifier, ELECTRA's own classifier module, token
 # classification, QA) on a family that needs it; BERT's sequence classification runs in tests/models/test_bert_parity.py
-PIPELINE_HEADS = {"distilbert": ("sequence_classification", "question_answering"),
-                  "electra": ("sequence_classification", "token_classification"),
-                  "albert": ("question_answering",)}
+PIPELINE_HEADS = {"bert": ("multiple_choice",),  # BERT's pooler (RoBERTa's too)
+                  "distilbert": ("sequence_classification", "question_answering", "multiple_choice"),
+                  "electra": ("sequence_classification", "token_classification", "multiple_choice"),
+                  "albert": ("question_answering", "multiple_choice"),
+                  # DeBERTa's pooled heads (ContextPooler, its loss rule) and QA; its token classification is the
+                  # same adapter on the same stages (CI time)
+                  "deberta-v2": ("sequence_classification", "question_answering", "multiple_choice")}
 HEAD_TASKS = ("sequence_classification", "token_classification", "question_answering", "multiple_choice",
               "pretraining")
 
@@ -230,14 +234,60 @@ def _check_pipeline_heads(model_type: str, heads: dict[str, str], layout: dict) 
         reference = _reference(model_type, path, task)
         batch = _batch(reference.config, seq=8)
         labels = batch.pop("labels")
+        if task == "multiple_choice":  # [b, c, s]: each row with 3 different choices (rolled tokens)
+            batch = {key: torch.stack([value.roll(c, dims=-1) if key == "input_ids" else value for c in range(3)],
+                                      dim=1) for key, value in batch.items()}
         targets = {"sequence_classification": dict(labels=torch.tensor([0, 2, 1, 0])),
                    "token_classification": dict(labels=torch.where(labels == -100, labels, labels % 3)),
                    "question_answering": dict(start_positions=torch.tensor([1, 3, 0, 2]),
-                                              end_positions=torch.tensor([2, 7, 5, 4]))}[task]
+                                              end_positions=torch.tensor([2, 7, 5, 4])),
+                   "multiple_choice": dict(labels=torch.tensor([2, 0, 1, 2]))}[task]
         assert_pipeline_matches(model, reference, dict(batch, **targets), steps=1)
+        if task == "multiple_choice" and model_type == "bert":
+            _check_choices_grouping_matters(path, layout, dict(batch, **targets))
 
 
-def _layouts_worker(model_type: str, path: str, discriminator_path: str | None, heads: dict[str, str]) -> None:
+def _check_choices_grouping_matters(path: str, layout: dict, batch: dict) -> None:
+    """Negative control of the multiple-choice stages: scores grouped choice-major (``[c, mb]`` transposed: each
+    question's scores taken from other questions' rows) instead of question-major give another loss."""
+    from oslo_models.models.bert.pipeline_bert import MultipleChoicePipelineAdapter
+
+    class ChoiceMajor(MultipleChoicePipelineAdapter):
+        def loss(self, model, logits, labels, num_items_in_batch):
+            return super().loss(model, logits.view(-1, labels.shape[0]).t().reshape(-1, 1), labels,
+                                num_items_in_batch)
+
+    om_class = _om_class("bert", "multiple_choice")
+    broken = type(om_class.__name__, (om_class,), {"pipeline_adapter_class": ChoiceMajor})
+    model = broken.from_pretrained(path, parallel=om.ParallelConfig(**layout), progress=False).train()
+    expected = _reference("bert", path, "multiple_choice")(**batch).loss
+    assert not torch.allclose(model.train_step(batch), expected.detach(), atol=1e-3)
+
+
+def _check_albert_zero_pipeline(path: str, one_group_path: str) -> None:
+    """ZeRO-3 x pp 2 x dp 2: refused by ``prepare`` (every rank alike, before any collective) where a rank runs a
+    shared group at several depths (the zoo's 4 layers over 2 groups); accepted, and 2 AdamW steps equal to
+    transformers, where each rank runs the one group once (2 layers, 1 group: its copies on both ranks sharded over
+    dp, their gradient shards summed across the stages). A batch without padding: every replica holds as many
+    labelled tokens, so the replicas' mean is the whole batch's."""
+    from accelerate import Accelerator
+    from oslo_models import training
+    from tests.helpers.pipeline import ADAMW
+
+    layout = dict(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2)
+    model = _om_class("albert").from_pretrained(path, parallel=om.ParallelConfig(**layout), progress=False)
+    with pytest.raises(ValueError, match=r"runs the shared layer group\(s\) \[0\] at several depths"):
+        training.prepare(Accelerator(cpu=True), model, torch.optim.AdamW(model.parameters()), zero_stage=3)
+    model = _om_class("albert").from_pretrained(one_group_path, parallel=om.ParallelConfig(**layout, zero_stage=3),
+                                                progress=False).train()
+    model, optimizer = training.shard_data_parallel(model, torch.optim.AdamW(model.parameters(), **ADAMW))
+    ids = torch.randint(5, 100, (4, 8), generator=torch.Generator().manual_seed(0))
+    assert_pipeline_matches(model, _reference("albert", one_group_path), dict(input_ids=ids, labels=ids),
+                            optimizer=optimizer, steps=2)
+
+
+def _layouts_worker(model_type: str, path: str, discriminator_path: str | None, heads: dict[str, str],
+                    one_group_path: str | None = None) -> None:
     """Four ranks, one AdamW step per layout against transformers on the whole batch; a refused layout is recorded
     with its reason (every rank takes the same decisions: they depend on the config only)."""
     om_class, config = _om_class(model_type), tiny_config(model_type)
@@ -266,6 +316,8 @@ def _layouts_worker(model_type: str, path: str, discriminator_path: str | None, 
     positions = torch.arange(16).expand(4, 16)  # given: RoBERTa cannot derive them from one chunk
     run("cp2 all_to_all x dp2 zero1", 1, batch=dict(_batch(config), position_ids=positions),
         context_parallel_size=2, context_parallel_mode="all_to_all", data_parallel_size=2)
+    if one_group_path is not None:
+        _check_albert_zero_pipeline(path, one_group_path)
     expected = REFUSED.get(model_type, {})
     assert set(refused) == set(expected), (model_type, refused)
     for name, why in expected.items():
@@ -290,7 +342,35 @@ def test_encoder_zoo_parity(model_type, tmp_path, single_thread):
         torch.manual_seed(2)
         discriminator = str(tmp_path / "discriminator")
         _om_class(model_type, "pretraining").hf_twin(tiny_config(model_type)).save_pretrained(discriminator)
-    run_distributed(_layouts_worker, 4, model_type, path, discriminator, _pipeline_heads(model_type, tmp_path))
+    one_group = None
+    if model_type == "albert":  # 2 layers over 1 group: with 2 stages each rank runs it once
+        torch.manual_seed(4)
+        one_group = str(tmp_path / "one_group")
+        _om_class(model_type).hf_twin(tiny_config(model_type, num_hidden_layers=2, num_hidden_groups=1)
+                                      ).save_pretrained(one_group)
+    run_distributed(_layouts_worker, 4, model_type, path, discriminator, _pipeline_heads(model_type, tmp_path),
+                    one_group)
+
+
+def test_albert_zero_pipeline_refused_before_any_process_group():
+    """ZeRO-2/3 x pp where a pipeline rank runs a shared layer group at several depths: refused by the validation
+    (``from_pretrained``'s and the composition check's), with the reason; ZeRO-1, and layouts where each rank runs
+    each group once, pass."""
+    from oslo_models.composition.axes import Layout
+    from oslo_models.composition.check import refusal
+
+    om_class, config = _om_class("albert"), tiny_config("albert")  # 4 layers over 2 groups
+    for partition, rank, group in (("uniform", 0, 0), ((1, 3), 1, 1)):
+        for stage in (2, 3):
+            parallel = om.ParallelConfig(pipeline_parallel_size=2, zero_stage=stage, pipeline_partition=partition)
+            with pytest.raises(ValueError, match=fr"pipeline rank {rank} runs the shared layer group\(s\) \[{group}\] "
+                                                 r"at several depths.*use zero_stage=1"):
+                om_class.validate_parallel_config(config, parallel)
+    layout = Layout(parallel=dict(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2), zero_stage=3)
+    assert "several depths" in refusal(layout, om_class, config)
+    assert refusal(Layout(parallel=layout.parallel, zero_stage=1), om_class, config) is None
+    one_group = tiny_config("albert", num_hidden_layers=2, num_hidden_groups=1)
+    om_class.validate_parallel_config(one_group, om.ParallelConfig(pipeline_parallel_size=2, zero_stage=3))
 
 
 def test_shared_albert_groups_are_one_parameter(single_thread):

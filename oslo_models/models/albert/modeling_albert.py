@@ -54,9 +54,11 @@ from ..encoder_heads import (
 from .configuration_albert import AlbertConfig
 from .pipeline_albert import (
     AlbertMaskedLMPipelineAdapter,
+    AlbertMultipleChoicePipelineAdapter,
     AlbertQuestionAnsweringPipelineAdapter,
     AlbertSequenceClassificationPipelineAdapter,
     AlbertTokenClassificationPipelineAdapter,
+    check_sharded_pipeline,
 )
 
 
@@ -169,6 +171,13 @@ class AlbertPreTrainedModel(BertPreTrainedModel):
     config_class = AlbertConfig
     config: AlbertConfig
     base_model_prefix = "albert"
+
+    @classmethod
+    def validate_parallel_config(cls, config, parallel) -> None:
+        """BERT's rules, and ZeRO-2/3 with pipeline stages refused where a rank runs a shared layer group at
+        several depths (``pipeline_albert.check_sharded_pipeline`` says why)."""
+        super().validate_parallel_config(config, parallel)
+        check_sharded_pipeline(cls, config, parallel)
     stack_spec = ALBERT_SPEC
     _no_split_modules = ["AlbertEmbeddings", "AlbertLayerGroup"]
     _can_record_outputs = {"hidden_states": AlbertLayer, "attentions": AlbertAttention}
@@ -305,4 +314,5 @@ class AlbertForQuestionAnswering(EncoderForQuestionAnswering, AlbertPreTrainedMo
 
 class AlbertForMultipleChoice(ForMultipleChoice, AlbertPreTrainedModel):
     hf_twin = transformers.AlbertForMultipleChoice
+    pipeline_adapter_class = AlbertMultipleChoicePipelineAdapter
     classifier_dropout = staticmethod(_classifier_dropout)

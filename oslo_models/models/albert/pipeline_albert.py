@@ -24,6 +24,7 @@ import torch
 
 from ..bert.pipeline_bert import (
     MaskedLMPipelineAdapter,
+    MultipleChoicePipelineAdapter,
     QuestionAnsweringPipelineAdapter,
     SequenceClassificationPipelineAdapter,
     TokenClassificationPipelineAdapter,
@@ -33,6 +34,43 @@ from ..bert.pipeline_bert import (
 def group_of_layer(config, layer: int) -> int:
     """The layer group ``transformers``' ``AlbertTransformer`` runs at depth ``layer``."""
     return int(layer / (config.num_hidden_layers / config.num_hidden_groups))
+
+
+def check_sharded_pipeline(model_class: type, config, parallel) -> None:
+    """``ValueError`` when ``parallel`` asks for ZeRO-2/3 with pipeline stages and some pipeline rank would run one
+    shared layer group at several depths (``num_hidden_groups=1``, every released ALBERT, does so whenever a stage
+    holds two layers); from the config alone, before any process group, so every rank decides alike.
+
+    Why: ZeRO-2/3 under pipeline parallelism makes each layer of a stage one FSDP2 unit (``training/zero.py``); a
+    group run at several depths would be one unit gathered and resharded per use, its gradient reduce-scattered
+    before its other uses added theirs. Layouts where each rank runs each group once (as many stages as layers, or a
+    cut at every group boundary with one layer per group) pass."""
+    if parallel.pipeline_parallel_size == 1 or parallel.zero_stage < 2:
+        return
+    adapter_class = getattr(model_class, "pipeline_adapter", None)
+    if adapter_class is None:  # no stages: refused by the pipeline's own check
+        return
+    from types import SimpleNamespace
+
+    from ...pipeline.partition import partition_layers, stages_of_rank
+
+    pp, virtual = parallel.pipeline_parallel_size, parallel.virtual_pipeline_size
+    # the partition the model will use: per-layer costs from the meta-built head class (only ``config`` is read)
+    costs, first, last = adapter_class().layer_parameter_counts(SimpleNamespace(config=config))
+    ranges = partition_layers(config.num_hidden_layers, pp * virtual, parallel.pipeline_partition,
+                              layer_costs=costs, first_extra=first, last_extra=last)
+    for rank in range(pp):
+        groups = [group_of_layer(config, layer) for stage in stages_of_rank(rank, pp, virtual)
+                  for layer in ranges[stage]]
+        repeated = sorted({group for group in groups if groups.count(group) > 1})
+        if repeated:
+            raise ValueError(
+                f"zero_stage={parallel.zero_stage} with pipeline_parallel_size={pp} is not implemented for "
+                f"{model_class.__name__} at this layout: pipeline rank {rank} runs the shared layer group(s) "
+                f"{repeated} at several depths, and ZeRO-2/3 under pipeline parallelism shards each layer of a stage "
+                f"as one FSDP2 unit (a unit run at several depths would be gathered, resharded and reduce-scattered "
+                f"per use); use zero_stage=1 (or 0) with pipeline parallelism for it, or stages in which each rank "
+                f"runs each layer group once")
 
 
 class AlbertDepth:
@@ -65,9 +103,9 @@ class AlbertMaskedLMPipelineAdapter(AlbertDepth, MaskedLMPipelineAdapter):
     """The MLM head ``predictions`` on the last stage (its decoder tied to the word embeddings)."""
 
 
-class AlbertSequenceClassificationPipelineAdapter(AlbertDepth, SequenceClassificationPipelineAdapter):
+class AlbertPooledHead:
     """ALBERT's pooler is two modules of the base model (``pooler`` linear, ``pooler_activation`` tanh) on the
-    first token, then ``dropout`` and ``classifier``: ``logits [mb, num_labels]``."""
+    first token, then ``dropout`` and ``classifier`` (mixed in before a BERT head adapter)."""
 
     @classmethod
     def head_modules_of(cls, model_class):
@@ -76,6 +114,14 @@ class AlbertSequenceClassificationPipelineAdapter(AlbertDepth, SequenceClassific
 
     def head_forward(self, stage, hidden):
         return stage.classifier(stage.dropout(stage.pooler_activation(stage.pooler(hidden[:, 0]))))
+
+
+class AlbertSequenceClassificationPipelineAdapter(AlbertDepth, AlbertPooledHead, SequenceClassificationPipelineAdapter):
+    """``logits [mb, num_labels]`` from the pooled first token."""
+
+
+class AlbertMultipleChoicePipelineAdapter(AlbertDepth, AlbertPooledHead, MultipleChoicePipelineAdapter):
+    """One score per flattened choice from the pooled first token: ``[mb*c, 1]``."""
 
 
 class AlbertTokenClassificationPipelineAdapter(AlbertDepth, TokenClassificationPipelineAdapter):

@@ -24,6 +24,7 @@ from ...parallel_layers.plan import Colwise, ParallelPlan
 from ..common.lm_loss import full_logits, keep_last_logits, token_loss
 from ..heads import sequence_classification_loss, span_logits_and_loss
 from .modeling_bart import BART_DECODER_SPEC, BartDecoder, BartModel, BartPreTrainedModel, bart_styles, seq2seq_fields
+from .pipeline_bart import BartQuestionAnsweringPipelineAdapter, BartSequenceClassificationPipelineAdapter
 
 
 class BartClassificationHead(torch.nn.Module):
@@ -40,17 +41,27 @@ class BartClassificationHead(torch.nn.Module):
         return self.out_proj(self.dropout(hidden_states))
 
 
-def eos_representation(hidden_states: torch.Tensor, input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """``[b, s, d] -> [b, d]``: each row's state at its last ``<eos>`` of ``input_ids`` (as ``transformers``,
-    which needs the same number of ``<eos>`` in every row)."""
-    eos_mask = input_ids.eq(eos_token_id).to(hidden_states.device)
+def eos_positions(input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """``[b, s]`` bool: the ``<eos>`` tokens of ``input_ids``; ``ValueError`` unless every row has the same number
+    (at least one), as ``transformers`` requires."""
+    eos_mask = input_ids.eq(eos_token_id)
     counts = torch.unique_consecutive(eos_mask.sum(1))
     if counts.numel() != 1:
         raise ValueError("All examples must have the same number of <eos> tokens.")
     if int(counts[0]) < 1:
         raise ValueError("Each example must contain at least one <eos> token.")
+    return eos_mask
+
+
+def last_eos_state(hidden_states: torch.Tensor, eos_mask: torch.Tensor) -> torch.Tensor:
+    """``[b, s, d] -> [b, d]``: each row's state at its last ``<eos>`` (``eos_mask`` from ``eos_positions``)."""
     batch_size, _, hidden_size = hidden_states.shape
-    return hidden_states[eos_mask, :].view(batch_size, -1, hidden_size)[:, -1, :]
+    return hidden_states[eos_mask.to(hidden_states.device), :].view(batch_size, -1, hidden_size)[:, -1, :]
+
+
+def eos_representation(hidden_states: torch.Tensor, input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """``[b, s, d] -> [b, d]``: each row's state at its last ``<eos>`` of ``input_ids``."""
+    return last_eos_state(hidden_states, eos_positions(input_ids, eos_token_id))
 
 
 class _BartHead(BartPreTrainedModel):
@@ -69,9 +80,11 @@ class _BartHead(BartPreTrainedModel):
 
 
 class BartForSequenceClassification(_BartHead):
-    """``logits [b, num_labels]`` from the decoder state at each row's last ``<eos>`` of ``input_ids``."""
+    """``logits [b, num_labels]`` from the decoder state at each row's last ``<eos>`` of ``input_ids``; pipeline
+    stages: ``pipeline_bart.py``."""
 
     hf_twin = transformers.BartForSequenceClassification
+    pipeline_adapter = BartSequenceClassificationPipelineAdapter
 
     def __init__(self, config, *, parallel_context=None):
         super().__init__(config, parallel_context=parallel_context)
@@ -103,6 +116,7 @@ class BartForQuestionAnswering(_BartHead):
     """Replicated span head ``qa_outputs`` on the decoder output: ``start_logits, end_logits [b, s_dec]``."""
 
     hf_twin = transformers.BartForQuestionAnswering
+    pipeline_adapter = BartQuestionAnsweringPipelineAdapter
 
     def __init__(self, config, *, parallel_context=None):
         config.num_labels = 2  # as transformers

@@ -23,6 +23,13 @@ own slice to the same TP rank of the next stage):
 ``decoder_attention_mask`` are keywords to every stage; each stage rebuilds its masks from them with the stacks'
 own phases (``stack_inputs``, ``run_stack`` with ``first``/``last`` and the stage's layers), so a stage computes
 exactly what the same layers compute inside ``forward``.
+
+The other heads (``BartSequenceClassificationPipelineAdapter``, ``BartQuestionAnsweringPipelineAdapter``) cut the
+same way; only the last stage's head differs: ``classification_head`` on the decoder state at each row's last
+``<eos>`` of ``input_ids`` (``eos_mask [mb, s]``, computed from the whole batch before the split and handed to every
+stage, as the first stage alone receives ``input_ids``) -> ``[mb, num_labels]``, or ``qa_outputs`` on every decoder
+state -> ``[mb, s_dec, 2]``. Their decoder reads ``input_ids`` shifted right unless the batch gives
+``decoder_input_ids`` (as ``BartModel``), and no ``lm_head`` exists: the tied group is ``shared`` with its aliases.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import torch
 
 from ...distributed.context import ParallelContext
 from ...pipeline.adapter import PipelineAdapter
+from ..bert.pipeline_bert import QuestionAnsweringPipelineAdapter, SequenceClassificationPipelineAdapter
 from ..common import use_sequence_parallel
 from ..common.lm_loss import token_loss
 
@@ -40,6 +48,7 @@ EMBEDDINGS = ("model.encoder.embed_tokens", "model.decoder.embed_tokens")  # ali
 class BartPipelineAdapter(PipelineAdapter):
     layer_paths = (ENCODER, DECODER)
     batch_keys = ("input_ids", "labels", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
+    head_modules = {"lm_head": "lm_head"}  # the last stage's head: {attribute: module path}
 
     def layer_counts(self, model) -> tuple[int, ...]:
         return model.config.encoder_layers, model.config.decoder_layers
@@ -70,7 +79,7 @@ class BartPipelineAdapter(PipelineAdapter):
                 for name in ("embed_positions", "layernorm_embedding", "dropout"):
                     modules[f"{stack}_{name}"] = f"model.{stack}.{name}"
         if stage == layout.num_stages - 1:
-            modules["lm_head"] = "lm_head"
+            modules.update(self.head_modules)
         return modules
 
     def optional_modules(self, model, layout) -> set[str]:
@@ -78,7 +87,7 @@ class BartPipelineAdapter(PipelineAdapter):
 
     def tied_groups(self, model) -> list[tuple[str, ...]]:
         group = ("model.shared.weight",) + tuple(f"{path}.weight" for path in EMBEDDINGS)
-        if model.config.tie_word_embeddings:
+        if model.config.tie_word_embeddings and "lm_head" in self.head_modules:
             group += ("lm_head.weight",)
         return [group]
 
@@ -118,10 +127,14 @@ class BartPipelineAdapter(PipelineAdapter):
         inputs = (microbatch["input_ids"],) if stage == 0 else boundary(layers.start)
         if stage < layout.num_stages - 1:
             return inputs, boundary(layers.stop)
-        return inputs, (meta(mb, dec_len, model.lm_head.weight.shape[0]),)
+        return inputs, (meta(*self.head_output_shape(model, mb, dec_len)),)
+
+    def head_output_shape(self, model, mb: int, dec_len: int) -> tuple[int, ...]:
+        return mb, dec_len, model.lm_head.weight.shape[0]  # this rank's vocabulary slice
 
     # ------------------------------------------------------------------ compute
-    def stage_forward(self, stage, *inputs, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
+    def stage_forward(self, stage, *inputs, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
+                      **head_inputs):
         config, context, owner = stage.model_config, stage.parallel_context, stage.owner
         encoder, decoder = owner.model.encoder, owner.model.decoder
         layers, num_encoder = stage.layout.ranges[stage.stage_index], config.encoder_layers
@@ -162,10 +175,76 @@ class BartPipelineAdapter(PipelineAdapter):
                                    encoder_hidden_states=encoder_output, encoder_attention_mask=encoder_mask)
         if not stage.is_last:
             return _activations(hidden, encoder_output)
-        return owner.head_logits(hidden)  # [mb, s_dec, V_padded/tp], with final_logits_bias
+        return self.head_forward(stage, hidden, **head_inputs)
+
+    def head_forward(self, stage, hidden: torch.Tensor, **head_inputs) -> torch.Tensor:
+        """The last stage's output from the decoder output ``[mb, s_dec, d]``."""
+        return stage.owner.head_logits(hidden)  # [mb, s_dec, V_padded/tp], with final_logits_bias
 
     def loss(self, model, local_logits, labels, num_items_in_batch):
         return token_loss(local_logits, labels, model.lm_head, num_items_in_batch=num_items_in_batch)
+
+
+class _BartHeadStages(BartPipelineAdapter):
+    """A head over ``BartModel`` whose decoder reads ``input_ids`` shifted right unless given (``BartModel``'s
+    rule; the labels are the head's targets, not tokens)."""
+
+    def prepare_batch(self, model, batch):
+        from transformers.models.bart.modeling_bart import shift_tokens_right
+
+        if "decoder_input_ids" not in batch:
+            batch["decoder_input_ids"] = shift_tokens_right(batch["input_ids"], model.config.pad_token_id,
+                                                            model.config.decoder_start_token_id)
+        if "attention_mask" not in batch:
+            batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        return batch
+
+
+class BartSequenceClassificationPipelineAdapter(_BartHeadStages):
+    """``classification_head`` on the decoder state at each row's last ``<eos>`` -> ``[mb, num_labels]``; the loss is
+    the model's (``config.problem_type``) as this microbatch's share of the whole batch's mean."""
+
+    head_modules = {"classification_head": "classification_head"}
+    num_loss_items = SequenceClassificationPipelineAdapter.num_loss_items
+    loss = SequenceClassificationPipelineAdapter.loss
+
+    def prepare_batch(self, model, batch):
+        from .heads_bart import eos_positions
+
+        batch = super().prepare_batch(model, batch)
+        batch["eos_mask"] = eos_positions(batch["input_ids"], model.config.eos_token_id)  # checked on the batch
+        return batch
+
+    def head_output_shape(self, model, mb, dec_len):
+        return mb, model.config.num_labels
+
+    def head_forward(self, stage, hidden, eos_mask=None):
+        from .heads_bart import last_eos_state
+
+        return stage.classification_head(last_eos_state(hidden, eos_mask))
+
+
+class BartQuestionAnsweringPipelineAdapter(_BartHeadStages):
+    """``qa_outputs`` on every decoder state -> ``[mb, s_dec, 2]``; the positions index the decoder sequence and
+    become the labels as for the encoders' span heads (``QuestionAnsweringPipelineAdapter``)."""
+
+    head_modules = {"qa_outputs": "qa_outputs"}
+    batch_keys = BartPipelineAdapter.batch_keys + ("start_positions", "end_positions")
+    num_loss_items = QuestionAnsweringPipelineAdapter.num_loss_items
+    loss = QuestionAnsweringPipelineAdapter.loss
+
+    def prepare_batch(self, model, batch):
+        batch = super().prepare_batch(model, batch)
+        return QuestionAnsweringPipelineAdapter.prepare_batch(self, model, batch)
+
+    def span_length(self, batch) -> int:
+        return batch["decoder_input_ids"].shape[-1]
+
+    def head_output_shape(self, model, mb, dec_len):
+        return mb, dec_len, 2
+
+    def head_forward(self, stage, hidden):
+        return stage.qa_outputs(hidden)
 
 
 def _stack_sequence_parallel(sequence_parallel: bool, tp: int, enc_len: int, dec_len: int) -> tuple[bool, bool]:

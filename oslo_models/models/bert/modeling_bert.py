@@ -68,7 +68,13 @@ from ..modeling_utils import OsloPreTrainedModel
 from .attention_bert import BertCrossAttention, BertSelfAttention
 from .configuration_bert import BertConfig
 from .parallel_plan import prefixed
-from .pipeline_bert import MaskedLMPipelineAdapter, SequenceClassificationPipelineAdapter
+from .pipeline_bert import (
+    MaskedLMPipelineAdapter,
+    MultipleChoicePipelineAdapter,
+    QuestionAnsweringPipelineAdapter,
+    SequenceClassificationPipelineAdapter,
+    TokenClassificationPipelineAdapter,
+)
 
 
 def _activation(hidden_act):
@@ -563,14 +569,17 @@ class BertForSequenceClassification(EncoderForSequenceClassification, BertPreTra
 
 class BertForTokenClassification(EncoderForTokenClassification, BertPreTrainedModel):
     hf_twin = transformers.BertForTokenClassification
+    pipeline_adapter_class = TokenClassificationPipelineAdapter
 
 
 class BertForQuestionAnswering(EncoderForQuestionAnswering, BertPreTrainedModel):
     hf_twin = transformers.BertForQuestionAnswering
+    pipeline_adapter_class = QuestionAnsweringPipelineAdapter
 
 
 class BertForMultipleChoice(ForMultipleChoice, BertPreTrainedModel):
     hf_twin = transformers.BertForMultipleChoice
+    pipeline_adapter_class = MultipleChoicePipelineAdapter
 
 
 class BertForNextSentencePrediction(ForNextSentencePrediction, BertPreTrainedModel):

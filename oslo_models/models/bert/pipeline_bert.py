@@ -13,6 +13,11 @@ Off the first stage the embedding *parts* are dropped (the empty ``embeddings`` 
 head module is dropped (``cls`` / ``lm_head``; ``bert.pooler`` and ``classifier`` for sequence classification).
 Parameter counts per layer, for the partitioner, come from the head class built on the meta device with no
 parallelism, not from formulas.
+
+A head class may carry its own rule instead of the adapter's (DeBERTa's ``ContextPooler``, ModernBERT's pooling,
+ELECTRA's ``sequence_summary``): ``pipeline_head_modules`` (``{attribute: module path}`` of the modules it reads) and
+``head_logits(holder, hidden, attention_mask, config)``, which its own ``forward`` runs on the model and the last stage
+runs on itself (holding those modules under the same attribute names), so one rule serves both.
 """
 from __future__ import annotations
 
@@ -41,8 +46,9 @@ class EncoderPipelineAdapter(PipelineAdapter):
     @classmethod
     def of(cls, model_class: type) -> type:
         base = model_class.base_model_prefix
+        own = getattr(model_class, "pipeline_head_modules", None)  # the head class's own rule (module docstring)
         body = dict(model_class=model_class, base=base, layer_paths=(f"{base}.{model_class.stack_spec.layers}",),
-                    head_modules=cls.head_modules_of(model_class))
+                    head_modules=dict(own) if own is not None else cls.head_modules_of(model_class))
         return type(f"{model_class.__name__}PipelineAdapter", (cls,), body)
 
     @classmethod
@@ -112,7 +118,11 @@ class EncoderPipelineAdapter(PipelineAdapter):
         # token_type_ids / position_ids reach every stage; only the first stage's embeddings read them
         hidden = run_stage_stack(getattr(stage.owner, self.base), stage, x, attention_mask, position_ids,
                                  token_type_ids=token_type_ids)
-        return self.head_forward(stage, hidden) if stage.is_last else hidden
+        if not stage.is_last:
+            return hidden
+        if getattr(self.model_class, "pipeline_head_modules", None) is not None:  # the head class's own rule
+            return self.model_class.head_logits(stage, hidden, attention_mask, stage.model_config)
+        return self.head_forward(stage, hidden)
 
     # ------------------------------------------------------------------ the head (subclasses)
     def head_forward(self, stage, hidden: torch.Tensor) -> torch.Tensor:
@@ -236,7 +246,7 @@ class QuestionAnsweringPipelineAdapter(EncoderPipelineAdapter):
     def prepare_batch(self, model, batch):
         if "start_positions" not in batch or "end_positions" not in batch:
             raise ValueError("A pipelined question-answering step takes start_positions and end_positions")
-        seq_len = batch["input_ids"].shape[-1]
+        seq_len = self.span_length(batch)
         positions = torch.stack([batch.pop("start_positions").reshape(-1), batch.pop("end_positions").reshape(-1)],
                                 dim=-1).clamp(0, seq_len)
         labels = positions.masked_fill(positions == seq_len, -100)
@@ -247,6 +257,10 @@ class QuestionAnsweringPipelineAdapter(EncoderPipelineAdapter):
                              f"over its own rows, which microbatches cannot split exactly otherwise")
         batch["labels"] = labels
         return batch
+
+    def span_length(self, batch) -> int:
+        """The length the span logits have (positions past it are ignored)."""
+        return batch["input_ids"].shape[-1]
 
     def head_forward(self, stage, hidden):
         return stage.qa_outputs(stage.dropout(hidden) if self.model_class.span_dropout else hidden)
@@ -260,3 +274,38 @@ class QuestionAnsweringPipelineAdapter(EncoderPipelineAdapter):
     def loss(self, model, logits, labels, num_items_in_batch):
         start, end = (F.cross_entropy(logits[..., i], labels[:, i], reduction="sum") for i in (0, 1))
         return (start + end) / (2 * num_items_in_batch)
+
+
+class MultipleChoicePipelineAdapter(SequenceClassificationPipelineAdapter):
+    """Multiple choice: the batch's ``[b, c, s]`` tensors are flattened to ``[b*c, s]`` before the split, as
+    ``transformers`` flattens them (``prepare_batch``), so a microbatch of ``b/m`` questions holds their ``c`` choices
+    whole (consecutive rows); the stages run ``mb*c`` sequences. The last stage scores each one with the head's
+    pooled rule (``[mb*c, 1]``: BERT's pooler, DistilBERT's first-token classifier, or the head class's own); the loss
+    views them as ``[mb, c]`` and is the cross-entropy over the choices (``-100`` ignored) as this microbatch's share
+    of the whole batch's mean."""
+
+    input_ids_dims = 3
+    choice_keys = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+
+    @classmethod
+    def head_modules_of(cls, model_class):
+        if hasattr(model_class, "first_token_logits"):  # DistilBERT: pre_classifier on the first token
+            return {"pre_classifier": "pre_classifier", "dropout": "dropout", "classifier": "classifier"}
+        return {"pooler": f"{model_class.base_model_prefix}.pooler", "dropout": "dropout", "classifier": "classifier"}
+
+    def head_forward(self, stage, hidden):
+        if hasattr(self.model_class, "first_token_logits"):
+            return self.model_class.first_token_logits(stage, hidden)
+        return stage.classifier(stage.dropout(stage.pooler(hidden)))
+
+    def prepare_batch(self, model, batch):
+        for key in self.choice_keys:
+            if key in batch:
+                batch[key] = batch[key].reshape(-1, batch[key].shape[-1])
+        return batch
+
+    def head_output_shape(self, model, mb, seq_len):
+        return mb, 1  # mb: the microbatch's flattened choices
+
+    def loss(self, model, logits, labels, num_items_in_batch):
+        return F.cross_entropy(logits.view(labels.shape[0], -1), labels, reduction="sum") / num_items_in_batch

@@ -63,7 +63,13 @@ from ..heads import (
 )
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_deberta_v2 import DebertaV2Config
-from .pipeline_deberta_v2 import DebertaV2MaskedLMPipelineAdapter
+from .pipeline_deberta_v2 import (
+    DebertaV2MaskedLMPipelineAdapter,
+    DebertaV2MultipleChoicePipelineAdapter,
+    DebertaV2QuestionAnsweringPipelineAdapter,
+    DebertaV2SequenceClassificationPipelineAdapter,
+    DebertaV2TokenClassificationPipelineAdapter,
+)
 
 
 class DebertaV2Embeddings(nn.Module):
@@ -413,9 +419,10 @@ class DebertaV2ForMaskedLM(ForMaskedLM, DebertaV2PreTrainedModel):
 
 class _PooledHead(EncoderHeadModel):
     """``pooler`` (``ContextPooler`` on the first token), ``classifier``, ``dropout`` (``cls_dropout``), registered in
-    ``transformers``' order."""
+    ``transformers``' order; a pipeline's last stage holds them under the same names and runs ``head_logits``."""
 
     outputs_one = False
+    pipeline_head_modules = {"pooler": "pooler", "dropout": "dropout", "classifier": "classifier"}
 
     def build_head(self, config) -> None:
         self.num_labels = getattr(config, "num_labels", 2)
@@ -423,24 +430,27 @@ class _PooledHead(EncoderHeadModel):
         self.classifier = Linear(config.pooler_hidden_size, 1 if self.outputs_one else self.num_labels)
         self.dropout = Dropout(_cls_dropout(config))
 
-    def classify(self, hidden):
+    def head_logits(self, hidden, attention_mask=None, config=None):
+        """``[b, s, h] -> [b, num_labels]`` (``[b*c, 1]`` for multiple choice), on the model or a last stage."""
         return self.classifier(self.dropout(self.pooler(hidden)))
 
 
 class DebertaV2ForSequenceClassification(_PooledHead, DebertaV2PreTrainedModel):
     hf_twin = transformers.DebertaV2ForSequenceClassification
+    pipeline_adapter_class = DebertaV2SequenceClassificationPipelineAdapter
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, **kwargs) -> SequenceClassifierOutput:
         outputs = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        logits = self.classify(outputs.last_hidden_state)
+        logits = self.head_logits(outputs.last_hidden_state)
         loss = deberta_classification_loss(logits, labels, self.config) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits, **passed_on(outputs))
 
 
 class DebertaV2ForTokenClassification(EncoderHeadModel, DebertaV2PreTrainedModel):
     hf_twin = transformers.DebertaV2ForTokenClassification
+    pipeline_adapter_class = DebertaV2TokenClassificationPipelineAdapter
 
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
@@ -456,10 +466,12 @@ class DebertaV2ForTokenClassification(EncoderHeadModel, DebertaV2PreTrainedModel
 
 class DebertaV2ForQuestionAnswering(EncoderForQuestionAnswering, DebertaV2PreTrainedModel):
     hf_twin = transformers.DebertaV2ForQuestionAnswering
+    pipeline_adapter_class = DebertaV2QuestionAnsweringPipelineAdapter
 
 
 class DebertaV2ForMultipleChoice(_PooledHead, DebertaV2PreTrainedModel):
     hf_twin = transformers.DebertaV2ForMultipleChoice
+    pipeline_adapter_class = DebertaV2MultipleChoicePipelineAdapter
     outputs_one = True
 
     @can_return_tuple
@@ -468,4 +480,4 @@ class DebertaV2ForMultipleChoice(_PooledHead, DebertaV2PreTrainedModel):
         num_choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         outputs = self.encode(*flatten_choices(input_ids, attention_mask, token_type_ids, position_ids,
                                                inputs_embeds), **kwargs)
-        return multiple_choice_output(self.classify(outputs.last_hidden_state), labels, num_choices, outputs)
+        return multiple_choice_output(self.head_logits(outputs.last_hidden_state), labels, num_choices, outputs)

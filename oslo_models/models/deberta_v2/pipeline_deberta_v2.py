@@ -1,16 +1,31 @@
-"""DeBERTa-v2's masked LM as pipeline stages: BERT's encoder stages (``bert/pipeline_bert.py``: the base model's own
-phases on each stage's layers, one hidden-state tensor ``[mb, s(/tp), h]`` between stages, the MLM head on the last).
+"""DeBERTa-v2's heads as pipeline stages: BERT's encoder stages (``bert/pipeline_bert.py``: the base model's own
+phases on each stage's layers, one hidden-state tensor ``[mb, s(/tp), h]`` between stages, the head on the last).
 
 What differs: the embedding parts a config has (absolute positions, token types and ``embed_proj`` are optional), and
 the shared relative embeddings. Every stage's layers read ``encoder.rel_embeddings`` (and its ``LayerNorm``), so
 every stage holds a copy; the copies are tied groups of the pipeline: each stage adds its layers' gradient and the
-copies' gradients are summed over the stages (one all-reduce each), which keeps them equal after every step."""
+copies' gradients are summed over the stages (one all-reduce each), which keeps them equal after every step.
+
+The heads: the masked LM (the legacy ``cls.predictions``), token classification and question answering are BERT's;
+sequence classification and multiple choice run the head class's own rule (``ContextPooler`` on the first token,
+``dropout``, ``classifier``: ``pipeline_head_modules`` / ``head_logits`` in ``modeling_deberta_v2.py``), and
+sequence classification keeps DeBERTa's loss rule (class indices ``< 0`` ignored, not only ``-100``)."""
 from __future__ import annotations
 
-from ..bert.pipeline_bert import MaskedLMPipelineAdapter
+import torch
+
+from ..bert.pipeline_bert import (
+    MaskedLMPipelineAdapter,
+    MultipleChoicePipelineAdapter,
+    QuestionAnsweringPipelineAdapter,
+    SequenceClassificationPipelineAdapter,
+    TokenClassificationPipelineAdapter,
+)
 
 
-class DebertaV2MaskedLMPipelineAdapter(MaskedLMPipelineAdapter):
+class DebertaV2Stages:
+    """The part of every DeBERTa-v2 head's adapter that differs from BERT's (mixed in before a BERT head adapter):
+    the embedding parts, and the relative embeddings on every stage as tied copies."""
 
     def _embedding_parts(self, config) -> tuple[str, ...]:
         parts = ["word_embeddings", "LayerNorm", "dropout"]
@@ -51,3 +66,43 @@ class DebertaV2MaskedLMPipelineAdapter(MaskedLMPipelineAdapter):
             names = ("weight",) if key == "rel_embeddings" else ("weight", "bias")
             shared.extend((f"{path}.{name}",) for name in names)
         return super().tied_groups(model) + shared
+
+
+class DebertaV2MaskedLMPipelineAdapter(DebertaV2Stages, MaskedLMPipelineAdapter):
+    pass
+
+
+class DebertaV2SequenceClassificationPipelineAdapter(DebertaV2Stages, SequenceClassificationPipelineAdapter):
+    """``logits [mb, num_labels]``; the loss is ``deberta_classification_loss`` (with ``problem_type`` unset: the
+    mean over the rows whose class index is ``>= 0``, regression for one label, soft targets for ``[b, n]``
+    labels) as this microbatch's share of the whole batch's mean."""
+
+    def _items(self, config, labels: torch.Tensor) -> int:
+        if config.problem_type is not None:  # the common rule
+            return super().num_loss_items(labels)
+        if labels.is_floating_point():  # regression or soft targets: a mean over the rows
+            return labels.shape[0]
+        return int((labels >= 0).sum())  # class indices: DeBERTa keeps the rows >= 0
+
+    def loss_items(self, model, labels: torch.Tensor) -> int:
+        return self._items(model.config, labels)
+
+    def loss(self, model, logits, labels, num_items_in_batch):
+        from .modeling_deberta_v2 import deberta_classification_loss  # (modeling imports this module)
+
+        items = self._items(model.config, labels)
+        if not items:  # every row of this microbatch ignored: it adds nothing
+            return logits.sum() * 0.0
+        return deberta_classification_loss(logits, labels, model.config) * (items / num_items_in_batch)
+
+
+class DebertaV2TokenClassificationPipelineAdapter(DebertaV2Stages, TokenClassificationPipelineAdapter):
+    pass
+
+
+class DebertaV2QuestionAnsweringPipelineAdapter(DebertaV2Stages, QuestionAnsweringPipelineAdapter):
+    pass
+
+
+class DebertaV2MultipleChoicePipelineAdapter(DebertaV2Stages, MultipleChoicePipelineAdapter):
+    pass

@@ -43,6 +43,7 @@ from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel
 from ..bert.parallel_plan import prefixed
 from ..bert.pipeline_bert import (
     MaskedLMPipelineAdapter,
+    MultipleChoicePipelineAdapter,
     QuestionAnsweringPipelineAdapter,
     SequenceClassificationPipelineAdapter,
     TokenClassificationPipelineAdapter,
@@ -267,6 +268,7 @@ class DistilBertForQuestionAnswering(EncoderForQuestionAnswering, DistilBertPreT
 
 class DistilBertForMultipleChoice(_FirstTokenClassifier, ForMultipleChoice, DistilBertPreTrainedModel):
     hf_twin = transformers.DistilBertForMultipleChoice
+    pipeline_adapter_class = MultipleChoicePipelineAdapter
 
     def build_head(self, config) -> None:
         self.build_classifier(config, 1)

@@ -35,6 +35,7 @@ from ..bert.modeling_bert import BERT_SPEC, BertEmbeddings, BertEncoder, BertMod
 from ..bert.parallel_plan import prefixed
 from ..bert.pipeline_bert import (
     MaskedLMPipelineAdapter,
+    MultipleChoicePipelineAdapter,
     QuestionAnsweringPipelineAdapter,
     SequenceClassificationPipelineAdapter,
     TokenClassificationPipelineAdapter,
@@ -210,10 +211,16 @@ class ElectraForMultipleChoice(ForMultipleChoice, ElectraPreTrainedModel):
 
     hf_twin = transformers.ElectraForMultipleChoice
     uses_pooler = False
+    pipeline_adapter_class = MultipleChoicePipelineAdapter
+    pipeline_head_modules = {"sequence_summary": "sequence_summary", "classifier": "classifier"}
 
     def build_head(self, config) -> None:
         self.sequence_summary = ElectraSequenceSummary(config)
         self.classifier = Linear(config.hidden_size, 1)
+
+    def head_logits(self, hidden, attention_mask=None, config=None):
+        """``[b*c, s, h] -> [b*c, 1]``; run on the model or on a pipeline's last stage (``pipeline_bert.py``)."""
+        return self.classifier(self.sequence_summary(hidden))
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
@@ -221,5 +228,5 @@ class ElectraForMultipleChoice(ForMultipleChoice, ElectraPreTrainedModel):
         num_choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         outputs = self.encode(*flatten_choices(input_ids, attention_mask, token_type_ids, position_ids,
                                                inputs_embeds), **kwargs)
-        logits = self.classifier(self.sequence_summary(outputs.last_hidden_state))  # [b*c, 1]
+        logits = self.head_logits(outputs.last_hidden_state)  # [b*c, 1]
         return multiple_choice_output(logits, labels, num_choices, outputs)

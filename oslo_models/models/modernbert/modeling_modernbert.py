@@ -64,7 +64,13 @@ from ..heads import (
 )
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_modernbert import ModernBertConfig
-from .pipeline_modernbert import ModernBertMaskedLMPipelineAdapter
+from .pipeline_modernbert import (
+    ModernBertMaskedLMPipelineAdapter,
+    ModernBertMultipleChoicePipelineAdapter,
+    ModernBertQuestionAnsweringPipelineAdapter,
+    ModernBertSequenceClassificationPipelineAdapter,
+    ModernBertTokenClassificationPipelineAdapter,
+)
 
 
 def _norm(config) -> LayerNorm:
@@ -286,10 +292,17 @@ def pool(hidden: torch.Tensor, attention_mask, how: str, *, first_token=None) ->
     return (hidden * attention_mask.unsqueeze(-1)).sum(dim=1) / attention_mask.sum(dim=1, keepdim=True)
 
 
+def _classify(holder, hidden: torch.Tensor) -> torch.Tensor:
+    """``classifier(drop(head(x)))`` on the modules of ``holder`` (the model, or a pipeline's last stage)."""
+    return holder.classifier(holder.drop(holder.head(hidden)))
+
+
 class _ModernBertHead(EncoderHeadModel):
-    """A head reading ``head`` -> ``drop`` -> ``classifier`` (``classifier_outputs`` wide) from the base model."""
+    """A head reading ``head`` -> ``drop`` -> ``classifier`` (``classifier_outputs`` wide) from the base model; its
+    ``head_logits`` runs on the model or on a pipeline's last stage holding the same modules (``pipeline_bert.py``)."""
 
     classifier_outputs = "num_labels"
+    pipeline_head_modules = {"head": "head", "drop": "drop", "classifier": "classifier"}
 
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
@@ -298,8 +311,9 @@ class _ModernBertHead(EncoderHeadModel):
         width = config.num_labels if self.classifier_outputs == "num_labels" else 1
         self.classifier = Linear(config.hidden_size, width)
 
-    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.drop(self.head(hidden)))
+    def head_logits(self, hidden, attention_mask=None, config=None):
+        """Every token's scores ``[b, s, num_labels]`` (token classification, QA); pooling heads override."""
+        return _classify(self, hidden)
 
 
 class ModernBertForMaskedLM(EncoderHeadModel, ModernBertPreTrainedModel):
@@ -349,34 +363,41 @@ class ModernBertForSequenceClassification(_ModernBertHead, ModernBertPreTrainedM
     """``logits [b, num_labels]`` from the ``cls`` token or the mean over non-padding tokens."""
 
     hf_twin = transformers.ModernBertForSequenceClassification
+    pipeline_adapter_class = ModernBertSequenceClassificationPipelineAdapter
+
+    def head_logits(self, hidden, attention_mask=None, config=None):
+        """``[b, s, h] -> [b, num_labels]``: the ``classifier_pooling`` pooled state (``cls``/``mean``)."""
+        return _classify(self, pool(hidden, attention_mask, (config or self.config).classifier_pooling))
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 token_type_ids=None, **kwargs) -> SequenceClassifierOutput:
         outputs = self.encode(input_ids, attention_mask, None, position_ids, inputs_embeds, **kwargs)
-        logits = self.classify(pool(outputs.last_hidden_state, attention_mask, self.config.classifier_pooling))
+        logits = self.head_logits(outputs.last_hidden_state, attention_mask, self.config)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits, **passed_on(outputs))
 
 
 class ModernBertForTokenClassification(_ModernBertHead, ModernBertPreTrainedModel):
     hf_twin = transformers.ModernBertForTokenClassification
+    pipeline_adapter_class = ModernBertTokenClassificationPipelineAdapter
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 token_type_ids=None, **kwargs):
         outputs = self.encode(input_ids, attention_mask, None, position_ids, inputs_embeds, **kwargs)
-        return token_classification_output(self.classify(outputs.last_hidden_state), labels, outputs)
+        return token_classification_output(self.head_logits(outputs.last_hidden_state), labels, outputs)
 
 
 class ModernBertForQuestionAnswering(_ModernBertHead, ModernBertPreTrainedModel):
     hf_twin = transformers.ModernBertForQuestionAnswering
+    pipeline_adapter_class = ModernBertQuestionAnsweringPipelineAdapter
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, start_positions=None,
                 end_positions=None, inputs_embeds=None, token_type_ids=None, **kwargs):
         outputs = self.encode(input_ids, attention_mask, None, position_ids, inputs_embeds, **kwargs)
-        return question_answering_output(self.classify(outputs.last_hidden_state), start_positions, end_positions,
+        return question_answering_output(self.head_logits(outputs.last_hidden_state), start_positions, end_positions,
                                          outputs)
 
 
@@ -386,6 +407,13 @@ class ModernBertForMultipleChoice(_ModernBertHead, ModernBertPreTrainedModel):
 
     hf_twin = transformers.ModernBertForMultipleChoice
     classifier_outputs = "one"
+    pipeline_adapter_class = ModernBertMultipleChoicePipelineAdapter
+
+    def head_logits(self, hidden, attention_mask=None, config=None):
+        """``[b*c, s, h] -> [b*c, 1]``; ``cls`` pools each row's first non-padding token."""
+        first = attention_mask.argmax(dim=-1) if attention_mask is not None else None
+        return _classify(self, pool(hidden, attention_mask, (config or self.config).classifier_pooling,
+                                    first_token=first))
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
@@ -394,7 +422,5 @@ class ModernBertForMultipleChoice(_ModernBertHead, ModernBertPreTrainedModel):
         input_ids, attention_mask, position_ids, inputs_embeds = flatten_choices(
             input_ids, attention_mask, position_ids, inputs_embeds)
         outputs = self.encode(input_ids, attention_mask, None, position_ids, inputs_embeds, **kwargs)
-        hidden = outputs.last_hidden_state
-        first = attention_mask.argmax(dim=-1) if attention_mask is not None else None
-        logits = self.classify(pool(hidden, attention_mask, self.config.classifier_pooling, first_token=first))
+        logits = self.head_logits(outputs.last_hidden_state, attention_mask, self.config)
         return multiple_choice_output(logits, labels, num_choices, outputs)

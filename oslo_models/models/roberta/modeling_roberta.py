@@ -18,7 +18,13 @@ from ...parallel_layers.head_parallel import VocabBias
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ...parallel_layers.plan import Colwise, SequenceParallelNorm, StreamLinear
 from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel
-from ..bert.pipeline_bert import MaskedLMPipelineAdapter
+from ..bert.pipeline_bert import (
+    MaskedLMPipelineAdapter,
+    MultipleChoicePipelineAdapter,
+    QuestionAnsweringPipelineAdapter,
+    SequenceClassificationPipelineAdapter,
+    TokenClassificationPipelineAdapter,
+)
 from ..encoder_heads import (
     EncoderForCausalLM,
     EncoderForQuestionAnswering,
@@ -127,18 +133,22 @@ class RobertaForCausalLM(EncoderForCausalLM, RobertaPreTrainedModel):
 class RobertaForSequenceClassification(EncoderForSequenceClassification, RobertaPreTrainedModel):
     hf_twin = transformers.RobertaForSequenceClassification
     head_class = RobertaClassificationHead
+    pipeline_adapter_class = SequenceClassificationPipelineAdapter
 
 
 class RobertaForTokenClassification(EncoderForTokenClassification, RobertaPreTrainedModel):
     hf_twin = transformers.RobertaForTokenClassification
+    pipeline_adapter_class = TokenClassificationPipelineAdapter
 
 
 class RobertaForQuestionAnswering(EncoderForQuestionAnswering, RobertaPreTrainedModel):
     hf_twin = transformers.RobertaForQuestionAnswering
+    pipeline_adapter_class = QuestionAnsweringPipelineAdapter
 
 
 class RobertaForMultipleChoice(ForMultipleChoice, RobertaPreTrainedModel):
     hf_twin = transformers.RobertaForMultipleChoice
+    pipeline_adapter_class = MultipleChoicePipelineAdapter
 
     @staticmethod
     def classifier_dropout(config) -> float:
