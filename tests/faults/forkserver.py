@@ -156,8 +156,13 @@ def serve(address: str) -> None:
                 return
             if key.fileobj is listener:
                 conn, _ = listener.accept()
-                request, fds = _recv(conn)
+                try:
+                    request, fds = _recv(conn)
+                except OSError:  # the client died while sending (its agent killed it): nothing to start
+                    request, fds = None, []
                 if request is None:
+                    for fd in fds:
+                        os.close(fd)
                     conn.close()
                     continue
                 client_pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
@@ -173,7 +178,13 @@ def serve(address: str) -> None:
                     os.close(fd)
                 with open(os.path.join(pids_dir, str(client_pid)), "w") as handle:
                     handle.write(str(pid))
-                _send(conn, {"pid": pid})
+                try:
+                    _send(conn, {"pid": pid})
+                except OSError:  # the client died before it learned its worker (the agent's SIGKILL, a restart
+                    # under load): nobody stands in for that worker, so it goes too; the server must stay up
+                    conn.close()
+                    _kill(pid)
+                    continue
                 clients[pid] = (conn, client_pid)
                 selector.register(conn, selectors.EVENT_READ, pid)
             else:  # a client's connection readable: it died (it sends nothing more); kill its worker

@@ -23,9 +23,14 @@ def examples():
     """The example scripts as modules (their folder on sys.path, as when they run)."""
     import importlib
 
+    names = ("_common", "_data", "_report", *SCRIPTS)
+    # fresh modules: another test may have left some of them imported (say `_data` bound to an older `_common`,
+    # whose UsageError is then another class than this `_common`'s)
+    for name in names:
+        sys.modules.pop(name, None)
     sys.path.insert(0, EXAMPLES)
     try:
-        yield {name: importlib.import_module(name) for name in ("_common", "_data", "_report", *SCRIPTS)}
+        yield {name: importlib.import_module(name) for name in names}
     finally:
         sys.path.remove(EXAMPLES)
 
