@@ -35,6 +35,7 @@ def corpus(tmp_path_factory) -> dict:
         train_clm.train_tokenizer(examples.CORPUS, str(folder / "tokenizer"), 512)  # the examples' default
     finally:
         sys.path.remove(examples.EXAMPLES)
-        sys.modules.pop("train_clm", None)
+        for name in ("train_clm", "_common", "_data", "_report"):  # none left bound to another's copy
+            sys.modules.pop(name, None)
     om.data.preprocess(examples.CORPUS, str(folder / "corpus"), str(folder / "tokenizer"), show_progress=False)
     return {"data": str(folder / "corpus"), "tokenizer": str(folder / "tokenizer")}
