@@ -166,15 +166,21 @@ def run(commands: list[list[str]], env: dict, log_dir, *, timeout: float = 400, 
                 proc.kill()
                 proc.wait()
         raise
+    outputs = read_and_close(logs)
+    codes = [proc.returncode for proc in procs]
+    assert (codes == [0] * len(procs)) == expect_success, f"exit codes {codes}\n" + "\n".join(
+        text[-4000:] for text in outputs)
+    return outputs, latest_at_kill
+
+
+def read_and_close(logs) -> list[str]:
+    """The whole text of each log file (opened ``w+``), then closed."""
     outputs = []
     for log in logs:
         log.seek(0)
         outputs.append(log.read())
         log.close()
-    codes = [proc.returncode for proc in procs]
-    assert (codes == [0] * len(procs)) == expect_success, f"exit codes {codes}\n" + "\n".join(
-        text[-4000:] for text in outputs)
-    return outputs, latest_at_kill
+    return outputs
 
 
 def _tail(logs) -> str:

@@ -21,6 +21,7 @@ import sys
 import time
 
 from tests.faults import forkserver as forkserver_module
+from tests.faults import launch
 from tests.helpers import examples
 from tests.helpers.dist import free_port
 
@@ -57,11 +58,7 @@ def run(forkserver: str, target: str, world_size: int, args: list, *, timeout: f
         if proc.poll() is None:
             proc.kill()  # the server kills the rank of a client that died
         proc.wait()
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
+    outputs = launch.read_and_close(logs)
     codes = [proc.returncode for proc in procs]
     if hung or codes != [0] * world_size:
         what = f"hung for {timeout:.0f} s" if hung else f"failed: exit codes {codes}"
