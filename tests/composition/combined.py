@@ -22,8 +22,9 @@ FOUR_RANKS = (
     ("sp", "off", "ac"),                      # tp2+sp x dp2 x ZeRO-3 + cpu offload x checkpointing
     ("cp", "off", "bf16", "compile"),         # cp2 x dp2 x ZeRO-3 + cpu offload x bf16 x compile
     ("cp", "z2", "nvme", "fp16", "ac", "moe"),  # Mixtral: cp2 x dp2 x ZeRO-2 + disk x fp16 x checkpointing
-    ("ep", "tp", "z2", "ac", "compile"),      # Mixtral: tp2 x ep2 x dp2 x ZeRO-2 x checkpointing x compile
-    ("ep", "tp", "off"),                      # Mixtral: tp2 x ep2 x dp2 x ZeRO-3 + cpu offload
+    ("ep", "tp", "z2", "ac", "fp16", "compile"),  # Mixtral: tp2 x ep2 x dp2 x ZeRO-2 x checkpointing x fp16 x compile
+    ("ep", "tp", "off", "bf16"),              # Mixtral: tp2 x ep2 x dp2 x ZeRO-3 + cpu offload x bf16 (low-precision
+    #                                           MoE: the reference's routing forced, tests/helpers/forced_routing.py)
     ("pp", "nvme"),                           # pp2 x dp2 x ZeRO-3 + disk
     ("tp", "z1", "bf16"),                     # tp2 x dp2 x ZeRO-1 x bf16
     ("tp", "off", "fp16"),                    # tp2 x dp2 x ZeRO-3 + cpu offload x fp16

@@ -13,15 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Composing cells that no CI test trains (only the opt-in matrix, OSLO_COMPOSITION_MATRIX=1 tests/composition/
 # test_matrix.py). The combined layouts (combined.py) train the rest; a new composing cell must come with a test.
-# Open (found by the combined layouts, not fixed yet), so these cells stay here:
-# - the Mixtral's experts under low precision: at tp2 x ep2 x dp2 x ZeRO-2 x checkpointing x bf16 (3 steps) one
-#   embedding element ended 2.008e-3 from transformers' (tolerance 2e-3), 5.3e-3 on 14 of 992 with compile; at
-#   tp2 x ep2 x dp2 x ZeRO-3 + offload x fp16 the router's gate.weight 2.09e-3 on 4 of 128. Cause, shown by
-#   benchmarks/moe_routing_ties.py (one forward, tp2 vs transformers, 2048 tokens): under bf16, 3 of 4096 routing
-#   decisions differ, each a token whose 2nd and 3rd router probabilities were tied or within 1.8e-4 (median gap
-#   1.5e-2); none in fp32. Such a token's expert and router gradients differ by its whole contribution, which the
-#   rounding-level tolerances cannot accept and no tolerance can bound short of AdamW's whole step.
-NOT_YET_IN_CI = {"bf16 x moe", "ep x bf16", "ep x fp16"}
+# (The last three, the Mixtral's experts under bf16/fp16, train since their comparison forces the reference's
+# routing decisions: tests/helpers/forced_routing.py.)
+NOT_YET_IN_CI: set[str] = set()
 
 
 def test_declared_tests_exist():

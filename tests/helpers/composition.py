@@ -9,12 +9,14 @@ trained on the whole batch the way data parallelism averages it (each replica's 
 loss is per replica too). Every step compares the loss; after the steps, every local parameter.
 
 Precision: fp32 layouts match at 1e-5. bf16 layouts run the reference under the same autocast and match within bf16
-rounding of partial sums reduced in another order. fp16: Accelerate creates no loss scaler on a CPU and refuses
-fp16 there (``training.check_mixed_precision``), so the fp16 cells run ``torch.autocast("cpu", float16)`` with a
-``GradScaler("cpu")`` around the step and ``training.sync_overflow`` keeping the ranks' skip decisions together, the
-reference with its own scaler: the same pieces a GPU run uses, without Accelerate's wrapper. Pipelined, the scaler
-goes to ``train_step`` (each microbatch's loss is scaled inside the schedule) and the autocast around it reaches the
-stages.
+rounding of partial sums reduced in another order; the low-precision mixture-of-experts layouts route every token
+where the reference routed it and leave out the load-balancing loss (``tests/helpers/forced_routing.py``: a top-k
+tie at rounding level is a discrete decision no tolerance bounds; the fp32 layouts compare the routing and that
+loss). fp16: Accelerate creates no loss scaler on a CPU and refuses fp16 there (``training.check_mixed_precision``),
+so the fp16 cells run ``torch.autocast("cpu", float16)`` with a ``GradScaler("cpu")`` around the step and
+``training.sync_overflow`` keeping the ranks' skip decisions together, the reference with its own scaler: the same
+pieces a GPU run uses, without Accelerate's wrapper. Pipelined, the scaler goes to ``train_step`` (each microbatch's
+loss is scaled inside the schedule) and the autocast around it reaches the stages.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 
 from oslo_models import training
 from oslo_models.composition import Layout
+from tests.helpers.forced_routing import ForcedRouting
 from tests.helpers.layouts import local_batch
 from tests.helpers.models import assert_params_match, padded_batch
 from tests.helpers.pipeline import ADAMW, local_rows
@@ -88,6 +91,13 @@ def train_layout(layout: Layout, model_class, path: str, steps: int = STEPS) -> 
     model, reference = build(layout, model_class, path)
     context = model.parallel_context
     precision = layout.mixed_precision
+    # low-precision MoE: the reference's routing decisions forced onto the model (tests/helpers/forced_routing.py)
+    forced = ForcedRouting(model, reference) if layout.moe and precision != "no" else None
+    # ... and no load-balancing loss: transformers' takes its own top-k of the logits, which would flip at the same
+    # ties (a flip moves an expert's assignment fraction by 1/(tokens*k), several % of the router's gradient here)
+    options = dict(output_router_logits=False) if forced is not None else {}
+    if forced is not None and model.parallel_context.pp_size > 1:
+        raise ValueError("low-precision MoE layouts under a pipeline: train_step keeps the load-balancing loss")
     tol, param_tol = TOLERANCE[precision], PARAM_TOLERANCE[precision]
     if layout.compile:
         model = torch.compile(model, backend="aot_eager")
@@ -107,17 +117,21 @@ def train_layout(layout: Layout, model_class, path: str, steps: int = STEPS) -> 
         replicas = [{k: v[d::context.dp_size].contiguous() for k, v in batch.items()} for d in range(context.dp_size)]
         local, mine = local_batch(context, replicas[context.dp_rank], shift_labels=True), context.dp_rank
     for step in range(steps):
+        if forced is not None:
+            forced.begin_step()
         with _autocast(precision):
-            losses = [reference(**replica).loss for replica in replicas]
+            losses = [reference(**replica, **options).loss for replica in replicas]
             # pipelined fp16: the schedule scales each microbatch's loss with the model's scaler (runner.py)
             got = (model.train_step(local, scaler=scalers and scalers[1]) if pipelined
-                   else model(**local).loss)
+                   else model(**local, **options).loss)
         # pipelined: the mean over replicas; else this replica's rows' (data parallelism averages the gradients)
         expected = sum(losses) / len(losses) if mine is None else losses[mine]
         torch.testing.assert_close(got.detach().float(), expected.detach().float(), **tol,
                                    msg=lambda m, s=step: f"step {s}: {m}")
         _step(scalers, sum(losses) / len(losses), None if pipelined else got, optimizer, ref_optimizer, context)
     assert_params_match(inner, reference, **param_tol)
+    if forced is not None:
+        forced.remove()
     close = getattr(training.unwrap_optimizer(optimizer), "close", None)  # the NVMe tier's scratch file and lock
     if close is not None:
         close()
