@@ -25,8 +25,8 @@ from typing import Callable, Mapping
 from torch import nn
 
 from . import grid_boundary
-from .summa import Grid
 from .sharding import REPLICATED, EvenSplit, Layout, ShardSpec, split_layout  # noqa: F401  (ShardSpec: old name)
+from .summa import Grid
 from .tensor_parallel import (
     ColumnParallelLinear,
     ParallelDropout,

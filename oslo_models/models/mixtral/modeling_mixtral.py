@@ -16,8 +16,9 @@ the outputs carry ``router_logits`` (one ``[b*s, E]`` per sparse layer) and ``au
 over this replica's tokens), and, when ``labels`` are given, ``loss = lm_loss + router_aux_loss_coef * aux_loss``.
 Under context parallelism each rank's router logits are its chunks' (``[b*s/cp, E]``) and the loss is the whole
 sequence's: the statistics it is made of (``routing_statistics``) are summed over cp (backward ``x cp``, as the
-language-model loss, ``parallel_layers/context_parallel/loss.py``). Under the 2D / 2.5D grid likewise: each rank's
-router logits are its batch block's (``[b*s/(dq), E]``) and the statistics are summed over the grid's batch groups.
+language-model loss, ``parallel_layers/context_parallel/loss.py``). Under the 2D / 2.5D grid likewise: each rank routes
+its batch block (``[b*s/(dq), E]``), the statistics are summed over the grid's batch groups, and the router logits
+of the outputs are gathered to the whole batch (as the grid's logits).
 The base model returns ``MoeModelOutputWithPast`` with the router logits when asked, as ``transformers``' does.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ from transformers.utils.output_capturing import OutputRecorder
 from ...config import ParallelConfig
 from ...parallel_layers.context_parallel import sum_over_replica_tokens, token_groups
 from ...parallel_layers.moe import TopKRouter, load_balancing_loss
+from ...parallel_layers.summa import Grid
 from ..common.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
 from ..common.mlp import GatedMLP
 from ..common.moe import RouterLogits, SparseMoeBlock, check_expert_layout
@@ -158,8 +160,18 @@ class MixtralForCausalLM(MixtralPreTrainedModel, llama.LlamaForCausalLM):
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=out.logits,
                                          past_key_values=out.past_key_values,
-                                         router_logits=tuple(router_logits) if output_router_logits else None,
-                                         **passed_on(out))
+                                         router_logits=self._whole_batch(router_logits) if output_router_logits
+                                         else None, **passed_on(out))
+
+    def _whole_batch(self, router_logits) -> tuple:
+        """The router logits as outputs: under the 2D / 2.5D grid, each rank's batch block's ``[b*s/(dq), E]``
+        gathered to the whole batch's ``[b*s, E]`` (``Grid.gather_rows``; backward: this rank's rows), the layout
+        ``transformers`` returns, like the grid's logits; else as routed."""
+        context = self.parallel_context
+        if not context.is_grid:
+            return tuple(router_logits)
+        grid = Grid.from_context(context)
+        return tuple(grid.gather_rows(logits) for logits in router_logits)
 
     def _aux_loss(self, router_logits, attention_mask) -> torch.Tensor:
         """The load-balancing loss: ``transformers``' own function; when ranks split this replica's tokens
