@@ -20,6 +20,17 @@ tp group (``expert_tensor_parallel_size == tensor_parallel_size``, Megatron's de
 combined first and reduce-scattered over tp (Megatron's order: experts, combine, reduce-scatter), otherwise the
 combined output is whole and sliced. The router, its loss and statistics therefore see exactly the tokens
 ``transformers`` sees. The shared expert runs on the local slice like a dense sequence-parallel MLP.
+
+2D / 2.5D grid (experts replicated: ``expert_parallel_size = expert_tensor_parallel_size = 1``): the input is
+``[b/(dq), s, h/q]`` (batch block over the grid column and depth, hidden block over the row). The block all-gathers
+the hidden over the row (backward: this rank's slice, not a reduce-scatter: every rank of the row computes the same
+whole-token gradient), routes this batch block's whole tokens through the whole router and experts, and hands back
+this rank's hidden block (backward: all-gather over the row). The q ranks of a row so duplicate the routed work of
+their batch block and each holds its complete router and expert gradients; ``GridReplicated`` / the experts'
+``grid`` sum those over the column and depth (``tensor_parallel_2d.replicated_over_batch``, as the grid's norms and
+biases). Qwen2-MoE's shared-expert gate scales this rank's hidden block of the shared expert's output, so its
+gradient is summed over the row. The load-balancing statistics are summed over the batch groups
+(``context_parallel.sum_over_replica_tokens``). 3D is refused (its activations take two layouts in a block).
 """
 from __future__ import annotations
 
