@@ -241,8 +241,8 @@ class ParallelConfig:
             return
         if self.tensor_parallel_mode != "1d":
             raise NotImplementedError(f"expert_tensor_parallel_size={k} with tensor_parallel_mode="
-                                      f"{self.tensor_parallel_mode!r} is not implemented (the grid layers do not "
-                                      "split mixture-of-experts layers); use tensor_parallel_mode='1d'")
+                                      f"{self.tensor_parallel_mode!r} is not implemented (under the grid the "
+                                      "experts are whole on every rank); use tensor_parallel_mode='1d'")
         if self.tensor_parallel_size % k:
             raise ValueError(f"expert_tensor_parallel_size={k} must divide tensor_parallel_size="
                              f"{self.tensor_parallel_size} (its group is {k} consecutive tensor-parallel ranks)")
@@ -268,7 +268,9 @@ class ParallelConfig:
                              "already splits every activation over batch and hidden; drop sequence_parallel")
         if self.expert_parallel_size > 1:
             raise NotImplementedError(f"tensor_parallel_mode={mode!r} with expert_parallel_size > 1 is not "
-                                      "implemented yet (the grid layers do not split mixture-of-experts layers)")
+                                      "implemented yet (under the grid every rank holds every expert and routes "
+                                      "its batch block's tokens; the dispatch over ep is 1D only); use "
+                                      "expert_parallel_size=1 or tensor_parallel_mode='1d'")
 
     @property
     def grid_shape(self) -> tuple[int, ...]:

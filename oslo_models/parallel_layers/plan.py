@@ -26,6 +26,7 @@ from torch import nn
 
 from . import grid_boundary
 from .sharding import REPLICATED, EvenSplit, Layout, ShardSpec, split_layout  # noqa: F401  (ShardSpec: old name)
+from .summa import Grid
 from .tensor_parallel import (
     ColumnParallelLinear,
     ParallelDropout,
@@ -72,6 +73,22 @@ def refuse_grid_mode(context, what: str) -> None:
     if context.is_grid:
         raise NotImplementedError(f"tensor_parallel_mode={context.tensor_parallel_mode!r} does not support {what} "
                                   "yet; use tensor_parallel_mode='1d' for this model")
+
+
+def grid_batch_replicated(module: nn.Module, context, what: str) -> nn.Module:
+    """Under 2D / 2.5D: mark ``module`` (whole weights on every rank, run on whole tokens of this rank's batch block,
+    which its block gathers over the grid row: an MoE block's router and experts) as planned and give it the
+    ``Grid``; its forward then passes its weights through ``tensor_parallel_2d.replicated_over_batch`` (backward:
+    their gradients summed over the column and depth groups, which saw the other batch blocks). 3D: refused (its
+    activations change layout inside a block). 1D: unchanged."""
+    if not context.is_grid:
+        return module
+    if context.tensor_parallel_mode == "3d":
+        raise NotImplementedError(f"tensor_parallel_mode='3d' does not support {what} yet (the cube's activations "
+                                  "take two layouts; the 2D and 2.5D grids run them); use tensor_parallel_mode="
+                                  "'2d', '2.5d' or '1d' for this model")
+    module.grid, module.grid_planned = Grid.from_context(context), True
+    return module
 
 
 def _weight_out_dim(module) -> int:
@@ -195,6 +212,16 @@ class TPDropout(Style):
         # the rank's own stream.
         always_split = self.always_split or context.is_grid
         return ParallelDropout.from_plain(module, context.tp_group, rng=context.rng, always_split=always_split)
+
+
+@dataclass(frozen=True)
+class GridReplicated(Style):
+    """A replicated module that runs on whole tokens inside a block that gathers them (an MoE block's router and
+    shared-expert gate): unchanged under 1D; under 2D / 2.5D its weight gradients are summed over the grid's batch
+    groups (``grid_batch_replicated``)."""
+
+    def build_1d(self, module, context):
+        return grid_batch_replicated(module, context, f"{type(module).__name__} (replicated on whole tokens)")
 
 
 @dataclass(frozen=True)

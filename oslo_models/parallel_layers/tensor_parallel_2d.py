@@ -27,8 +27,10 @@ from .tensor_parallel import divide, mask_vocab_padding, padded_size, strip_padd
 _AXIS_OF_DIM = {0: "tp_col", 1: "tp_row"}
 
 
-def _replicated_over_batch(param: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """A parameter every batch block uses: forward identity, backward sum over the column and depth groups."""
+def replicated_over_batch(param: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """A parameter every batch block uses: forward identity, backward sum over the column and depth groups (the
+    ranks of one grid row share a batch block and already hold the same gradient, or their blocks of it). Also
+    what the replicated router and experts of an MoE block use (``plan.GridReplicated``)."""
     return copy_to_tensor_parallel_region(copy_to_tensor_parallel_region(param, grid.col.group), grid.dep.group)
 
 
@@ -72,7 +74,7 @@ class Linear2D(Linear):
         x, weight, bias = autocast_operands(x, self.weight, self.bias)
         y = summa_linear(x, weight, self.grid, self.layout)
         if bias is not None:
-            y = y + _replicated_over_batch(bias, self.grid)
+            y = y + replicated_over_batch(bias, self.grid)
         if self.vocab_size is not None:
             y = self.mask_vocab_padding(y)
         return y
@@ -136,9 +138,9 @@ class LayerNorm2D(LayerNorm):
         var = sum_over((centered * centered).sum(-1, keepdim=True), self.grid.row) / self.full_hidden
         y = centered * torch.rsqrt(var + self.eps)
         if self.weight is not None:
-            y = y * _replicated_over_batch(self.weight, self.grid)
+            y = y * replicated_over_batch(self.weight, self.grid)
         if self.bias is not None:
-            y = y + _replicated_over_batch(self.bias, self.grid)
+            y = y + replicated_over_batch(self.bias, self.grid)
         return y
 
     def tp_shard_specs(self) -> dict[str, Layout]:
@@ -200,7 +202,7 @@ class HiddenEmbedding2D(Embedding):
                    padding_idx=module.padding_idx, device=module.weight.device, dtype=module.weight.dtype)
 
     def forward(self, ids: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
-        return F.embedding(ids, _replicated_over_batch(self.weight, self.grid), padding_idx=self.padding_idx)
+        return F.embedding(ids, replicated_over_batch(self.weight, self.grid), padding_idx=self.padding_idx)
 
     def tp_shard_specs(self) -> dict[str, Layout]:
         return {"weight": EvenSplit(1, axis="tp_row")}
@@ -229,7 +231,7 @@ class RMSNorm2D(nn.Module):
     def forward(self, x: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
         squares = x.to(torch.float32).pow(2).sum(-1, keepdim=True)
         variance = sum_over(squares, self.grid.row) / self.full_hidden
-        weight = _replicated_over_batch(self.weight, self.grid)
+        weight = replicated_over_batch(self.weight, self.grid)
         if self.formula == "llama":
             return weight * (x.to(torch.float32) * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
         x = x * torch.rsqrt(variance + self.variance_epsilon)

@@ -1,6 +1,7 @@
 """Mixtral and Qwen2-MoE with expert parallelism equal plain ``transformers``: logits, router logits, loss with the
 load-balancing loss added, every gradient (router, experts, shared expert) and the parameters after 3 AdamW steps
-(fp32, atol 1e-5) at ep 1, ep 4, ep 2 x tp 2 + SP, expert tp 2 (ep 2 x etp 2, with and without SP), pp 2 x ep 2
+(fp32, atol 1e-5) at ep 1, ep 4, ep 2 x tp 2 + SP, expert tp 2 (ep 2 x etp 2, with and without SP), pp 2 x ep 2,
+Qwen2-MoE on the 2D grid (tp 4, experts replicated; saved with the Hub keys)
 and ep 2 x dp 4 with ZeRO-1 through ``om.training.prepare``
 (experts reduced over the 2 expert-data-parallel ranks), and Mixtral at ep 2 x dp 4 with ZeRO-3 (FSDP2: experts
 sharded over edp, everything else over dp). Each data-parallel rank trains on its own batch; the
@@ -149,6 +150,16 @@ def _layouts_worker(checkpoints: dict, out_root: str) -> None:
                 original = load_file(os.path.join(path, "model.safetensors"))
                 assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in original.items()}
                 torch.testing.assert_close(plain(ids, attention_mask=mask).logits, logits, atol=1e-5, rtol=1e-5)
+    # the 2D grid (tp4, experts replicated): Qwen2-MoE (its shared expert and gate, a dense layer; Mixtral trains
+    # there in tests/composition/combined.py); the trained model saves the Hub keys and shapes, experts whole
+    path = checkpoints["qwen2_moe"]
+    model = _load(path, tensor_parallel_size=4, tensor_parallel_mode="2d").train()
+    _train_matches(model, HF["qwen2_moe"].from_pretrained(path).train(), dp_rank=0, dp_size=1)
+    model.save_pretrained(os.path.join(out_root, "qwen2_moe-2d"))
+    if dist.get_rank() == 0:
+        saved = load_file(os.path.join(out_root, "qwen2_moe-2d", "model.safetensors"))
+        original = load_file(os.path.join(path, "model.safetensors"))
+        assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in original.items()}
     # pp2 x ep2 (x dp2): GPipe, one microbatch; experts' gradients summed over edp in the pipeline's sync; the
     # reference loss is the mean of the two replicas' (the load-balancing loss is per replica)
     for model_type, path in checkpoints.items():
@@ -181,6 +192,18 @@ def test_clear_errors(checkpoints):
         check_expert_layout("mixtral", EXPERTS,
                             om.ParallelConfig(tensor_parallel_size=5, expert_tensor_parallel_size=5),
                             expert_intermediate_size=24, sequence_parallel=True)
-    with pytest.raises(NotImplementedError, match="tensor_parallel_mode='2d' with mixture-of-experts"):
-        check_expert_layout("mixtral", EXPERTS, om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d"),
-                            expert_intermediate_size=24, sequence_parallel=True)
+    # the 2D grid runs the SparseMoeBlock families with replicated experts (tests/composition/combined.py trains
+    # Mixtral there); a family without it, the 3D cube, experts split over ep and pipeline stages are refused
+    grid = om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d")
+    om.MixtralForCausalLM.validate_parallel_config(config, grid)
+    with pytest.raises(NotImplementedError, match="tensor_parallel_mode='2d' with this family's mixture-of-experts"):
+        check_expert_layout("mixtral", EXPERTS, grid, expert_intermediate_size=24, sequence_parallel=True)
+    with pytest.raises(NotImplementedError, match="tensor_parallel_mode='3d' with mixture-of-experts"):
+        check_expert_layout("mixtral", EXPERTS, om.ParallelConfig(tensor_parallel_size=8, tensor_parallel_mode="3d"),
+                            expert_intermediate_size=24, sequence_parallel=True, grid=True)
+    with pytest.raises(NotImplementedError, match="'2d' with expert_parallel_size > 1 is not implemented"):
+        om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d", data_parallel_size=2,
+                          expert_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="pipeline_parallel_size > 1 with tensor_parallel_mode='2d'"):
+        om.MixtralForCausalLM.validate_parallel_config(
+            config, om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d", pipeline_parallel_size=2))

@@ -75,6 +75,7 @@ class GptOssPreTrainedModel(mixtral.MixtralPreTrainedModel):
     # its MoE block routes like SparseMoeBlock (moe.route_tokens): sequence parallelism and pipeline x tp/ep run;
     # context parallelism is refused by its attention's own rule
     _oslo_moe_sequence_parallel = True
+    _oslo_moe_grid = False  # its router is not the grid-planned TopKRouter: the 2D grid is refused
     _oslo_moe_context_parallel = False
 
     @classmethod

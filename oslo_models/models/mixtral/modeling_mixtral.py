@@ -16,7 +16,9 @@ the outputs carry ``router_logits`` (one ``[b*s, E]`` per sparse layer) and ``au
 over this replica's tokens), and, when ``labels`` are given, ``loss = lm_loss + router_aux_loss_coef * aux_loss``.
 Under context parallelism each rank's router logits are its chunks' (``[b*s/cp, E]``) and the loss is the whole
 sequence's: the statistics it is made of (``routing_statistics``) are summed over cp (backward ``x cp``, as the
-language-model loss, ``parallel_layers/context_parallel/loss.py``).
+language-model loss, ``parallel_layers/context_parallel/loss.py``). Under the 2D / 2.5D grid likewise: each rank routes
+its batch block (``[b*s/(dq), E]``), the statistics are summed over the grid's batch groups, and the router logits
+of the outputs are gathered to the whole batch (as the grid's logits).
 The base model returns ``MoeModelOutputWithPast`` with the router logits when asked, as ``transformers``' does.
 """
 from __future__ import annotations
@@ -30,8 +32,9 @@ from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder
 
 from ...config import ParallelConfig
-from ...parallel_layers.context_parallel import sum_over_context
+from ...parallel_layers.context_parallel import sum_over_replica_tokens, token_groups
 from ...parallel_layers.moe import TopKRouter, load_balancing_loss
+from ...parallel_layers.summa import Grid
 from ..common.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
 from ..common.mlp import GatedMLP
 from ..common.moe import RouterLogits, SparseMoeBlock, check_expert_layout
@@ -70,6 +73,9 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
     _oslo_moe_context_parallel = True  # the load-balancing statistics are summed over cp (forward below)
     # SparseMoeBlock runs sequence-parallel and under pipeline x tp/ep; a family with another MoE block says False
     _oslo_moe_sequence_parallel = True
+    # SparseMoeBlock runs on the 2D / 2.5D grid (experts replicated: common/moe.py); a family with another MoE block
+    # says False
+    _oslo_moe_grid = True
     # the base model returns each sparse layer's router logits [b*s, E] with output_router_logits, as transformers'
     # (recorded by its hooks on the routers; the tokens are whole on every TP rank: nothing to gather)
     _can_record_outputs = {**llama.LlamaPreTrainedModel._can_record_outputs,
@@ -103,13 +109,19 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
         super().validate_parallel_config(config, parallel)
         check_expert_layout(config.model_type, cls.num_experts(config), parallel,
-                            sequence_parallel=cls._oslo_moe_sequence_parallel,
+                            sequence_parallel=cls._oslo_moe_sequence_parallel, grid=cls._oslo_moe_grid,
                             expert_intermediate_size=cls.expert_intermediate_size(config))
         split = parallel.tensor_parallel_size > 1 or parallel.expert_parallel_size > 1
         if parallel.pipeline_parallel_size > 1 and split and not cls._oslo_moe_sequence_parallel:
             raise NotImplementedError(f"{config.model_type}: pipeline_parallel_size > 1 together with tensor or expert "
                                       "parallelism is not implemented for this family's MoE block (only the "
                                       "SparseMoeBlock decoders run it); use pipeline with data parallelism")
+        if parallel.pipeline_parallel_size > 1 and parallel.tensor_parallel_mode != "1d":
+            raise NotImplementedError(f"{config.model_type}: pipeline_parallel_size > 1 with tensor_parallel_mode="
+                                      f"{parallel.tensor_parallel_mode!r} is not implemented for mixture-of-experts "
+                                      "models (the stages' load-balancing statistics are not summed over the "
+                                      "grid's batch blocks); use the grid without pipeline, or tensor_parallel_mode="
+                                      "'1d' with it")
 
 
 class MixtralModel(MixtralPreTrainedModel, llama.LlamaModel):
@@ -148,15 +160,26 @@ class MixtralForCausalLM(MixtralPreTrainedModel, llama.LlamaForCausalLM):
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=out.logits,
                                          past_key_values=out.past_key_values,
-                                         router_logits=tuple(router_logits) if output_router_logits else None,
-                                         **passed_on(out))
+                                         router_logits=self._whole_batch(router_logits) if output_router_logits
+                                         else None, **passed_on(out))
+
+    def _whole_batch(self, router_logits) -> tuple:
+        """The router logits as outputs: under the 2D / 2.5D grid, each rank's batch block's ``[b*s/(dq), E]``
+        gathered to the whole batch's ``[b*s, E]`` (``Grid.gather_rows``; backward: this rank's rows), the layout
+        ``transformers`` returns, like the grid's logits; else as routed."""
+        context = self.parallel_context
+        if not context.is_grid:
+            return tuple(router_logits)
+        grid = Grid.from_context(context)
+        return tuple(grid.gather_rows(logits) for logits in router_logits)
 
     def _aux_loss(self, router_logits, attention_mask) -> torch.Tensor:
-        """The load-balancing loss: ``transformers``' own function; under context parallelism the same loss from
-        the statistics of every chunk of the sequences (summed over cp, backward ``x cp``)."""
+        """The load-balancing loss: ``transformers``' own function; when ranks split this replica's tokens
+        (context parallelism: chunks of the sequences; the 2D / 2.5D grid: batch blocks) the same loss from the
+        statistics of all of them (``sum_over_replica_tokens``: summed over cp and the grid's batch groups)."""
         num_experts, top_k = self.num_experts(self.config), self.config.num_experts_per_tok
         context = self.parallel_context
-        if context.cp_size == 1:
+        if not token_groups(context):
             return load_balancing_loss(tuple(router_logits), num_experts, top_k, attention_mask)
         statistics = routing_statistics(router_logits, num_experts, top_k, attention_mask)
-        return aux_loss_from_statistics(sum_over_context(statistics, context), num_experts)
+        return aux_loss_from_statistics(sum_over_replica_tokens(statistics, context), num_experts)

@@ -41,9 +41,10 @@ from ..mappings import (
     group_size,
     reduce_from_tensor_parallel_region,
 )
-from ..plan import Style, refuse_grid_mode
+from ..plan import Style, grid_batch_replicated
 from ..sharding import EvenSplit, GridBlock, Layout, PackedSplit
 from ..tensor_parallel import divide
+from ..tensor_parallel_2d import replicated_over_batch
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -82,10 +83,15 @@ class _GroupedExperts(nn.Module):
         # ZeRO-2/3 (training/zero.py) sets 1/ep: FSDP2 averages the experts' gradients over edp, they must be
         # summed over edp and divided by dp (FSDP2's own divide factor needs PREMUL_SUM, which gloo lacks)
         self.gradient_scale = 1.0
+        # 2D / 2.5D: the Grid (plan.grid_batch_replicated); the experts see this rank's batch block only, so their
+        # gradients are summed over the grid's batch groups (every rank of a grid row holds the same ones)
+        self.grid = None
 
     def weight(self, name: str) -> torch.Tensor:
         """The stacked weight ``name`` as the forward uses it (its gradient scaled by ``gradient_scale``)."""
         weight = getattr(self, name)
+        if self.grid is not None:
+            weight = replicated_over_batch(weight, self.grid)
         return weight if self.gradient_scale == 1.0 else _ScaleGradient.apply(weight, self.gradient_scale)
 
     @property
@@ -195,10 +201,10 @@ class ExpertParallel(Style):
     hf_style = None  # not a tensor-parallel style (transformers lists it in base_model_ep_plan as "grouped_gemm")
 
     def build(self, module, context):
-        refuse_grid_mode(context, "mixture-of-experts layers")
         module = module.shard(context.ep_group, context.etp_group)
         module.tp_group = context.tp_group
-        return module
+        # 2D / 2.5D: whole experts (ep = etp = 1, config.py refuses more) on whole tokens of this rank's batch block
+        return grid_batch_replicated(module, context, "mixture-of-experts layers")
 
     def layouts(self, module):
         return module.expert_layouts()

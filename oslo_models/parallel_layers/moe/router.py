@@ -13,13 +13,17 @@ order (Switch Transformers' token dropping; dropped entries get index ``-1`` and
 Mixtral or Qwen2-MoE, which are dropless.
 
 The router weight is replicated (tensor and expert parallel); its input is this rank's full tokens, so its
-gradient needs no reduction beyond data parallelism. No communication here.
+gradient needs no reduction beyond data parallelism. Under the 2D / 2.5D grid its input is the whole tokens of
+this rank's batch block (the MoE block gathers the hidden over the grid row), so its gradient is summed over the
+grid's batch groups (``tensor_parallel_2d.replicated_over_batch``, backward only). No other communication here.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..tensor_parallel_2d import replicated_over_batch
 
 
 class TopKRouter(nn.Module):
@@ -35,10 +39,12 @@ class TopKRouter(nn.Module):
         self.normalize, self.weights_in_logits_dtype = normalize, weights_in_logits_dtype
         self.softmax_after_topk, self.capacity = softmax_after_topk, capacity
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.grid = None  # 2D / 2.5D: the Grid (plan.GridReplicated), see the module docstring
 
     def forward(self, hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        logits = F.linear(hidden_states, self.weight)  # [T, E]
+        weight = self.weight if self.grid is None else replicated_over_batch(self.weight, self.grid)
+        logits = F.linear(hidden_states, weight)  # [T, E]
         if self.softmax_after_topk:
             top_logits, index = torch.topk(logits.float(), self.top_k, dim=-1)
             weights = torch.softmax(top_logits, dim=-1)
