@@ -15,7 +15,7 @@ import pytest
 
 import oslo_models as om
 from oslo_models.cli import main
-from oslo_models.planner import Hardware, ModelFacts, ProfileTable, Profiler, SearchSpace
+from oslo_models.planner import Hardware, ModelFacts, Profiler, ProfileTable, SearchSpace
 from oslo_models.planner.profile import block_key, outside_key
 from oslo_models.planner.search import search
 from oslo_models.planner.time import all_reduce, estimate_time
