@@ -26,11 +26,11 @@ and also for a second calibration, ``effective``: the compute rate the measured 
 
 ``--profile`` adds a third, ``profile``: the planner's profiled time model (``planner/profile.py``). In the same
 world, before the trainings, every rank times the real Llama block forward + backward at each layout's local shapes
-(``Profiler``: tp local widths, ``seq / cp``, micro-batch, checkpointing), the embedding/head and AdamW per
-parameter byte, all ranks at once (so under the same contention as the trainings; per shape the slowest rank's
-figure), and measures the overlap coefficient (``measure_overlap``) and each collective's bandwidth and latency
-(``measure_collectives``) on the world group. Nothing is fitted to the measured step times: the same figures and
-the same model predict every layout.
+(``Profiler``: tp local widths, ``seq / cp``, micro-batch, checkpointing; then ``refine``: all shapes again,
+round-robin), the embedding/head and AdamW per parameter byte, all ranks at once (so under the same contention as
+the trainings; per shape the slowest rank's figure), and measures the overlap coefficient (``measure_overlap``) and
+each collective's bandwidth and latency (``measure_collectives``) on the world group. Nothing is fitted to the
+measured step times: the same figures and the same model predict every layout.
 
 ``--repredict old.json`` re-predicts from a saved report without training again (the measured step times kept):
 time-model changes can be evaluated offline. With ``--profile`` and a report that holds no profile, a world of the
@@ -187,6 +187,7 @@ def measure_profile(world: int, hardware) -> dict:
     profiled = dataclasses.replace(hardware, profile=profiler)
     for options in LAYOUTS[world]:
         predict(world, options, profiled)
+    profiler.refine(rounds=5)  # every shape again, round-robin: the machine's load drifts alike over all
     for table in (profiler.blocks, profiler.outsides):
         keys = sorted(table)
         values = torch.tensor([table[k] for k in keys], dtype=torch.float64)

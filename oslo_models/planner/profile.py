@@ -83,13 +83,15 @@ class ProfileTable:
 
 
 class Profiler(ProfileTable):
-    """A ``ProfileTable`` that measures a missing key on first use (module docstring), on ``device`` (default:
-    CUDA if present, else CPU; CUDA runs under bf16 autocast, what mixed-precision training runs)."""
+    """A ``ProfileTable`` that measures a missing key on first use (module docstring; ``refine`` times them all
+    again, round-robin), on ``device`` (default: CUDA if present, else CPU; CUDA runs under bf16 autocast, what
+    mixed-precision training runs)."""
 
     def __init__(self, facts, device=None, repeats: int = 5):
         super().__init__()
         self.facts, self.repeats = facts, repeats
         self._models: dict = {}  # (tp, layers, checkpointing) -> the model, reused over sequence and batch sizes
+        self._runs: dict = {}  # (tp, seq, micro_batch, mode) -> (local tp, [best 1-layer, best 3-layer seconds])
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     # ------------------------------------------------------------------ models at local shapes
@@ -167,16 +169,41 @@ class Profiler(ProfileTable):
             local_tp, one = 1, self._build(1, 1, seq, None)
         more = self._build(local_tp, 1 + _EXTRA, seq, mode)
         one = self._build(local_tp, 1, seq, mode)
-        vocab = one.config.vocab_size  # the local (vocab-parallel) share: the ids a tp rank's embedding serves
+        times = self._time([one, more], self._batch(one, micro_batch, seq))
+        self._runs[(tp, seq, micro_batch, mode)] = (local_tp, times)
+        self._record(tp, seq, micro_batch, mode)
+        if not self.optimizer:
+            self.optimizer = self._optimizer(one)
+
+    def _batch(self, model, micro_batch: int, seq: int) -> dict:
+        vocab = model.config.vocab_size  # the local (vocab-parallel) share: the ids a tp rank's embedding serves
         ids = torch.randint(1, vocab, (micro_batch, seq), generator=torch.Generator().manual_seed(1))
         ids = ids.to(self.device)
-        t1, t_more = self._time([one, more], {"input_ids": ids, "labels": ids})
+        return {"input_ids": ids, "labels": ids}
+
+    def _record(self, tp, seq, micro_batch, mode) -> None:
+        local_tp, (t1, t_more) = self._runs[(tp, seq, micro_batch, mode)]
         block = max(t_more - t1, 1e-9) / _EXTRA / (tp // local_tp)
         self.blocks[block_key(tp, seq, micro_batch, mode)] = block
         if mode is None:
             self.outsides[outside_key(tp, seq, micro_batch)] = max(t1 - block * (tp // local_tp), 0.0)
-        if not self.optimizer:
-            self.optimizer = self._optimizer(one)
+
+    def refine(self, rounds: int = 5) -> None:
+        """Time every shape measured so far again, ``rounds`` times, round-robin over the shapes (a machine whose
+        load drifts then disturbs every shape alike, as the lazily measured ones were timed one after the other);
+        each model keeps its best time."""
+        for _ in range(rounds):
+            for (tp, seq, micro_batch, mode), (local_tp, best) in self._runs.items():
+                models = [self._build(local_tp, 1, seq, mode), self._build(local_tp, 1 + _EXTRA, seq, mode)]
+                batch = self._batch(models[0], micro_batch, seq)
+                for i, model in enumerate(models):
+                    self._sync()
+                    start = _time.perf_counter()
+                    self._run(model, batch)
+                    self._sync()
+                    best[i] = min(best[i], _time.perf_counter() - start)
+        for shape in self._runs:
+            self._record(*shape)
 
     def _optimizer(self, model) -> float:
         params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters() if p.requires_grad]

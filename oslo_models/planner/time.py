@@ -18,12 +18,12 @@ the checkpointing mode) times the rank's layers, plus the embedding/head/loss ti
 optimizer step (seconds per parameter byte times the rank's ZeRO-sharded parameter bytes): small local matmuls run
 at a lower rate than a large square one, and norms, rotary, softmax and AdamW cost time that FLOPs ignore.
 
-Collectives use the ring costs: all-reduce ``2 (g-1)/g n / B + 2 (g-1) a``; all-gather / reduce-scatter
-``(g-1)/g n / B + (g-1) a``; point-to-point ``n / B + a``; the latency term is paid once per call, and calls are
-counted from the layout: tp, per layer and microbatch, 4 all-reduces (2 forward, 2 backward) plus the embedding's
-and the head's, plus the vocab-parallel loss's 3 small ones; sp, per layer 4 all-gathers and 4 reduce-scatters plus
-2 of each for the embedding and head; DDP one all-reduce per 25 MiB bucket; ZeRO-1 one broadcast (costed as an
-all-gather) per parameter tensor; FSDP2 (ZeRO-2/3) per unit (a layer, and the root) and microbatch 1 (ZeRO-2) or 2
+Collectives use the ring costs: all-reduce ``2 (g-1)/g n / B + 2 (g-1) a``; all-gather / reduce-scatter ``(g-1)/g n
+/ B + (g-1) a``; point-to-point ``n / B + a``; the latency term is paid once per call, and calls are counted from
+the layout: tp, per layer and microbatch, 4 all-reduces (2 forward, 2 backward) plus the embedding's and the head's,
+plus the vocab-parallel loss's 3 small ones; sp, per layer 4 all-gathers and 4 reduce-scatters plus 2 of each for
+the embedding and head; DDP one all-reduce per 25 MiB bucket; ZeRO-1 its broadcasts (costed as one all-gather:
+issued together, waited together); FSDP2 (ZeRO-2/3) per unit (a layer, and the root) and microbatch 1 (ZeRO-2) or 2
 (ZeRO-3) all-gathers and a reduce-scatter. A group uses the inter-node link when its ranks span more than one node
 (mesh order ``(pp, dp, cp, tp)``, tp innermost: a group's span is its size times the product of the sizes inside
 it).
@@ -233,13 +233,13 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
                                       / link[0] + link[1])
     if dp_cp > 1 and param_bytes:
         span = dp_cp * tp
-        tensors = max(1, round(len(facts.parameters()) / pp))
         if stage <= 1:  # once per step: DDP's all-reduce per bucket (it skips the accumulation steps); ZeRO-1 then
-            # broadcasts every parameter from the rank that stepped it
+            # broadcasts every parameter from the rank that stepped it, all issued at once and waited together
+            # (torch's ZeroRedundancyOptimizer): one latency per owning rank
             buckets = -(-param_bytes // _DDP_BUCKET)
             once = all_reduce(param_bytes, dp_cp, hardware.link(span), calls=buckets)
             if stage:
-                once += all_gather(param_bytes, dp_cp, hardware.link(span, "all_gather"), calls=tensors)
+                once += all_gather(param_bytes, dp_cp, hardware.link(span, "all_gather"), calls=1)
             per_microbatch = 0.0
         else:  # FSDP2, one unit per layer and the root: gathers (1 at ZeRO-2, 2 at ZeRO-3) and a reduce-scatter
             units = round(layers) + 1
