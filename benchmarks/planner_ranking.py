@@ -28,7 +28,7 @@ and also for a second calibration, ``effective``: the compute rate the measured 
 world, before the trainings, every rank times the real Llama block forward + backward at each layout's local shapes
 (``Profiler``: tp local widths, ``seq / cp``, micro-batch, checkpointing; then ``refine``: all shapes again,
 round-robin), the embedding/head and AdamW per parameter byte, all ranks at once (so under the same contention as
-the trainings; per shape the slowest rank's figure), and measures the overlap coefficient (``measure_overlap``) and
+the trainings; per timed run the fastest rank's figure), and measures the overlap coefficient (``measure_overlap``) and
 each collective's bandwidth and latency (``measure_collectives``) on the world group. Nothing is fitted to the
 measured step times: the same figures and the same model predict every layout.
 
@@ -175,7 +175,7 @@ def calibrate_world() -> tuple[int, float, float, float]:
 
 def measure_profile(world: int, hardware) -> dict:
     """Every rank times the shapes this world's layouts ask for (the predictions drive the ``Profiler``), then the
-    slowest rank's figure per shape is kept; plus the overlap coefficient and per-kind collective costs on the world
+    fastest rank's raw time per run is kept; plus the overlap coefficient and per-kind collective costs on the world
     group (collective)."""
     import dataclasses
 
@@ -188,14 +188,14 @@ def measure_profile(world: int, hardware) -> dict:
     for options in LAYOUTS[world]:
         predict(world, options, profiled)
     profiler.refine(rounds=5)  # every shape again, round-robin: the machine's load drifts alike over all
-    for table in (profiler.blocks, profiler.outsides):
-        keys = sorted(table)
-        values = torch.tensor([table[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        table.update(zip(keys, values.tolist()))
-    optimizer = torch.tensor([profiler.optimizer], dtype=torch.float64)
-    dist.all_reduce(optimizer, op=dist.ReduceOp.MAX)
-    profiler.optimizer = float(optimizer)
+
+    def least(values):  # per raw time, the least disturbed rank's (as a layout's time is its fastest step)
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return tensor.tolist()
+
+    profiler.combine(least)
+    profiler.optimizer = least([profiler.optimizer])[0]
     overlap = measure_overlap()
     collectives = measure_collectives()
     return {"table": profiler.to_dict(), "overlap": overlap, "collectives": [list(c) for c in collectives]}

@@ -188,6 +188,16 @@ class Profiler(ProfileTable):
         if mode is None:
             self.outsides[outside_key(tp, seq, micro_batch)] = max(t1 - block * (tp // local_tp), 0.0)
 
+    def combine(self, reduce) -> None:
+        """Replace every shape's raw best times by ``reduce(times)`` (a flat list in a fixed shape order, e.g. the
+        least over the ranks of a world that profiled at once: an all-reduce MIN) and derive the figures again.
+        The raw times are combined, not the derived differences (a block is a difference of two runs)."""
+        shapes = sorted(self._runs, key=str)
+        flat = reduce([t for shape in shapes for t in self._runs[shape][1]])
+        for i, shape in enumerate(shapes):
+            self._runs[shape] = (self._runs[shape][0], list(flat[2 * i:2 * i + 2]))
+            self._record(*shape)
+
     def refine(self, rounds: int = 5) -> None:
         """Time every shape measured so far again, ``rounds`` times, round-robin over the shapes (a machine whose
         load drifts then disturbs every shape alike, as the lazily measured ones were timed one after the other);
@@ -221,7 +231,7 @@ class Profiler(ProfileTable):
         return best / sum(p.numel() * p.element_size() for p in params)
 
 
-def measure_overlap(group=None, repeats: int = 5, nbytes: int = 1 << 22) -> float:
+def measure_overlap(group=None, repeats: int = 8, nbytes: int = 1 << 24) -> float:
     """The share of a collective that runs hidden behind compute on this device and ``group`` (collective): an
     all-reduce of ``nbytes`` alone (``t_m``), a compute kernel alone sized to last about as long (``t_c``: matmuls,
     so neither can hide the other merely by being short) and both at once (the all-reduce launched asynchronously,
