@@ -20,6 +20,11 @@ What is timed (forward + backward, best of ``repeats`` after a warm-up, on one p
 - ``optimizer_per_byte()``: ``torch.optim.AdamW``'s step over the one-layer model's parameters, seconds per
   parameter byte (the optimizer step of a rank is this times its local, ZeRO-sharded, parameter bytes).
 
+Not profiled: expert parallelism (a mixture-of-experts block is timed with every expert local; ep's all-to-alls are
+``time.py``'s), the ring attention's own kernels under context parallelism (the block runs plain attention over its
+chunk; ``time.py`` adds the other chunks' attention at the matmul rate), and FSDP2's or DDP's own bookkeeping (only
+their collectives are counted).
+
 Sequence parallelism does not change a block's local matmul shapes (only its norms run on ``1 / tp`` of the
 tokens), so it is not part of the key: its cost is the collectives it adds, counted by ``time.py``. Checkpointing
 modes ``partitioned`` and ``offload`` recompute what ``full`` does and are timed as ``full``.
