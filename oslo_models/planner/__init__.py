@@ -64,7 +64,8 @@ def plan(model, *, world_size: int, memory_per_device, global_batch: int, seq_le
         hardware: rates and links (default ``Hardware.default``: CUDA figures when CUDA is present, else CPU);
             ``profile=True`` measures this machine (``profile.profiled_hardware``): the real blocks timed at each
             candidate's local shapes replace the FLOP-rate compute, and with a process group up the overlap
-            coefficient and the collectives' costs are measured on it.
+            coefficient and the collectives' costs are measured on it. The shapes the search asked for are then timed
+            again ``profile_repeats`` times round-robin (``Profiler.refine``) and the search is run again on them.
     Returns a ``SearchResult``: ``candidates`` fastest first (empty when nothing fits; then ``smallest`` is the
     accepted layout with the least memory).
     """
@@ -86,5 +87,9 @@ def plan(model, *, world_size: int, memory_per_device, global_batch: int, seq_le
         from .profile import profiled_hardware
 
         hardware = profiled_hardware(facts, hardware, repeats=profile_repeats)
-    return search(facts, world_size, memory_cap=parse_bytes(memory_per_device), global_batch=global_batch,
-                  seq_len=seq_len, hardware=hardware, space=space or SearchSpace(), top=top)
+    kw = dict(memory_cap=parse_bytes(memory_per_device), global_batch=global_batch, seq_len=seq_len,
+              hardware=hardware, space=space or SearchSpace(), top=top)
+    if profile:  # the lazily timed shapes were timed one after the other: again round-robin, then rank on that
+        search(facts, world_size, **kw)
+        hardware.profile.refine(profile_repeats)
+    return search(facts, world_size, **kw)

@@ -98,6 +98,12 @@ def test_profiler_times_the_block_at_local_widths():
     llama = Profiler(ModelFacts(om.LlamaForCausalLM, tiny_config("llama", num_hidden_layers=1)), repeats=1)
     assert llama.block(2, 8, 1) > 0 and llama.outside(2, 8, 1) >= 0 and llama.optimizer > 0
     assert not llama.notes
+    before = dict(llama.blocks)
+    llama.refine(1)  # timed again round-robin: the same shapes, each keeping its best
+    assert set(llama.blocks) == set(before) and all(llama.blocks[k] > 0 for k in before)
+    block = llama.block(2, 8, 1)
+    llama.combine(lambda times: [2 * t for t in times])  # combined on the raw runs: the difference doubles too
+    assert llama.block(2, 8, 1) == pytest.approx(2 * block)
     gpt2_class = om.models.registry.family_record("gpt2").model_class("causal_lm")
     gpt2 = Profiler(ModelFacts(gpt2_class, tiny_config("gpt2", n_layer=1)), repeats=1)
     assert gpt2.block(2, 8, 1) > 0
