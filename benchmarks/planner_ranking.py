@@ -1,6 +1,7 @@
 """The planner's predicted step-time ranking against measured step times (issue 31), on gloo CPU processes.
 
-    python benchmarks/planner_ranking.py [--worlds 2 4] [--rounds 6] [--json benchmarks/planner_ranking.json]
+    python benchmarks/planner_ranking.py [--worlds 2 4] [--rounds 6] [--profile] [--json out.json]
+    python benchmarks/planner_ranking.py --repredict old.json [--profile]   # re-predict, measured times kept
 
 What runs. A small Llama (hidden 256, 4 layers, 8 heads, 4 key/value heads, intermediate 688, vocab 2048; 3.7M
 parameters), global batch 8 x 128 tokens, fp32, AdamW. In ONE spawned world per size (2, 4, 8 processes), every
@@ -22,6 +23,18 @@ calibrated hardware (no accumulation: the micro-batch is the replica batch, or b
 pipeline). Kendall's tau-b between predicted and measured times (hand-written; no scipy here) is reported per world
 and also for a second calibration, ``effective``: the compute rate the measured dp-only ZeRO-0 layout achieves
 (its FLOPs / its time), which folds the non-matmul work (norms, softmax, AdamW, autograd bookkeeping) into the rate.
+
+``--profile`` adds a third, ``profile``: the planner's profiled time model (``planner/profile.py``). In the same
+world, before the trainings, every rank times the real Llama block forward + backward at each layout's local shapes
+(``Profiler``: tp local widths, ``seq / cp``, micro-batch, checkpointing; then ``refine``: all shapes again,
+round-robin), the embedding/head and AdamW per parameter byte, all ranks at once (so under the same contention as
+the trainings; per timed run the fastest rank's figure), and measures the overlap coefficient (``measure_overlap``) and
+each collective's bandwidth and latency (``measure_collectives``) on the world group. Nothing is fitted to the
+measured step times: the same figures and the same model predict every layout.
+
+``--repredict old.json`` re-predicts from a saved report without training again (the measured step times kept):
+time-model changes can be evaluated offline. With ``--profile`` and a report that holds no profile, a world of the
+same size is started to measure the profile (and overlap, collectives) only.
 
 Not in CI (minutes on the 2-core sandbox). Timings on a loaded shared machine are noisy: the JSON keeps every step.
 """
@@ -160,11 +173,51 @@ def calibrate_world() -> tuple[int, float, float, float]:
     return dist.get_world_size(), matmul, bandwidth, latency
 
 
-def _worker(out_dir: str, rounds: int) -> None:
+def measure_profile(world: int, hardware) -> dict:
+    """Every rank times the shapes this world's layouts ask for (the predictions drive the ``Profiler``), then the
+    fastest rank's raw time per run is kept; plus the overlap coefficient and per-kind collective costs on the world
+    group (collective)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from oslo_models.planner.profile import Profiler, measure_collectives, measure_overlap
+
+    profiler = Profiler(_facts())
+    profiled = dataclasses.replace(hardware, profile=profiler)
+    for options in LAYOUTS[world]:
+        predict(world, options, profiled)
+    profiler.refine(rounds=5)  # every shape again, round-robin: the machine's load drifts alike over all
+
+    def least(values):  # per raw time, the least disturbed rank's (as a layout's time is its fastest step)
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return tensor.tolist()
+
+    profiler.combine(least)
+    profiler.optimizer = least([profiler.optimizer])[0]
+    overlap = measure_overlap()
+    collectives = measure_collectives()
+    return {"table": profiler.to_dict(), "overlap": overlap, "collectives": [list(c) for c in collectives]}
+
+
+def _worker(out_dir: str, rounds: int, profile: bool = False, train: bool = True) -> None:
     import torch.distributed as dist
     import transformers
 
+    from oslo_models.planner.time import Hardware
+
     world, matmul, bandwidth, latency = calibrate_world()
+    measured = {"matmul_flops": matmul, "bandwidth": bandwidth, "latency": latency}
+    if profile:
+        start = time.perf_counter()
+        measured["profile"] = measure_profile(world, Hardware(matmul, bandwidth, latency, bandwidth, latency, world))
+        measured["profile"]["seconds"] = time.perf_counter() - start
+    if not train:
+        if dist.get_rank() == 0:
+            with open(os.path.join(out_dir, f"world{world}.json"), "w") as handle:
+                json.dump(measured, handle)
+        return
     config = transformers.LlamaConfig(**CONFIG)
     built = [_build(options, config) for options in LAYOUTS[world]]
     times = [[] for _ in built]
@@ -176,19 +229,25 @@ def _worker(out_dir: str, rounds: int) -> None:
     if dist.get_rank() == 0:
         rows = [{"options": options, "step_times": t} for options, t in zip(LAYOUTS[world], times)]
         with open(os.path.join(out_dir, f"world{world}.json"), "w") as handle:
-            json.dump({"matmul_flops": matmul, "bandwidth": bandwidth, "latency": latency, "rows": rows}, handle)
+            json.dump(dict(measured, rows=rows), handle)
 
 
-def predict(world: int, options: dict, hardware) -> dict:
+def _facts():
     import transformers
 
     import oslo_models as om
-    from oslo_models.composition import Layout, refusal
     from oslo_models.planner.facts import ModelFacts
+
+    if getattr(_facts, "value", None) is None:
+        _facts.value = ModelFacts(om.LlamaForCausalLM, transformers.LlamaConfig(**CONFIG))
+    return _facts.value
+
+
+def predict(world: int, options: dict, hardware) -> dict:
+    from oslo_models.composition import Layout, refusal
     from oslo_models.planner.search import evaluate
 
-    facts = predict.facts = getattr(predict, "facts", None) or ModelFacts(om.LlamaForCausalLM,
-                                                                          transformers.LlamaConfig(**CONFIG))
+    facts = _facts()
     parallel = {k: v for k, v in options.items() if k != "zero_stage"}
     layout = Layout(parallel=parallel, zero_stage=options.get("zero_stage", 0))
     problem = refusal(layout, facts.model_class, facts.config)
@@ -203,54 +262,105 @@ def predict(world: int, options: dict, hardware) -> dict:
             "flops": facts.flops_per_token(SEQ) * GLOBAL_BATCH * SEQ}
 
 
-def main() -> None:
-    import tempfile
+def predictions(world: int, measured: dict) -> dict:
+    """The world's rows with the predictions of every calibration, and the taus (no measuring)."""
     from dataclasses import replace
 
+    from oslo_models.planner.profile import ProfileTable
     from oslo_models.planner.time import Hardware
+
+    calibrated = Hardware(measured["matmul_flops"], measured["bandwidth"], measured["latency"],
+                          measured["bandwidth"], measured["latency"], devices_per_node=world)
+    rows = []
+    for row in measured["rows"]:
+        rows.append({"options": row["options"], "step_times": row["step_times"], "measured": min(row["step_times"]),
+                     "median": statistics.median(row["step_times"]),
+                     "predicted": predict(world, row["options"], calibrated)})
+    # the effective rate: the first layout (dp only, ZeRO-0) with its communication taken out
+    first = rows[0]
+    effective_rate = first["predicted"]["flops"] / world / max(
+        1e-9, first["measured"] - sum(first["predicted"]["communication"].values()))
+    effective = replace(calibrated, matmul_flops=effective_rate)
+    kinds = ["predicted", "predicted_effective"]
+    for row in rows:
+        row["predicted_effective"] = predict(world, row["options"], effective)
+    out = {"hardware": {k: v for k, v in measured.items() if k != "rows"}, "effective_flops": effective_rate}
+    if "profile" in measured:
+        profile = measured["profile"]
+        profiled = replace(calibrated, overlap=profile["overlap"],
+                           collectives=tuple(tuple(c) for c in profile["collectives"]),
+                           profile=ProfileTable.from_dict(profile["table"]))
+        kinds.append("predicted_profile")
+        for row in rows:
+            row["predicted_profile"] = predict(world, row["options"], profiled)
+    for kind in kinds:
+        name = {"predicted": "kendall_tau", "predicted_effective": "kendall_tau_effective",
+                "predicted_profile": "kendall_tau_profile"}[kind]
+        out[name] = kendall_tau([r[kind]["total"] for r in rows], [r["measured"] for r in rows])
+    out["rows"] = rows
+    return out
+
+
+def show(world: int, result: dict) -> None:
+    hw = result["hardware"]
+    profile = hw.get("profile")
+    print(f"world {world}: matmul {hw['matmul_flops']:.3g} FLOP/s, effective {result['effective_flops']:.3g}, "
+          f"gloo {hw['bandwidth']:.3g} B/s {hw['latency']:.2e} s; tau {result['kendall_tau']:.3f} "
+          f"(effective rate: {result['kendall_tau_effective']:.3f}"
+          + (f", profile: {result['kendall_tau_profile']:.3f}" if profile else "") + ")")
+    if profile:
+        print(f"  profile: overlap {profile['overlap']:.3f}, "
+              + ", ".join(f"{k} {b:.3g} B/s {lat:.2e} s" for k, b, lat in profile["collectives"])
+              + f", optimizer {profile['table']['optimizer']:.3g} s/B, {len(profile['table']['blocks'])} block "
+              f"shapes")
+    for r in sorted(result["rows"], key=lambda r: r["measured"]):
+        extra = f", profile {r['predicted_profile']['total']:.3f} s" if profile else ""
+        print(f"  {r['predicted']['layout']:<40} measured {r['measured']:.3f} s  predicted "
+              f"{r['predicted']['total']:.3f} s (effective {r['predicted_effective']['total']:.3f} s{extra})")
+
+
+def main() -> None:
+    import tempfile
+
     from tests.helpers.dist import run_distributed
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=6, help="timed steps per layout (round-robin, after a warm-up)")
+    parser.add_argument("--profile", action="store_true", help="also the profiled time model (planner/profile.py)")
+    parser.add_argument("--repredict", help="a saved report: predict again, without training (times kept)")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                        "planner_ranking.json"))
     args = parser.parse_args()
-    report = {"machine": "2-core CPU sandbox shared with other jobs, gloo", "torch": torch.__version__,
-              "load_average_before": os.getloadavg(), "config": CONFIG, "global_batch": GLOBAL_BATCH,
-              "seq_len": SEQ, "worlds": {}}
+    if args.repredict:
+        with open(args.repredict) as handle:
+            report = json.load(handle)
+        report["repredicted_from"] = args.repredict
+    else:
+        report = {"machine": "2-core CPU sandbox shared with other jobs, gloo", "torch": torch.__version__,
+                  "load_average_before": os.getloadavg(), "config": CONFIG, "global_batch": GLOBAL_BATCH,
+                  "seq_len": SEQ, "worlds": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for world in args.worlds:
+        for world in (map(int, report["worlds"]) if args.repredict else args.worlds):
             start = time.perf_counter()
-            run_distributed(_worker, world, tmp, args.rounds, timeout=3600)
-            with open(os.path.join(tmp, f"world{world}.json")) as handle:
-                measured = json.load(handle)
-            calibrated = Hardware(measured["matmul_flops"], measured["bandwidth"], measured["latency"],
-                                  measured["bandwidth"], measured["latency"], devices_per_node=world)
-            rows = []
-            for row in measured["rows"]:
-                rows.append({**row, "measured": min(row["step_times"]), "median": statistics.median(row["step_times"]),
-                             "predicted": predict(world, row["options"], calibrated)})
-            # the effective rate: the first layout (dp only, ZeRO-0) with its communication taken out
-            first = rows[0]
-            effective_rate = first["predicted"]["flops"] / world / max(
-                1e-9, first["measured"] - sum(first["predicted"]["communication"].values()))
-            effective = replace(calibrated, matmul_flops=effective_rate)
-            for row in rows:
-                row["predicted_effective"] = predict(world, row["options"], effective)
-            tau = kendall_tau([r["predicted"]["total"] for r in rows], [r["measured"] for r in rows])
-            tau_eff = kendall_tau([r["predicted_effective"]["total"] for r in rows], [r["measured"] for r in rows])
-            report["worlds"][str(world)] = {"hardware": measured | {"rows": None}, "effective_flops": effective_rate,
-                                            "kendall_tau": tau, "kendall_tau_effective": tau_eff, "rows": rows,
-                                            "seconds": time.perf_counter() - start}
-            print(f"world {world}: matmul {measured['matmul_flops']:.3g} FLOP/s, effective {effective_rate:.3g}, "
-                  f"gloo {measured['bandwidth']:.3g} B/s {measured['latency']:.2e} s; tau {tau:.3f} "
-                  f"(effective rate: {tau_eff:.3f}); {time.perf_counter() - start:.0f} s")
-            ranked = sorted(rows, key=lambda r: r["measured"])
-            for r in ranked:
-                print(f"  {r['predicted']['layout']:<48} measured {r['measured']:.3f} s  predicted "
-                      f"{r['predicted']['total']:.3f} s (effective {r['predicted_effective']['total']:.3f} s)")
-    report["load_average_after"] = os.getloadavg()
+            if args.repredict:
+                old = report["worlds"][str(world)]
+                measured = dict(old["hardware"], rows=old["rows"])
+                if args.profile and "profile" not in measured:  # measure the profile alone in a fresh world
+                    run_distributed(_worker, world, tmp, 0, True, False, timeout=3600)
+                    with open(os.path.join(tmp, f"world{world}.json")) as handle:
+                        measured["profile"] = json.load(handle)["profile"]
+                    report["profile_load_average"] = os.getloadavg()
+            else:
+                run_distributed(_worker, world, tmp, args.rounds, args.profile, timeout=3600)
+                with open(os.path.join(tmp, f"world{world}.json")) as handle:
+                    measured = json.load(handle)
+            result = predictions(world, measured)
+            result["seconds"] = time.perf_counter() - start
+            report["worlds"][str(world)] = result
+            show(world, result)
+    if not args.repredict:
+        report["load_average_after"] = os.getloadavg()
     with open(args.json, "w") as handle:
         json.dump(report, handle, indent=1)
     print(f"wrote {args.json}")

@@ -4,6 +4,10 @@
         --global-batch 512 --seq-len 4096 [--devices-per-node 8] [--profile] [--top 10] [--json plan.json]
         [--per-block]   # also per-block plans: ParallelConfig.block_plan (planner/blocks.py)
 
+``--profile`` times the model's real blocks on this machine's device at each candidate's local shapes
+(``planner/profile.py``) instead of counting FLOPs; under ``torchrun`` it also measures the overlap coefficient and
+the collectives' costs on the world group.
+
 The JSON file is exactly ``ParallelConfig.to_json`` of the best layout (``ParallelConfig.from_json`` reads it);
 the training options a ParallelConfig does not hold (micro-batch size, gradient accumulation, mixed precision) are
 printed under the table, and all candidates go to ``--report report.json`` if asked.
@@ -27,7 +31,10 @@ def add_parser(commands, formatter_class) -> None:
     plan.add_argument("--devices-per-node", type=int, default=8, help="devices sharing the fast intra-node link")
     plan.add_argument("--nodes", type=int, help="nodes (sets --devices-per-node to world-size / nodes)")
     plan.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="default rates of this device type")
-    plan.add_argument("--profile", action="store_true", help="measure the matmul rate on this machine's device")
+    plan.add_argument("--profile", action="store_true",
+                      help="time the model's real blocks at each layout's local shapes on this machine's device "
+                           "(and the matmul rate) instead of counting FLOPs")
+    plan.add_argument("--profile-repeats", type=int, default=5, help="timed runs per profiled shape (best kept)")
     plan.add_argument("--offload", action="store_true", help="also consider CPU offload (ZeRO-2/3)")
     plan.add_argument("--per-block", action="store_true",
                       help="also plan per block (ZeRO 'auto': shard/replicate, reshard, checkpoint each block)")
@@ -52,11 +59,9 @@ def format_table(candidates) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from . import parse_bytes, plan
     from .search import SearchSpace
-    from .time import Hardware, profile_matmul
+    from .time import Hardware
 
     per_node = args.devices_per_node
     if args.nodes:
@@ -64,16 +69,21 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--nodes {args.nodes} does not divide --world-size {args.world_size}")
         per_node = args.world_size // args.nodes
     hardware = Hardware.default(args.device, per_node)
-    if args.profile:
-        hardware = replace(hardware, matmul_flops=profile_matmul())
     space = SearchSpace(cpu_offload=(False, True) if args.offload else (False,),
                         mixed_precision=args.mixed_precision, per_block=args.per_block)
     cap = parse_bytes(args.memory_per_device)
     result = plan(args.model, world_size=args.world_size, memory_per_device=cap, global_batch=args.global_batch,
-                  seq_len=args.seq_len, top=args.top, hardware=hardware, space=space)
+                  seq_len=args.seq_len, top=args.top, hardware=hardware, space=space, profile=args.profile,
+                  profile_repeats=args.profile_repeats)
+    hardware = result.hardware
     print(f"hardware: {hardware.matmul_flops:.3g} FLOP/s, intra-node {hardware.intra_bandwidth:.3g} B/s "
           f"{hardware.intra_latency:.1e} s, inter-node {hardware.inter_bandwidth:.3g} B/s "
-          f"{hardware.inter_latency:.1e} s, {per_node} devices per node")
+          f"{hardware.inter_latency:.1e} s, {per_node} devices per node, overlap {hardware.overlap:g}")
+    if hardware.profile is not None:
+        table = hardware.profile
+        print(f"profiled: {len(table.blocks)} block shapes and {len(table.outsides)} embedding/head shapes timed "
+              f"(forward + backward), optimizer {table.optimizer:.3g} s per parameter byte"
+              + "".join(f"; {note}" for note in table.notes))
     print(f"{result.considered} accepted layouts evaluated; refused by the composition check: "
           f"{sum(result.refused.values())}")
     if not result.candidates:

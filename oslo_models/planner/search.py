@@ -186,12 +186,13 @@ class SearchResult:
     considered: int = 0
     refused: dict = field(default_factory=dict)  # reason -> count
     smallest: Candidate | None = None  # the layout with the least memory (reported when nothing fits)
+    hardware: Hardware | None = None  # what the times were predicted with (measured figures under profiling)
 
 
 def brute_force(facts: ModelFacts, world_size: int, *, memory_cap: float, global_batch: int, seq_len: int,
                 hardware: Hardware, space: SearchSpace = SearchSpace(), top: int = 10) -> SearchResult:
     """Every candidate checked and evaluated in full, then sorted: the reference ``search`` is tested against."""
-    result, fitting = SearchResult([]), []
+    result, fitting = SearchResult([], hardware=hardware), []
     for shape in parallel_shapes(facts, world_size, space, seq_len):
         for layout, mbs, m in _options(facts, shape, space, global_batch):
             if refusal(layout, facts.model_class, facts.config) is not None:
@@ -243,7 +244,7 @@ def per_block_candidates(facts: ModelFacts, world_size: int, *, memory_cap: floa
 def search(facts: ModelFacts, world_size: int, *, memory_cap: float, global_batch: int, seq_len: int,
            hardware: Hardware, space: SearchSpace = SearchSpace(), top: int = 10) -> SearchResult:
     """The ``top`` fastest layouts under ``memory_cap`` bytes per device (exact; see the module docstring)."""
-    result = SearchResult([])
+    result = SearchResult([], hardware=hardware)
     heap: list = []  # (-time, -memory, reverse description) of the best ``top``: heap[0] is the worst kept
     refusals: dict = {}
     for shape in parallel_shapes(facts, world_size, space, seq_len):

@@ -8,18 +8,35 @@ latency (s) for links inside a node and across nodes. Defaults, stated here and 
 - ``cpu``: 50e9 FLOP/s, 5e9 B/s and 50e-6 s (gloo over loopback).
 
 ``profile_matmul`` measures the rate on the device at hand (one square matmul, timed); ``measure_links``
-measures bandwidth and latency with two all-reduce sizes on a live process group.
+measures bandwidth and latency with two all-reduce sizes on a live process group; ``profile.measure_collectives``
+measures all-reduce, all-gather and reduce-scatter each (``Hardware.collectives``: backends differ per kind).
 
-Collectives use the ring costs: all-reduce ``2 (g-1)/g n / B + 2 (g-1) a``; all-gather / reduce-scatter
-``(g-1)/g n / B + (g-1) a``; point-to-point ``n / B + a``. A group uses the inter-node link when its ranks span
-more than one node (mesh order ``(pp, dp, cp, tp)``, tp innermost: a group's span is its size times the product
-of the sizes inside it).
+Compute, two ways. Default: the model's training FLOPs over the matmul rate (``ModelFacts.flops_per_token``; plus
+the recomputed share under checkpointing). Profiled (``Hardware.profile``, ``--profile``; ``profile.py``): the REAL
+block timed forward + backward at this rank's local shapes (tp's local widths, ``seq / cp`` tokens, the micro-batch,
+the checkpointing mode) times the rank's layers, plus the embedding/head/loss timed alike, per microbatch, plus the
+optimizer step (seconds per parameter byte times the rank's ZeRO-sharded parameter bytes): small local matmuls run
+at a lower rate than a large square one, and norms, rotary, softmax and AdamW cost time that FLOPs ignore.
 
-Overlap rules: tensor-parallel and expert all-to-all collectives are on the critical path (fully exposed);
-data-parallel traffic (DDP's all-reduce once per step, FSDP2's gathers and reduce-scatter once per microbatch)
-overlaps the backward of the microbatch it follows, so only what exceeds it is exposed (not overlapped under a
-pipeline: the runner reduces after the schedule); the context-parallel ring overlaps the
-attention it feeds; pipeline sends are exposed once per microbatch boundary.
+Collectives use the ring costs: all-reduce ``2 (g-1)/g n / B + 2 (g-1) a``; all-gather / reduce-scatter ``(g-1)/g n
+/ B + (g-1) a``; point-to-point ``n / B + a``; the latency term is paid once per call, and calls are counted from
+the layout: tp, per layer and microbatch, 4 all-reduces (2 forward, 2 backward) plus the embedding's and the head's,
+plus the vocab-parallel loss's 3 small ones; sp, per layer 4 all-gathers and 4 reduce-scatters plus 2 of each for
+the embedding and head; DDP one all-reduce per 25 MiB bucket; ZeRO-1 its broadcasts (costed as one all-gather:
+issued together, waited together); FSDP2 (ZeRO-2/3) per unit (a layer, and the root) and microbatch 1 (ZeRO-2) or 2
+(ZeRO-3) all-gathers and a reduce-scatter. A group uses the inter-node link when its ranks span more than one node
+(mesh order ``(pp, dp, cp, tp)``, tp innermost: a group's span is its size times the product of the sizes inside
+it).
+
+Overlap rules and the overlap coefficient. Tensor-parallel and expert all-to-all collectives are on the critical
+path (fully exposed). Data-parallel traffic (DDP's all-reduce once per step, FSDP2's gathers and reduce-scatter once
+per microbatch) can hide behind the backward of the microbatch it follows (not under a pipeline: the runner reduces
+after the schedule); the context-parallel ring behind the attention it feeds; pipeline sends are exposed once per
+microbatch boundary. How much of that compute a collective really hides behind is ``Hardware.overlap``, the overlap
+coefficient, MEASURED by ``profile.measure_overlap`` on the current group (a compute kernel alone, a collective
+alone, both at once: ``(t_c + t_m - t_both) / min(t_c, t_m)``, as Galvatron's ``overlap_coe``): exposed =
+``max(0, communication - overlap x compute)``. It is 1 (full hiding) by default, what NCCL on its own streams
+approaches; gloo on a small CPU box, where the same cores run the collective and the math, measures near 0.
 
 Bubble: from the schedule's own action list (``pipeline_bubble``): the torch schedule the runner runs gives each
 pipeline rank's compute actions in order (``pipeline.plot.schedule_actions``), which are replayed with the
@@ -49,10 +66,15 @@ class Hardware:
     devices_per_node: int = 8
     host_bandwidth: float = 25e9  # device <-> host (offload), bytes/s
     host_flops: float = 1e11  # the optimizer step on the host under offload, FLOP/s
-    # the share of a block's compute its data-parallel traffic can hide behind, in the per-block model
-    # (blocks.py): 1 where collectives run on their own engine (NCCL), 0 where they share the cores (gloo on a
-    # small CPU box: nothing overlaps)
+    # the overlap coefficient: the share of the compute a collective can hide behind that it does hide (module
+    # docstring; ``profile.measure_overlap``): 1 where collectives run on their own engine (NCCL), near 0 where
+    # they share the cores (gloo on a small CPU box)
     overlap: float = 1.0
+    # measured per-kind ``(kind, bandwidth, latency)`` (``profile.measure_collectives``) for groups inside a node;
+    # empty: every kind uses ``intra_bandwidth`` / ``intra_latency``
+    collectives: tuple = ()
+    # a ``profile.ProfileTable`` (the real blocks timed at local shapes): replaces the FLOP-rate compute
+    profile: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def default(cls, device_type: str = "cuda", devices_per_node: int = 8) -> "Hardware":
@@ -60,9 +82,13 @@ class Hardware:
             return cls(400e12, 200e9, 5e-6, 25e9, 10e-6, devices_per_node)
         return cls(50e9, 5e9, 50e-6, 5e9, 50e-6, devices_per_node, host_bandwidth=20e9, host_flops=50e9)
 
-    def link(self, span: int) -> tuple[float, float]:
-        """``(bandwidth, latency)`` of a group whose ranks span ``span`` consecutive global ranks."""
+    def link(self, span: int, kind: str = "all_reduce") -> tuple[float, float]:
+        """``(bandwidth, latency)`` of a ``kind`` collective on a group whose ranks span ``span`` consecutive
+        global ranks."""
         if span <= self.devices_per_node:
+            for name, bandwidth, latency in self.collectives:
+                if name == kind:
+                    return bandwidth, latency
             return self.intra_bandwidth, self.intra_latency
         return self.inter_bandwidth, self.inter_latency
 
@@ -114,18 +140,19 @@ def measure_links(group=None, sizes: tuple[int, int] = (1 << 10, 1 << 22), repea
     return bandwidth, latency
 
 
-def all_reduce(nbytes: float, g: int, link) -> float:
-    return 0.0 if g <= 1 else 2 * (g - 1) / g * nbytes / link[0] + 2 * (g - 1) * link[1]
+def all_reduce(nbytes: float, g: int, link, calls: int = 1) -> float:
+    """``nbytes`` reduced in ``calls`` all-reduces (the volume term is the total's; each call pays the latency)."""
+    return 0.0 if g <= 1 else 2 * (g - 1) / g * nbytes / link[0] + calls * 2 * (g - 1) * link[1]
 
 
-def all_gather(nbytes: float, g: int, link) -> float:
-    """Also a reduce-scatter; ``nbytes``: the gathered (full) size."""
-    return 0.0 if g <= 1 else (g - 1) / g * nbytes / link[0] + (g - 1) * link[1]
+def all_gather(nbytes: float, g: int, link, calls: int = 1) -> float:
+    """Also a reduce-scatter; ``nbytes``: the gathered (full) size, in ``calls`` collectives."""
+    return 0.0 if g <= 1 else (g - 1) / g * nbytes / link[0] + calls * (g - 1) * link[1]
 
 
 @dataclass
 class TimeEstimate:
-    compute: float
+    compute: float  # forward + backward (+ recompute), and the optimizer step
     communication: dict = field(default_factory=dict)  # axis -> exposed seconds
     bubble: float = 0.0
 
@@ -134,40 +161,68 @@ class TimeEstimate:
         return self.compute + sum(self.communication.values()) + self.bubble
 
 
+_RECOMPUTE = {None: 0.0, "selective": 0.1, "full": 1 / 3, "partitioned": 1 / 3, "offload": 1 / 3}
+_DDP_BUCKET = 25 * 2**20  # torch DDP's default bucket: one all-reduce per bucket
+
+
 def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, hardware: Hardware, *,
                   global_batch: int, seq_len: int, micro_batch: int, num_microbatches: int,
                   zero_stage: int | None = None, cpu_offload: bool = False, mixed_precision: str = "no",
                   param_bytes: int | None = None) -> TimeEstimate:
     """One optimizer step of ``global_batch`` sequences of ``seq_len`` tokens. ``num_microbatches``: pipeline
     microbatches, or gradient-accumulation steps without a pipeline; ``param_bytes``: this rank's local
-    (tensor-parallel) parameter bytes, for the data-parallel traffic."""
+    (tensor-parallel) parameter bytes, for the data-parallel traffic and the profiled optimizer step."""
     stage = parallel.zero_stage if zero_stage is None else zero_stage
     tp, pp, cp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.context_parallel_size
     ep, v = parallel.expert_parallel_size, parallel.virtual_pipeline_size
+    sp = parallel.sequence_parallel and tp > 1
     dp = parallel.resolve_data_parallel_size(world_size)
     element = 2 if mixed_precision in ("bf16", "fp16") else facts.parameters()[0].element_size
-    tokens_per_rank = global_batch * seq_len / dp  # the replica's tokens, split over tp/cp/pp by work
-    flops = facts.flops_per_token(seq_len) * tokens_per_rank / (tp * cp * pp)
-    recompute = {None: 0.0, "selective": 0.1, "full": 1 / 3, "partitioned": 1 / 3, "offload": 1 / 3}
-    flops *= 1 + recompute[parallel.activation_checkpointing]
-    compute = flops / hardware.matmul_flops
-    backward = compute * 2 / 3
-
     layers = facts.num_layers / pp
     mb_tokens = micro_batch * seq_len / cp  # tokens of one microbatch on one rank
     steps = num_microbatches
-    comm: dict[str, float] = {}
     h = facts.hidden_size
-    if tp > 1:  # 2 all-reduces forward + 2 backward per layer (sp: all-gather + reduce-scatter, same volume)
-        link = hardware.link(tp)
-        comm["tp"] = steps * layers * 4 * all_reduce(mb_tokens * h * element, tp, link)
+    dp_cp = dp * cp
+    shard = parallel.data_parallel_shard_size or dp_cp
+    profile = hardware.profile
+    if profile is None:  # FLOPs at one matmul rate
+        tokens_per_rank = global_batch * seq_len / dp  # the replica's tokens, split over tp/cp/pp by work
+        flops = facts.flops_per_token(seq_len) * tokens_per_rank / (tp * cp * pp)
+        compute = flops * (1 + _RECOMPUTE[parallel.activation_checkpointing]) / hardware.matmul_flops
+        optimizer = 0.0
+    else:  # the real blocks timed at this rank's shapes (profile.py); the head's stage carries the outside work
+        local_seq = seq_len // cp
+        per_microbatch = (layers * profile.block(tp, local_seq, micro_batch, parallel.activation_checkpointing)
+                          + profile.outside(tp, local_seq, micro_batch))
+        if cp > 1:  # the ring's attention against the other chunks' keys (the profiled block saw its own chunk)
+            per_microbatch += layers * 3 * 2 * seq_len * h * (1 - 1 / cp) * mb_tokens / tp / hardware.matmul_flops
+        compute = steps * per_microbatch
+        sharded = shard if stage >= 1 else 1  # ZeRO-1+ steps only this rank's shard of the parameters
+        optimizer = profile.optimizer_per_byte() * (param_bytes or 0) / sharded if not cpu_offload else 0.0
+    backward = compute * 2 / 3
+    hidden = hardware.overlap  # the share of the compute a collective may hide behind that it does hide
+
+    comm: dict[str, float] = {}
+    if tp > 1:
+        activation = mb_tokens * h * element
+        if sp:  # per layer 2 all-gathers + 2 reduce-scatters forward and as many backward; embedding and head:
+            # a reduce-scatter and an all-gather each way
+            n = layers * 4 + 2
+            per = (all_gather(n * activation, tp, hardware.link(tp, "all_gather"), calls=n)
+                   + all_gather(n * activation, tp, hardware.link(tp, "reduce_scatter"), calls=n))
+        else:  # per layer 2 all-reduces forward + 2 backward; the embedding's forward, the head input's backward
+            n = layers * 4 + 2
+            per = all_reduce(n * activation, tp, hardware.link(tp), calls=n)
+        # vocab-parallel cross-entropy: max, sum of exponentials and target logit, one float per token each
+        per += all_reduce(3 * mb_tokens * 4, tp, hardware.link(tp), calls=3)
+        comm["tp"] = steps * per
     if cp > 1:  # ring: cp - 1 key/value passes forward, twice that backward, overlapping attention compute
         link = hardware.link(cp * tp)
         h_kv = h * facts.num_kv_heads // facts.num_heads
         ring = 3 * (cp - 1) * (2 * mb_tokens * h_kv / tp * element / link[0] + link[1])
         # this rank's queries (mb_tokens, already 1/cp) against every key of the sequence, forward + backward
         attention = 2 * 2 * seq_len * h * layers / 2 * 3 * mb_tokens / tp / hardware.matmul_flops
-        comm["cp"] = steps * max(0.0, layers * ring - attention)
+        comm["cp"] = steps * max(0.0, layers * ring - hidden * attention)
     if ep > 1 and facts.num_experts:  # dispatch + combine, forward and backward
         link = hardware.link(ep * cp * tp)
         volume = mb_tokens * facts.experts_per_token * h * element / tp
@@ -176,29 +231,37 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
         link = hardware.link(dp * cp * tp + 1)  # neighbouring stages are dp x cp x tp ranks apart
         comm["pp"] = 2 * steps * v * (mb_tokens * h * element / (tp if parallel.sequence_parallel else 1)
                                       / link[0] + link[1])
-    dp_cp = dp * cp
     if dp_cp > 1 and param_bytes:
-        link = hardware.link(dp_cp * tp)
-        shard = parallel.data_parallel_shard_size or dp_cp
-        if stage <= 1:  # once per step (DDP skips the accumulation steps); ZeRO-1 all-gathers the new parameters
-            once = all_reduce(param_bytes, dp_cp, link) + (all_gather(param_bytes, dp_cp, link) if stage else 0.0)
+        span = dp_cp * tp
+        if stage <= 1:  # once per step: DDP's all-reduce per bucket (it skips the accumulation steps); ZeRO-1 then
+            # broadcasts every parameter from the rank that stepped it, all issued at once and waited together
+            # (torch's ZeroRedundancyOptimizer): one latency per owning rank
+            buckets = -(-param_bytes // _DDP_BUCKET)
+            once = all_reduce(param_bytes, dp_cp, hardware.link(span), calls=buckets)
+            if stage:
+                once += all_gather(param_bytes, dp_cp, hardware.link(span, "all_gather"), calls=1)
             per_microbatch = 0.0
-        else:  # FSDP2: gathers (1 at ZeRO-2, 2 at ZeRO-3) and a reduce-scatter per microbatch
-            per_microbatch = (2 if stage == 2 else 3) * all_gather(param_bytes, shard, link)
-            once = all_reduce(param_bytes / shard, dp_cp // shard, link) if shard < dp_cp else 0.0
+        else:  # FSDP2, one unit per layer and the root: gathers (1 at ZeRO-2, 2 at ZeRO-3) and a reduce-scatter
+            units = round(layers) + 1
+            gathers = 1 if stage == 2 else 2
+            per_microbatch = (gathers * all_gather(param_bytes, shard, hardware.link(span, "all_gather"),
+                                                   calls=units)
+                              + all_gather(param_bytes, shard, hardware.link(span, "reduce_scatter"), calls=units))
+            once = (all_reduce(param_bytes / shard, dp_cp // shard, hardware.link(span), calls=units)
+                    if shard < dp_cp else 0.0)
         if pp > 1:  # the runner reduces after the schedule; the stage keeps parameters gathered between microbatches
             comm["dp"] = once + per_microbatch
-        else:  # overlaps the backward of the microbatch it follows
-            last = backward / steps
+        else:  # overlaps the backward of the microbatch it follows, as far as the overlap coefficient lets it
+            last = hidden * backward / steps
             comm["dp"] = max(0.0, once - last) + steps * max(0.0, per_microbatch - last)
     if cpu_offload and param_bytes:  # parameters up and gradients down every step, and the AdamW step on the host
-        shard = param_bytes / max(1, parallel.data_parallel_shard_size or dp_cp)
-        comm["offload"] = 2 * shard / hardware.host_bandwidth + 12 * shard / element / hardware.host_flops
+        host_shard = param_bytes / max(1, parallel.data_parallel_shard_size or dp_cp)
+        comm["offload"] = 2 * host_shard / hardware.host_bandwidth + 12 * host_shard / element / hardware.host_flops
     bubble = 0.0
     if pp > 1:
         bubble = compute * pipeline_bubble(parallel.pipeline_schedule, pp, steps, v,
-                                           recompute[parallel.activation_checkpointing], facts.cache)
-    return TimeEstimate(compute, comm, bubble)
+                                           _RECOMPUTE[parallel.activation_checkpointing], facts.cache)
+    return TimeEstimate(compute + optimizer, comm, bubble)
 
 
 def pipeline_bubble(schedule: str, pp: int, num_microbatches: int, v: int = 1, recompute: float = 0.0,

@@ -122,8 +122,12 @@ def test_time_formulas_by_hand(facts):
     assert zb.bubble == pytest.approx(ofb.bubble / 3)
     tp = estimate_time(facts, P(tensor_parallel_size=2), 2, hw, global_batch=8, seq_len=16, micro_batch=8,
                        num_microbatches=1)
-    per_layer = 4 * all_reduce(8 * 16 * 64 * 4, 2, hw.link(2))
-    assert tp.communication["tp"] == pytest.approx(2 * per_layer)
+    # 2 layers x 4 all-reduces + the embedding's and the head's, each paying its latency; the loss's 3 small ones
+    activation = 8 * 16 * 64 * 4
+    expected = 10 * all_reduce(activation, 2, hw.link(2)) + all_reduce(3 * 8 * 16 * 4, 2, hw.link(2), calls=3)
+    assert tp.communication["tp"] == pytest.approx(expected)
+    assert all_reduce(10 * activation, 2, hw.link(2), calls=10) == pytest.approx(10 * all_reduce(activation, 2,
+                                                                                                 hw.link(2)))
 
 
 def test_bubble_from_the_schedules_action_list():
