@@ -107,7 +107,10 @@ def _block_bytes(facts: ModelFacts, tp: int, dp: int) -> tuple[np.ndarray, ...]:
 def block_costs(facts: ModelFacts, world_size: int, hardware: Hardware, *, tensor_parallel_size: int = 1,
                 sequence_parallel: bool = False, global_batch: int, seq_len: int, micro_batch: int,
                 mixed_precision: str = "no") -> BlockCosts:
-    """The cost model of every block choice for ``tp x dp`` (``dp = world_size / tp``; no pp, cp, ep)."""
+    """The cost model of every block choice for ``tp x dp`` (``dp = world_size / tp``; no pp, cp, ep). Compute:
+    FLOPs at ``hardware.matmul_flops``, or, with ``hardware.profile`` (``profile.py``), the real block's measured
+    forward + backward (``"full"`` checkpointing's for a checkpointed block; each block scaled by its parameter count
+    over the median block's) and the embedding/head's, as ``time.estimate_time`` does."""
     tp, dp = tensor_parallel_size, world_size // tensor_parallel_size
     sp = sequence_parallel and tp > 1
     steps = global_batch // dp // micro_batch  # gradient-accumulation microbatches
@@ -123,20 +126,26 @@ def block_costs(facts: ModelFacts, world_size: int, hardware: Hardware, *, tenso
     memory = np.zeros((blocks, len(BLOCK_OPTIONS)))
     time = np.zeros((blocks, len(BLOCK_OPTIONS)))
     state = np.zeros((blocks, len(BLOCK_OPTIONS), 3))
+    profile = hardware.profile
+    typical = float(np.median(numels[:-1])) if blocks else 1.0
     for i in range(blocks):
         forward = (2 * numels[i] + attention) * tokens / tp / hardware.matmul_flops  # one microbatch
+        if profile is not None:  # the real block timed at these shapes (profile.py), scaled by this block's size
+            measured = {ckpt: profile.block(tp, seq_len, micro_batch, "full" if ckpt else None) * numels[i] / typical
+                        for ckpt in (False, True)}
         for j, choice in enumerate(BLOCK_OPTIONS):
             held = shard[i] if choice.shard else full[i]
             state[i, j] = (held, held, MOMENTS * held + STEP_BYTES * tensors[i])
             memory[i, j] = state[i, j].sum() + (full[i] if choice.shard and not choice.reshard_after_forward
                                                 else 0) + (block_input if choice.checkpoint else per_layer)
-            compute = forward * (4 if choice.checkpoint else 3)
+            compute = forward * (4 if choice.checkpoint else 3) if profile is None else measured[choice.checkpoint]
             if choice.shard:
                 traffic = (3 if choice.reshard_after_forward else 2) * all_gather(full[i], dp, link)
             else:
                 traffic = all_reduce(full[i], dp, link)
             time[i, j] = steps * (compute + max(0.0, traffic - hardware.overlap * compute))
-    root_forward = 2 * numels[-1] * tokens / tp / hardware.matmul_flops
+    root_forward = (2 * numels[-1] * tokens / tp / hardware.matmul_flops if profile is None
+                    else profile.outside(tp, seq_len, micro_batch) / 3)  # forward + backward = 3 forwards
     comm = {"dp": steps * 2 * all_gather(full[-1], dp, link)}
     if tp > 1:  # as estimate_time: 2 all-reduces forward + 2 backward per block
         comm["tp"] = steps * blocks * 4 * all_reduce(tokens * facts.hidden_size * element, tp, hardware.link(tp))

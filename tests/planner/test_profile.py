@@ -119,3 +119,21 @@ def test_plan_cli_profile(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0 and "profiled: " in printed and "block shapes" in printed
     assert time.perf_counter() - start < 20
+
+
+def test_per_block_costs_use_the_profile(facts):
+    """``--per-block`` candidates take their compute from the profile too (the same figures as ``estimate_time``):
+    a replicated block's time is the profiled block's per microbatch, a checkpointed one the profiled "full" block's,
+    the root the profiled embedding/head; with one rank there is no traffic to add."""
+    from oslo_models.planner.blocks import BLOCK_OPTIONS, block_costs
+
+    table = ProfileTable({block_key(1, 16, 2, None): 0.01, block_key(1, 16, 2, "full"): 0.013},
+                         {outside_key(1, 16, 2): 0.006})
+    hw = replace(Hardware.default("cpu"), profile=table, overlap=0.0)
+    costs = block_costs(facts, 1, hw, global_batch=8, seq_len=16, micro_batch=2)  # 4 microbatches
+    for j, choice in enumerate(BLOCK_OPTIONS):
+        expected = 4 * (0.013 if choice.checkpoint else 0.01)
+        assert costs.time[:, j] == pytest.approx([expected] * costs.blocks), choice
+    assert costs.base_time.compute == pytest.approx(4 * 0.006)
+    flops = block_costs(facts, 1, replace(hw, profile=None), global_batch=8, seq_len=16, micro_batch=2)
+    assert flops.time[0, 0] != pytest.approx(costs.time[0, 0])  # the FLOP path is not what was used above
