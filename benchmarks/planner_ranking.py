@@ -183,7 +183,7 @@ def measure_profile(world: int, hardware) -> dict:
 
     from oslo_models.planner.profile import Profiler, measure_collectives, measure_overlap
 
-    profiler = Profiler(_facts())
+    profiler = Profiler(_facts(), groups=True)
     profiled = dataclasses.replace(hardware, profile=profiler)
     for options in LAYOUTS[world]:
         predict(world, options, profiled)

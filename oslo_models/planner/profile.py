@@ -57,9 +57,11 @@ class ProfileTable:
     forward + backward, ``optimizer`` is seconds per parameter byte of the optimizer step."""
 
     def __init__(self, blocks: dict | None = None, outsides: dict | None = None, optimizer: float = 0.0,
-                 notes: list | None = None):
+                 notes: list | None = None, parallel: dict | None = None):
         self.blocks, self.outsides = dict(blocks or {}), dict(outsides or {})
         self.optimizer, self.notes = optimizer, list(notes or [])
+        # profile_parallel.parallel_key -> [block, outside] seconds timed with the process groups (profile_parallel.py)
+        self.parallel = {k: list(v) for k, v in (parallel or {}).items()}
 
     def block(self, tp: int, seq: int, micro_batch: int, checkpointing: str | None = None) -> float:
         key = block_key(tp, seq, micro_batch, checkpointing)
@@ -76,28 +78,54 @@ class ProfileTable:
     def optimizer_per_byte(self) -> float:
         return self.optimizer
 
+    def parallel_block(self, tp: int, sp: bool, cp: int, seq: int, micro_batch: int, checkpointing: str | None = None,
+                       wrapper: tuple[int, int] | None = None, shard: int | None = None) -> tuple | None:
+        """``(block, outside)`` seconds of one forward + backward timed with the real process groups of ``tp`` (and
+        sequence parallelism) and ``cp`` ranks, and with ``wrapper = (zero stage, dp x cp)`` the data-parallel
+        wrapper too (``profile_parallel.py``); ``None`` where none was timed (the link model stands in)."""
+        from .profile_parallel import parallel_key
+
+        key = parallel_key(tp, sp, cp, seq, micro_batch, checkpointing, wrapper)
+        if key in self.parallel:
+            return tuple(self.parallel[key])
+        return self._measure_parallel(tp, sp, cp, seq, micro_batch, checkpointing, wrapper, shard)
+
+    def _measure_parallel(self, *arguments) -> tuple | None:
+        return None
+
     def _measure(self, tp, seq, micro_batch, checkpointing):
         raise KeyError(f"no profiled figure for {block_key(tp, seq, micro_batch, checkpointing)} in this table")
 
     def to_dict(self) -> dict:
-        return {"blocks": self.blocks, "outsides": self.outsides, "optimizer": self.optimizer, "notes": self.notes}
+        return {"blocks": self.blocks, "outsides": self.outsides, "optimizer": self.optimizer, "notes": self.notes,
+                "parallel": self.parallel}
 
     @classmethod
     def from_dict(cls, values: dict) -> "ProfileTable":
-        return cls(values["blocks"], values["outsides"], values["optimizer"], values.get("notes"))
+        return cls(values["blocks"], values["outsides"], values["optimizer"], values.get("notes"),
+                   values.get("parallel"))
 
 
 class Profiler(ProfileTable):
     """A ``ProfileTable`` that measures a missing key on first use (module docstring; ``refine`` times them all
     again, round-robin), on ``device`` (default: CUDA if present, else CPU; CUDA runs under bf16 autocast, what
-    mixed-precision training runs)."""
+    mixed-precision training runs). ``groups=True`` (a launched world of more than one rank): ``parallel_block``
+    keys the world can host are timed with their real process groups (``profile_parallel.py``; collective)."""
 
-    def __init__(self, facts, device=None, repeats: int = 5):
+    def __init__(self, facts, device=None, repeats: int = 5, groups: bool = False):
         super().__init__()
         self.facts, self.repeats = facts, repeats
         self._models: dict = {}  # (tp, layers, checkpointing) -> the model, reused over sequence and batch sizes
         self._runs: dict = {}  # (tp, seq, micro_batch, mode) -> (local tp, [best 1-layer, best 3-layer seconds])
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if groups:
+            from .profile_parallel import ParallelRuns
+
+            groups = ParallelRuns(self)
+        self.groups = groups or None
+
+    def _measure_parallel(self, *arguments) -> tuple | None:
+        return None if self.groups is None else self.groups.measure(*arguments)
 
     # ------------------------------------------------------------------ models at local shapes
     def _local_config(self, tp: int, layers: int, seq: int):
@@ -198,10 +226,15 @@ class Profiler(ProfileTable):
         least over the ranks of a world that profiled at once: an all-reduce MIN) and derive the figures again.
         The raw times are combined, not the derived differences (a block is a difference of two runs)."""
         shapes = sorted(self._runs, key=str)
-        flat = reduce([t for shape in shapes for t in self._runs[shape][1]])
+        runs = self.groups.runs if self.groups is not None else {}
+        keys = sorted(runs)
+        flat = reduce([t for shape in shapes for t in self._runs[shape][1]] + [t for k in keys for t in runs[k][1]])
         for i, shape in enumerate(shapes):
             self._runs[shape] = (self._runs[shape][0], list(flat[2 * i:2 * i + 2]))
             self._record(*shape)
+        for i, key in enumerate(keys, start=len(shapes)):
+            runs[key] = (runs[key][0], list(flat[2 * i:2 * i + 2]))
+            self.groups.record(key)
 
     def refine(self, rounds: int = 5) -> None:
         """Time every shape measured so far again, ``rounds`` times, round-robin over the shapes (a machine whose
@@ -217,6 +250,8 @@ class Profiler(ProfileTable):
                     self._run(model, batch)
                     self._sync()
                     best[i] = min(best[i], _time.perf_counter() - start)
+            if self.groups is not None:
+                self.groups.refine(1)
         for shape in self._runs:
             self._record(*shape)
 
@@ -327,16 +362,18 @@ def measure_collectives(group=None, sizes: tuple[int, int] = (1 << 10, 1 << 22),
 def profiled_hardware(facts, hardware, *, device=None, repeats: int = 5):
     """``hardware`` with the measured figures of this machine: the matmul rate (``time.profile_matmul``), a
     ``Profiler`` of ``facts`` (blocks timed lazily, per shape, as the search asks) and, when a process group is
-    up, the overlap coefficient and the per-kind collective costs on the world group (collective: every rank calls
-    it). Without a process group ``overlap`` and the links stay as given (printed by the CLI)."""
+    up, the blocks timed with the groups the world can host (``profile_parallel.py``), the overlap coefficient and
+    the per-kind collective costs on the world group (collective: every rank calls it). Without a process group
+    ``overlap`` and the links stay as given (printed by the CLI)."""
     import dataclasses
 
     import torch.distributed as dist
 
     from .time import profile_matmul
 
-    changes = dict(matmul_flops=profile_matmul(device), profile=Profiler(facts, device, repeats))
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    launched = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    changes = dict(matmul_flops=profile_matmul(device), profile=Profiler(facts, device, repeats, groups=launched))
+    if launched:
         collectives = measure_collectives()
         _, bandwidth, latency = collectives[0]
         changes.update(overlap=measure_overlap(), collectives=collectives, intra_bandwidth=bandwidth,

@@ -185,25 +185,35 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
     dp_cp = dp * cp
     shard = parallel.data_parallel_shard_size or dp_cp
     profile = hardware.profile
+    measured_mp = measured_dp = None  # (block, outside) timed with the real groups (profile_parallel.py)
     if profile is None:  # FLOPs at one matmul rate
         tokens_per_rank = global_batch * seq_len / dp  # the replica's tokens, split over tp/cp/pp by work
         flops = facts.flops_per_token(seq_len) * tokens_per_rank / (tp * cp * pp)
         compute = flops * (1 + _RECOMPUTE[parallel.activation_checkpointing]) / hardware.matmul_flops
         optimizer = 0.0
     else:  # the real blocks timed at this rank's shapes (profile.py); the head's stage carries the outside work
-        local_seq = seq_len // cp
-        per_microbatch = (layers * profile.block(tp, local_seq, micro_batch, parallel.activation_checkpointing)
-                          + profile.outside(tp, local_seq, micro_batch))
-        if cp > 1:  # the ring's attention against the other chunks' keys (the profiled block saw its own chunk)
+        local_seq, ac = seq_len // cp, parallel.activation_checkpointing
+        alone = (profile.block(tp, local_seq, micro_batch, ac), profile.outside(tp, local_seq, micro_batch))
+        per_microbatch = layers * alone[0] + alone[1]
+        if tp > 1 or cp > 1:
+            measured_mp = profile.parallel_block(tp, sp, cp, local_seq, micro_batch, ac)
+        if cp > 1 and measured_mp is None:  # the ring's attention against the other chunks' keys (the profiled
+            # block saw its own chunk)
             per_microbatch += layers * 3 * 2 * seq_len * h * (1 - 1 / cp) * mb_tokens / tp / hardware.matmul_flops
         compute = steps * per_microbatch
         sharded = shard if stage >= 1 else 1  # ZeRO-1+ steps only this rank's shard of the parameters
         optimizer = profile.optimizer_per_byte() * (param_bytes or 0) / sharded if not cpu_offload else 0.0
+        if dp_cp > 1 and param_bytes and pp == 1 and not cpu_offload:  # the wrapper inside the timed backward
+            measured_dp = profile.parallel_block(tp, sp, cp, local_seq, micro_batch, ac, wrapper=(stage, dp_cp),
+                                                 shard=parallel.data_parallel_shard_size)
     backward = compute * 2 / 3
     hidden = hardware.overlap  # the share of the compute a collective may hide behind that it does hide
 
     comm: dict[str, float] = {}
-    if tp > 1:
+    if measured_mp is not None:  # tp / sp / cp as timed: the grouped block minus the block alone
+        label = "tp" if cp == 1 else "cp" if tp == 1 else "tp+cp"
+        comm[label] = steps * max(0.0, layers * (measured_mp[0] - alone[0]) + measured_mp[1] - alone[1])
+    if tp > 1 and measured_mp is None:
         activation = mb_tokens * h * element
         if sp:  # per layer 2 all-gathers + 2 reduce-scatters forward and as many backward; embedding and head:
             # a reduce-scatter and an all-gather each way
@@ -216,7 +226,8 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
         # vocab-parallel cross-entropy: max, sum of exponentials and target logit, one float per token each
         per += all_reduce(3 * mb_tokens * 4, tp, hardware.link(tp), calls=3)
         comm["tp"] = steps * per
-    if cp > 1:  # ring: cp - 1 key/value passes forward, twice that backward, overlapping attention compute
+    if cp > 1 and measured_mp is None:  # ring: cp - 1 key/value passes forward, twice that backward, overlapping
+        # attention compute
         link = hardware.link(cp * tp)
         h_kv = h * facts.num_kv_heads // facts.num_heads
         ring = 3 * (cp - 1) * (2 * mb_tokens * h_kv / tp * element / link[0] + link[1])
@@ -231,7 +242,15 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
         link = hardware.link(dp * cp * tp + 1)  # neighbouring stages are dp x cp x tp ranks apart
         comm["pp"] = 2 * steps * v * (mb_tokens * h * element / (tp if parallel.sequence_parallel else 1)
                                       / link[0] + link[1])
-    if dp_cp > 1 and param_bytes:
+    if measured_dp is not None:  # DDP / FSDP2 as timed: the wrapped block minus the unwrapped one
+        base = measured_mp or alone
+        wrapped = max(0.0, layers * (measured_dp[0] - base[0]) + measured_dp[1] - base[1])
+        if stage <= 1:  # DDP reduces on the last microbatch only; ZeRO-1's broadcasts after the step (link model)
+            comm["dp"] = wrapped + (all_gather(param_bytes, dp_cp, hardware.link(dp_cp * tp, "all_gather"))
+                                    if stage else 0.0)
+        else:  # FSDP2 gathers and reduce-scatters every microbatch
+            comm["dp"] = steps * wrapped
+    elif dp_cp > 1 and param_bytes:
         span = dp_cp * tp
         if stage <= 1:  # once per step: DDP's all-reduce per bucket (it skips the accumulation steps); ZeRO-1 then
             # broadcasts every parameter from the rank that stepped it, all issued at once and waited together

@@ -18,7 +18,7 @@ from oslo_models.cli import main
 from oslo_models.planner import Hardware, ModelFacts, Profiler, ProfileTable, SearchSpace
 from oslo_models.planner.profile import block_key, outside_key
 from oslo_models.planner.search import search
-from oslo_models.planner.time import all_reduce, estimate_time
+from oslo_models.planner.time import all_gather, all_reduce, estimate_time
 from tests.helpers.decoders import tiny_config
 
 P = om.ParallelConfig
@@ -137,3 +137,35 @@ def test_per_block_costs_use_the_profile(facts):
     assert costs.base_time.compute == pytest.approx(4 * 0.006)
     flops = block_costs(facts, 1, replace(hw, profile=None), global_batch=8, seq_len=16, micro_batch=2)
     assert flops.time[0, 0] != pytest.approx(costs.time[0, 0])  # the FLOP path is not what was used above
+
+
+def test_timed_groups_replace_the_link_model(facts):
+    """Where the profile holds a block timed with its process groups (``profile_parallel.py``), the estimate charges
+    ``grouped - alone`` as the axis's communication instead of the link model's terms: tp per microbatch; DDP
+    (ZeRO-0/1) once per step, FSDP2 (ZeRO-2/3) every microbatch; ZeRO-1's broadcasts stay modelled. A key the
+    profile lacks falls back to the link model."""
+    from oslo_models.planner.profile_parallel import parallel_key
+
+    blocks = {block_key(1, 16, 2, None): 0.010, block_key(2, 16, 4, None): 0.006}
+    outsides = {outside_key(1, 16, 2): 0.004, outside_key(2, 16, 4): 0.003}
+    grouped = {parallel_key(2, False, 1, 16, 4, None): [0.008, 0.005],
+               parallel_key(1, False, 1, 16, 2, None, (0, 2)): [0.0125, 0.0045],
+               parallel_key(1, False, 1, 16, 2, None, (3, 2)): [0.015, 0.006]}
+    table = ProfileTable(blocks, outsides, parallel=grouped)
+    links = replace(Hardware.default("cpu"), overlap=0.0)
+    kw = dict(global_batch=8, seq_len=16, num_microbatches=2, param_bytes=10**6)
+    tp = estimate_time(facts, P(tensor_parallel_size=2), 2, replace(links, profile=table), micro_batch=4, **kw)
+    assert tp.communication == {"tp": pytest.approx(2 * (2 * (0.008 - 0.006) + 0.005 - 0.003))}
+    modelled = estimate_time(facts, P(tensor_parallel_size=2), 2, replace(links, profile=ProfileTable(
+        blocks, outsides)), micro_batch=4, **kw)
+    assert modelled.communication["tp"] != tp.communication["tp"] and modelled.compute == tp.compute
+    dp = dict(data_parallel_size=2)
+    ddp = estimate_time(facts, P(**dp), 2, replace(links, profile=table), micro_batch=2, **kw)
+    assert ddp.communication == {"dp": pytest.approx(2 * (0.0125 - 0.010) + 0.0045 - 0.004)}  # once per step
+    zero1 = estimate_time(facts, P(**dp, zero_stage=1), 2, replace(links, profile=table), micro_batch=2, **kw)
+    broadcast = all_gather(10**6, 2, links.link(2, "all_gather"))
+    assert zero1.communication["dp"] == pytest.approx(ddp.communication["dp"] + broadcast)
+    zero3 = estimate_time(facts, P(**dp, zero_stage=3), 2, replace(links, profile=table), micro_batch=2, **kw)
+    assert zero3.communication == {"dp": pytest.approx(2 * (2 * (0.015 - 0.010) + 0.006 - 0.004))}
+    zero2 = estimate_time(facts, P(**dp, zero_stage=2), 2, replace(links, profile=table), micro_batch=2, **kw)
+    assert zero2.communication["dp"] != pytest.approx(zero3.communication["dp"])  # z2x2 not timed: link model
