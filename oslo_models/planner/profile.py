@@ -20,10 +20,12 @@ What is timed (forward + backward, best of ``repeats`` after a warm-up, on one p
 - ``optimizer_per_byte()``: ``torch.optim.AdamW``'s step over the one-layer model's parameters, seconds per
   parameter byte (the optimizer step of a rank is this times its local, ZeRO-sharded, parameter bytes).
 
-Not profiled: expert parallelism (a mixture-of-experts block is timed with every expert local; ep's all-to-alls are
-``time.py``'s), the ring attention's own kernels under context parallelism (the block runs plain attention over its
-chunk; ``time.py`` adds the other chunks' attention at the matmul rate), and FSDP2's or DDP's own bookkeeping (only
-their collectives are counted).
+In a launched world (``groups=True``), the keys the world can host are also timed WITH their process groups
+(``profile_parallel.py``: tp / sp / cp collectives, the ring attention's own kernels, DDP's and FSDP2's gathers,
+reductions and bookkeeping inside the timed backward); ``time.py`` then charges the grouped block minus the block
+alone as that axis's communication. Not profiled: expert parallelism (a mixture-of-experts block is timed with every
+expert local; ep's all-to-alls are ``time.py``'s), and, where the world cannot host a group (e.g. one node planning
+many), that axis: the link model stands in (for cp: the other chunks' attention at the matmul rate).
 
 Sequence parallelism does not change a block's local matmul shapes (only its norms run on ``1 / tp`` of the
 tokens), so it is not part of the key: its cost is the collectives it adds, counted by ``time.py``. Checkpointing

@@ -16,7 +16,10 @@ the recomputed share under checkpointing). Profiled (``Hardware.profile``, ``--p
 block timed forward + backward at this rank's local shapes (tp's local widths, ``seq / cp`` tokens, the micro-batch,
 the checkpointing mode) times the rank's layers, plus the embedding/head/loss timed alike, per microbatch, plus the
 optimizer step (seconds per parameter byte times the rank's ZeRO-sharded parameter bytes): small local matmuls run
-at a lower rate than a large square one, and norms, rotary, softmax and AdamW cost time that FLOPs ignore.
+at a lower rate than a large square one, and norms, rotary, softmax and AdamW cost time that FLOPs ignore. In a
+launched world the profile also holds blocks timed with their real process groups (``profile_parallel.py``):
+where it does, an axis's communication is the grouped block minus the block alone (tp / sp / cp per microbatch;
+DDP once per step, FSDP2 every microbatch), replacing the link terms below for that axis.
 
 Collectives use the ring costs: all-reduce ``2 (g-1)/g n / B + 2 (g-1) a``; all-gather / reduce-scatter ``(g-1)/g n
 / B + (g-1) a``; point-to-point ``n / B + a``; the latency term is paid once per call, and calls are counted from
