@@ -82,9 +82,10 @@ class ProfileTable:
 
     def parallel_block(self, tp: int, sp: bool, cp: int, seq: int, micro_batch: int, checkpointing: str | None = None,
                        wrapper: tuple[int, int] | None = None, shard: int | None = None) -> tuple | None:
-        """``(block, outside)`` seconds of one forward + backward timed with the real process groups of ``tp`` (and
-        sequence parallelism) and ``cp`` ranks, and with ``wrapper = (zero stage, dp x cp)`` the data-parallel
-        wrapper too (``profile_parallel.py``); ``None`` where none was timed (the link model stands in)."""
+        """``(block, outside, optimizer per block, optimizer outside)`` seconds: one forward + backward, and the
+        optimizer step, timed with the real process groups of ``tp`` (and sequence parallelism) and ``cp`` ranks,
+        and with ``wrapper = (zero stage, dp x cp)`` the data-parallel wrapper and its sharded optimizer too
+        (``profile_parallel.py``); ``None`` where none was timed (the link model stands in)."""
         from .profile_parallel import parallel_key
 
         key = parallel_key(tp, sp, cp, seq, micro_batch, checkpointing, wrapper)
@@ -170,9 +171,11 @@ class Profiler(ProfileTable):
         built = sum(p.numel() for name, p in model.named_parameters() if name.startswith(prefix))
         return expected == built
 
+    def _autocast(self):
+        return torch.autocast("cuda", torch.bfloat16) if self.device.type == "cuda" else _Null()
+
     def _run(self, model, batch):
-        autocast = torch.autocast("cuda", torch.bfloat16) if self.device.type == "cuda" else _Null()
-        with autocast:
+        with self._autocast():
             loss = model(**batch).loss
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -230,12 +233,13 @@ class Profiler(ProfileTable):
         shapes = sorted(self._runs, key=str)
         runs = self.groups.runs if self.groups is not None else {}
         keys = sorted(runs)
-        flat = reduce([t for shape in shapes for t in self._runs[shape][1]] + [t for k in keys for t in runs[k][1]])
-        for i, shape in enumerate(shapes):
-            self._runs[shape] = (self._runs[shape][0], list(flat[2 * i:2 * i + 2]))
+        flat = list(reduce([t for shape in shapes for t in self._runs[shape][1]]
+                           + [t for k in keys for t in runs[k][1]]))
+        for shape in shapes:
+            self._runs[shape] = (self._runs[shape][0], [flat.pop(0) for _ in self._runs[shape][1]])
             self._record(*shape)
-        for i, key in enumerate(keys, start=len(shapes)):
-            runs[key] = (runs[key][0], list(flat[2 * i:2 * i + 2]))
+        for key in keys:
+            runs[key] = (runs[key][0], [flat.pop(0) for _ in runs[key][1]])
             self.groups.record(key)
 
     def refine(self, rounds: int = 5) -> None:

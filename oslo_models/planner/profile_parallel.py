@@ -12,14 +12,16 @@ reshard. Where the world at hand can host an axis's group, this module times the
   as they would in training), forward + backward with every tp / sp / cp collective the layers run (the ring
   attention's own kernels and passes included), no data-parallel wrapper;
 - ``wrapped``: the same, wrapped for data parallelism by ``training.shard_data_parallel`` at the layout's ZeRO
-  stage (DDP for ZeRO-0/1, whose forward and backward are the same; FSDP2 for ZeRO-2/3, HSDP shard size kept),
+  stage (DDP for ZeRO-0, DDP + ``ZeroRedundancyOptimizer`` for ZeRO-1, FSDP2 for ZeRO-2/3, HSDP shard size kept),
   so DDP's bucketed all-reduce or FSDP2's gathers and reduce-scatters run inside the timed backward as in training.
 
 Each is timed as ``profile.py`` times a block: a 1-layer and a ``1 + _EXTRA``-layer model, runs interleaved, best of
 ``repeats``; the block is the difference over ``_EXTRA``, the one-layer model minus its block is the outside
 (embedding, head, loss: with their vocab-parallel collectives). Every timed run starts at a barrier of the whole
-world. ``time.py`` charges ``model-parallel - alone`` as the tp / sp / cp communication and ``wrapped -
-model-parallel`` as the data-parallel communication, replacing the fitted-link terms of those axes.
+world. The optimizer step (``torch.optim.AdamW``, sharded as the wrapper shards it: ZeRO-1's broadcasts, FSDP2's
+DTensor shards) is timed after each backward the same way, per block and outside. ``time.py`` charges
+``model-parallel - alone`` as the tp / sp / cp communication and ``wrapped - model-parallel`` as the data-parallel
+communication, replacing the fitted-link terms of those axes, and takes the optimizer step as timed.
 
 Which keys a world can time: ``tp x cp`` must divide the world (model-parallel), and ``tp x cp x dp`` must equal it
 (wrapped: the wrapper's group is the layout's whole dp x cp group). Others are not timed (``None``): ``time.py`` then
@@ -39,19 +41,19 @@ _EXTRA = 2  # as profile.py: the block is (a 1 + _EXTRA layer model - a 1-layer 
 def parallel_key(tp: int, sp: bool, cp: int, seq: int, micro_batch: int, checkpointing: str | None,
                  wrapper: tuple[int, int] | None = None) -> str:
     """``seq``: the local sequence (``seq_len / cp``); ``wrapper``: ``(zero stage, dp x cp)`` or ``None`` (the
-    model-parallel groups only). ZeRO-1 is timed as ZeRO-0 (the same DDP forward and backward)."""
+    model-parallel groups only)."""
     from .profile import _FULL
 
     text = f"tp{tp}{'+sp' if sp and tp > 1 else ''} cp{cp} s{seq} b{micro_batch} ac{_FULL[checkpointing]}"
     if wrapper is not None:
         stage, dp = wrapper
-        text += f" z{0 if stage <= 1 else stage}x{dp}"
+        text += f" z{stage}x{dp}"
     return text
 
 
 class ParallelRuns:
     """The runs with process groups of one ``Profiler`` (module docstring). ``profiler.parallel`` gets the derived
-    ``[block, outside]`` seconds per ``parallel_key``."""
+    ``[block, outside, optimizer per block, optimizer outside]`` seconds per ``parallel_key``."""
 
     def __init__(self, profiler):
         import torch.distributed as dist
@@ -61,8 +63,10 @@ class ParallelRuns:
                              "(torchrun, then torch.distributed.init_process_group)")
         self.profiler, self.world = profiler, dist.get_world_size()
         self._contexts: dict = {}  # (tp, sp, cp, stage, shard) -> ParallelContext (its groups made once)
-        self._models: dict = {}  # (tp, sp, cp, layers, mode, wrapper, shard) -> the (wrapped) model
-        self.runs: dict = {}  # key -> (arguments, [best 1-layer, best (1 + _EXTRA)-layer seconds])
+        self._models: dict = {}  # (tp, sp, cp, layers, mode, wrapper, shard) -> the (wrapped) model, its optimizer
+        # key -> (arguments, best seconds [forward + backward of the 1-layer model, of the (1 + _EXTRA)-layer one,
+        # optimizer step of the 1-layer model, of the (1 + _EXTRA)-layer one])
+        self.runs: dict = {}
 
     def fits(self, tp: int, cp: int, wrapper) -> bool:
         if self.world % (tp * cp):
@@ -75,13 +79,14 @@ class ParallelRuns:
             return None
         key = parallel_key(tp, sp, cp, seq, micro_batch, checkpointing, wrapper)
         arguments = (tp, sp and tp > 1, cp, seq, micro_batch, checkpointing, wrapper, shard)
-        self.runs[key] = (arguments, self._time(arguments, [float("inf")] * 2, self.profiler.repeats + 2, warm=2))
+        self.runs[key] = (arguments, self._time(arguments, [float("inf")] * 4, self.profiler.repeats + 2, warm=2))
         return self.record(key)
 
-    def record(self, key: str) -> tuple[float, float]:
-        _, (t1, t_more) = self.runs[key]
+    def record(self, key: str) -> tuple[float, ...]:
+        _, (t1, t_more, o1, o_more) = self.runs[key]
         block = max(t_more - t1, 1e-9) / _EXTRA
-        self.profiler.parallel[key] = [block, max(t1 - block, 0.0)]
+        step = max(o_more - o1, 0.0) / _EXTRA
+        self.profiler.parallel[key] = [block, max(t1 - block, 0.0), step, max(o1 - step, 0.0)]
         return tuple(self.profiler.parallel[key])
 
     def refine(self, rounds: int) -> None:
@@ -114,13 +119,14 @@ class ParallelRuns:
             model = self.profiler.facts.model_class(config, parallel_context=context).to(context.device).train()
             if checkpointing:
                 model.set_activation_checkpointing(checkpointing)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)  # tiny steps: the timed model barely moves
             if wrapper is not None:
-                model, _ = shard_data_parallel(model, None, zero_stage=wrapper[0])
+                model, optimizer = shard_data_parallel(model, optimizer, zero_stage=wrapper[0])
             else:  # timed only, never stepped: the replicas' gradients need no reduction (the guard's question)
                 from ..distributed.data_parallel import mark_gradients_reduced
 
                 mark_gradients_reduced(model, "the planner's profile (timing only)")
-            self._models[key] = model
+            self._models[key] = (model, optimizer)
         return self._models[key]
 
     def _batch(self, context, micro_batch, seq):
@@ -139,15 +145,23 @@ class ParallelRuns:
         mode = _mode(checkpointing)
         models = [self._model(tp, sp, cp, layers, mode, wrapper, shard) for layers in (1, 1 + _EXTRA)]
         batch = self._batch(self._context(tp, sp, cp, wrapper[0] if wrapper else 0, shard), micro_batch, seq)
+        sync = self.profiler._sync
         for round_ in range(rounds):
-            for i, model in enumerate(models):
+            for i, (model, optimizer) in enumerate(models):
                 dist.barrier()
-                self.profiler._sync()
+                sync()
                 start = _time.perf_counter()
-                self.profiler._run(model, batch)
-                self.profiler._sync()
+                with self.profiler._autocast():
+                    loss = model(**batch).loss
+                loss.backward()
+                sync()
+                middle = _time.perf_counter()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                sync()
                 if round_ >= warm:
-                    best[i] = min(best[i], _time.perf_counter() - start)
+                    best[i] = min(best[i], middle - start)
+                    best[2 + i] = min(best[2 + i], _time.perf_counter() - middle)
         return best
 
 

@@ -204,11 +204,15 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
             # block saw its own chunk)
             per_microbatch += layers * 3 * 2 * seq_len * h * (1 - 1 / cp) * mb_tokens / tp / hardware.matmul_flops
         compute = steps * per_microbatch
-        sharded = shard if stage >= 1 else 1  # ZeRO-1+ steps only this rank's shard of the parameters
-        optimizer = profile.optimizer_per_byte() * (param_bytes or 0) / sharded if not cpu_offload else 0.0
         if dp_cp > 1 and param_bytes and pp == 1 and not cpu_offload:  # the wrapper inside the timed backward
             measured_dp = profile.parallel_block(tp, sp, cp, local_seq, micro_batch, ac, wrapper=(stage, dp_cp),
                                                  shard=parallel.data_parallel_shard_size)
+        sharded = shard if stage >= 1 else 1  # ZeRO-1+ steps only this rank's shard of the parameters
+        optimizer = profile.optimizer_per_byte() * (param_bytes or 0) / sharded if not cpu_offload else 0.0
+        timed = measured_dp or measured_mp
+        if timed is not None and len(timed) >= 4 and not cpu_offload:  # the step as timed with the groups (its
+            # sharding, ZeRO-1's broadcasts, DTensor's dispatch)
+            optimizer = layers * timed[2] + timed[3]
     backward = compute * 2 / 3
     hidden = hardware.overlap  # the share of the compute a collective may hide behind that it does hide
 
@@ -248,9 +252,10 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
     if measured_dp is not None:  # DDP / FSDP2 as timed: the wrapped block minus the unwrapped one
         base = measured_mp or alone
         wrapped = max(0.0, layers * (measured_dp[0] - base[0]) + measured_dp[1] - base[1])
-        if stage <= 1:  # DDP reduces on the last microbatch only; ZeRO-1's broadcasts after the step (link model)
+        if stage <= 1:  # DDP reduces on the last microbatch only; ZeRO-1's broadcasts after the step (in the
+            # timed step where the profile timed it, else the link model)
             comm["dp"] = wrapped + (all_gather(param_bytes, dp_cp, hardware.link(dp_cp * tp, "all_gather"))
-                                    if stage else 0.0)
+                                    if stage and len(measured_dp) < 4 else 0.0)
         else:  # FSDP2 gathers and reduce-scatters every microbatch
             comm["dp"] = steps * wrapped
     elif dp_cp > 1 and param_bytes:

@@ -162,6 +162,7 @@ def test_timed_groups_replace_the_link_model(facts):
     dp = dict(data_parallel_size=2)
     ddp = estimate_time(facts, P(**dp), 2, replace(links, profile=table), micro_batch=2, **kw)
     assert ddp.communication == {"dp": pytest.approx(2 * (0.0125 - 0.010) + 0.0045 - 0.004)}  # once per step
+    table.parallel[parallel_key(1, False, 1, 16, 2, None, (1, 2))] = [0.0125, 0.0045]  # no step timed
     zero1 = estimate_time(facts, P(**dp, zero_stage=1), 2, replace(links, profile=table), micro_batch=2, **kw)
     broadcast = all_gather(10**6, 2, links.link(2, "all_gather"))
     assert zero1.communication["dp"] == pytest.approx(ddp.communication["dp"] + broadcast)
@@ -169,3 +170,9 @@ def test_timed_groups_replace_the_link_model(facts):
     assert zero3.communication == {"dp": pytest.approx(2 * (2 * (0.015 - 0.010) + 0.006 - 0.004))}
     zero2 = estimate_time(facts, P(**dp, zero_stage=2), 2, replace(links, profile=table), micro_batch=2, **kw)
     assert zero2.communication["dp"] != pytest.approx(zero3.communication["dp"])  # z2x2 not timed: link model
+    # with the optimizer step timed too (4 figures): the step as timed, ZeRO-1's broadcasts inside it
+    grouped[parallel_key(1, False, 1, 16, 2, None, (1, 2))] = [0.0125, 0.0045, 0.0007, 0.0002]
+    zero1 = estimate_time(facts, P(**dp, zero_stage=1), 2, replace(links, profile=ProfileTable(
+        blocks, outsides, optimizer=1e-9, parallel=grouped)), micro_batch=2, **kw)
+    assert zero1.communication["dp"] == pytest.approx(ddp.communication["dp"])
+    assert zero1.compute == pytest.approx(2 * (2 * 0.010 + 0.004) + 2 * 0.0007 + 0.0002)

@@ -2,8 +2,9 @@
 real process groups. The grouped model is the family's real model on a real ``ParallelContext`` (tp's weights are
 the local shards; the ring attention under cp; FSDP2 or DDP wrapping the data-parallel one), its timed forward +
 backward runs the collectives (counted by a dispatch mode: a profile that timed a block alone would count none),
-keys the world cannot host are ``None`` (the link model stands in), ZeRO-1 shares ZeRO-0's key, the ranks end with
-the same figures after ``combine``, and ``estimate_time`` charges the grouped block minus the block alone.
+the timed optimizer step is the wrapper's (ZeRO-1's broadcasts), keys the world cannot host are ``None`` (the link
+model stands in), the ranks end with the same figures after ``combine``, and ``estimate_time`` charges the grouped
+block minus the block alone and takes the timed optimizer step.
 """
 from __future__ import annotations
 
@@ -56,9 +57,7 @@ def _world():
     zero3 = profiler.parallel_block(1, False, 1, 8, 2, None, wrapper=(3, 2))
     ddp = profiler.parallel_block(1, False, 1, 8, 2, None, wrapper=(1, 2))
     for figures in (tp, sp, cp, zero3, ddp):
-        assert figures is not None and figures[0] > 0 and figures[1] >= 0, figures
-    # ZeRO-1 times the DDP forward/backward of ZeRO-0: one key, one run
-    assert parallel_key(1, False, 1, 8, 2, None, (1, 2)) == parallel_key(1, False, 1, 8, 2, None, (0, 2))
+        assert figures is not None and len(figures) == 4 and figures[0] > 0 and min(figures) >= 0, figures
     assert len(profiler.groups.runs) == 5
     # what a 2-rank world cannot host: tp4; a wrapper whose dp x cp x tp is not the world
     assert profiler.parallel_block(4, False, 1, 8, 2, None) is None
@@ -68,18 +67,24 @@ def _world():
 
     models = profiler.groups._models
     full = tiny_config("llama").hidden_size  # q_proj rows at tp1
-    tp_model = models[(2, False, 1, 1, None, None, None)]
+    tp_model = models[(2, False, 1, 1, None, None, None)][0]
     assert tp_model.model.layers[0].self_attn.q_proj.weight.shape[0] == full // 2  # the rank's shard
-    zero3_model = models[(1, False, 1, 1, None, (3, 2), None)]
+    zero3_model = models[(1, False, 1, 1, None, (3, 2), None)][0]
     assert all(hasattr(p, "to_local") for p in zero3_model.parameters())  # FSDP2's DTensors
     for arguments, kind in (((2, False, 1, 8, 2, None, None, None), "allreduce"),
                             ((2, True, 1, 8, 2, None, None, None), "reduce_scatter"),
                             ((1, False, 2, 8, 2, None, None, None), None),  # the ring's sends (op names vary)
                             ((1, False, 1, 8, 2, None, (3, 2), None), "allgather")):
         layers = 1 + 2
-        model = models[arguments[:3] + (layers, None, arguments[6], None)]
+        model = models[arguments[:3] + (layers, None, arguments[6], None)][0]
         ops = _collectives(profiler, model, arguments)
         assert ops and (kind is None or any(kind in op for op in ops)), (arguments, ops)
+    model, optimizer = models[(1, False, 1, 1, None, (1, 2), None)]  # ZeRO-1: the step broadcasts the shards
+    _collectives(profiler, model, (1, False, 1, 8, 2, None, (1, 2), None))
+    with _Collectives() as seen:
+        optimizer.step()
+    assert any("broadcast" in op for op in seen.ops), seen.ops
+    optimizer.zero_grad(set_to_none=True)
 
     # the ranks agree after combine (the fastest rank's raw times), and refine keeps every key
     profiler.refine(1)
@@ -93,9 +98,10 @@ def _world():
     hw = replace(Hardware.default("cpu"), profile=profiler, overlap=0.0)
     estimate = estimate_time(facts, om.ParallelConfig(tensor_parallel_size=2), 2, hw, global_batch=2, seq_len=8,
                              micro_batch=2, num_microbatches=1, param_bytes=10**5)
-    block, outside = profiler.parallel[parallel_key(2, False, 1, 8, 2, None)]
+    block, outside, step, step_outside = profiler.parallel[parallel_key(2, False, 1, 8, 2, None)]
     expected = max(0.0, block - profiler.block(2, 8, 2) + outside - profiler.outside(2, 8, 2))
     assert abs(estimate.communication["tp"] - expected) < 1e-12
+    assert abs(estimate.compute - (profiler.block(2, 8, 2) + profiler.outside(2, 8, 2) + step + step_outside)) < 1e-12
 
 
 def _least(values):
