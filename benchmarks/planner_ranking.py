@@ -226,10 +226,39 @@ def _worker(out_dir: str, rounds: int, profile: bool = False, train: bool = True
             elapsed = _step(*layout)
             if round_:  # round 0 warms up
                 times[i].append(elapsed)
+    memory = [_memory(world, options, layout, config) for options, layout in zip(LAYOUTS[world], built)]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, memory)
     if dist.get_rank() == 0:
-        rows = [{"options": options, "step_times": t} for options, t in zip(LAYOUTS[world], times)]
+        rows = [{"options": options, "step_times": t, "memory": [per_rank[i] for per_rank in gathered]}
+                for i, (options, t) in enumerate(zip(LAYOUTS[world], times))]
         with open(os.path.join(out_dir, f"world{world}.json"), "w") as handle:
             json.dump(dict(measured, rows=rows), handle)
+
+
+def _memory(world: int, options: dict, layout, config) -> dict:
+    """This rank's training state after its steps against ``memory.training_state`` (bytes, exact), and, for the
+    layouts without a pipeline or FSDP2 (whose saved unsharded weights are not activations), the saved-tensor bytes
+    of one forward against ``memory.activation_bytes``."""
+    from oslo_models.planner.measured import saved_activation_bytes, state_bytes
+    from oslo_models.planner.memory import activation_bytes, training_state
+
+    model, inner, optimizer, batch, pipelined = layout
+    context, parallel = inner.parallel_context, inner.parallel_context.config
+    if pipelined:  # one more step, its gradients kept (the prediction is the state after a step)
+        inner.train_step(batch)
+    else:
+        model(**batch).loss.backward()
+    optimizer.step()
+    state = training_state(_facts(), parallel, world, pp_rank=context.pp_rank, dp_rank=context.dp_rank,
+                           cp_rank=context.cp_rank)
+    out = {"rank": context.rank, "state_predicted": [state.parameters, state.gradients, state.optimizer],
+           "state_measured": list(state_bytes(inner, optimizer))}
+    if not pipelined and parallel.zero_stage < 2:
+        out["activations_measured"] = saved_activation_bytes(inner, batch)
+        out["activations_predicted"] = activation_bytes(_facts(), parallel, micro_batch=batch["input_ids"].shape[0],
+                                                        seq_len=SEQ, num_microbatches=1)
+    return out
 
 
 def _facts():
@@ -274,6 +303,7 @@ def predictions(world: int, measured: dict) -> dict:
     rows = []
     for row in measured["rows"]:
         rows.append({"options": row["options"], "step_times": row["step_times"], "measured": min(row["step_times"]),
+                     **({"memory": row["memory"]} if "memory" in row else {}),
                      "median": statistics.median(row["step_times"]),
                      "predicted": predict(world, row["options"], calibrated)})
     # the effective rate: the first layout (dp only, ZeRO-0) with its communication taken out
@@ -298,7 +328,22 @@ def predictions(world: int, measured: dict) -> dict:
                 "predicted_profile": "kendall_tau_profile"}[kind]
         out[name] = kendall_tau([r[kind]["total"] for r in rows], [r["measured"] for r in rows])
     out["rows"] = rows
+    if all("memory" in row for row in rows):
+        out["memory"] = memory_summary(rows)
     return out
+
+
+def memory_summary(rows: list) -> dict:
+    """Training-state bytes equal on every rank (layouts), activations within 10% (layouts, the largest error)."""
+    exact = sum(all(m["state_predicted"] == m["state_measured"] for m in row["memory"]) for row in rows)
+    errors = [abs(m["activations_predicted"] - m["activations_measured"]) / m["activations_measured"]
+              for row in rows for m in row["memory"] if "activations_measured" in m]
+    checked = sum(any("activations_measured" in m for m in row["memory"]) for row in rows)
+    within = sum(all(abs(m["activations_predicted"] - m["activations_measured"]) <= 0.1 * m["activations_measured"]
+                     for m in row["memory"] if "activations_measured" in m)
+                 for row in rows if any("activations_measured" in m for m in row["memory"]))
+    return {"state_exact_layouts": exact, "layouts": len(rows), "activation_layouts": checked,
+            "activations_within_10pct": within, "activation_max_error": max(errors, default=0.0)}
 
 
 def show(world: int, result: dict) -> None:
@@ -313,6 +358,11 @@ def show(world: int, result: dict) -> None:
               + ", ".join(f"{k} {b:.3g} B/s {lat:.2e} s" for k, b, lat in profile["collectives"])
               + f", optimizer {profile['table']['optimizer']:.3g} s/B, {len(profile['table']['blocks'])} block "
               f"shapes")
+    if "memory" in result:
+        m = result["memory"]
+        print(f"  memory: training state equal to the prediction on every rank in {m['state_exact_layouts']} of "
+              f"{m['layouts']} layouts; activations within 10% on every rank in {m['activations_within_10pct']} of "
+              f"{m['activation_layouts']} (largest error {100 * m['activation_max_error']:.1f}%)")
     for r in sorted(result["rows"], key=lambda r: r["measured"]):
         extra = f", profile {r['predicted_profile']['total']:.3f} s" if profile else ""
         print(f"  {r['predicted']['layout']:<40} measured {r['measured']:.3f} s  predicted "

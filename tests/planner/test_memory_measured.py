@@ -19,6 +19,7 @@ import oslo_models as om
 from accelerate import Accelerator
 from oslo_models import training
 from oslo_models.planner.facts import ModelFacts
+from oslo_models.planner.measured import saved_activation_bytes, state_bytes
 from oslo_models.planner.memory import activation_bytes, training_state
 from tests.helpers.decoders import tiny_config
 from tests.helpers.dist import breadcrumb, run_distributed
@@ -32,30 +33,6 @@ LAYOUTS = (
     (dict(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, zero_stage=2), False),
     (dict(context_parallel_size=2, data_parallel_size=2, zero_stage=3), True),
 )
-
-
-def _local_bytes(tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
-def _optimizer_states(optimizer):
-    """Every per-parameter state dict this rank's optimizer holds (inside ZeRO-1 / the expert split)."""
-    optimizer = training.unwrap_optimizer(optimizer)  # Accelerate's wrapper
-    inner = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer: the local optimizer of owned tensors
-    if inner is not None:
-        return _optimizer_states(inner)
-    if hasattr(optimizer, "inner"):
-        return [s for opt, _ in optimizer.inner for s in _optimizer_states(opt)]
-    return list(optimizer.state.values())
-
-
-def measure(model, optimizer) -> tuple[int, int, int]:
-    params = list(model.parameters())
-    return (sum(_local_bytes(p) for p in params),
-            sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-            sum(_local_bytes(v) for state in _optimizer_states(optimizer) for v in state.values()
-                if isinstance(v, torch.Tensor)))
 
 
 def _measured_world() -> None:
@@ -81,7 +58,7 @@ def _measured_world() -> None:
             rows = ids[context.dp_rank::context.dp_size]
             model(**local_batch(context, {"input_ids": rows, "labels": rows}, True)).loss.backward()
         optimizer.step()
-        got = measure(inner, optimizer)
+        got = state_bytes(inner, optimizer)
         state = training_state(facts, parallel, 4, pp_rank=context.pp_rank, dp_rank=context.dp_rank,
                                cp_rank=context.cp_rank)
         predicted = (state.parameters, state.gradients, state.optimizer)
@@ -100,25 +77,6 @@ ACTIVATION_LAYOUTS = (dict(tensor_parallel_size=2), dict(tensor_parallel_size=2,
                       dict(tensor_parallel_size=2, sequence_parallel=True, activation_checkpointing="full"),
                       dict(context_parallel_size=2),
                       dict(tensor_parallel_size=2, sequence_parallel=True, context_parallel_size=2))
-
-
-def saved_activation_bytes(model, batch: dict) -> int:
-    """Bytes of the distinct storages the saved-tensor hooks see in one forward (the rank's parameters excluded)."""
-    def local(p):
-        return p.to_local() if hasattr(p, "to_local") else p
-
-    weights = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(tensor):
-        storage = local(tensor).untyped_storage()
-        if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(**batch)
-    return sum(saved.values())
 
 
 def check_activations() -> None:
