@@ -201,6 +201,12 @@ class ModelFacts:
         return self._get("num_key_value_heads", default=self.num_heads)
 
     @property
+    def head_dim(self) -> int:
+        """The attention head width: the config's ``head_dim`` where it sets one (Gemma, Qwen3: heads x head_dim
+        need not be the hidden size), else ``hidden / heads``."""
+        return getattr(self.config, "head_dim", None) or self.hidden_size // self.num_heads
+
+    @property
     def intermediate_size(self) -> int:
         return self._get("intermediate_size", "n_inner", "d_ff", default=4 * self.hidden_size)
 
@@ -243,7 +249,8 @@ class ModelFacts:
 
         - input norm: its input, ``1/rms`` (one float), its output and the q/k/v projections' input: ``3h + 1``;
         - attention: rotated q and k, v, SDPA's output and log-sum-exp, o_proj's input:
-          ``h + 2 h_kv + h + a + h`` (split by tp);
+          ``3 a d + 2 h_kv + a`` (``d`` the head width; split by tp, but a rank keeps at least one key/value head:
+          with fewer key/value heads than tp ranks they are replicated);
         - post-attention norm: ``1/rms``, output, the MLP's input: ``2h + 1``;
         - MLP: gate and up outputs, the activation, down_proj's input: ``4f`` gated (``2f`` plain), split by tp.
 
@@ -254,16 +261,16 @@ class ModelFacts:
         tests/planner/test_memory_measured.py). ``seq_len`` does not enter: SDPA keeps no ``s x s`` score matrix
         (flash / memory-efficient kernels, and the CPU path keep the log-sum-exp only)."""
         size = element_size or torch.empty((), dtype=self.dtype).element_size()
-        h, f, a = self.hidden_size, self.intermediate_size, self.num_heads
-        h_kv = h * self.num_kv_heads // a
+        h, f, a, d = self.hidden_size, self.intermediate_size, self.num_heads, self.head_dim
+        key_values = 2 * d * max(1, self.num_kv_heads // tp)  # this rank's k and v (replicated below one head)
         gated = self._get("hidden_act", "activation_function", default="") in ("silu", "swiglu")
         mlp = (4 if gated else 2) * f
         if self.num_experts:  # each token runs experts_per_token experts
             mlp *= self.experts_per_token
-        split = 3 * h + 2 * h_kv + a + mlp
+        split = 3 * a * d + a + mlp
         if sequence_parallel and tp > 1:
-            return size * (split / tp + (3 * h + 2) / tp + self.gathered_inputs() * h)
-        return size * (split / tp + 5 * h + 2)
+            return size * (split / tp + key_values + (3 * h + 2) / tp + self.gathered_inputs() * h)
+        return size * (split / tp + key_values + 5 * h + 2)
 
     def gathered_inputs(self) -> int:
         """Distinct block inputs the column-parallel linears all-gather under sequence parallelism: the attention's
