@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         table = hardware.profile
         print(f"profiled: {len(table.blocks)} block shapes and {len(table.outsides)} embedding/head shapes timed "
               f"(forward + backward), optimizer {table.optimizer:.3g} s per parameter byte"
+              + (f"; {len(table.parallel)} timed with their process groups" if table.parallel else "")
               + "".join(f"; {note}" for note in table.notes))
     print(f"{result.considered} accepted layouts evaluated; refused by the composition check: "
           f"{sum(result.refused.values())}")
