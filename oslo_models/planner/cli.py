@@ -5,8 +5,10 @@
         [--per-block]   # also per-block plans: ParallelConfig.block_plan (planner/blocks.py)
 
 ``--profile`` times the model's real blocks on this machine's device at each candidate's local shapes
-(``planner/profile.py``) instead of counting FLOPs; under ``torchrun`` it also measures the overlap coefficient and
-the collectives' costs on the world group.
+(``planner/profile.py``) instead of counting FLOPs; under ``torchrun`` (every rank runs the same command; rank 0
+prints and writes) it also times the blocks with the process groups the launched world can host
+(``planner/profile_parallel.py``), and measures the overlap coefficient and the collectives' costs on the world
+group.
 
 The JSON file is exactly ``ParallelConfig.to_json`` of the best layout (``ParallelConfig.from_json`` reads it);
 the training options a ParallelConfig does not hold (micro-batch size, gradient accumulation, mixed precision) are
@@ -58,6 +60,24 @@ def format_table(candidates) -> str:
     return "\n".join(lines)
 
 
+def _join_launched_world(args) -> int:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1), join the process group so ``--profile`` times blocks with their
+    groups, the overlap and the collectives (``profile.profiled_hardware``); this rank's number."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0
+    if not dist.is_initialized():
+        import torch
+
+        from ..distributed.context import init_process_group_from_environment
+
+        init_process_group_from_environment("cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu")
+    return dist.get_rank()
+
+
 def run(args: argparse.Namespace) -> int:
     from . import parse_bytes, plan
     from .search import SearchSpace
@@ -72,9 +92,12 @@ def run(args: argparse.Namespace) -> int:
     space = SearchSpace(cpu_offload=(False, True) if args.offload else (False,),
                         mixed_precision=args.mixed_precision, per_block=args.per_block)
     cap = parse_bytes(args.memory_per_device)
+    rank = _join_launched_world(args) if args.profile else 0
     result = plan(args.model, world_size=args.world_size, memory_per_device=cap, global_batch=args.global_batch,
                   seq_len=args.seq_len, top=args.top, hardware=hardware, space=space, profile=args.profile,
                   profile_repeats=args.profile_repeats)
+    if rank:  # every rank profiled (collectives) and planned alike; one prints and writes
+        return 0
     hardware = result.hardware
     print(f"hardware: {hardware.matmul_flops:.3g} FLOP/s, intra-node {hardware.intra_bandwidth:.3g} B/s "
           f"{hardware.intra_latency:.1e} s, inter-node {hardware.inter_bandwidth:.3g} B/s "
