@@ -173,7 +173,7 @@ def calibrate_world() -> tuple[int, float, float, float]:
     return dist.get_world_size(), matmul, bandwidth, latency
 
 
-def measure_profile(world: int, hardware) -> dict:
+def measure_profile(world: int, hardware, rounds: int = 5) -> dict:
     """Every rank times the shapes this world's layouts ask for (the predictions drive the ``Profiler``), then the
     fastest rank's raw time per run is kept; plus the overlap coefficient and per-kind collective costs on the world
     group (collective)."""
@@ -187,7 +187,7 @@ def measure_profile(world: int, hardware) -> dict:
     profiled = dataclasses.replace(hardware, profile=profiler)
     for options in LAYOUTS[world]:
         predict(world, options, profiled)
-    profiler.refine(rounds=5)  # every shape again, round-robin: the machine's load drifts alike over all
+    profiler.refine(rounds=rounds)  # every shape again, round-robin: the machine's load drifts alike over all
 
     def least(values):  # per raw time, the least disturbed rank's (as a layout's time is its fastest step)
         tensor = torch.tensor(values, dtype=torch.float64)
@@ -201,7 +201,7 @@ def measure_profile(world: int, hardware) -> dict:
     return {"table": profiler.to_dict(), "overlap": overlap, "collectives": [list(c) for c in collectives]}
 
 
-def _worker(out_dir: str, rounds: int, profile: bool = False, train: bool = True) -> None:
+def _worker(out_dir: str, rounds: int, profile: bool = False, train: bool = True, profile_rounds: int = 5) -> None:
     import torch.distributed as dist
     import transformers
 
@@ -211,7 +211,8 @@ def _worker(out_dir: str, rounds: int, profile: bool = False, train: bool = True
     measured = {"matmul_flops": matmul, "bandwidth": bandwidth, "latency": latency}
     if profile:
         start = time.perf_counter()
-        measured["profile"] = measure_profile(world, Hardware(matmul, bandwidth, latency, bandwidth, latency, world))
+        measured["profile"] = measure_profile(world, Hardware(matmul, bandwidth, latency, bandwidth, latency, world),
+                                              rounds=profile_rounds)
         measured["profile"]["seconds"] = time.perf_counter() - start
     if not train:
         if dist.get_rank() == 0:
@@ -378,6 +379,8 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=6, help="timed steps per layout (round-robin, after a warm-up)")
     parser.add_argument("--profile", action="store_true", help="also the profiled time model (planner/profile.py)")
+    parser.add_argument("--profile-rounds", type=int, default=5,
+                        help="times every profiled shape is timed again, round-robin (Profiler.refine)")
     parser.add_argument("--repredict", help="a saved report: predict again, without training (times kept)")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                        "planner_ranking.json"))
@@ -397,12 +400,12 @@ def main() -> None:
                 old = report["worlds"][str(world)]
                 measured = dict(old["hardware"], rows=old["rows"])
                 if args.profile and "profile" not in measured:  # measure the profile alone in a fresh world
-                    run_distributed(_worker, world, tmp, 0, True, False, timeout=3600)
+                    run_distributed(_worker, world, tmp, 0, True, False, args.profile_rounds, timeout=3600)
                     with open(os.path.join(tmp, f"world{world}.json")) as handle:
                         measured["profile"] = json.load(handle)["profile"]
                     report["profile_load_average"] = os.getloadavg()
             else:
-                run_distributed(_worker, world, tmp, args.rounds, args.profile, timeout=3600)
+                run_distributed(_worker, world, tmp, args.rounds, args.profile, True, args.profile_rounds, timeout=3600)
                 with open(os.path.join(tmp, f"world{world}.json")) as handle:
                     measured = json.load(handle)
             result = predictions(world, measured)

@@ -249,6 +249,9 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
         link = hardware.link(dp * cp * tp + 1)  # neighbouring stages are dp x cp x tp ranks apart
         comm["pp"] = 2 * steps * v * (mb_tokens * h * element / (tp if parallel.sequence_parallel else 1)
                                       / link[0] + link[1])
+        per_action = profile.pipeline_action(parallel.pipeline_schedule, pp, v) if profile is not None else None
+        if per_action is not None:  # the runtime's own cost of each action, timed (profile_parallel.py)
+            comm["pp"] += per_action * busiest_actions(parallel.pipeline_schedule, pp, steps, v, facts.cache)
     if measured_dp is not None:  # DDP / FSDP2 as timed: the wrapped block minus the unwrapped one
         base = measured_mp or alone
         wrapped = max(0.0, layers * (measured_dp[0] - base[0]) + measured_dp[1] - base[1])
@@ -291,14 +294,8 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
     return TimeEstimate(compute + optimizer, comm, bubble)
 
 
-def pipeline_bubble(schedule: str, pp: int, num_microbatches: int, v: int = 1, recompute: float = 0.0,
-                    cache: dict | None = None) -> float:
-    """Idle time over compute time of the busiest pipeline rank, from the schedule's own action list replayed
-    with the pipeline's dependencies (see the module docstring; ``recompute``: the share of the forward+backward
-    work checkpointing adds). Cached in ``cache`` (e.g. ``ModelFacts.cache``) by its arguments."""
-    key = ("bubble", schedule, pp, num_microbatches, v, recompute)
-    if cache is not None and key in cache:
-        return cache[key]
+def _schedule_order(schedule: str, pp: int, num_microbatches: int, v: int, cache: dict | None) -> list:
+    """Per-rank ``(stage, kind, microbatch)`` actions of the torch schedule the runner runs (cached)."""
     order_key = ("schedule order", schedule, pp, num_microbatches, v)
     order = cache.get(order_key) if cache is not None else None
     if order is None:  # building the torch schedule is the slow part (~0.2 s): once per shape, whatever the recompute
@@ -308,6 +305,23 @@ def pipeline_bubble(schedule: str, pp: int, num_microbatches: int, v: int = 1, r
                   for a in row] for row in schedule_actions(schedule, pp, num_microbatches, v)]
         if cache is not None:
             cache[order_key] = order
+    return order
+
+
+def busiest_actions(schedule: str, pp: int, num_microbatches: int, v: int = 1, cache: dict | None = None) -> int:
+    """Compute actions (forward, backward or its halves) of the pipeline rank that runs the most."""
+    return max(len(row) for row in _schedule_order(schedule, pp, num_microbatches, v, cache))
+
+
+def pipeline_bubble(schedule: str, pp: int, num_microbatches: int, v: int = 1, recompute: float = 0.0,
+                    cache: dict | None = None) -> float:
+    """Idle time over compute time of the busiest pipeline rank, from the schedule's own action list replayed
+    with the pipeline's dependencies (see the module docstring; ``recompute``: the share of the forward+backward
+    work checkpointing adds). Cached in ``cache`` (e.g. ``ModelFacts.cache``) by its arguments."""
+    key = ("bubble", schedule, pp, num_microbatches, v, recompute)
+    if cache is not None and key in cache:
+        return cache[key]
+    order = _schedule_order(schedule, pp, num_microbatches, v, cache)
     extra = 3 * recompute  # recomputed forward work, in forward units, done in the backward's input pass
     durations = {"F": 1.0, "B": 2.0 + extra, "I": 1.0 + extra, "W": 1.0}
     span, busy = replay(order, durations)
