@@ -59,13 +59,11 @@ class ProfileTable:
     forward + backward, ``optimizer`` is seconds per parameter byte of the optimizer step."""
 
     def __init__(self, blocks: dict | None = None, outsides: dict | None = None, optimizer: float = 0.0,
-                 notes: list | None = None, parallel: dict | None = None, pipeline: dict | None = None):
+                 notes: list | None = None, parallel: dict | None = None):
         self.blocks, self.outsides = dict(blocks or {}), dict(outsides or {})
         self.optimizer, self.notes = optimizer, list(notes or [])
         # profile_parallel.parallel_key -> [block, outside] seconds timed with the process groups (profile_parallel.py)
         self.parallel = {k: list(v) for k, v in (parallel or {}).items()}
-        # "schedule pp{pp} v{v}" -> seconds per schedule action beyond its compute (profile_parallel.py)
-        self.pipeline = dict(pipeline or {})
 
     def block(self, tp: int, seq: int, micro_batch: int, checkpointing: str | None = None) -> float:
         key = block_key(tp, seq, micro_batch, checkpointing)
@@ -98,28 +96,17 @@ class ProfileTable:
     def _measure_parallel(self, *arguments) -> tuple | None:
         return None
 
-    def pipeline_action(self, schedule: str, pp: int, v: int = 1) -> float | None:
-        """Seconds the pipeline runtime spends per schedule action beyond its compute (``profile_parallel.py``);
-        ``None`` where it was not timed."""
-        key = f"{schedule} pp{pp} v{v}"
-        if key in self.pipeline:
-            return self.pipeline[key]
-        return self._measure_pipeline(schedule, pp, v)
-
-    def _measure_pipeline(self, schedule: str, pp: int, v: int) -> float | None:
-        return None
-
     def _measure(self, tp, seq, micro_batch, checkpointing):
         raise KeyError(f"no profiled figure for {block_key(tp, seq, micro_batch, checkpointing)} in this table")
 
     def to_dict(self) -> dict:
         return {"blocks": self.blocks, "outsides": self.outsides, "optimizer": self.optimizer, "notes": self.notes,
-                "parallel": self.parallel, "pipeline": self.pipeline}
+                "parallel": self.parallel}
 
     @classmethod
     def from_dict(cls, values: dict) -> "ProfileTable":
         return cls(values["blocks"], values["outsides"], values["optimizer"], values.get("notes"),
-                   values.get("parallel"), values.get("pipeline"))
+                   values.get("parallel"))
 
 
 class Profiler(ProfileTable):
@@ -142,9 +129,6 @@ class Profiler(ProfileTable):
 
     def _measure_parallel(self, *arguments) -> tuple | None:
         return None if self.groups is None else self.groups.measure(*arguments)
-
-    def _measure_pipeline(self, schedule: str, pp: int, v: int) -> float | None:
-        return None if self.groups is None else self.groups.pipeline(schedule, pp, v)
 
     # ------------------------------------------------------------------ models at local shapes
     def _local_config(self, tp: int, layers: int, seq: int):

@@ -23,13 +23,6 @@ DTensor shards) is timed after each backward the same way, per block and outside
 ``model-parallel - alone`` as the tp / sp / cp communication and ``wrapped - model-parallel`` as the data-parallel
 communication, replacing the fitted-link terms of those axes, and takes the optimizer step as timed.
 
-- ``pipeline``: the pipeline runtime's own cost per schedule action (``pipeline_action``): the family's real model
-  pipelined over ``pp`` ranks (one layer per chunk, one 8-token sequence per microbatch: next to no compute), its
-  ``train_step`` timed at ``m`` and at ``2 m`` microbatches; the difference over the actions the busiest rank adds
-  (the schedule's own action list) is what each forward / backward action costs beyond its compute: the stage's
-  bookkeeping, the sends and receives, the schedule's Python. What runs once per step (the data-parallel reduction,
-  the loss's all-reduces) cancels in the difference. ``time.py`` adds it times the layout's actions.
-
 Which keys a world can time: ``tp x cp`` must divide the world (model-parallel), and ``tp x cp x dp`` must equal it
 (wrapped: the wrapper's group is the layout's whole dp x cp group). Others are not timed (``None``): ``time.py`` then
 falls back to the link model for them (e.g. planning 1024 ranks from one 8-GPU node: tp <= 8 is timed, the dp
@@ -89,9 +82,7 @@ class ParallelRuns:
         self.runs[key] = (arguments, self._time(arguments, [float("inf")] * 4, self.profiler.repeats + 2, warm=2))
         return self.record(key)
 
-    def record(self, key: str) -> tuple[float, ...] | float:
-        if key.startswith("pipeline "):
-            return self._record_pipeline(key)
+    def record(self, key: str) -> tuple[float, ...]:
         _, (t1, t_more, o1, o_more) = self.runs[key]
         block = max(t_more - t1, 1e-9) / _EXTRA
         step = max(o_more - o1, 0.0) / _EXTRA
@@ -101,67 +92,9 @@ class ParallelRuns:
     def refine(self, rounds: int) -> None:
         for _ in range(rounds):
             for key, (arguments, best) in self.runs.items():
-                if key.startswith("pipeline "):
-                    self._time_pipeline(arguments, best, 1, warm=0)
-                else:
-                    self._time(arguments, best, 1, warm=0)
+                self._time(arguments, best, 1, warm=0)
         for key in self.runs:
             self.record(key)
-
-    # ------------------------------------------------------------------ the pipeline runtime
-    def pipeline(self, schedule: str, pp: int, v: int) -> float | None:
-        """Seconds per schedule action beyond its compute (module docstring), or ``None`` when ``pp`` does not
-        divide the world (collective)."""
-        if self.world % pp:
-            return None
-        key = f"pipeline {schedule} pp{pp} v{v}"
-        m = 2 * pp  # every schedule takes a multiple of the stage count
-        arguments = (schedule, pp, v, m)
-        self.runs[key] = (arguments, self._time_pipeline(arguments, [float("inf")] * 2, self.profiler.repeats + 2,
-                                                         warm=2))
-        return self.record(key)
-
-    def _record_pipeline(self, key: str) -> float:
-        from .time import busiest_actions
-
-        (schedule, pp, v, m), (t_m, t_2m) = self.runs[key]
-        added = busiest_actions(schedule, pp, 2 * m, v) - busiest_actions(schedule, pp, m, v)
-        self.profiler.pipeline[key.removeprefix("pipeline ")] = max(t_2m - t_m, 0.0) / added
-        return self.profiler.pipeline[key.removeprefix("pipeline ")]
-
-    def _time_pipeline(self, arguments, best: list, rounds: int, warm: int) -> list:
-        import torch.distributed as dist
-
-        from ..config import ParallelConfig
-        from ..distributed.context import ParallelContext
-
-        schedule, pp, v, m = arguments
-        models = []
-        for microbatches in (m, 2 * m):
-            key = ("pipeline", schedule, pp, v, microbatches)
-            if key not in self._models:
-                config = ParallelConfig(pipeline_parallel_size=pp, virtual_pipeline_size=v,
-                                        num_microbatches=microbatches, pipeline_schedule=schedule)
-                context = ParallelContext.from_config(config, device_type=self.profiler.device.type)
-                torch.manual_seed(0)
-                model = self.profiler.facts.model_class(self.profiler._local_config(1, pp * v, 8),
-                                                        parallel_context=context).to(context.device).train()
-                ids = torch.randint(1, self.profiler.facts.vocab_size, (microbatches, 8),
-                                    generator=torch.Generator().manual_seed(1)).to(context.device)
-                self._models[key] = (model, {"input_ids": ids, "labels": ids})
-            models.append(self._models[key])
-        for round_ in range(rounds):
-            for i, (model, batch) in enumerate(models):
-                dist.barrier()
-                self.profiler._sync()
-                start = _time.perf_counter()
-                with self.profiler._autocast():
-                    model.train_step(batch)
-                self.profiler._sync()
-                model.zero_grad(set_to_none=True)
-                if round_ >= warm:
-                    best[i] = min(best[i], _time.perf_counter() - start)
-        return best
 
     # ------------------------------------------------------------------ building and timing
     def _context(self, tp, sp, cp, stage, shard):

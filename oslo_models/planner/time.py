@@ -249,9 +249,6 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
         link = hardware.link(dp * cp * tp + 1)  # neighbouring stages are dp x cp x tp ranks apart
         comm["pp"] = 2 * steps * v * (mb_tokens * h * element / (tp if parallel.sequence_parallel else 1)
                                       / link[0] + link[1])
-    per_action = 0.0  # the pipeline runtime's own seconds per schedule action, where timed (profile_parallel.py)
-    if pp > 1 and profile is not None:
-        per_action = profile.pipeline_action(parallel.pipeline_schedule, pp, v) or 0.0
     if measured_dp is not None:  # DDP / FSDP2 as timed: the wrapped block minus the unwrapped one
         base = measured_mp or alone
         wrapped = max(0.0, layers * (measured_dp[0] - base[0]) + measured_dp[1] - base[1])
@@ -288,20 +285,20 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
         host_shard = param_bytes / max(1, parallel.data_parallel_shard_size or dp_cp)
         comm["offload"] = 2 * host_shard / hardware.host_bandwidth + 12 * host_shard / element / hardware.host_flops
     bubble = 0.0
-    if pp > 1:  # the runtime's per-action cost is replayed with the actions (a rank's overhead can sit in another's
-        # idle time), in forward units of one chunk: compute per microbatch is 3 units per chunk
-        unit = compute / steps / (3 * v)
-        busy = compute + per_action * busiest_actions(parallel.pipeline_schedule, pp, steps, v, facts.cache)
-        if per_action:
-            comm["pp"] += busy - compute
-        bubble = busy * pipeline_bubble(parallel.pipeline_schedule, pp, steps, v,
-                                        _RECOMPUTE[parallel.activation_checkpointing], facts.cache,
-                                        overhead=round(per_action / max(unit, 1e-12), 4))
+    if pp > 1:
+        bubble = compute * pipeline_bubble(parallel.pipeline_schedule, pp, steps, v,
+                                           _RECOMPUTE[parallel.activation_checkpointing], facts.cache)
     return TimeEstimate(compute + optimizer, comm, bubble)
 
 
-def _schedule_order(schedule: str, pp: int, num_microbatches: int, v: int, cache: dict | None) -> list:
-    """Per-rank ``(stage, kind, microbatch)`` actions of the torch schedule the runner runs (cached)."""
+def pipeline_bubble(schedule: str, pp: int, num_microbatches: int, v: int = 1, recompute: float = 0.0,
+                    cache: dict | None = None) -> float:
+    """Idle time over compute time of the busiest pipeline rank, from the schedule's own action list replayed
+    with the pipeline's dependencies (see the module docstring; ``recompute``: the share of the forward+backward
+    work checkpointing adds). Cached in ``cache`` (e.g. ``ModelFacts.cache``) by its arguments."""
+    key = ("bubble", schedule, pp, num_microbatches, v, recompute)
+    if cache is not None and key in cache:
+        return cache[key]
     order_key = ("schedule order", schedule, pp, num_microbatches, v)
     order = cache.get(order_key) if cache is not None else None
     if order is None:  # building the torch schedule is the slow part (~0.2 s): once per shape, whatever the recompute
@@ -311,27 +308,9 @@ def _schedule_order(schedule: str, pp: int, num_microbatches: int, v: int, cache
                   for a in row] for row in schedule_actions(schedule, pp, num_microbatches, v)]
         if cache is not None:
             cache[order_key] = order
-    return order
-
-
-def busiest_actions(schedule: str, pp: int, num_microbatches: int, v: int = 1, cache: dict | None = None) -> int:
-    """Compute actions (forward, backward or its halves) of the pipeline rank that runs the most."""
-    return max(len(row) for row in _schedule_order(schedule, pp, num_microbatches, v, cache))
-
-
-def pipeline_bubble(schedule: str, pp: int, num_microbatches: int, v: int = 1, recompute: float = 0.0,
-                    cache: dict | None = None, overhead: float = 0.0) -> float:
-    """Idle time over busy time of the busiest pipeline rank, from the schedule's own action list replayed
-    with the pipeline's dependencies (see the module docstring; ``recompute``: the share of the forward+backward
-    work checkpointing adds; ``overhead``: the runtime's own cost of every action, in forward units). Cached in
-    ``cache`` (e.g. ``ModelFacts.cache``) by its arguments."""
-    key = ("bubble", schedule, pp, num_microbatches, v, recompute, overhead)
-    if cache is not None and key in cache:
-        return cache[key]
-    order = _schedule_order(schedule, pp, num_microbatches, v, cache)
     extra = 3 * recompute  # recomputed forward work, in forward units, done in the backward's input pass
     durations = {"F": 1.0, "B": 2.0 + extra, "I": 1.0 + extra, "W": 1.0}
-    span, busy = replay(order, durations, overhead)
+    span, busy = replay(order, durations)
     ratio = span / max(busy) - 1.0
     if cache is not None:
         cache[key] = ratio
@@ -342,13 +321,11 @@ _KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD
           "F": "F", "B": "B", "I": "I", "W": "W"}
 
 
-def replay(order: list[list[tuple[int, str, int]]], durations: dict, overhead: float = 0.0
-           ) -> tuple[float, list[float]]:
+def replay(order: list[list[tuple[int, str, int]]], durations: dict) -> tuple[float, list[float]]:
     """``(makespan, busy time per rank)`` of per-rank actions ``(stage, kind, microbatch)`` run in order, each when
     its rank is free and its inputs exist: ``F`` after the previous stage's ``F``; ``B`` / ``I`` after this stage's
     ``F`` and the next stage's input gradient; ``W`` after this stage's ``I``. On stage 0 an ``I`` takes no time and
-    its ``W`` is the full backward (torch has no input gradient to compute there). Every action also takes
-    ``overhead`` (the runtime's own cost per action)."""
+    its ``W`` is the full backward (torch has no input gradient to compute there)."""
     last = max(stage for row in order for stage, _, _ in row)
     done: dict = {}
     clocks, busy, cursors = [0.0] * len(order), [0.0] * len(order), [0] * len(order)
@@ -369,7 +346,6 @@ def replay(order: list[list[tuple[int, str, int]]], durations: dict, overhead: f
                 width = durations[kind]
                 if stage == 0 and kind in ("I", "W"):
                     width = 0.0 if kind == "I" else durations["B"]
-                width += overhead
                 end = max([clocks[rank]] + [done[need] for need in needs]) + width
                 done[("F" if kind == "F" else "dx" if kind in ("B", "I") else "W", stage, mb)] = end
                 clocks[rank], busy[rank] = end, busy[rank] + width

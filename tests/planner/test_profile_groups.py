@@ -2,8 +2,7 @@
 real process groups. The grouped model is the family's real model on a real ``ParallelContext`` (tp's weights are
 the local shards; the ring attention under cp; FSDP2 or DDP wrapping the data-parallel one), its timed forward +
 backward runs the collectives (counted by a dispatch mode: a profile that timed a block alone would count none),
-the timed optimizer step is the wrapper's (ZeRO-1's broadcasts), the pipeline runtime's cost per action is timed and
-charged per action of the busiest rank, keys the world cannot host are ``None`` (the link
+the timed optimizer step is the wrapper's (ZeRO-1's broadcasts), keys the world cannot host are ``None`` (the link
 model stands in), the ranks end with the same figures after ``combine``, and ``estimate_time`` charges the grouped
 block minus the block alone and takes the timed optimizer step.
 """
@@ -111,39 +110,5 @@ def _least(values):
     return tensor.tolist()
 
 
-def _both():
-    _world()
-    _pipeline_world()
-
-
 def test_profile_times_blocks_with_their_groups():
-    run_distributed(_both, 2, timeout=300)
-
-
-def _pipeline_world():
-    from oslo_models.distributed.context import init_process_group_from_environment
-    from oslo_models.planner.time import busiest_actions
-
-    if not dist.is_initialized():
-        init_process_group_from_environment("cpu")
-    facts = ModelFacts(om.LlamaForCausalLM, tiny_config("llama", num_hidden_layers=2))
-    profiler = Profiler(facts, repeats=1, groups=True)
-    per_action = profiler.pipeline_action("1f1b", 2, 1)
-    assert per_action is not None and per_action > 0
-    assert profiler.pipeline_action("1f1b", 4, 1) is None  # 4 stages need 4 ranks
-    assert busiest_actions("1f1b", 2, 8) - busiest_actions("1f1b", 2, 4) == 8  # a forward and a backward each
-    hw = replace(Hardware.default("cpu"), profile=profiler)
-    kw = dict(global_batch=8, seq_len=8, micro_batch=1, num_microbatches=8, param_bytes=10**5)
-    config = om.ParallelConfig(pipeline_parallel_size=2, num_microbatches=8)
-    timed = estimate_time(facts, config, 2, hw, **kw)
-    untimed = estimate_time(facts, config, 2, replace(hw, profile=replace_pipeline(profiler)), **kw)
-    assert abs(timed.communication["pp"] - untimed.communication["pp"] - 16 * per_action) < 1e-12
-
-
-def replace_pipeline(profiler):
-    """The same profile without the pipeline figures (a table that holds none: the link model alone)."""
-    from oslo_models.planner.profile import ProfileTable
-
-    values = profiler.to_dict()
-    values["pipeline"] = {}
-    return ProfileTable.from_dict(values)
+    run_distributed(_world, 2, timeout=300)
