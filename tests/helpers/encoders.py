@@ -76,7 +76,10 @@ def assert_steps_match(model, reference, inputs: dict, labels, *, steps: int = 3
     kwargs = dict(inputs, **label_kwargs) if labels is None else dict(inputs, labels=labels, **label_kwargs)
     for _ in range(steps):
         expected, got = reference(**kwargs), model(**kwargs)
-        torch.testing.assert_close(got[logits_key], expected[logits_key], atol=1e-5, rtol=1e-5)
+        # atol 2e-5: on an AVX-512 CPU (the vector width sets the order of fp32 sums) 1-3 of the 1212 logits of the
+        # tp=2/4 T5 came out 1.13e-5 and 1.23e-5 off, the rest within 1e-6; the loss, every gradient and every
+        # parameter after each AdamW step keep their tolerances
+        torch.testing.assert_close(got[logits_key], expected[logits_key], atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
         expected.loss.backward()
         got.loss.backward()

@@ -19,7 +19,7 @@ from oslo_models.parallel_layers.plan import Colwise, ParallelPlan
 from tests.helpers.dist import run_distributed
 from tests.helpers.layouts import train_matches
 from tests.helpers.models import assert_grads_match, padded_batch
-from tests.helpers.pipeline import assert_pipeline_matches
+from tests.helpers.pipeline import ADAMW, assert_pipeline_matches
 from tests.helpers.zoo import tiny_config
 
 TYPES = ("deberta-v2", "modernbert")
@@ -184,8 +184,14 @@ def _check_pipeline_heads(heads: dict) -> None:
             inputs = {key: torch.stack([value.roll(c, dims=-1) for c in range(3)], dim=1) for key, value in
                       batch.items()}
         model = om_class.from_pretrained(path, parallel=layout, progress=False).train()
-        assert_pipeline_matches(model, om_class.hf_twin.from_pretrained(path).train(), dict(inputs, **targets[task]),
-                                steps=1)
+        reference = om_class.hf_twin.from_pretrained(path).train()
+        # eps 1e-4 on both sides: Adam's first step is lr x g / (|g| + eps), whose slope is largest where |g| is
+        # near eps; at 1e-5, float-noise gradient differences of a rarely used embedding row became 2.6e-5 of
+        # parameter on an AVX-512 CPU (3 of 1632 elements). The comparison's tolerances are unchanged.
+        adamw = dict(ADAMW, eps=1e-4)
+        assert_pipeline_matches(model, reference, dict(inputs, **targets[task]), steps=1,
+                                optimizer=torch.optim.AdamW(model.parameters(), **adamw),
+                                reference_optimizer=torch.optim.AdamW(reference.parameters(), **adamw))
 
 
 def _check_layouts(model_type: str, path: str, expected_refusals: dict) -> None:

@@ -39,7 +39,8 @@ def _parity_worker(relu_path: str, gated_path: str, tp: int) -> None:
             assert_steps_match(model, reference, inputs, labels)
     # An encoder length the TP size does not divide runs without SP and still matches.
     odd = dict(input_ids=inputs["input_ids"][:, :7], attention_mask=inputs["attention_mask"][:, :7], labels=labels)
-    torch.testing.assert_close(model(**odd).logits, reference(**odd).logits, atol=1e-5, rtol=1e-5)
+    # atol 2e-5, as assert_steps_match's logits (AVX-512 summation order: 1.2e-5 on 3 of 1212 at tp=4)
+    torch.testing.assert_close(model(**odd).logits, reference(**odd).logits, atol=2e-5, rtol=1e-5)
 
 
 def test_tp1_matches_transformers(checkpoints, single_thread):
