@@ -160,7 +160,7 @@ def render(cells: list[Cell] | None = None) -> str:
             lines.append(f"| {c.name} | {c.layout.describe()} | {c.model_type} |")
     lines += ["", "## Four and five axes at 8 processes", "",
               "`tests/composition/test_eight_ranks.py` trains each composing layout against single-process "
-              "`transformers` (5 AdamW steps, fp32: every loss and every parameter).", "",
+              "`transformers` (3 AdamW steps, fp32: every loss and every parameter).", "",
               "| axes | layout | family | status |", "|---|---|---|---|"]
     for c in multi_axis():
         status = "composes" if c.status == "composes" else "refused: " + c.reason.replace("|", "\\|").replace(

@@ -1,8 +1,9 @@
-"""The four- and five-axis layouts at 8 processes (``composition.table.MULTI_AXIS``): each composing one trains 5
-AdamW steps against single-process ``transformers`` (every loss, every local parameter after them;
+"""The four- and five-axis layouts at 8 processes (``composition.table.MULTI_AXIS``): each composing one trains 3
+AdamW steps (``COMBINED_STEPS``, as the combined layouts: the step after the first already runs on AdamW's state)
+against single-process ``transformers`` (every loss, every local parameter after them;
 ``tests/helpers/composition.py``), all in one spawned group of 8 gloo ranks, which then trains the 8-process combined
 layouts of ``combined.py`` (the 2D grid with data parallelism, ZeRO 1-3, offload, mixed precision, checkpointing,
-compile; 3 steps each, tolerances in ``test_combined.py``). The refused ones (their reasons are in
+compile; 3 steps each too, tolerances in ``test_combined.py``). The refused ones (their reasons are in
 ``docs/composition.md``) must be refused before any process group, which ``test_refused_before_any_group`` checks.
 """
 from __future__ import annotations
@@ -14,13 +15,11 @@ from oslo_models.composition.check import check_layout
 from oslo_models.composition.table import multi_axis, representative
 from tests.composition.combined import COMBINED_STEPS, combined_cells
 from tests.composition.test_combined import train_cells
-from tests.helpers.composition import STEPS
 from tests.helpers.dist import run_distributed
 
 
 def _train(cells, combined, folders: dict[str, str]) -> None:
-    train_cells(cells, folders, STEPS)
-    train_cells(combined, folders, COMBINED_STEPS)
+    train_cells(cells + combined, folders, COMBINED_STEPS)
 
 
 def test_multi_axis_layouts_match_transformers(tmp_path):
@@ -34,7 +33,7 @@ def test_multi_axis_layouts_match_transformers(tmp_path):
         torch.manual_seed(0)
         folders[model_type] = str(tmp_path / model_type)
         model_class.hf_twin(config).save_pretrained(folders[model_type])
-    run_distributed(_train, 8, cells, combined, folders, timeout=1200)  # 7 x 5 + 3 x 3 steps, 8 ranks on 2 cores
+    run_distributed(_train, 8, cells, combined, folders, timeout=1200)  # 10 layouts x 3 steps, 8 ranks on 2 cores
 
 
 def test_refused_before_any_group():

@@ -10,8 +10,15 @@ What a fresh process would give a test is restored around every task: the enviro
 directory, a nondeterministic torch seed (as a fresh process has), default dtype, grad mode, one thread,
 Accelerate's process-wide state; the default process group is destroyed and the collective watchdog stopped. A
 worker that failed, hung, died, grew past ``_MAX_RSS`` or ran DTensor code (``_used_dtensor``) is replaced (the next
-call spawns a fresh one), so one broken test cannot leak into the next. ``OSLO_TEST_POOL=0`` spawns fresh processes
+call starts a fresh one), so one broken test cannot leak into the next. ``OSLO_TEST_POOL=0`` spawns fresh processes
 for every call instead (the old behaviour).
+
+The workers are forked from one fork server per pytest process (``multiprocessing``'s ``forkserver``, which imports
+``PRELOAD`` once and no more: no thread started, no process group, no DTensor cache), so replacing a worker costs a
+fork instead of those imports; the suite replaces a whole world after every ZeRO-2/3 or FSDP test. A forked worker
+takes the parent's environment of the moment it starts (as a spawned one inherits it), draws a fresh torch and numpy
+seed per task, and shares the server's string hash seed (a spawned process draws its own);
+``OSLO_TEST_POOL_FORK=0`` spawns the workers instead.
 """
 from __future__ import annotations
 
@@ -30,6 +37,10 @@ import torch.distributed as dist
 
 _MAX_RSS = 3 << 30  # a worker holding more than this after a task is replaced (bounds the pool's memory)
 _MAX_TASKS = 60  # and so is one that ran this many (slow leaks: compiled graphs, caches)
+# What the fork server imports once; a module left out is imported by each worker that needs it (slower only)
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+           "torch.distributed.checkpoint", "numpy", "safetensors.torch", "transformers", "accelerate",
+           "oslo_models", "oslo_models.training", "tests.helpers.dist", "tests.helpers.preload")
 _START_LIMIT = 300.0  # seconds a cold worker may take to import the test before the call fails
 
 
@@ -84,10 +95,13 @@ def _reset_process(environ: dict, cwd: str) -> bool:
     return fresh
 
 
-def _serve(conn) -> None:
-    """A pool worker: run tasks until the parent sends ``None`` or goes away."""
+def _serve(conn, environ: dict) -> None:
+    """A pool worker: run tasks until the parent sends ``None`` or goes away. ``environ``: the parent's environment
+    when it started this worker (what a spawned process inherits; a forked one has its fork server's)."""
     from tests.helpers.dist import _enter_task  # the same environment as a fresh spawn
 
+    os.environ.clear()
+    os.environ.update(environ)
     environ, cwd = dict(os.environ), os.getcwd()
     while True:
         try:
@@ -100,6 +114,8 @@ def _serve(conn) -> None:
         fn, rank, world_size, port, args, report_dir = task
         stacks = _enter_task(rank, world_size, port, report_dir)
         torch.seed()  # a fresh process starts from a nondeterministic seed: so does every task
+        if "numpy" in sys.modules:  # (Python's random is reseeded by the fork itself)
+            sys.modules["numpy"].random.seed()
         error, clean = None, True
         try:
             fn(*args)
@@ -120,7 +136,7 @@ def _serve(conn) -> None:
 class _Worker:
     def __init__(self, context) -> None:
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child,), name="oslo-test-rank")
+        self.process = context.Process(target=_serve, args=(child, dict(os.environ)), name="oslo-test-rank")
         self.process.start()
         child.close()
         self.tasks = 0
@@ -131,7 +147,11 @@ class Pool:
     """The pool of one pytest process (``pool()``)."""
 
     def __init__(self) -> None:
-        self._context = multiprocessing.get_context("spawn")
+        if os.environ.get("OSLO_TEST_POOL_FORK", "1") != "0":
+            self._context = multiprocessing.get_context("forkserver")
+            self._context.set_forkserver_preload(list(PRELOAD))
+        else:
+            self._context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
 
     def _ready(self, world_size: int) -> list[_Worker]:
