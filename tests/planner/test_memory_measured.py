@@ -4,8 +4,8 @@ AdamW-state bytes of every rank equal, byte for byte, the local tensors the rank
 (DTensor shards counted by their local piece; ZeRO-1's state on the owning rank only).
 
 Layouts: tp4 (key/value heads replicated), dp4 ZeRO-1 (torch's greedy partition), tp2 x dp2
-ZeRO-3, dp4 HSDP (shards of 2) ZeRO-2, pp2 x dp2 ZeRO-2 (1f1b), cp2 x dp2 ZeRO-3 + CPU offload (6 layouts: each
-spawned-world layout costs seconds on the 2-core CI box; pp x tp composes shapes the unit tests already count).
+ZeRO-3, dp4 HSDP (shards of 2) ZeRO-2, pp2 x dp2 ZeRO-2 (1f1b), cp2 x dp2 ZeRO-3 + CPU offload, tp2 x dp2 ZeRO-1
+(ZeRO-1's partition of tensor-parallel shards) and pp2 x tp2 (8 layouts).
 
 In the same world, the activation model (``planner.memory.activation_bytes``) against the bytes the saved-tensor
 hooks see in one forward, within 10% on every rank, at tp2, tp2 + sp, tp2 + sp + full checkpointing, cp2 and
@@ -32,6 +32,8 @@ LAYOUTS = (
     (dict(data_parallel_size=4, data_parallel_shard_size=2, zero_stage=2), False),
     (dict(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, zero_stage=2), False),
     (dict(context_parallel_size=2, data_parallel_size=2, zero_stage=3), True),
+    (dict(tensor_parallel_size=2, data_parallel_size=2, zero_stage=1), False),
+    (dict(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2), False),
 )
 
 
