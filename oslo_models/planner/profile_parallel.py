@@ -35,15 +35,13 @@ import time as _time
 
 import torch
 
-_EXTRA = 2  # as profile.py: the block is (a 1 + _EXTRA layer model - a 1-layer one) / _EXTRA
+from .profile import _EXTRA, _FULL  # the block: (a 1 + _EXTRA layer model - a 1-layer one) / _EXTRA, as there
 
 
 def parallel_key(tp: int, sp: bool, cp: int, seq: int, micro_batch: int, checkpointing: str | None,
                  wrapper: tuple[int, int] | None = None) -> str:
     """``seq``: the local sequence (``seq_len / cp``); ``wrapper``: ``(zero stage, dp x cp)`` or ``None`` (the
     model-parallel groups only)."""
-    from .profile import _FULL
-
     text = f"tp{tp}{'+sp' if sp and tp > 1 else ''} cp{cp} s{seq} b{micro_batch} ac{_FULL[checkpointing]}"
     if wrapper is not None:
         stage, dp = wrapper
@@ -122,7 +120,8 @@ class ParallelRuns:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)  # tiny steps: the timed model barely moves
             if wrapper is not None:
                 model, optimizer = shard_data_parallel(model, optimizer, zero_stage=wrapper[0])
-            else:  # timed only, never stepped: the replicas' gradients need no reduction (the guard's question)
+            else:  # stepped only to time the step: replicas that drift apart change no timing (the guard's
+                # question: who reduces the gradients)
                 from ..distributed.data_parallel import mark_gradients_reduced
 
                 mark_gradients_reduced(model, "the planner's profile (timing only)")
@@ -142,7 +141,7 @@ class ParallelRuns:
         import torch.distributed as dist
 
         tp, sp, cp, seq, micro_batch, checkpointing, wrapper, shard = arguments
-        mode = _mode(checkpointing)
+        mode = _FULL[checkpointing]
         models = [self._model(tp, sp, cp, layers, mode, wrapper, shard) for layers in (1, 1 + _EXTRA)]
         batch = self._batch(self._context(tp, sp, cp, wrapper[0] if wrapper else 0, shard), micro_batch, seq)
         sync = self.profiler._sync
@@ -163,9 +162,3 @@ class ParallelRuns:
                     best[i] = min(best[i], middle - start)
                     best[2 + i] = min(best[2 + i], _time.perf_counter() - middle)
         return best
-
-
-def _mode(checkpointing):
-    from .profile import _FULL
-
-    return _FULL[checkpointing]

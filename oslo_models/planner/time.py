@@ -188,7 +188,8 @@ def estimate_time(facts: ModelFacts, parallel: ParallelConfig, world_size: int, 
     dp_cp = dp * cp
     shard = parallel.data_parallel_shard_size or dp_cp
     profile = hardware.profile
-    measured_mp = measured_dp = None  # (block, outside) timed with the real groups (profile_parallel.py)
+    # (block, outside[, optimizer per block, optimizer outside]) timed with the real groups (profile_parallel.py)
+    measured_mp = measured_dp = None
     if profile is None:  # FLOPs at one matmul rate
         tokens_per_rank = global_batch * seq_len / dp  # the replica's tokens, split over tp/cp/pp by work
         flops = facts.flops_per_token(seq_len) * tokens_per_rank / (tp * cp * pp)
