@@ -141,9 +141,15 @@ def exclusive(*names: str) -> str | None:
     return None
 
 
+def _pairs_with_zero(layout: Layout) -> bool:
+    """Whether ``layout`` is an offload axis (``off``, ``nvme``): ZeRO-3 unless paired with a ZeRO axis."""
+    return layout.cpu_offload or layout.parallel.get("offload") is not None
+
+
 def combine(*names: str) -> Layout:
     """One layout with every axis in ``names`` on (``ValueError`` for exclusive axes). Sizes take the larger value;
-    a ZeRO axis sets the stage (``off`` alone means ZeRO-3 with offload, with ``z1``/``z2`` it keeps their stage)."""
+    a ZeRO axis sets the stage (``off`` or ``nvme`` alone means ZeRO-3 with offload, with ``z1``/``z2`` it keeps their
+    stage, in either order: ``combine(a, b) == combine(b, a)``)."""
     if (why := exclusive(*names)) is not None:
         raise ValueError(why)
     layouts = [AXIS[name].layout for name in names]
@@ -152,9 +158,12 @@ def combine(*names: str) -> Layout:
         for key, value in layout.parallel.items():
             old = parallel.get(key, value)
             parallel[key] = max(old, value) if isinstance(value, int) and not isinstance(value, bool) else value
-    stages = [layout.zero_stage for layout in layouts if layout.zero_stage and not layout.cpu_offload]
+    # ``off`` and ``nvme`` carry ZeRO-3 only as their default: a plain ZeRO axis (z1/z2/z3, exclusive among
+    # themselves, so at most one stage) wins whatever the order of ``names``
+    stages = {layout.zero_stage for layout in layouts if layout.zero_stage and not _pairs_with_zero(layout)}
+    defaults = {layout.zero_stage for layout in layouts if layout.zero_stage and _pairs_with_zero(layout)}
     offload = any(layout.cpu_offload for layout in layouts)
-    zero = stages[0] if stages else (3 if offload else 0)
+    zero = max(stages) if stages else max(defaults, default=0)
     precision = next((layout.mixed_precision for layout in layouts if layout.mixed_precision != "no"), "no")
     if parallel.get("expert_parallel_size", 1) > 1:  # experts are carved out of dp: dp must hold them
         parallel["data_parallel_size"] = max(parallel.get("data_parallel_size", 1), parallel["expert_parallel_size"])

@@ -259,7 +259,9 @@ class DiskOffloadedOptimizer(torch.optim.Optimizer):
             raise KeyError("not a parameter of this optimizer")
         step = values.get("step", 0.0)
         step = step.detach().clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
-        if step.device.type != "cpu" and not any(g["fused"] for g in self.param_groups if param in g["params"]):
+        # the group by identity: ``param in g["params"]`` would compare tensors with ``==`` (element-wise)
+        if step.device.type != "cpu" and not any(g["fused"] for g in self.param_groups
+                                                 if any(p is param for p in g["params"])):
             step = step.cpu()
         local = _local(param)
         for key in self.state_keys:

@@ -53,3 +53,30 @@ def test_combine_merges_sizes_and_training_options():
     with pytest.raises(ValueError, match="zero_stage chooses one stage"):
         combine("z1", "z2")
     assert AXIS["grid"].layout.parallel["tensor_parallel_mode"] == "2d"
+
+
+def test_offload_axes_keep_a_paired_zero_stage_in_either_order():
+    """``off`` and ``nvme`` mean ZeRO-3 unless paired with a ZeRO axis, whichever comes first."""
+    for offload in ("off", "nvme"):
+        assert combine(offload).zero_stage == 3
+        for zero, stage in (("z1", 1), ("z2", 2), ("z3", 3)):
+            assert combine(offload, zero).zero_stage == combine(zero, offload).zero_stage == stage, (offload, zero)
+    assert combine("nvme", "z2").parallel["offload"] == "nvme" and combine("off", "z1").cpu_offload
+    assert combine("off", "nvme").zero_stage == combine("nvme", "off").zero_stage == 3
+
+
+def test_combine_is_order_free():
+    """``combine`` of every pair and triple of the axes the module knows is the same layout in every order (or the
+    same refusal)."""
+    from itertools import combinations, permutations
+
+    def outcome(names):
+        try:
+            return combine(*names)
+        except ValueError as error:
+            return str(error).split(": ", 1)[1]  # the reason, without the names' order
+
+    for size in (2, 3):
+        for names in combinations(AXIS, size):
+            results = [outcome(order) for order in permutations(names)]
+            assert all(r == results[0] for r in results), (names, results)

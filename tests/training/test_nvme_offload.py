@@ -172,6 +172,58 @@ def test_step_equals_adamw_bit_for_bit(tmp_path, amsgrad):
     opt.close()
 
 
+def test_write_state_finds_the_group_by_identity(tmp_path):
+    """A step on an accelerator (fused Adam's ``load_state_dict`` puts it on the parameter's device) stays there
+    when the parameter's group is fused. The group is found by identity: ``param in g["params"]`` compared the
+    parameter with ``==`` (element-wise) against every earlier parameter of the group and raised for equal shapes.
+    The step is put on ``meta`` here, the one non-CPU device a CPU run has; the CUDA test below loads for real."""
+    torch.manual_seed(0)
+    first = torch.nn.Parameter(torch.randn(2))
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3)]  # equal shapes: ``==`` is element-wise
+    groups = [{"params": params, "fused": True}, {"params": [first], "fused": False}]
+    defaults = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
+                "foreach": None, "maximize": False}
+    opt = DiskOffloadedOptimizer(groups, prepare_offload_folder(tmp_path, 0, 10**6), defaults)
+    try:
+        for i in (1, 2):  # not the group's first
+            moments = {key: torch.full((4, 3), float(i + k)) for k, key in enumerate(opt.state_keys)}
+            opt.state[params[i]] = {"step": torch.tensor(float(i), device="meta"), **moments}
+            state = opt.state[params[i]]
+            assert state["step"].device.type == "meta"  # fused group: the step keeps its device
+            for key, value in moments.items():
+                assert torch.equal(state[key], value), (i, key)
+        opt.state[first] = {"step": torch.tensor(7.0)}  # no moments given: zeros
+        assert opt.state[first]["step"].item() == 7.0 and not opt.state[first]["exp_avg"].any()
+    finally:
+        opt.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: fused Adam's step lives on the device")
+def test_fused_adam_state_loads_on_gpu(tmp_path):
+    torch.manual_seed(0)
+    ref_params = [torch.nn.Parameter(torch.randn(5, 3, device="cuda")) for _ in range(3)]
+    params = [torch.nn.Parameter(p.detach().clone()) for p in ref_params]
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, fused=True)
+    for p in ref_params:
+        p.grad = torch.randn_like(p)
+    ref.step()
+    folder = prepare_offload_folder(tmp_path, 0, 10**6)
+    opt = DiskOffloadedOptimizer.wrap(torch.optim.AdamW(params, lr=1e-2, fused=True), folder)
+    try:
+        opt.load_state_dict(ref.state_dict())  # raised on the second parameter under ``in``
+        for ref_p, p in zip(ref_params, params):
+            p.data.copy_(ref_p.data)
+            ref_p.grad = torch.randn_like(ref_p)
+            p.grad = ref_p.grad.clone()
+            assert opt.state[p]["step"].device.type == "cuda"
+        ref.step()
+        opt.step()
+        for ref_p, p in zip(ref_params, params):
+            torch.testing.assert_close(p, ref_p)
+    finally:
+        opt.close()
+
+
 def test_config_and_layout_errors():
     with pytest.raises(ValueError, match="offload='bogus' is unknown"):
         om.ParallelConfig(offload="bogus")
