@@ -133,18 +133,6 @@ class PipelineAdapter:
         """Tokens the loss averages over in the whole (local) batch."""
         return int((labels != -100).sum())
 
-    def loss_items(self, model, labels: torch.Tensor) -> int:
-        """Tokens the loss of this step averages over: ``num_loss_items`` at cp=1; under context parallelism the
-        labelled tokens of the whole sequences (``labels`` are this rank's chunk of targets already aligned with
-        the logits: a causal LM's ``shift_labels``; one all-reduce over cp), so each cp rank's microbatch loss is
-        its share of the whole sequence's mean (``runner._LossFn`` sums the shares over cp)."""
-        context = model.parallel_context
-        if context.cp_size == 1:
-            return self.num_loss_items(labels)
-        count = (labels != -100).sum().to(torch.float32).reshape(1)
-        torch.distributed.all_reduce(count, group=context.cp_group)
-        return int(count.item())
-
 
 class CausalLMPipelineAdapter(PipelineAdapter):
     """A decoder-only causal LM: the embeddings on the first stage (``first_modules``), parameter-free helpers such

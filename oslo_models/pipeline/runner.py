@@ -12,10 +12,12 @@ Schedules (``ParallelConfig.pipeline_schedule``), all torch's, on ``PipelineStag
 - ``"zero_bubble"``: ``ScheduleInterleavedZeroBubble`` (ZB1P: the weight-gradient half of each backward fills
   the bubble), over ``virtual_pipeline_size`` stages per rank.
 
-Loss scaling: the loss of microbatch ``i`` is ``sum of its token losses / N`` with ``N`` the number of loss
-tokens in the whole (local) batch, and torch's ``1/num_microbatches`` grad scaling is off, so the summed loss and
-the gradients equal the unpipelined model's mean loss on the same batch exactly, also when microbatches hold
-different numbers of padding tokens.
+Loss scaling: the loss of microbatch ``i`` is ``sum of its token losses / D`` and torch's ``1/num_microbatches``
+grad scaling is off. ``D`` is this replica's share of the global batch's label count (``training/global_batch.py``):
+``max(N, 1) / dp`` with ``N`` the label tokens of every replica's batch (one all-reduce over dp x cp), or what the
+batch's ``num_items_in_batch`` says (the loaders of ``training.prepare`` attach it, per rank: times ``cp`` here).
+So the summed loss, averaged over dp, and the gradients equal the unpipelined model's mean loss on the global batch
+exactly, also when microbatches and replicas hold different numbers of padding or prompt tokens.
 
 Communication per step, besides the schedule's point-to-point sends of activations ``[mb, s(/tp), h]`` (and
 their gradients) between neighbouring stages of one pipeline group:
@@ -26,8 +28,9 @@ their gradients) between neighbouring stages of one pipeline group:
   context parallelism); under ZeRO-2/3 (FSDP2 per stage, ``training/zero.py``) instead one reduce-scatter per step
   after the last microbatch, which torch's ``PipelineStage`` runs for an ``FSDPModule`` stage (the tied copies then
   sum their local shards);
-- the loss: one broadcast from the last stage over the pipeline group (and a mean over data parallelism); under
-  context parallelism one all-reduce of the loss-token count and one per microbatch of its loss over cp.
+- the loss: one all-reduce of the label count over dp x cp (unless the batch carries ``num_items_in_batch``), one
+  broadcast from the last stage over the pipeline group and a mean over data parallelism; under context
+  parallelism one all-reduce per microbatch of its loss over cp.
 """
 from __future__ import annotations
 
@@ -177,9 +180,30 @@ class PipelineRunner:
         batch = {name: tensor.to(device) for name, tensor in batch.items()}
         return self.adapter.prepare_batch(self.model, batch) if self.pipelined else batch
 
+    def _loss_share(self, batch) -> torch.Tensor | None:
+        """This rank's share of the global label count when the batch carries none (see the module docstring):
+        the unpipelined model's convention (summed over cp by the model), or ``None`` for a sequence-level loss."""
+        from ..training.global_batch import count_label_tokens, global_share, loss_shifts_labels
+
+        if self.pipelined:
+            labels = batch["labels"]  # under cp: this chunk's targets, already shifted (prepare_batch)
+            local = torch.as_tensor(self.adapter.num_loss_items(labels) if self.context.cp_size == 1
+                                    else int((labels != -100).sum()))
+        else:
+            local = count_label_tokens([batch], shifts_labels=loss_shifts_labels(self.model))
+            if local is None:
+                return None
+        return global_share(local, self.context)
+
     def _run(self, batch, labels, attention_mask, training: bool) -> torch.Tensor:
+        batch = dict(batch) if isinstance(batch, Mapping) else batch
+        share = batch.pop("num_items_in_batch", None) if isinstance(batch, dict) else None
         batch = self._prepare(batch, labels, attention_mask)
+        if share is None:
+            share = self._loss_share(batch)
         if not self.pipelined:
+            if share is not None:
+                batch["num_items_in_batch"] = share
             return self._run_unpipelined(batch, training)
         schedule, sp = self._schedule(batch, training)
         for module in (getattr(self.model, "_oslo_stage_modules", None) or {}).values():
@@ -191,7 +215,8 @@ class PipelineRunner:
             args = ()
         target = labels if layout.has_last else None
         losses: list[torch.Tensor] = []
-        loss_kwargs = {"num_items_in_batch": max(adapter.loss_items(self.model, labels), 1)}
+        # the replica's divisor: the per-rank shares of its cp ranks summed (they are equal)
+        loss_kwargs = {"num_items_in_batch": share.to(self.context.device) * self.context.cp_size}
         if training:
             schedule.step(*args, target=target, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs,
                           **batch)

@@ -26,9 +26,12 @@ What each piece becomes:
   dp group only (DDP, ZeRO-1, FSDP2 ZeRO-2/3, CPU offload).
 - optimizer: sharded as the ZeRO stage says, then ``accelerator.prepare_optimizer`` (loss scaling, skipping the
   step on non-sync micro-batches of gradient accumulation).
-- data loaders: an ``oslo_models.data`` loader is already split by dp rank and is returned as is; any other
-  ``DataLoader`` is split by Accelerate's ``prepare_data_loader`` with ``num_processes=dp_size`` and
-  ``process_index=dp_rank``, so every tp rank of a replica gets the same batches.
+- data loaders: an ``oslo_models.data`` loader is already split by dp rank; any other ``DataLoader`` is split by
+  Accelerate's ``prepare_data_loader`` with ``num_processes=dp_size`` and ``process_index=dp_rank``, so every tp
+  rank of a replica gets the same batches. Either is returned inside a ``GlobalBatchLoader`` (``global_batch.py``):
+  it attaches ``num_items_in_batch``, so the step's loss is the global batch's (its label tokens counted over every
+  replica and accumulation micro-step, one all-reduce per step), and at cp > 1 it splits full sequences into this
+  rank's chunks when the loader did not.
 - schedulers: Accelerate's ``AcceleratedScheduler`` with ``split_batches=True``: one scheduler step per optimizer
   step (skipped with it on fp16 overflow), not one per process (Accelerate's default multiplies by the world size,
   which counts tp ranks as if they were data-parallel).
@@ -40,7 +43,8 @@ stage's forward (``pipeline/stage.py``); fp16 too, with Accelerate's GradScaler 
 the schedule (``train_step``; then ``clip_grad_norm_`` or ``sync_overflow`` and the optimizer's step as usual);
 gradient accumulation is refused with a clear error before anything is wrapped.
 
-Collectives: none here beyond what DDP/FSDP2 run at construction (a parameter broadcast/none).
+Collectives: none here beyond what DDP/FSDP2 run at construction (a parameter broadcast/none); the loaders run one
+all-reduce of a scalar per optimizer step.
 """
 from __future__ import annotations
 
@@ -86,25 +90,49 @@ def check_accelerate_mode(accelerator) -> None:
                          "already is tensor/pipeline-parallel through ParallelConfig; launch without the plugin")
 
 
-def _prepare_dataloader(accelerator, loader, context):
+def _splits_context(loader) -> bool:
+    """Whether ``loader``'s collate function already keeps this cp rank's chunks (``build_dataloader`` with a
+    context, or a ``ContextParallelSplitter`` as the collate function or inside ``build_dataloader``'s chain)."""
+    from ..data.collators.context_parallel import ContextParallelSplitter
+
+    collate = getattr(loader, "collate_fn", None)
+    while collate is not None:
+        if isinstance(collate, ContextParallelSplitter) or isinstance(getattr(collate, "splitter", None),
+                                                                       ContextParallelSplitter):
+            return True
+        collate = getattr(collate, "collate", None)
+    return False
+
+
+def _prepare_dataloader(accelerator, loader, context, model, average_tokens_across_devices: bool):
+    from ..data.collators.context_parallel import ContextParallelSplitter
     from ..data.loader import ResumableDataLoader
+    from .global_batch import GlobalBatchLoader, loss_shifts_labels
 
     if isinstance(loader, ResumableDataLoader):
         if loader.sampler.dp_size != context.dp_size or loader.sampler.dp_rank != context.dp_rank:
             raise ValueError(f"the data loader is split for dp_rank={loader.sampler.dp_rank}/{loader.sampler.dp_size}"
                              f" but the model's context has dp_rank={context.dp_rank}/{context.dp_size}; build it "
                              f"with parallel_context=model.parallel_context")
-        return loader
-    from accelerate.data_loader import prepare_data_loader
+        inner = loader
+    else:
+        from accelerate.data_loader import prepare_data_loader
 
-    return prepare_data_loader(loader, accelerator.device, num_processes=context.dp_size,
-                               process_index=context.dp_rank, split_batches=False, put_on_device=True,
-                               rng_types=None, dispatch_batches=False, even_batches=True,
-                               use_seedable_sampler=False)
+        inner = prepare_data_loader(loader, accelerator.device, num_processes=context.dp_size,
+                                    process_index=context.dp_rank, split_batches=False, put_on_device=True,
+                                    rng_types=None, dispatch_batches=False, even_batches=True,
+                                    use_seedable_sampler=False)
+    shifts = loss_shifts_labels(model)
+    # a plain DataLoader of full sequences works at cp > 1: this rank's chunks, targets shifted on the full sequence
+    split = (ContextParallelSplitter(context, shift_labels=shifts)
+             if context.cp_size > 1 and not _splits_context(loader) else None)
+    return GlobalBatchLoader(inner, context=context, shifts_labels=shifts,
+                             accumulation_steps=accelerator.gradient_accumulation_steps,
+                             average_tokens_across_devices=average_tokens_across_devices, split=split)
 
 
 def prepare(accelerator, model, *objects, zero_stage: int | None = None, cpu_offload: bool = False,
-            **ddp_kwargs):
+            average_tokens_across_devices: bool = True, **ddp_kwargs):
     """``accelerator.prepare`` for an ``oslo_models`` model: data parallelism over the dp group only.
 
     Args:
@@ -116,6 +144,10 @@ def prepare(accelerator, model, *objects, zero_stage: int | None = None, cpu_off
         cpu_offload: stages 2/3: parameters, gradients and optimizer state in host memory (the same as
             ``ParallelConfig.offload="cpu"``). ``ParallelConfig.offload="nvme"`` (stages 0/2/3) returns a
             ``DiskOffloadedOptimizer``: the Adam state on disk under ``offload_path`` (``nvme_offload.py``).
+        average_tokens_across_devices: the loss of an optimizer step is the summed token losses of the whole global
+            batch (every dp replica, cp chunk and accumulation micro-step) over its label count, as ``transformers``'
+            Trainer, torchtitan and Megatron compute it (``global_batch.py``): the returned loaders attach
+            ``num_items_in_batch`` to every batch. ``False``: DDP's classic mean of per-replica means.
     """
     context = _context_of(model)
     _check_world(accelerator, context)
@@ -147,7 +179,7 @@ def prepare(accelerator, model, *objects, zero_stage: int | None = None, cpu_off
         if isinstance(obj, torch.optim.Optimizer):
             out.append(prepared_optimizer)
         elif isinstance(obj, torch.utils.data.DataLoader):
-            out.append(_prepare_dataloader(accelerator, obj, context))
+            out.append(_prepare_dataloader(accelerator, obj, context, model, average_tokens_across_devices))
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
             if prepared_optimizer is None:
                 raise ValueError("a scheduler needs its optimizer in the same prepare call")

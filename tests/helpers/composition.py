@@ -5,8 +5,9 @@ the test process for one): the model is built from ``path`` at ``layout``'s ``Pa
 ep, activation checkpointing), compiled when the layout says so (``torch.compile``, ``aot_eager``: the graph is
 captured through the parallel layers, without a C++ toolchain), then wrapped by ``om.training.prepare`` (dp,
 ZeRO 1-3, offload; Accelerate's bf16 autocast). The reference is the ``transformers`` twin from the same folder,
-trained on the whole batch the way data parallelism averages it (each replica's rows; the MoE decoders' router
-loss is per replica too). Every step compares the loss; after the steps, every local parameter.
+trained on the loss of the global batch (``tests/helpers/global_loss.py``: the replicas' padded rows hold different
+label counts; the MoE decoders' router loss is per replica). Every step compares the loss; after the steps, every
+local parameter.
 
 Precision: fp32 layouts match at 1e-5. bf16 layouts run the reference under the same autocast and match within bf16
 rounding of partial sums reduced in another order; the low-precision mixture-of-experts layouts route every token
@@ -27,6 +28,7 @@ import torch
 from oslo_models import training
 from oslo_models.composition import Layout
 from tests.helpers.forced_routing import ForcedRouting
+from tests.helpers.global_loss import replica_loss, replica_weights, with_global_share
 from tests.helpers.layouts import local_batch
 from tests.helpers.models import assert_params_match, padded_batch
 from tests.helpers.pipeline import ADAMW, local_rows
@@ -116,11 +118,15 @@ def train_layout(layout: Layout, model_class, path: str, steps: int = STEPS) -> 
     else:
         replicas = [{k: v[d::context.dp_size].contiguous() for k, v in batch.items()} for d in range(context.dp_size)]
         local, mine = local_batch(context, replicas[context.dp_rank], shift_labels=True), context.dp_rank
+    if not pipelined:  # what training.prepare's loader attaches (train_step counts the labels itself)
+        local = with_global_share(context, local, shift=True)
+    weights = replica_weights(replicas, shift=True)
     for step in range(steps):
         if forced is not None:
             forced.begin_step()
         with _autocast(precision):
-            losses = [reference(**replica, **options).loss for replica in replicas]
+            losses = [replica_loss(reference(**replica, **options), replica, weight, shift=True)
+                      for replica, weight in zip(replicas, weights)]
             # pipelined fp16: the schedule scales each microbatch's loss with the model's scaler (runner.py)
             got = (model.train_step(local, scaler=scalers and scalers[1]) if pipelined
                    else model(**local, **options).loss)

@@ -3,9 +3,11 @@
 
 ``train_matches(model, reference, batch)``: data-parallel rank ``d`` trains on rows ``d::dp`` of ``batch``; under
 context parallelism each rank takes its chunks (``ContextParallelSplitter``, targets shifted before the split, so
-every rank's chunks reassemble to its replica's rows exactly: checked); the reference trains on the mean of the
-replicas' losses (what data parallelism computes). Each step compares the loss, this rank's logits (its chunks under
-cp), every local gradient and, after AdamW, every local parameter (fp32, atol 1e-5). ``zero_stage``: the model is
+every rank's chunks reassemble to its replica's rows exactly: checked); the rank's batch carries the
+``num_items_in_batch`` of ``training.prepare``'s loader, and the reference trains on the loss of the *global* batch
+(``tests/helpers/global_loss.py``: summed token losses over every replica / their label count, plus any per-replica
+router term). Each step compares the loss, this rank's logits (its chunks under cp), every local gradient and,
+after AdamW, every local parameter (fp32, atol 1e-5). ``zero_stage``: the model is
 wrapped by ``om.training.prepare`` (Accelerate's path: ZeRO 1-3 over the data-parallel group); else by
 ``shard_data_parallel`` (plain DDP semantics, a no-op at dp 1).
 """
@@ -16,6 +18,7 @@ import torch
 from oslo_models import training
 from oslo_models.data import ContextParallelSplitter
 from oslo_models.parallel_layers.context_parallel import merge_sequence, split_sequence
+from tests.helpers.global_loss import replica_loss, replica_weights, with_global_share
 from tests.helpers.models import assert_grads_match, assert_params_match
 from tests.helpers.pipeline import ADAMW
 
@@ -58,17 +61,21 @@ def train_matches(model, reference, batch: dict, *, zero_stage: int = 0, steps: 
         model, opt = training.shard_data_parallel(model, torch.optim.AdamW(model.parameters(), **ADAMW))
     inner = training.unwrap_model(model)
     mode = context.config.context_parallel_mode
+    local = with_global_share(context, local, shift_labels)
+    weights = replica_weights(replicas, shift_labels)
     for _ in range(steps):
         outputs = [reference(**replica, **call) for replica in replicas]
         expected = outputs[context.dp_rank]
+        losses = [replica_loss(out, replica, weight, shift_labels, names[0] if names else "logits")
+                  for out, replica, weight in zip(outputs, replicas, weights)]
         got = model(**local, **call)
-        torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.loss, losses[context.dp_rank], atol=1e-5, rtol=1e-5)
         for name in names:
             expected_logits = expected[name]
             if context.cp_size > 1 and chunked:
                 expected_logits = split_sequence(expected_logits, context.cp_rank, context.cp_size, mode)
             torch.testing.assert_close(got[name], expected_logits, atol=1e-5, rtol=1e-5)
-        (sum(out.loss for out in outputs) / len(outputs)).backward()
+        (sum(losses) / len(losses)).backward()
         got.loss.backward()
         assert assert_grads_match(inner, reference) == len(list(inner.parameters()))
         if max_grad_norm is not None:

@@ -1,0 +1,63 @@
+"""What a data-parallel step must compute: the loss of the *global* batch (``oslo_models/training/global_batch.py``).
+
+The reference is single-process ``transformers`` on every replica's rows. Its token loss over the global batch is
+``sum over replicas of (replica token-loss sum) / N`` with ``N`` the label tokens of all replicas; a replica's own
+``loss`` is its mean ``sum_r / n_r``. So the loss a data-parallel rank returns (``sum_r * dp / N``, the value whose
+dp-mean is the global loss) is ``w_r * ce_r`` with ``w_r = n_r * dp / N``, plus any per-replica term the model adds
+(the MoE load-balancing or router z-loss: ``loss_r - ce_r``, averaged over replicas as DDP averages it). ``ce_r`` is
+recomputed here from the reference's logits with ``torch.nn.functional.cross_entropy`` (independent of the library).
+
+The parallel model gets its ``num_items_in_batch`` from the library's own loader (:func:`with_global_share`), the
+path ``training.prepare`` gives every user.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _targets(labels: torch.Tensor, shift: bool) -> torch.Tensor:
+    return F.pad(labels, (0, 1), value=-100)[..., 1:] if shift else labels
+
+
+def label_count(replica: dict, shift: bool) -> int:
+    """Label tokens of a replica's (whole-sequence) rows; 0 for a sequence-level loss."""
+    labels = replica.get("labels")
+    if labels is None or labels.dim() < 2:
+        return 0
+    return int((_targets(labels, shift) != -100).sum())
+
+
+def token_mean(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
+    """``transformers``' token cross-entropy mean (``ignore_index=-100``; ``shift``: causal)."""
+    targets = _targets(labels, shift).to(logits.device)
+    total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                            reduction="sum")
+    return total / (targets != -100).sum().clamp(min=1)
+
+
+def replica_weights(replicas: list[dict], shift: bool) -> list[float]:
+    """``w_r = n_r * dp / N`` (1 for every replica of a sequence-level loss)."""
+    counts = [label_count(replica, shift) for replica in replicas]
+    total = sum(counts)
+    if total == 0:
+        return [1.0 if not counts[i] else 0.0 for i in range(len(replicas))]
+    return [count * len(replicas) / total for count in counts]
+
+
+def replica_loss(output, replica: dict, weight: float, shift: bool, logits_name: str = "logits") -> torch.Tensor:
+    """What a rank of this replica returns: ``weight * ce + (loss - ce)`` (see the module docstring)."""
+    labels = replica.get("labels")
+    if labels is None or labels.dim() < 2:
+        return output.loss
+    ce = token_mean(output[logits_name], labels, shift)
+    return weight * ce + (output.loss - ce)
+
+
+def with_global_share(context, local: dict, shift: bool, accumulation_steps: int = 1) -> dict:
+    """``local`` with the ``num_items_in_batch`` the loader of ``training.prepare`` attaches (one all-reduce)."""
+    from oslo_models.training.global_batch import GlobalBatchLoader
+
+    loader = GlobalBatchLoader([local], context=context, shifts_labels=shift, accumulation_steps=accumulation_steps)
+    (batch,) = list(loader)
+    return batch
