@@ -221,9 +221,10 @@ class EncoderForTokenClassification(EncoderHeadModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs):
+                inputs_embeds=None, labels=None, num_items_in_batch=None, **kwargs):
         outputs = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        return token_classification_output(self.classifier(self.dropout(outputs.last_hidden_state)), labels, outputs)
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        return token_classification_output(logits, labels, outputs, num_items_in_batch)
 
 
 class EncoderForQuestionAnswering(EncoderHeadModel):

@@ -61,11 +61,16 @@ def last_token_logits(logits: torch.Tensor, input_ids: torch.Tensor | None, pad_
     return logits[torch.arange(batch_size, device=logits.device), last_token]
 
 
-def token_classification_output(logits, labels, base_outputs=None) -> TokenClassifierOutput:
-    """``logits [b, s, num_labels]``; cross-entropy over every token (``-100`` ignored)."""
+def token_classification_output(logits, labels, base_outputs=None, num_items_in_batch=None) -> TokenClassifierOutput:
+    """``logits [b, s, num_labels]``; cross-entropy over every token (``-100`` ignored): the mean, or the sum over
+    ``num_items_in_batch`` when given (the global batch's divisor, ``training/global_batch.py``)."""
     loss = None
     if labels is not None:
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.to(logits.device).view(-1))
+        flat_logits, flat_labels = logits.view(-1, logits.shape[-1]), labels.to(logits.device).view(-1)
+        if num_items_in_batch is None:
+            loss = F.cross_entropy(flat_logits, flat_labels)
+        else:
+            loss = F.cross_entropy(flat_logits, flat_labels, reduction="sum") / num_items_in_batch
     return TokenClassifierOutput(loss=loss, logits=logits, **passed_on(base_outputs))
 
 
@@ -281,16 +286,17 @@ class ForTokenClassification(HeadModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, **kwargs) -> TokenClassifierOutput:
+                inputs_embeds=None, labels=None, use_cache=None, num_items_in_batch=None,
+                **kwargs) -> TokenClassifierOutput:
         outputs = self.base_outputs(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                     past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                                     use_cache=use_cache, **kwargs)
         classifier = getattr(self, self.classifier_name)
         logits = classifier(self.dropout(outputs.last_hidden_state))
         if self.parallel_context.cp_size > 1:
-            loss = cp.token_loss(self, logits, labels) if labels is not None else None
+            loss = cp.token_loss(self, logits, labels, num_items_in_batch) if labels is not None else None
             return TokenClassifierOutput(loss=loss, logits=logits, **passed_on(outputs))
-        return token_classification_output(logits, labels, outputs)
+        return token_classification_output(logits, labels, outputs, num_items_in_batch)
 
 
 class ForQuestionAnswering(HeadModel):

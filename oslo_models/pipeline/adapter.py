@@ -133,6 +133,11 @@ class PipelineAdapter:
         """Tokens the loss averages over in the whole (local) batch."""
         return int((labels != -100).sum())
 
+    def loss_items(self, model, labels: torch.Tensor) -> int:
+        """What this replica's loss averages over in its (local) batch at cp=1: ``num_loss_items``, or a family's
+        rule that reads the config. The runner sums it over the data ranks (the global batch's divisor)."""
+        return self.num_loss_items(labels)
+
 
 class CausalLMPipelineAdapter(PipelineAdapter):
     """A decoder-only causal LM: the embeddings on the first stage (``first_modules``), parameter-free helpers such

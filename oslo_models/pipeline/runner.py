@@ -187,7 +187,7 @@ class PipelineRunner:
 
         if self.pipelined:
             labels = batch["labels"]  # under cp: this chunk's targets, already shifted (prepare_batch)
-            local = torch.as_tensor(self.adapter.num_loss_items(labels) if self.context.cp_size == 1
+            local = torch.as_tensor(self.adapter.loss_items(self.model, labels) if self.context.cp_size == 1
                                     else int((labels != -100).sum()))
         else:
             local = count_label_tokens([batch], shifts_labels=loss_shifts_labels(self.model))

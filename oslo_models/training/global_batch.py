@@ -54,6 +54,21 @@ def loss_shifts_labels(model) -> bool:
     return LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss and not encoder_decoder
 
 
+def loss_is_per_token(model) -> bool:
+    """Whether ``model``'s loss is a token cross-entropy that divides by ``num_items_in_batch`` (causal / masked LM,
+    token classification, encoder-decoder LM); ``False`` for sequence-level heads (classification, QA, multiple
+    choice), whose per-row mean over equal-sized replicas is already the global batch's."""
+    from .zero import unwrap_model
+
+    model = unwrap_model(model)
+    if hasattr(model, "get_base_model"):  # peft
+        model = model.get_base_model()
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return True
+    return getattr(model, "loss_type", None) in ("ForCausalLM", "ForMaskedLM", "ForTokenClassification",
+                                                 "ForConditionalGeneration")
+
+
 def loss_targets(batch, *, shifts_labels: bool):
     """The targets the loss of ``batch`` averages over, aligned with the logits: ``shift_labels`` when the batch
     carries them (context parallelism, packing collators), else ``labels`` (without their first column when the

@@ -21,7 +21,11 @@ exactly those points, through ``Trainer``'s own overridable methods (nothing is 
   prepared so ``Trainer`` does not wrap it again), then DDP over the dp group
   (:func:`~oslo_models.training.zero.shard_data_parallel`, ZeRO stage 0).
 - loss: ``get_tp_size`` returns the model's tp size, so ``Trainer``'s token count (gathered over the world) and its
-  loss scaling count each replica once; the logged loss (gathered over the world, averaged) is the global loss.
+  loss scaling count each replica once: with ``average_tokens_across_devices`` (its default) the loss is the global
+  batch's over the accumulation window, as ``training.prepare``'s loaders make it (``global_batch.py``); the logged
+  loss (gathered over the world, averaged) is that global loss. ``model_accepts_loss_kwargs`` is set from the
+  model's loss kind (token losses take ``num_items_in_batch``; sequence-level heads keep their per-row mean, which
+  Trainer then neither rescales nor multiplies).
 - gradient norm / clipping: :func:`~oslo_models.training.clip.clip_grad_norm_` (tp-split pieces summed over tp,
   LoRA adapters by their own layouts) in place of Accelerate's per-rank norm.
 - checkpoints and ``save_model``: every rank joins the gathered save (``adapters.save_adapter`` for a ``peft``
@@ -43,6 +47,7 @@ import transformers
 
 from . import clip
 from .export import save_pretrained
+from .global_batch import loss_is_per_token
 from .trl_head import replace_trl_head
 from .zero import shard_data_parallel, unwrap_model
 
@@ -65,6 +70,10 @@ class ParallelTrainerMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         context = self.parallel_context
+        # Trainer hands num_items_in_batch to any forward with **kwargs and then multiplies the loss by the replica
+        # count: right for a token loss divided by it (every native token head; the generic path's through
+        # generic/token_loss.py), a gradient x dp for a sequence-level head that keeps its own per-row mean
+        self.model_accepts_loss_kwargs = loss_is_per_token(self.model)
         if context.pp_size > 1:
             raise NotImplementedError(
                 "Trainer with pipeline_parallel_size > 1 is not supported: the pipeline schedule (model.train_step) "

@@ -141,11 +141,12 @@ def last_token_logits(model, logits: torch.Tensor, input_ids, pad_token_id) -> t
     return sum_over_context((logits * pick[..., None]).sum(1), context)
 
 
-def token_loss(model, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def token_loss(model, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
     """Cross-entropy of a token classifier's ``logits [b, s_local, L]``: the mean over the labelled tokens of the
-    whole sequence (count and loss summed over cp, as the masked-LM loss)."""
+    whole sequence, or over the summed ``num_items_in_batch`` shares (count and loss summed over cp, as the
+    masked-LM loss)."""
     labels = labels.to(logits.device)
-    count = context_parallel_loss_items(model, labels, None, causal=False)
+    count = context_parallel_loss_items(model, labels, num_items_in_batch, causal=False)
     total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
     return context_parallel_loss(model, total / count)
 

@@ -384,9 +384,10 @@ class ModernBertForTokenClassification(_ModernBertHead, ModernBertPreTrainedMode
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                token_type_ids=None, **kwargs):
+                token_type_ids=None, num_items_in_batch=None, **kwargs):
         outputs = self.encode(input_ids, attention_mask, None, position_ids, inputs_embeds, **kwargs)
-        return token_classification_output(self.head_logits(outputs.last_hidden_state), labels, outputs)
+        logits = self.head_logits(outputs.last_hidden_state)
+        return token_classification_output(logits, labels, outputs, num_items_in_batch)
 
 
 class ModernBertForQuestionAnswering(_ModernBertHead, ModernBertPreTrainedModel):
