@@ -64,6 +64,25 @@ def check_can_generate(model) -> None:
                            f"splits it for inference) to generate.")
 
 
+def check_grid_batch(model, args: tuple, kwargs: dict) -> None:
+    """Under a grid tensor-parallel mode (2D / 2.5D / 3D), a prompt batch the grid cannot split into its batch
+    blocks is a ``ValueError`` before any collective (every rank raises the same one). The batch is read from the
+    first batch-major input ``generate`` got (prompts, mask, embeddings or encoder outputs)."""
+    context = model.parallel_context
+    if not context.is_grid:
+        return
+    from ..parallel_layers.grid_boundary import check_generate_batch
+
+    encoder_outputs = kwargs.get("encoder_outputs")
+    if encoder_outputs is not None and not torch.is_tensor(encoder_outputs):
+        encoder_outputs = encoder_outputs[0]
+    candidates = (args[0] if args else None, kwargs.get("inputs"), kwargs.get("input_ids"),
+                  kwargs.get("inputs_embeds"), kwargs.get("attention_mask"), encoder_outputs)
+    batch = next((value.shape[0] for value in candidates if torch.is_tensor(value) and value.ndim > 0), None)
+    if batch is not None:
+        check_generate_batch(batch, context)
+
+
 @contextlib.contextmanager
 def unsharded_root(model):
     """Under ZeRO-3 (FSDP2 ``fully_shard`` on the model), hold the root's own parameters gathered for the whole

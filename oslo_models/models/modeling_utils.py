@@ -324,10 +324,12 @@ class OsloPreTrainedModel(PreTrainedModel):
         rank's seed: the group draws from tp rank 0's RNG (one broadcast per call; see ``models/generation.py``),
         so the tokens equal single-process ``transformers`` seeded like tp rank 0. Call on every rank of the group.
         Under ZeRO-3 the root's parameters stay gathered for the call (``generation.unsharded_root``).
-        A pipelined model raises ``RuntimeError`` here, before any collective."""
-        from .generation import check_can_generate, sampling_rng_of_group_source, unsharded_root
+        A pipelined model raises ``RuntimeError`` here, and a batch the tensor-parallel grid cannot split
+        ``ValueError``, before any collective."""
+        from .generation import check_can_generate, check_grid_batch, sampling_rng_of_group_source, unsharded_root
 
         check_can_generate(self)
+        check_grid_batch(self, args, kwargs)
         if self.parallel_context.ep_size > 1 and kwargs.get("synced_gpus") is None:
             # expert parallelism: every forward is an all-to-all over ep ranks that decode different prompts; a rank
             # whose sequences finish first must keep stepping (transformers' synced_gpus: a finished rank runs
@@ -335,6 +337,21 @@ class OsloPreTrainedModel(PreTrainedModel):
             kwargs["synced_gpus"] = True
         with sampling_rng_of_group_source(self.parallel_context), unsharded_root(self):
             return super().generate(*args, **kwargs)
+
+    def _reorder_cache(self, past_key_values, beam_idx: torch.Tensor):
+        """Beam search's cache reordering (``transformers`` calls this hook when a model has it). ``beam_idx``
+        indexes the global batch; under a grid tensor-parallel mode the cache holds this rank's batch block only,
+        so it is reordered with the block's part of ``beam_idx`` (``grid_boundary.local_beam_index``)."""
+        if not hasattr(past_key_values, "reorder_cache"):
+            raise ValueError(f"{type(self).__name__} cannot use beam search with a cache currently, as the cache "
+                             "cannot be reordered")
+        context = self.parallel_context
+        if context.is_grid:
+            from ..parallel_layers.grid_boundary import local_beam_index
+
+            beam_idx = local_beam_index(beam_idx, context)
+        past_key_values.reorder_cache(beam_idx)
+        return past_key_values
 
     # ------------------------------------------------------------------ transformers API contract
     def keep_in_fp32(self, dtype: torch.dtype) -> None:

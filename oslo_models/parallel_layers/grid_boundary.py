@@ -10,6 +10,15 @@ global batch (or ``num_items_in_batch``) is the one ``transformers`` computes. O
 gathers ``last_hidden_state`` / ``encoder_last_hidden_state`` back to ``[b, s, h]``; LM heads gather their
 logits themselves (``Linear2D.gather``). Inputs are integer tensors: splitting them has no backward.
 
+An encoder-decoder's encoder is a boundary of its own when it is called from outside the model's forward:
+``generate`` runs ``model.get_encoder()(input_ids=..., attention_mask=...)`` on the full batch, expands the result
+for beams (``repeat_interleave`` over dim 0) and hands it back as ``encoder_outputs`` at every decoding step. So a
+standalone encoder call splits its inputs and gathers ``last_hidden_state`` to ``[b, s, h]`` like the model does,
+and the model's pre-hook cuts a given ``encoder_outputs`` to this rank's block (rows and hidden, the stream layout
+the encoder ends in). Inside the model's forward the encoder sees the split inputs as before: its hooks do nothing.
+The cache ``generate`` keeps holds this rank's rows only; ``local_beam_index`` turns beam search's reordering of
+the global batch into the reordering of those rows.
+
 ``install(model, context)`` is called by ``ParallelPlan.apply`` on the outermost model only. A pipelined model
 never runs its own forward: each ``StageModule`` splits its stage's inputs with ``split_stage_inputs`` instead,
 and stages exchange their local blocks (``local_activation_shape``), each rank with the same grid position of
@@ -18,6 +27,7 @@ the neighbouring stage.
 from __future__ import annotations
 
 import torch
+from transformers.utils.generic import ModelOutput
 
 from . import tensor_parallel_2d as tp2d
 from . import tensor_parallel_3d as tp3d
@@ -54,9 +64,38 @@ def _split(name: str, value, grid: Grid, masks_inner: bool = False, inner: tuple
     return value
 
 
-def _split_inputs(grid: Grid, masks_inner: bool):
+def _split_encoder_outputs(value, grid: Grid):
+    """A given ``encoder_outputs`` (HF layout, ``[b, s, h]`` first) as this rank's block, in a new object: the
+    caller's (``generate`` passes the same one at every step) keeps the whole batch."""
+    if isinstance(value, ModelOutput):
+        if not torch.is_tensor(value.get("last_hidden_state")):
+            return value
+        out = type(value)(**value)
+        out["last_hidden_state"] = _split("inputs_embeds", value["last_hidden_state"], grid)
+        return out
+    if isinstance(value, (tuple, list)) and value and torch.is_tensor(value[0]):
+        return (_split("inputs_embeds", value[0], grid), *value[1:])
+    return value
+
+
+class _Calls:
+    """Which boundary modules split the inputs of the call now running: the model always (it is never nested in
+    itself); its encoder only when no model forward is running (``generate``'s direct call). Set by the
+    pre-hooks, cleared by the forward hooks, which run even when the forward raises (``always_call``)."""
+
+    def __init__(self):
+        self.split: dict[int, bool] = {}
+
+    def inside_model(self) -> bool:
+        return any(self.split.values())
+
+
+def _split_inputs(grid: Grid, masks_inner: bool, calls: _Calls, inner: tuple[str, ...], *, standalone: bool):
     def hook(module, args, kwargs):
-        inner = getattr(module, "grid_inner_inputs", MASK_INPUTS)
+        if standalone and calls.inside_model():
+            calls.split[id(module)] = False  # the model's forward already cut its inputs
+            return args, kwargs
+        calls.split[id(module)] = True
         if args:  # the first positional argument of every family's forward is input_ids
             args = (_split("input_ids", args[0], grid), *args[1:])
         labels = kwargs.get("labels")
@@ -66,6 +105,8 @@ def _split_inputs(grid: Grid, masks_inner: bool):
             kwargs["decoder_input_ids"] = module.prepare_decoder_input_ids_from_labels(labels=labels)
         kwargs = {name: _split(name, value, grid, masks_inner, inner) if name in BATCH_MAJOR_INPUTS else value
                   for name, value in kwargs.items()}
+        if kwargs.get("encoder_outputs") is not None:
+            kwargs["encoder_outputs"] = _split_encoder_outputs(kwargs["encoder_outputs"], grid)
         return args, kwargs
 
     return hook
@@ -96,8 +137,10 @@ def local_activation_shape(context, batch: int, hidden: int) -> tuple[int, int]:
     return batch // grid.batch_parts, hidden // grid.q
 
 
-def _gather_outputs(grid: Grid):
+def _gather_outputs(grid: Grid, calls: _Calls):
     def hook(module, args, kwargs, output):
+        if not calls.split.pop(id(module), False) or output is None:  # nested, or the forward raised
+            return output
         for name in HIDDEN_OUTPUTS:
             value = getattr(output, name, None) if not isinstance(output, tuple) else None
             if torch.is_tensor(value):
@@ -109,9 +152,44 @@ def _gather_outputs(grid: Grid):
 
 
 def install(model: torch.nn.Module, context) -> None:
+    """The boundary hooks on ``model``, and on its encoder when it is an encoder-decoder (as ``generate`` decides:
+    ``config.is_encoder_decoder``)."""
+    grid, calls = Grid.from_context(context), _Calls()
+    cube, inner = context.tensor_parallel_mode == "3d", getattr(model, "grid_inner_inputs", MASK_INPUTS)
+    modules = [(model, False)]
+    encoder = model.get_encoder() if getattr(model.config, "is_encoder_decoder", False) else None
+    if isinstance(encoder, torch.nn.Module) and encoder is not model:
+        modules.append((encoder, True))
+    for module, standalone in modules:
+        module.register_forward_pre_hook(_split_inputs(grid, cube, calls, inner, standalone=standalone),
+                                         with_kwargs=True)
+        module.register_forward_hook(_gather_outputs(grid, calls), with_kwargs=True, always_call=True)
+
+
+def local_beam_index(beam_idx: torch.Tensor, context) -> torch.Tensor:
+    """Beam search's reordering of the global batch (``beam_idx[r]``: the row whose cache row ``r`` takes) as the
+    reordering of this rank's rows: the cache holds the batch block its attention ran on (the stream's block on
+    the 2D / 2.5D grid, the inner layout's ``(z, x)`` on the 3D cube). Beams reorder within their prompt, and
+    ``generate`` asks for a prompt batch the grid divides (``check_generate_batch``), so every block holds whole
+    groups of beams and each of its rows takes a row of the same block."""
     grid = Grid.from_context(context)
-    model.register_forward_pre_hook(_split_inputs(grid, context.tensor_parallel_mode == "3d"), with_kwargs=True)
-    model.register_forward_hook(_gather_outputs(grid), with_kwargs=True)
+    block = (grid.dep.rank * grid.q + grid.row.rank if context.tensor_parallel_mode == "3d"
+             else grid.batch_rank)
+    size = beam_idx.shape[0] // grid.batch_parts
+    local = beam_idx[block * size:(block + 1) * size] - block * size
+    assert bool(((local >= 0) & (local < size)).all()), "a beam moved across the grid's batch blocks"
+    return local
+
+
+def check_generate_batch(batch: int, context) -> None:
+    """``ValueError`` before any collective when the grid cannot split a ``generate`` batch (the prompts; beams and
+    returned sequences multiply it but keep each prompt's rows in one block)."""
+    grid = Grid.from_context(context)
+    if batch % grid.batch_parts:
+        raise ValueError(f"generate() under tensor_parallel_mode={context.tensor_parallel_mode!r} got a batch of "
+                         f"{batch} prompts, which the tensor-parallel grid cannot split: it splits the batch into "
+                         f"{grid.batch_parts} blocks; pass a batch size divisible by {grid.batch_parts} (pad it "
+                         f"with copies of a prompt and drop their outputs), or use tensor_parallel_mode='1d'")
 
 
 def check_fully_planned(model: torch.nn.Module, mode: str) -> None:
