@@ -182,17 +182,15 @@ class Layout:
         return torch.linalg.vector_norm(local, norm_type).pow(norm_type) / self.num_replicas(context)
 
     def dcp_view(self, local: torch.Tensor, context):
-        """``(view, global_shape, shard_dim)``: ``local`` as the ``Shard(shard_dim)`` piece (torch.chunk's uneven
-        chunking) of a layout-independent global tensor, for resumable checkpoints; ``shard_dim`` is ``None`` when
-        the piece is the whole tensor. ``None`` when no single ``Shard(dim)`` expresses the layout: the caller
-        then stores the gathered tensor whole and reads its piece back with ``read_local``."""
-        if any(name not in ("tp", "ep") for name in axis_names(self.axis)):
-            raise NotImplementedError(f"resumable checkpoints under tensor_parallel_mode="
-                                      f"{context.tensor_parallel_mode!r} are not implemented yet; save_pretrained "
-                                      "works")
+        """``(view, global_shape, shards)``: ``local`` as one box of a layout-independent global tensor, for
+        resumable checkpoints. ``shards`` lists ``(dim, axis)`` pairs: along ``view``'s ``dim`` the box is this
+        rank's ``Shard(dim)`` chunk over mesh ``axis`` (a name or a tuple of names combined outermost first;
+        torch.chunk's uneven chunking); ``()`` when the piece is the whole tensor. ``None`` when no such box
+        expresses the layout: the caller then stores the gathered tensor whole and reads its piece back with
+        ``read_local``. The global shape never depends on the layout, so any layout reads any other's save."""
         _, size = self.position(context)
         full = self.full_shape(tuple(local.shape), size)
-        return local, full, (self.dim if size > 1 else None)
+        return local, full, (((self.dim, self.axis),) if size > 1 else ())
 
 
 @dataclass(frozen=True)
@@ -230,7 +228,7 @@ class Replicated(Layout):
         return context.tp_size
 
     def dcp_view(self, local, context):
-        return local, tuple(local.shape), None
+        return local, tuple(local.shape), ()
 
 
 REPLICATED = Replicated()
@@ -306,12 +304,11 @@ class VocabSplit(Layout):
         return full.narrow(self.dim, 0, self.vocab_size)
 
     def dcp_view(self, local, context):
-        super().dcp_view(local, context)  # refuses grid axes
-        rank, size = self.position(context)
+        _, full, shards = super().dcp_view(local, context)
+        rank, _ = self.position(context)
         rows = local.shape[self.dim]
-        real = max(0, min(rows, self.vocab_size - rank * rows))
-        shard_dim = self.dim if size > 1 else None
-        return local.narrow(self.dim, 0, real), self.full_shape(tuple(local.shape), size), shard_dim
+        real = max(0, min(rows, self.vocab_size - rank * rows))  # the padding rows are never stored
+        return local.narrow(self.dim, 0, real), full, shards
 
 
 @dataclass(frozen=True)
@@ -455,12 +452,12 @@ class PackedSplit(Layout):
         _, size = self.position(context)
         if len(set(self.sizes)) > 1 or self.replicas(size) > 1:
             return None  # unequal or replicated blocks: stored whole
-        view, full, shard_dim = super().dcp_view(local, context)
+        _, _, shards = super().dcp_view(local, context)
         dim, n = self.dim, len(self.sizes)
         shape = list(local.shape)
         packed = shape[:dim] + [n, shape[dim] // n] + shape[dim + 1:]
         full = packed[:dim + 1] + [packed[dim + 1] * size] + packed[dim + 2:]
-        return local.view(packed), tuple(full), (dim + 1 if shard_dim is not None else None)
+        return local.view(packed), tuple(full), tuple((dim + 1, axis) for _, axis in shards)
 
 
 @dataclass(frozen=True)
@@ -526,8 +523,26 @@ class GridBlock(Layout):
         return context.tp_size // (n * m) * self.first.replicas(n)
 
     def dcp_view(self, local, context):
-        raise NotImplementedError(f"resumable checkpoints under tensor_parallel_mode="
-                                  f"{context.tensor_parallel_mode!r} are not implemented yet; save_pretrained works")
+        """The two layouts' boxes composed: the one with the higher dim views ``local`` first (a packed view
+        inserts a dim at its own dim, which moves only higher dims), then the other views the result, so each
+        canonical shape is the one its one-axis layout stores (a grid save loads at 1D and back). ``None`` when
+        either needs the whole tensor (replicated heads)."""
+        high, low = sorted((self.first, self.second), key=lambda layout: layout.dim, reverse=True)
+        if high.dim == low.dim:
+            return None
+        first = high.dcp_view(local, context)
+        if first is None:
+            return None
+        view, high_full, high_shards = first
+        second = low.dcp_view(view, context)
+        if second is None:
+            return None
+        box, full, low_shards = second
+        inserted = box.dim() - view.dim()  # dims the low layout's view added at its dim
+        full = list(full)
+        for dim in range(low.dim + 1, len(high_full)):
+            full[dim + inserted] = high_full[dim]  # the high layout's global sizes, moved past the inserted dims
+        return box, tuple(full), low_shards + tuple((dim + inserted, axis) for dim, axis in high_shards)
 
 
 # ---------------------------------------------------------------------------------------------- constructors

@@ -8,10 +8,14 @@ Format: a folder written with ``torch.distributed.checkpoint`` (DCP) plus two sm
   packed q|k|v blocks are viewed as ``[..., num_packed, block, ...]`` and sharded on the block dim; a padded
   vocabulary drops its padding rows, which is exactly ``Shard(0)``'s uneven chunking; what no single ``Shard(dim)``
   expresses (grouped-query key/value heads replicated over tp ranks at ``tp > num_key_value_heads``, unequal packed
-  blocks) is gathered and stored whole, each element once. DCP stores each chunk
-  once (replicas over dp are de-duplicated) and on load reads, for every rank of the *new* layout, just the slice
-  it owns - so tp=2 x dp=2 resumes at tp=4 or tp=1 x dp=2 with no conversion step. Context-parallel ranks hold
-  replicas like dp ranks (ZeRO-1 shards the optimizer state over dp x cp, each shard written by its owner), so
+  blocks) is gathered and stored whole, each element once. Under the grid modes (2D / 2.5D / 3D) a weight block
+  is a box split along two dims (``GridBlock``: each dim's layout views it in turn), a DTensor ``Shard(dim)`` over
+  each of its grid axes (a combined axis such as 3D's ``("tp_col", "tp_dep")`` is one mesh dim; ``_mesh``), so a
+  grid checkpoint holds the same entries, of the same shapes, as a 1D one. DCP stores each chunk once (replicas
+  over dp, or over a grid axis a block is not split on, are de-duplicated) and on load reads, for every rank of
+  the *new* layout, just the slice it owns - so tp=2 x dp=2 resumes at tp=4 or tp=1 x dp=2, 2D at 1D and back, 3D
+  at 2.5D, with no conversion step. Context-parallel ranks hold replicas like dp ranks (ZeRO-1 shards the
+  optimizer state over dp x cp, each shard written by its owner), so
   cp2 x dp2 resumes at cp1 x dp4 the same way. Stacked experts split over
   ``expert_parallel_size`` (layout axis ``"ep"``) are ``Shard(0)`` over a one-axis mesh of the rank's ep
   group (the same on every tp rank), so ep 2 resumes at ep 4 the same way; their ZeRO-1 state lives in the
@@ -44,6 +48,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import weakref
 
 import numpy as np
 import torch
@@ -78,32 +83,65 @@ def _save_synced(obj, path: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- canonical form
 def _canonical(local: torch.Tensor, spec, context):
-    """``(view, global_shape, shard_dim)``: ``local`` (a tp-local tensor) in the layout-independent shape. A layout
-    that no single ``Shard(dim)`` expresses (replicated key/value heads, unequal packed blocks) is gathered and
-    stored whole."""
+    """``(view, global_shape, shards)``: ``local`` (a tp-local tensor) as a box of the layout-independent tensor
+    (``Layout.dcp_view``). A layout that no box expresses (replicated key/value heads, unequal packed blocks) is
+    gathered and stored whole."""
     canonical = spec.dcp_view(local, context)
     if canonical is None:
         full = spec.gather_local(local, context)
-        return full, tuple(full.shape), None
+        return full, tuple(full.shape), ()
     return canonical
 
 
-def _to_dcp(view: torch.Tensor, full_shape, shard_dim, context, axis: str = "tp"):
-    """The DCP value: ``view`` as the ``Shard(shard_dim)`` piece of a DTensor over ``axis`` (``tp``, or ``ep`` for
-    stacked experts: a one-axis mesh over this rank's expert-parallel group), or itself when not sharded."""
-    if shard_dim is None:
-        return view
-    from torch.distributed.tensor import DTensor, Shard
+_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # context -> {axes: DeviceMesh}
 
-    if axis == "ep":
-        from torch.distributed.device_mesh import DeviceMesh
 
+def _mesh(context, axes: tuple):
+    """A DeviceMesh of this rank's ranks along ``axes`` (one mesh dim per entry; a tuple of names is one dim,
+    combined outermost first), for DCP to place boxes by. ``("ep",)``: the expert-parallel group. Otherwise the
+    names are the tensor-parallel grid's (``"tp"`` is all of them flattened): the mesh is cut from the tp group's
+    ranks laid out as the grid (innermost axis last), at this rank's position on the axes it leaves out. Built
+    without process groups (``_init_backend=False``): DCP only asks a DTensor's mesh for this rank's coordinates,
+    and a combined axis such as 3D's ``("tp_col", "tp_dep")`` has no group of its own."""
+    cache = _MESHES.setdefault(context, {})
+    if axes in cache:
+        return cache[axes]
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if axes == ("ep",):
         mesh = DeviceMesh.from_group(context.ep_group, context.device.type, mesh=list(context.axis("ep").ranks),
                                      mesh_dim_names=("ep",))
     else:
-        mesh = context.mesh["tp"]
+        from ..distributed.context import TP_SUB_AXES
+        from ..parallel_layers.sharding import axis_names
+
+        grid_names = TP_SUB_AXES[context.tensor_parallel_mode] or ("tp",)
+        groups = [grid_names if axis == "tp" else axis_names(axis) for axis in axes]
+        used = [name for group in groups for name in group]
+        if len(set(used)) != len(used) or not set(used) <= set(grid_names):
+            raise NotImplementedError(f"a tensor split over mesh axes {axes} cannot be checkpointed as a box; its "
+                                      "layout's dcp_view should return None (stored whole)")
+        grid = torch.tensor(context.axis("tp").ranks).reshape([context.axis(name).size for name in grid_names])
+        grid = grid[tuple(slice(None) if name in used else context.axis(name).rank for name in grid_names)]
+        kept = [name for name in grid_names if name in used]  # grid order; permuted to the layout's order
+        grid = grid.permute([kept.index(name) for name in used])
+        grid = grid.reshape([int(np.prod([context.axis(name).size for name in group])) for group in groups])
+        mesh = DeviceMesh(context.device.type, grid, _init_backend=False, _rank=context.rank)
+    cache[axes] = mesh
+    return mesh
+
+
+def _to_dcp(view: torch.Tensor, full_shape, shards, context):
+    """The DCP value: ``view`` as this rank's box of a DTensor of ``full_shape``, ``Shard(dim)`` over each of
+    ``shards``' mesh axes, or itself when not sharded (DCP then stores one replica of it)."""
+    if not shards:
+        return view
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = _mesh(context, tuple(axis for _, axis in shards))
     stride = torch.empty(full_shape, device="meta").stride()
-    return DTensor.from_local(view, mesh, [Shard(shard_dim)], run_check=False, shape=full_shape, stride=stride)
+    return DTensor.from_local(view, mesh, [Shard(dim) for dim, _ in shards], run_check=False, shape=full_shape,
+                              stride=stride)
 
 
 def _tp_local(tensor: torch.Tensor) -> torch.Tensor:
@@ -171,6 +209,10 @@ def _layout(context) -> dict:
         layout["ep"] = context.ep_size
     if context.cp_size > 1:  # (likewise) a cp rank's RNG belongs to its chunk: restored at the same cp only
         layout["cp"] = context.cp_size
+    if context.is_grid:  # (likewise) a grid rank's RNG streams belong to its grid position: same mode only
+        layout["tp_mode"] = context.tensor_parallel_mode
+        if context.config.tensor_parallel_depth > 1:
+            layout["tp_depth"] = context.config.tensor_parallel_depth
     return layout
 
 
@@ -258,8 +300,8 @@ def _native_state(inner, opt, context, plan) -> dict:
     duplicates = tied_duplicates(inner)
     params = {name: param for name, param in inner.named_parameters() if name not in duplicates}
     for name, param in params.items():
-        view, full, shard_dim = _canonical(_tp_local(param.detach()), plan.shard_spec(inner, name), context)
-        state[f"model/{name}"] = _to_dcp(view.contiguous(), full, shard_dim, context, plan.shard_spec(inner, name).axis)
+        view, full, shards = _canonical(_tp_local(param.detach()), plan.shard_spec(inner, name), context)
+        state[f"model/{name}"] = _to_dcp(view.contiguous(), full, shards, context)
     all_param_names = {name for name, _ in inner.named_parameters(remove_duplicate=False)}
     for name, buffer in inner.state_dict().items():
         if name not in all_param_names:  # persistent buffers: replicated
@@ -275,9 +317,8 @@ def _native_state(inner, opt, context, plan) -> dict:
                 if value.dim() == 0:
                     state[f"optim/{name}/{key}"] = value
                 else:
-                    spec = plan.shard_spec(inner, name)
-                    view, full, shard_dim = _canonical(value, spec, context)
-                    state[f"optim/{name}/{key}"] = _to_dcp(view.contiguous(), full, shard_dim, context, spec.axis)
+                    view, full, shards = _canonical(value, plan.shard_spec(inner, name), context)
+                    state[f"optim/{name}/{key}"] = _to_dcp(view.contiguous(), full, shards, context)
     return state
 
 
@@ -328,19 +369,19 @@ def _target(shape, dtype, spec, context, key, metadata):
     canonical = spec.dcp_view(buffer, context)
     if canonical is None:
         full = spec.full_shape_of(tuple(shape), context)
-        view, shard_dim = torch.zeros(full, dtype=dtype), None
+        view, shards = torch.zeros(full, dtype=dtype), ()
 
         def cut():
             buffer.copy_(spec.read_local(full, view.__getitem__, context))
     else:
-        view, full, shard_dim = canonical
+        view, full, shards = canonical
         cut = None
     if key not in metadata:
         raise ValueError(f"the checkpoint has no entry {key!r}: it was saved from another model")
     saved = tuple(metadata[key].size)
     if saved != full:
         raise ValueError(f"{key}: the checkpoint holds shape {saved}, this model needs {full}: another model config")
-    return buffer, view, _to_dcp(view, full, shard_dim, context, spec.axis), cut
+    return buffer, view, _to_dcp(view, full, shards, context), cut
 
 
 def _read_back(view: torch.Tensor, loaded) -> None:

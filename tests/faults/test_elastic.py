@@ -3,10 +3,11 @@ itself from the newest complete checkpoint, and its losses equal the uninterrupt
 two torchrun agents (``--nnodes 2``, loopback rendezvous). examples/train_clm.py, tiny GPT-2, 4 steps, a checkpoint
 every 2.
 
-- tp 2 x pp 2 x dp 2, ZeRO-1 (8 workers), and cp 2 with ZeRO-3 (2 workers; FSDP shards over the dp x cp ranks,
-  so the resume restores sharded parameters and optimizer state, each cp rank's RNG and the loader under context
-  parallelism): the kill comes once step 4 is logged, during its save, so the first attempt logged the whole
-  uninterrupted curve; the restart resumes at step 2 and recomputes steps 3 and 4.
+- tp 2 x pp 2 x dp 2, ZeRO-1 (8 workers), 2D tp 4 x pp 2 (8 workers: the grid's weight blocks and each grid
+  rank's dropout RNG), and cp 2 with ZeRO-3 (2 workers; FSDP shards over the dp x cp ranks, so the resume restores
+  sharded parameters and optimizer state, each cp rank's RNG and the loader under context parallelism): the kill
+  comes once step 4 is logged, during its save, so the first attempt logged the whole uninterrupted curve; the
+  restart resumes at step 2 and recomputes steps 3 and 4.
 - tp 2 x dp 2: a two-agent job (``--nnodes 2 --nproc_per_node 2``, ``--max-restarts 1`` on both) at ZeRO-2 whose
   rank 3 (second node) is killed once step 4 is logged: the first node's agent may restart its healthy workers as a
   membership change, which torchrun does not count (``TORCHELASTIC_RESTART_COUNT`` stays 0 there), yet rank 0 (on
@@ -55,6 +56,8 @@ def _resumed(outputs, attempts, latest_at_kill, resumed_at):
 KILLED_AT_THE_END = {
     "tp2_pp2_dp2_zero1": (8, ("--tp", "2", "--pp", "2", "--zero", "1", "--microbatches", "2"), 5,
                           "tp=0/2, dp=0/2, cp=0/1, ep=0/1, pp=0/2, sequence_parallel=False, device=cpu); zero_stage=1"),
+    "tp4_2d_pp2": (8, ("--tp", "4", "--tp-mode", "2d", "--pp", "2", "--microbatches", "2"), 5,
+                   "tp=0/4, dp=0/1, cp=0/1, ep=0/1, pp=0/2, sequence_parallel=False, device=cpu); zero_stage=0"),
     "cp2_zero3": (2, ("--cp", "2", "--zero", "3"), 1,
                   "tp=0/1, dp=0/1, cp=0/2, ep=0/1, pp=0/1, sequence_parallel=False, device=cpu); zero_stage=3"),
 }
@@ -70,6 +73,8 @@ def test_elastic_restart_after_the_last_step(corpus, forkserver, tmp_path, layou
     assert "\n".join(outputs).count(printed) == 2, outputs[0][-3000:]  # both attempts at that layout
     attempts = launch.attempts(out)
     _resumed(outputs, attempts, latest, 2)
+    if "--tp-mode" in options:  # the repr above does not show the mode; the checkpoint's layout does
+        assert "'tp_mode': '2d'" in "\n".join(outputs), outputs[0][-3000:]
     uninterrupted = attempts[0]
     assert sorted(uninterrupted) == list(range(1, STEPS + 1))
     assert attempts[1] == {step: uninterrupted[step] for step in (3, 4)}  # bit for bit
