@@ -183,13 +183,15 @@ class PipelineRunner:
     def _loss_share(self, batch) -> torch.Tensor | None:
         """This rank's share of the global label count when the batch carries none (see the module docstring):
         the unpipelined model's convention (summed over cp by the model), or ``None`` for a sequence-level loss."""
-        from ..training.global_batch import count_label_tokens, global_share, loss_shifts_labels
+        from ..training.global_batch import count_label_tokens, global_share, loss_is_per_token, loss_shifts_labels
 
         if self.pipelined:
             labels = batch["labels"]  # under cp: this chunk's targets, already shifted (prepare_batch)
             local = torch.as_tensor(self.adapter.loss_items(self.model, labels) if self.context.cp_size == 1
                                     else int((labels != -100).sum()))
         else:
+            if not loss_is_per_token(self.model):
+                return None
             local = count_label_tokens([batch], shifts_labels=loss_shifts_labels(self.model))
             if local is None:
                 return None

@@ -26,7 +26,10 @@ rank. ``average_tokens_across_devices=False`` keeps DDP's classic per-replica me
 replica's label count); the peers' default is the global one.
 
 Sequence-level losses (classification, multiple choice, QA: ``labels`` of shape ``[batch]`` or no ``labels``) get no
-count: their per-row mean over equal-sized replicas already is the global batch's.
+count: their per-row mean over equal-sized replicas already is the global batch's. Pre-training heads that add a
+sentence loss to a token loss of their own kind (BERT / ALBERT ``ForPreTraining``, ELECTRA's replaced-token
+detection) are not token cross-entropies divided by ``num_items_in_batch`` (:func:`loss_is_per_token`): they get no
+count either and average per replica, as ``transformers``' Trainer leaves them; ``prepare`` says so once.
 
 Collectives: one all-reduce (sum) of a scalar over ``dp_cp`` per optimizer step, before any forward of that step.
 """
@@ -138,16 +141,18 @@ class GlobalBatchLoader(_StateMixin):
         accumulation_steps: micro-batches per optimizer step.
         average_tokens_across_devices: ``False``: each batch's own label count is attached instead (the per-replica
             mean of classic DDP), with no collective.
+        token_loss: the model's loss is a token cross-entropy that divides by ``num_items_in_batch``
+            (:func:`loss_is_per_token`); ``False``: nothing is attached.
         split: a callable applied to each batch before counting (``ContextParallelSplitter``), or ``None``.
     """
 
     def __init__(self, loader, *, context, shifts_labels: bool, accumulation_steps: int = 1,
-                 average_tokens_across_devices: bool = True, split=None):
+                 average_tokens_across_devices: bool = True, split=None, token_loss: bool = True):
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
         self.loader, self.context, self.shifts_labels = loader, context, shifts_labels
         self.accumulation_steps, self.average_tokens_across_devices = accumulation_steps, average_tokens_across_devices
-        self.split = split
+        self.split, self.token_loss = split, token_loss
         self._pending = 0  # batches of the current window not yet handed out
         if _GradientState is not None:
             self.gradient_state = _GradientState()
@@ -172,6 +177,8 @@ class GlobalBatchLoader(_StateMixin):
 
     # ------------------------------------------------------------------ iteration
     def _window_shares(self, window: list) -> list:
+        if not self.token_loss:
+            return [None] * len(window)
         if not self.average_tokens_across_devices:  # each batch's own count: no collective
             counts = [count_label_tokens([batch], shifts_labels=self.shifts_labels) for batch in window]
             return [None if count is None else count.to(device=self.context.device, dtype=torch.float32).clamp(min=1.0)

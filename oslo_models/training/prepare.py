@@ -48,6 +48,8 @@ all-reduce of a scalar per optimizer step.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .layout_rules import check_training_layout
@@ -107,7 +109,7 @@ def _splits_context(loader) -> bool:
 def _prepare_dataloader(accelerator, loader, context, model, average_tokens_across_devices: bool):
     from ..data.collators.context_parallel import ContextParallelSplitter
     from ..data.loader import ResumableDataLoader
-    from .global_batch import GlobalBatchLoader, loss_shifts_labels
+    from .global_batch import GlobalBatchLoader, loss_is_per_token, loss_shifts_labels
 
     if isinstance(loader, ResumableDataLoader):
         if loader.sampler.dp_size != context.dp_size or loader.sampler.dp_rank != context.dp_rank:
@@ -122,13 +124,23 @@ def _prepare_dataloader(accelerator, loader, context, model, average_tokens_acro
                                     process_index=context.dp_rank, split_batches=False, put_on_device=True,
                                     rng_types=None, dispatch_batches=False, even_batches=True,
                                     use_seedable_sampler=False)
-    shifts = loss_shifts_labels(model)
+    shifts, token_loss = loss_shifts_labels(model), loss_is_per_token(model)
+    if average_tokens_across_devices and not token_loss and context.dp_cp_size > 1 and _has_token_labels(model):
+        warnings.warn(f"{type(unwrap_model(model)).__name__}'s loss is not a token cross-entropy over "
+                      "num_items_in_batch: it is averaged per data-parallel replica, not over the global batch's "
+                      "label tokens (docs/training.md)", stacklevel=3)
     # a plain DataLoader of full sequences works at cp > 1: this rank's chunks, targets shifted on the full sequence
     split = (ContextParallelSplitter(context, shift_labels=shifts)
              if context.cp_size > 1 and not _splits_context(loader) else None)
     return GlobalBatchLoader(inner, context=context, shifts_labels=shifts,
                              accumulation_steps=accelerator.gradient_accumulation_steps,
-                             average_tokens_across_devices=average_tokens_across_devices, split=split)
+                             average_tokens_across_devices=average_tokens_across_devices, split=split,
+                             token_loss=token_loss)
+
+
+def _has_token_labels(model) -> bool:
+    """A pre-training head whose token loss is of its own kind (BERT / ALBERT ``ForPreTraining``, ELECTRA)."""
+    return type(unwrap_model(model)).__name__.endswith("ForPreTraining")
 
 
 def prepare(accelerator, model, *objects, zero_stage: int | None = None, cpu_offload: bool = False,

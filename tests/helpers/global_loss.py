@@ -36,8 +36,13 @@ def token_mean(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch
     return total / (targets != -100).sum().clamp(min=1)
 
 
-def replica_weights(replicas: list[dict], shift: bool) -> list[float]:
-    """``w_r = n_r * dp / N`` (1 for every replica of a sequence-level loss)."""
+def replica_weights(replicas: list[dict], shift: bool, model=None) -> list[float]:
+    """``w_r = n_r * dp / N`` (1 for every replica of a sequence-level loss, or of a ``model`` whose loss is not a
+    token cross-entropy: it keeps its per-replica mean)."""
+    from oslo_models.training.global_batch import loss_is_per_token
+
+    if model is not None and not loss_is_per_token(model):
+        return [None] * len(replicas)
     counts = [label_count(replica, shift) for replica in replicas]
     total = sum(counts)
     if total == 0:
@@ -48,16 +53,18 @@ def replica_weights(replicas: list[dict], shift: bool) -> list[float]:
 def replica_loss(output, replica: dict, weight: float, shift: bool, logits_name: str = "logits") -> torch.Tensor:
     """What a rank of this replica returns: ``weight * ce + (loss - ce)`` (see the module docstring)."""
     labels = replica.get("labels")
-    if labels is None or labels.dim() < 2:
+    if labels is None or labels.dim() < 2 or weight is None:
         return output.loss
     ce = token_mean(output[logits_name], labels, shift)
     return weight * ce + (output.loss - ce)
 
 
-def with_global_share(context, local: dict, shift: bool, accumulation_steps: int = 1) -> dict:
-    """``local`` with the ``num_items_in_batch`` the loader of ``training.prepare`` attaches (one all-reduce)."""
-    from oslo_models.training.global_batch import GlobalBatchLoader
+def with_global_share(model, local: dict, shift: bool, accumulation_steps: int = 1) -> dict:
+    """``local`` with the ``num_items_in_batch`` the loader of ``training.prepare`` attaches for ``model`` (one
+    all-reduce; nothing for a loss that is not a token cross-entropy, e.g. ELECTRA's discriminator)."""
+    from oslo_models.training.global_batch import GlobalBatchLoader, loss_is_per_token
 
-    loader = GlobalBatchLoader([local], context=context, shifts_labels=shift, accumulation_steps=accumulation_steps)
+    loader = GlobalBatchLoader([local], context=model.parallel_context, shifts_labels=shift,
+                               accumulation_steps=accumulation_steps, token_loss=loss_is_per_token(model))
     (batch,) = list(loader)
     return batch

@@ -61,8 +61,8 @@ def train_matches(model, reference, batch: dict, *, zero_stage: int = 0, steps: 
         model, opt = training.shard_data_parallel(model, torch.optim.AdamW(model.parameters(), **ADAMW))
     inner = training.unwrap_model(model)
     mode = context.config.context_parallel_mode
-    local = with_global_share(context, local, shift_labels)
-    weights = replica_weights(replicas, shift_labels)
+    local = with_global_share(inner, local, shift_labels)
+    weights = replica_weights(replicas, shift_labels, inner)
     for _ in range(steps):
         outputs = [reference(**replica, **call) for replica in replicas]
         expected = outputs[context.dp_rank]
