@@ -18,6 +18,7 @@ from .checkpoint_integrity import CorruptCheckpointError, verify_checksums
 from .clip import clip_grad_norm_, grad_norm
 from .export import plain_copy, push_to_hub, save_pretrained, unsharded
 from .finite import NonFiniteError, check_finite, describe_nonfinite, find_nonfinite
+from .global_batch import GlobalBatchLoader, count_label_tokens, global_share
 from .mixed_precision import check_mixed_precision, mark_overflow, sync_overflow
 from .prepare import prepare
 from .zero import ZERO_STAGES, shard_data_parallel, unwrap_model, unwrap_optimizer, zero_stage_of
@@ -27,7 +28,7 @@ __all__ = [
     "prepare", "push_to_hub", "save_checkpoint", "save_pretrained", "unsharded", "shard_data_parallel", "sync_overflow", "unwrap_model", "unwrap_optimizer",
     "zero_stage_of",
     "find_checkpoint", "CorruptCheckpointError", "verify_checksums", "NonFiniteError", "check_finite",
-    "describe_nonfinite", "find_nonfinite", "Trainer", "ParallelTrainerMixin", "DiskOffloadedOptimizer",
+    "describe_nonfinite", "find_nonfinite", "GlobalBatchLoader", "count_label_tokens", "global_share", "Trainer", "ParallelTrainerMixin", "DiskOffloadedOptimizer",
 ]
 
 
