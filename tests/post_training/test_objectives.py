@@ -1,0 +1,206 @@
+"""DPO, GRPO and distillation at tp 2 x dp 2 ZeRO-3 against single-process reference code on the whole vocabulary.
+
+One 4-rank world (tiny Llama, vocabulary 101: padded columns at tp 2 and tp 4). Each objective trains 3 AdamW steps
+through ``om.post_training.train_step``; every step's global loss and every parameter after the steps equal plain
+``transformers`` trained on the global batch with the loss written out in ``tests/helpers/post_training.py``
+(fp32, 1e-5):
+
+- DPO (sigmoid, with sequence parallelism) and IPO: the reference model frozen at tp 4 (its own layout, so
+  ``run_frozen`` gathers the two replicas' batches over its group); length-normalized DPO against precomputed
+  reference log-probabilities. Pairs have unequal completion lengths (padding).
+- GRPO on fixed completions and rewards (left-padded prompts, completions cut at EOS), group-normalized advantages,
+  KL to a reference at the policy's layout (``beta`` 0.04), sequence-level ``"grpo"`` and token-level ``"dapo"``
+  over the global completion-token count.
+- Distillation from a wider teacher at tp 4 through its top-8 logits (forward KL), and from a teacher at the
+  student's own split with the full reverse KL, mixed with the LM loss over ``-100``-masked labels.
+
+Negative controls (library code on the wrong input, each must miss the reference): the reference model being the
+trained policy itself (updated by the steps), advantages that are the raw rewards (not group-normalized), the KL of
+distillation over the local vocabulary only. Pipeline parallelism is refused with the reason (pp 2 x dp 2).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oslo_models as om
+from oslo_models import post_training as pt
+from tests.helpers import post_training as ref
+from tests.helpers.dist import breadcrumb, run_distributed
+from tests.helpers.models import assert_params_match
+
+# eps 1e-4, not the suite's 1e-5: with sharper tiny models some gradients are float noise (~1e-7) that AdamW's
+# g / (|g| + eps) would turn into 1e-5-sized parameter differences (seen: 4.6e-5 on one of 3072 elements)
+ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-4)
+
+STEPS = 3
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _policy(path, **parallel):
+    return om.AutoModelForCausalLM.from_pretrained(path, parallel=om.ParallelConfig(**parallel), progress=False).train()
+
+
+def _plain(path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path).train()
+
+
+def _prepared(model, zero_stage: int = 3):
+    from accelerate import Accelerator
+
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    return om.training.prepare(Accelerator(cpu=True), model, optimizer, zero_stage=zero_stage)
+
+
+def _train(model, objective, local: dict, reference_loss, reference_model, *, steps=STEPS, check=True, **options):
+    """``steps`` of ``objective`` on this replica's batch against ``reference_loss()`` (the global batch's loss of
+    ``reference_model``, stepped with AdamW too); returns the per-step (got, expected) losses."""
+    inner = model
+    model, optimizer = _prepared(model)
+    ref_optimizer = torch.optim.AdamW(reference_model.parameters(), **ADAMW)
+    losses = []
+    for step in range(steps):
+        breadcrumb(f"{objective.__name__} step {step}")
+        got, _ = pt.train_step(model, optimizer, objective, local, **options)
+        expected = reference_loss()
+        expected.backward()
+        ref_optimizer.step(), ref_optimizer.zero_grad()
+        losses.append((got.item(), expected.item()))
+        if check:
+            torch.testing.assert_close(got, expected.detach(), **TOL, msg=f"{objective.__name__} step {step}")
+    if check:
+        assert_params_match(inner, reference_model, **TOL)
+    return losses
+
+
+def _dpo(paths) -> None:
+    vocab = 101
+    batch = ref.preference_batch(vocab, pairs=4, seq=10, seed=0)
+    frozen = _policy(paths["llama"], tensor_parallel_size=4).eval()  # the reference at its own layout
+    plain_ref = _plain(paths["llama"]).eval()
+    for loss_type, parallel in (("sigmoid", dict(sequence_parallel=True)), ("ipo", {})):
+        model = _policy(paths["llama"], tensor_parallel_size=2, data_parallel_size=2, **parallel)
+        ctx = model.parallel_context
+        local = ref.replica(batch, ctx.dp_rank, ctx.dp_size, paired=True)
+        reference = _plain(paths["llama"])
+        _train(model, pt.dpo_objective, local,
+               lambda reference=reference, loss_type=loss_type: ref.dpo_reference_loss(
+                   reference, plain_ref, batch, 0.1, loss_type), reference,
+               reference=frozen, beta=0.1, loss_type=loss_type)
+    # length-normalized DPO against precomputed reference log-probabilities (computed by the frozen model once)
+    model = _policy(paths["llama"], tensor_parallel_size=2, data_parallel_size=2)
+    ctx = model.parallel_context
+    local = ref.replica(batch, ctx.dp_rank, ctx.dp_size, paired=True)
+    chosen, rejected = pt.reference_log_probs(frozen, local).chunk(2)
+    precomputed = dict(local, ref_chosen_logps=chosen, ref_rejected_logps=rejected)
+    reference = _plain(paths["llama"])
+    _train(model, pt.dpo_objective, precomputed,
+           lambda: ref.dpo_reference_loss(reference, plain_ref, batch, 0.1, "sigmoid_norm"), reference,
+           beta=0.1, loss_type="sigmoid_norm")
+    # negative control: the "reference" is the trained policy itself, so it moves with the steps
+    model = _policy(paths["llama"], tensor_parallel_size=2, data_parallel_size=2)
+    reference = _plain(paths["llama"])
+    losses = _train(model, pt.dpo_objective, local, lambda: ref.dpo_reference_loss(
+        reference, plain_ref, batch, 0.1, "sigmoid"), reference, check=False, reference=model, beta=0.1)
+    assert abs(losses[0][0] - losses[0][1]) < 1e-5  # the same weights at step 1
+    assert max(abs(a - b) for a, b in losses[1:]) > 1e-4, losses
+
+
+def _grpo(paths) -> None:
+    vocab, generations = 101, 4
+    rollout = ref.rollout_batch(vocab, prompts=4, generations=generations, prompt_len=4, completion_len=6, seed=1)
+    advantages = ref.group_advantages(rollout["rewards"], generations)
+    global_tokens = rollout["completion_mask"].sum()
+    plain_ref = _plain(paths["llama"]).eval()
+    for loss_type in ("grpo", "dapo"):
+        model = _policy(paths["llama"], tensor_parallel_size=2, data_parallel_size=2)
+        frozen = _policy(paths["llama"], tensor_parallel_size=2, data_parallel_size=2).eval()
+        ctx = model.parallel_context
+        local = ref.replica(rollout, ctx.dp_rank, ctx.dp_size)
+        local["advantages"] = pt.group_advantages(local.pop("rewards"), generations)
+        torch.testing.assert_close(local["advantages"], advantages.chunk(ctx.dp_size)[ctx.dp_rank], **TOL)
+        options = {}
+        if loss_type == "dapo":
+            options["num_items_in_batch"] = global_tokens.float() / ctx.dp_size
+        reference = _plain(paths["llama"])
+        _train(model, pt.grpo_objective, local, lambda reference=reference, loss_type=loss_type: (
+            ref.grpo_reference_loss(reference, plain_ref, rollout, advantages, 0.04, 0.7, loss_type,
+                                    num_items=global_tokens)), reference,
+               reference=frozen, beta=0.04, temperature=0.7, loss_type=loss_type, **options)
+    # negative control: the raw rewards as advantages (not group-normalized)
+    model = _policy(paths["llama"], tensor_parallel_size=2, data_parallel_size=2)
+    ctx = model.parallel_context
+    local = ref.replica(rollout, ctx.dp_rank, ctx.dp_size)
+    local["advantages"] = local.pop("rewards")
+    reference = _plain(paths["llama"])
+    losses = _train(model, pt.grpo_objective, local, lambda: ref.grpo_reference_loss(
+        reference, plain_ref, rollout, advantages, 0.0, 1.0, "grpo"), reference, steps=2, check=False)
+    assert max(abs(a - b) for a, b in losses) > 1e-3, losses
+
+
+def _distill(paths) -> None:
+    vocab = 101
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, vocab, (4, 10), generator=g)
+    attention = torch.ones_like(ids)
+    attention[1, 7:] = 0
+    attention[3, 5:] = 0
+    labels = ids.masked_fill(attention == 0, -100)
+    labels[:, :3] = -100  # a prompt
+    batch = {"input_ids": ids, "attention_mask": attention, "labels": labels}
+    count = (labels[:, 1:] != -100).sum()
+    wide_teacher = _policy(paths["teacher"], tensor_parallel_size=4).eval()
+    plain_wide = _plain(paths["teacher"]).eval()
+    same_teacher = _policy(paths["llama_b"], tensor_parallel_size=2, data_parallel_size=2).eval()
+    plain_same = _plain(paths["llama_b"]).eval()
+    for teacher, plain_teacher, top_k, direction in ((wide_teacher, plain_wide, 8, "forward"),
+                                                     (same_teacher, plain_same, None, "reverse")):
+        model = _policy(paths["llama"], tensor_parallel_size=2, data_parallel_size=2)
+        ctx = model.parallel_context
+        local = ref.replica(batch, ctx.dp_rank, ctx.dp_size)
+        local["num_items_in_batch"] = count.float() / ctx.dp_size
+        reference = _plain(paths["llama"])
+        _train(model, pt.distill_objective, local, lambda reference=reference, t=plain_teacher, k=top_k, d=direction: (
+            ref.distill_reference_loss(reference, t, batch, alpha=0.6, direction=d, temperature=2.0, top_k=k,
+                                       count=count)), reference,
+               teacher=teacher, top_k=top_k, alpha=0.6, direction=direction, temperature=2.0)
+    # negative control: the same loss with the KL over this rank's vocabulary columns only
+    model = _policy(paths["llama"], tensor_parallel_size=2, data_parallel_size=2)
+    ctx = model.parallel_context
+    local = ref.replica(batch, ctx.dp_rank, ctx.dp_size)
+    logits, shard = pt.local_logits(model, local["input_ids"], local["attention_mask"])
+    with torch.no_grad():
+        teacher_logits, _ = pt.local_logits(same_teacher, local["input_ids"], local["attention_mask"])
+    targets = torch.nn.functional.pad(local["labels"][:, 1:], (0, 1), value=-100)
+    right, _ = pt.distillation_loss(logits, targets, shard=shard, teacher_logits=teacher_logits, alpha=1.0)
+    wrong, _ = pt.distillation_loss(logits, targets, shard=om.losses.VocabShard(vocab_start=shard.vocab_start),
+                                    teacher_logits=teacher_logits, alpha=1.0)
+    assert (right - wrong).abs() > 1e-3, (right.item(), wrong.item())
+
+
+def _pipeline_refused(paths) -> None:
+    model = _policy(paths["llama"], pipeline_parallel_size=2, data_parallel_size=2)
+    batch = ref.preference_batch(101, pairs=1, seq=8, seed=0)
+    with pytest.raises(NotImplementedError, match="pipeline"):
+        pt.dpo_objective(model, batch, reference=model, beta=0.1)
+
+
+def _worker(paths) -> None:
+    torch.manual_seed(0)
+    _pipeline_refused(paths)
+    _dpo(paths)
+    _grpo(paths)
+    _distill(paths)
+
+
+def test_post_training_objectives_match_reference_at_tp2_dp2_zero3(tmp_path):
+    from tests.helpers.decoders import save_tiny
+
+    sharp = dict(initializer_range=0.2)  # logits of std ~1.5, not near-uniform: a wrong vocabulary shows
+    paths = {"llama": save_tiny(tmp_path / "llama", "llama", **sharp),
+             "llama_b": save_tiny(tmp_path / "llama_b", "llama", seed=1, **sharp),
+             "teacher": save_tiny(tmp_path / "teacher", "llama", seed=2, hidden_size=96, intermediate_size=128,
+                                  num_hidden_layers=3, **sharp)}
+    run_distributed(_worker, 4, paths, timeout=900)
