@@ -140,6 +140,57 @@ def _grpo(paths) -> None:
     assert max(abs(a - b) for a, b in losses) > 1e-3, losses
 
 
+def _sampling(paths) -> None:
+    """GRPO on completions the policy samples itself at tp 2 x dp 2 (temperature, top-p; every rank seeded
+    differently): the tp ranks of a replica get the same tokens, those of plain ``transformers`` seeded like tp rank
+    0; one step on them (a toy reward: how many even ids) equals the reference code; RLOO's loss too."""
+    import transformers
+
+    model = _policy(paths["llama"], tensor_parallel_size=2, data_parallel_size=2)
+    ctx = model.parallel_context
+    g = torch.Generator().manual_seed(7 + ctx.dp_rank)
+    prompt_ids = torch.randint(3, 101, (2, 4), generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_ids[0, 0], prompt_mask[0, 0] = ref.PAD, 0
+    options = dict(num_generations=3, max_new_tokens=5, eos_token_id=ref.EOS, pad_token_id=ref.PAD, temperature=0.9,
+                   top_p=0.95)
+    torch.manual_seed(100 + 10 * ctx.dp_rank + ctx.tp_rank)
+    rollout = pt.generate_completions(model, prompt_ids, prompt_mask, **options)
+    parts = [torch.empty_like(rollout["completion_ids"]) for _ in range(ctx.tp_size)]
+    torch.distributed.all_gather(parts, rollout["completion_ids"], group=ctx.tp_group)
+    assert all(torch.equal(parts[0], part) for part in parts)
+    plain = _plain(paths["llama"]).eval()
+    torch.manual_seed(100 + 10 * ctx.dp_rank)
+    config = transformers.GenerationConfig(do_sample=True, max_new_tokens=5, temperature=0.9, top_p=0.95, top_k=0,
+                                           eos_token_id=ref.EOS, pad_token_id=ref.PAD)
+    expected = plain.generate(input_ids=prompt_ids.repeat_interleave(3, 0),
+                              attention_mask=prompt_mask.repeat_interleave(3, 0), generation_config=config)
+    completion = expected[:, prompt_ids.shape[1]:]
+    assert torch.equal(rollout["completion_ids"][rollout["completion_mask"] == 1],
+                       completion[rollout["completion_mask"] == 1])
+    rewards = (rollout["completion_ids"] % 2 == 0).mul(rollout["completion_mask"]).sum(-1).float()
+    rollout["advantages"] = pt.group_advantages(rewards, 3)
+    whole = {}  # the global batch: both replicas' rollouts (equal completions per replica)
+    for key, value in dict(rollout, rewards=rewards).items():
+        parts = [torch.empty_like(value) for _ in range(ctx.dp_size)]
+        torch.distributed.all_gather(parts, value.contiguous(), group=ctx.dp_group)
+        whole[key] = torch.cat(parts)
+    reference = _plain(paths["llama"])
+    _train(model, pt.grpo_objective, rollout, lambda: ref.grpo_reference_loss(
+        reference, None, whole, ref.group_advantages(whole["rewards"], 3), 0.0, 0.9, "grpo"), reference, steps=1,
+           temperature=0.9)
+    # every replica sampled its own prompts: the dp mean of the replicas' reference losses is the global loss
+    got = pt.completion_log_probs(model, rollout)["log_probs"]
+    want = ref.token_logps(reference, torch.cat([rollout["prompt_ids"], rollout["completion_ids"]], 1),
+                           torch.cat([rollout["prompt_mask"], rollout["completion_mask"]], 1),
+                           torch.cat([torch.zeros_like(prompt_mask.repeat_interleave(3, 0)),
+                                      rollout["completion_mask"]], 1))[:, -5:]
+    torch.testing.assert_close(got, want, **TOL)
+    loss = pt.rloo_loss(got, pt.rloo_advantages(rewards, 3), rollout["completion_mask"])
+    adv = rewards - (rewards.view(-1, 3).sum(1, keepdim=True) - rewards.view(-1, 3)).view(-1) / 2
+    torch.testing.assert_close(loss, -(adv * torch.ones(())).mean(), **TOL)
+
+
 def _distill(paths) -> None:
     vocab = 101
     g = torch.Generator().manual_seed(2)
@@ -192,6 +243,7 @@ def _worker(paths) -> None:
     _pipeline_refused(paths)
     _dpo(paths)
     _grpo(paths)
+    _sampling(paths)
     _distill(paths)
 
 
