@@ -7,8 +7,12 @@ import torch
 import transformers
 
 from oslo_models.distributed.context import ParallelContext
-from oslo_models.training.global_batch import GlobalBatchLoader, count_label_tokens, loss_is_per_token, \
-    loss_shifts_labels
+from oslo_models.training.global_batch import (
+    GlobalBatchLoader,
+    count_label_tokens,
+    loss_is_per_token,
+    loss_shifts_labels,
+)
 
 
 def _batch(labels: list[list[int]]) -> dict:
