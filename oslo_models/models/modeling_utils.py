@@ -280,6 +280,8 @@ class OsloPreTrainedModel(PreTrainedModel):
                 setattr(config, key, value)
         if options.attn_implementation is not None:
             config._attn_implementation = options.attn_implementation
+        if pretrained_model_name_or_path is not None:  # as transformers does: TRL reloads a reference model from it
+            config.name_or_path = str(pretrained_model_name_or_path)
         expected_type = getattr(cls.config_class, "model_type", None)
         if expected_type and config.model_type != expected_type:
             raise ValueError(f"{cls.__name__} expects a {expected_type!r} checkpoint, got model_type="
