@@ -1,14 +1,16 @@
-"""Export a trained model to a plain Hub folder, whatever data-parallel wrapper it is in.
+"""Export a trained model to a plain Hub folder, whatever layout and data-parallel wrapper it is in.
 
-``model.save_pretrained`` gathers tensor-parallel shards through the plan; under ZeRO-2/3 (FSDP2) every parameter is
-additionally split over dp, so it is first gathered over dp into a plain copy of the model (FSDP's own unsharded
-parameters are views into its all-gather buffer, which safetensors cannot write). DDP and ZeRO-1 hold whole
-tp-local parameters and need nothing extra.
+:func:`save_pretrained` writes the folder from every rank at once, each rank the boxes of the tensors it holds
+(``conversion/model_export.py`` -> ``conversion/hub_export.py``): no tensor is gathered, for every layout (tp 1D
+and grid, pp, ep, ZeRO 1-3, HSDP, NVMe offload; native and generic models alike). ``distributed=False`` keeps the
+gathering save: ``model.save_pretrained`` gathers tensor-parallel shards through the plan and rank 0 writes; under
+ZeRO-2/3 (FSDP2) every parameter is first gathered over dp into a plain copy of the model (:func:`plain_copy`).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 
 import torch
 from torch import nn
@@ -53,10 +55,8 @@ def plain_copy(model: nn.Module) -> nn.Module:
     return copy
 
 
-def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -> None:
-    """``save_pretrained`` of the ``oslo_models`` model inside ``model`` (DDP, ZeRO-1, FSDP2). Call on every rank;
-    global rank 0 writes a folder plain ``transformers`` loads. A generic model (``transformers``' own class) is
-    gathered and written by ``transformers``' ``save_pretrained`` (``generic/saving.py``)."""
+def _save_gathered(model: nn.Module, save_directory, **kwargs) -> None:
+    """The gathering save (before issue 53): every tensor whole on global rank 0, which writes the folder."""
     from ..conversion.saving import SAVE_RULE
     from ..distributed.agreement import check_arrival
     from ..generic import is_generic
@@ -69,14 +69,64 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     plain_copy(model).save_pretrained(save_directory, **kwargs)
 
 
-def push_to_hub(model: nn.Module, repo_id: str, **kwargs):
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_shard_size: str | int = "5GB",
+                    buffer_bytes: int | None = None, distributed: bool = True, safe_serialization: bool = True,
+                    **kwargs) -> dict | None:
+    """Write a plain Hub folder of the model inside ``model`` (native or generic; DDP, ZeRO-1/2/3, HSDP, NVMe
+    offload, pipeline stages, experts) that plain ``transformers`` loads. Call on every rank.
+
+    ``distributed=True`` (default): every rank writes the boxes of each tensor it holds straight into the shard
+    files (``conversion/hub_export.py``); nothing is gathered, no rank holds more than its own parameters plus a
+    host buffer of ``buffer_bytes`` (default 256 MiB), and the ranks share the writing (about ``1/N`` of the bytes
+    each); rank 0 writes the index and configs and swaps the folder in atomically. Every rank must see the folder
+    on the same file system. Returns this rank's ``{"bytes", "planned_bytes", "seconds"}``.
+    ``distributed=False``: the earlier gathering save (every tensor whole on global rank 0); returns ``None``."""
+    from ..conversion.hub_export import DEFAULT_BUFFER_BYTES, check_options
+    from ..conversion.model_export import export_model
+    from ..conversion.saving import SAVE_RULE
+    from ..distributed.agreement import check_arrival
+
+    if safe_serialization is False:
+        raise ValueError("save_pretrained(safe_serialization=False) is not supported: oslo-models writes "
+                         "safetensors only, as transformers v5 does")
+    if not distributed:
+        if buffer_bytes is not None:
+            raise ValueError("buffer_bytes= applies to the distributed save only (distributed=True)")
+        return _save_gathered(model, save_directory, max_shard_size=max_shard_size, **kwargs)
+    if kwargs:
+        raise ValueError(f"Unknown save_pretrained option(s): {sorted(kwargs)}")
+    buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else buffer_bytes
+    check_options(save_directory, max_shard_size, buffer_bytes)  # a user error, before any collective
+    inner = unwrap_model(model)
+    check_arrival(inner.parallel_context, "training.save_pretrained", SAVE_RULE)
+    return export_model(inner, save_directory, max_shard_size=max_shard_size, buffer_bytes=buffer_bytes)
+
+
+def push_to_hub(model: nn.Module, repo_id: str, *, private: bool | None = None, token=None,
+                commit_message: str = "Upload model", revision: str | None = None, max_shard_size: str | int = "5GB",
+                buffer_bytes: int | None = None):
     """Upload the plain Hub folder :func:`save_pretrained` writes (native or generic, any wrapper) from global rank 0
-    while the other ranks wait. Call on every rank. Options as ``push_to_hub`` of the native models (``private``,
-    ``token``, ``commit_message``, ``revision``, ``max_shard_size``)."""
-    from ..generic import is_generic
+    while the other ranks wait. Call on every rank. The folder is written into a temporary folder of rank 0 by
+    every rank when every rank sees it (one machine, or a shared temporary folder), else gathered on rank 0."""
+    from ..conversion.saving import run_on_main_process
+    from ..distributed.agreement import agree_on_failure
 
-    if is_generic(unwrap_model(model)):
-        from ..generic.saving import push_to_hub as generic_push_to_hub
+    context = unwrap_model(model).parallel_context
+    with tempfile.TemporaryDirectory() as tmp:
+        shared = agree_on_failure(context, None, what="push_to_hub", value=tmp)[0]
+        visible = agree_on_failure(context, None, what="push_to_hub", value=os.path.isdir(shared))
+        folder = os.path.join(shared if all(visible) else tmp, "model")
+        save_pretrained(model, folder, max_shard_size=max_shard_size, distributed=all(visible),
+                        **({"buffer_bytes": buffer_bytes} if all(visible) else {}))
 
-        return generic_push_to_hub(unwrap_model(model), repo_id, **kwargs)
-    return plain_copy(model).push_to_hub(repo_id, **kwargs)
+        def upload():
+            from huggingface_hub import HfApi
+
+            api = HfApi(token=token)
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
+                                     revision=revision)
+
+        result = run_on_main_process(context, upload, what=f"push_to_hub({repo_id!r})")
+        context.barrier()  # rank 0's temporary folder goes away only after every rank is done with it
+        return result
