@@ -8,7 +8,9 @@
 ``om.training.Trainer`` is ``transformers.Trainer`` with :class:`ParallelTrainerMixin` in front; for another
 ``Trainer`` subclass (TRL's ``SFTTrainer``, your own) put the mixin first: ``class SFT(ParallelTrainerMixin,
 SFTTrainer): pass`` (TRL's fused LM head, which would read only this rank's vocabulary shard, is replaced by the
-same contract computed from the gathered logits: ``trl_head.py``). Plain ``transformers.Trainer`` under torchrun would treat every process as a data-parallel
+same contract computed on the vocab-split logits: ``trl_head.py``; TRL's ``DPOTrainer``, ``GRPOTrainer`` and
+``RLOOTrainer`` get their reference model at the policy's layout and their generation batch over the data-parallel
+replicas: ``trl_trainers.py``). Plain ``transformers.Trainer`` under torchrun would treat every process as a data-parallel
 replica: it wraps the model in DDP over the whole world (averaging the gradients of *different* tensor-parallel
 shards) and gives every process its own batches (tensor-parallel ranks must see the *same* batch). The mixin changes
 exactly those points, through ``Trainer``'s own overridable methods (nothing is patched):
@@ -48,7 +50,7 @@ import transformers
 from . import clip
 from .export import save_pretrained
 from .global_batch import loss_is_per_token
-from .trl_head import replace_trl_head
+from .trl_trainers import adapt_arguments, adapt_trainer, share_tp_rng
 from .zero import shard_data_parallel, unwrap_model
 
 OPTIMIZER_NAME = "optimizer.pt"
@@ -68,6 +70,8 @@ class ParallelTrainerMixin:
 
     # ------------------------------------------------------------------ setup
     def __init__(self, *args, **kwargs):
+        # TRL's DPO / GRPO / RLOO: the reference at the policy's layout, the generation batch over dp (trl_trainers.py)
+        args, kwargs = adapt_arguments(super().__init__, kwargs.get("model", args[0] if args else None), args, kwargs)
         super().__init__(*args, **kwargs)
         context = self.parallel_context
         # Trainer hands num_items_in_batch to any forward with **kwargs and then multiplies the loss by the replica
@@ -93,10 +97,16 @@ class ParallelTrainerMixin:
                              f"ParallelContext spans {context.world_size}")
         # TRL's SFTTrainer replaced the model's forward with a fused LM head that reads the head's weight, which is
         # this rank's vocabulary shard under tp: the same contract, from the model's gathered logits (trl_head.py)
-        inner = unwrap_model(self.model)
-        replace_trl_head(inner.get_base_model() if _is_peft(inner) else inner)
+        adapt_trainer(self)  # the policy's and the reference's heads too, at GRPO / RLOO's temperature
         if hasattr(self, "_tp_size"):  # TRL's trainers divide their world-wide token count (a metric) by it
             self._tp_size = context.tp_size
+
+    def _generate_and_score_completions(self, *args, **kwargs):
+        """TRL's GRPO / RLOO rollout: afterwards the tp ranks share tp rank 0's RNG state (``trl_trainers.py``), so
+        they shuffle and split the rollout alike."""
+        out = super()._generate_and_score_completions(*args, **kwargs)
+        share_tp_rng(self.model)
+        return out
 
     @property
     def parallel_context(self):
