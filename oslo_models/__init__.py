@@ -21,6 +21,8 @@ __version__ = "0.1.0"
 _LAZY = {
     ".data": ["data"],
     ".training": ["training"],
+    ".losses": ["losses"],
+    ".post_training": ["post_training"],
     ".pipeline": ["pipeline"],
     ".config": ["ParallelConfig"],
     ".distributed": ["distributed", "ParallelContext", "data_parallel"],

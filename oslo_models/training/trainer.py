@@ -95,8 +95,8 @@ class ParallelTrainerMixin:
         if self.accelerator.num_processes != context.world_size:
             raise ValueError(f"Accelerate sees {self.accelerator.num_processes} process(es) but the model's "
                              f"ParallelContext spans {context.world_size}")
-        # TRL's SFTTrainer replaced the model's forward with a fused LM head that reads the head's weight, which is
-        # this rank's vocabulary shard under tp: the same contract, from the model's gathered logits (trl_head.py)
+        # TRL's trainers replaced the model's forward with a fused LM head that reads the head's weight, which is
+        # this rank's vocabulary shard under tp: the same contract, on the model's vocab-split logits (trl_head.py)
         adapt_trainer(self)  # the policy's and the reference's heads too, at GRPO / RLOO's temperature
         if hasattr(self, "_tp_size"):  # TRL's trainers divide their world-wide token count (a metric) by it
             self._tp_size = context.tp_size
