@@ -38,7 +38,7 @@ import os
 
 import torch
 
-from . import support, token_loss
+from . import packed_attention, support, token_loss
 
 
 def _parallel_config(parallel):
@@ -95,6 +95,7 @@ def _attach(model, context, plan: dict[str, str]):
     model.parallel_context = context
     model._oslo_generic_tp_plan = dict(plan)  # the resolved plan; its presence marks the generic path
     token_loss.install(model)  # num_items_in_batch honoured, also by models that average their loss themselves
+    packed_attention.install(model)  # packed documents attend within themselves (transformers' mask may not)
     if context.config.activation_checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
