@@ -23,6 +23,7 @@ from accelerate import Accelerator
 from oslo_models.models.common.moe import check_expert_layout
 from oslo_models.training import clip_grad_norm_, load_checkpoint, save_checkpoint
 from tests.helpers.dist import run_distributed
+from tests.helpers.global_loss import replica_loss, replica_weights
 from tests.helpers.models import adamw_pair, assert_grads_match, assert_params_match, padded_batch, save_seeded
 from tests.helpers.pipeline import assert_pipeline_matches
 
@@ -161,7 +162,8 @@ def _layouts_worker(checkpoints: dict, out_root: str) -> None:
         original = load_file(os.path.join(path, "model.safetensors"))
         assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in original.items()}
     # pp2 x ep2 (x dp2): GPipe, one microbatch; experts' gradients summed over edp in the pipeline's sync; the
-    # reference loss is the mean of the two replicas' (the load-balancing loss is per replica)
+    # reference loss is the global batch's token loss plus the mean of the replicas' load-balancing losses (per
+    # replica: tests/helpers/global_loss.py)
     for model_type, path in checkpoints.items():
         model = _load(path, pipeline_parallel_size=2, expert_parallel_size=2, pipeline_schedule="gpipe",
                       num_microbatches=1, pipeline_partition="parameters")
@@ -170,7 +172,9 @@ def _layouts_worker(checkpoints: dict, out_root: str) -> None:
         batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
 
         def replicas_mean(ref, b):
-            return sum(ref(**{k: v[i:i + 2] for k, v in b.items()}).loss for i in (0, 2)) / 2
+            halves = [{k: v[i:i + 2] for k, v in b.items()} for i in (0, 2)]
+            weights = replica_weights(halves, shift=True)
+            return sum(replica_loss(ref(**half), half, w, shift=True) for half, w in zip(halves, weights)) / 2
 
         assert_pipeline_matches(model, HF[model_type].from_pretrained(path).train(), batch, steps=2,
                                 reference_loss=replicas_mean)
