@@ -34,12 +34,15 @@ from . import tensor_parallel_3d as tp3d
 from .mappings import gather_from_tensor_parallel_region
 from .summa import Grid
 
+# encoder_hidden_states / encoder_attention_mask: what a decoder alone with cross-attention takes (BartForCausalLM)
 BATCH_MAJOR_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds",
-                      "decoder_input_ids", "decoder_attention_mask", "decoder_inputs_embeds")
+                      "decoder_input_ids", "decoder_attention_mask", "decoder_inputs_embeds", "encoder_hidden_states",
+                      "encoder_attention_mask")
+HIDDEN_INPUTS = ("inputs_embeds", "decoder_inputs_embeds", "encoder_hidden_states")  # [b, s, h]: hidden split too
 HIDDEN_OUTPUTS = ("last_hidden_state", "encoder_last_hidden_state")
 
 
-MASK_INPUTS = ("attention_mask", "decoder_attention_mask")
+MASK_INPUTS = ("attention_mask", "decoder_attention_mask", "encoder_attention_mask")
 # 3D: what attention reads runs in the inner layout. A family whose position ids feed only the attention (rotary:
 # the Llama family) lists them too, in ``grid_inner_inputs`` on its model class.
 
@@ -59,7 +62,7 @@ def _split(name: str, value, grid: Grid, masks_inner: bool = False, inner: tuple
         value = value.chunk(grid.batch_parts, dim=0)[grid.dep.rank * grid.q + grid.row.rank]
     else:
         value = grid.local_rows(value)
-    if name.endswith("inputs_embeds"):  # [b, s, h]: the hidden is split too
+    if name in HIDDEN_INPUTS:
         value = value.chunk(grid.q, dim=-1)[grid.row.rank]
     return value
 

@@ -10,6 +10,15 @@ One spawned group of 4 ranks (``tests/helpers/layouts.py``, ``tests/helpers/pipe
 layout: BART at tp 2 + SP x dp 2 under ZeRO-3, then on its trained sharded weights ``generate`` greedy / sampled /
 3 beams; tp 4; pp 2 x tp 2 cut inside the encoder and across encoder and decoder; BERT's cross-attention decoder at
 tp 2 + SP x dp 2, then its cached decode loop at tp 2. Context parallelism is refused for BART.
+
+In the same group, the 2D grid (tp 4 as a 2 x 2 grid, batch split in 2 blocks, hidden in 2): BART 3 AdamW steps
+(the grid head's vocabulary columns get their slice of ``final_logits_bias``; learned positions keep their offset
+2), then ``save_pretrained`` -> plain ``transformers`` (``final_logits_bias`` saved whole) gives the trained
+reference's logits; ``BartModel``'s outputs; ``BartForCausalLM`` with cross-attention over a given
+``encoder_hidden_states`` (split at the grid boundary like ``inputs_embeds``). Broken on purpose, each fails here:
+the bias sliced from column 0 on every rank; the grid's learned positions without the offset;
+``encoder_hidden_states`` not split at the boundary. Its 2D ``generate`` is in ``test_seq2seq_grid_generate.py``,
+2.5D / 3D there too (slow).
 """
 from __future__ import annotations
 
@@ -218,8 +227,9 @@ def test_cross_attention_decoder_tp1(model_type, checkpoints, single_thread):
 
 
 # ---------------------------------------------------------------------------------------------- 4 ranks
-def _layouts_worker(paths: dict) -> None:
+def _layouts_worker(paths: dict, out_dir: str) -> None:
     cg = "BartForConditionalGeneration"
+    _grid_2d(paths, out_dir)
 
     def reference(path=paths[cg], cls=transformers.BartForConditionalGeneration):
         return cls.from_pretrained(path).train()
@@ -228,9 +238,10 @@ def _layouts_worker(paths: dict) -> None:
         return cls.from_pretrained(path, parallel=om.ParallelConfig(**layout), progress=False).train()
 
     # then generate on the trained ZeRO-3 model (it calls the encoder directly, outside the root's unsharding hook)
+    # shift_labels=False: BART's labels are the decoder's targets as they are (the global batch's label count)
     _check_generate(*train_matches(model(dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)),
-                                   reference(), _batch(), zero_stage=3))
-    train_matches(model(dict(tensor_parallel_size=4)), reference(), _batch())
+                                   reference(), _batch(), zero_stage=3, shift_labels=False))
+    train_matches(model(dict(tensor_parallel_size=4)), reference(), _batch(), shift_labels=False)
     # 3 encoder layers + 1 decoder layer in 2 stages: stage 0 = encoder 0-1, stage 1 = encoder 2 and the decoder
     pipelined = model(dict(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2), path=paths["pp"])
     assert_pipeline_matches(pipelined, reference(paths["pp"]), _batch(), steps=1)
@@ -251,5 +262,32 @@ def _layouts_worker(paths: dict) -> None:
     _check_bert_decode_loop(*pair)
 
 
-def test_layouts_match_transformers(checkpoints):
-    run_distributed(_layouts_worker, 4, checkpoints)
+def _grid_2d(paths: dict, out_dir: str) -> None:
+    """See the module docstring: BART at 2D, 3 steps, save -> plain transformers; its decoder alone as a causal LM
+    with cross-attention."""
+    grid = om.ParallelConfig(tensor_parallel_size=4, tensor_parallel_mode="2d")
+    path = paths["BartForConditionalGeneration"]
+    model = om.BartForConditionalGeneration.from_pretrained(path, parallel=grid, progress=False).train()
+    model, reference = train_matches(model, transformers.BartForConditionalGeneration.from_pretrained(path).train(),
+                                     _batch(), steps=3, shift_labels=False)
+    model.save_pretrained(out_dir)
+    model.parallel_context.barrier()
+    reloaded = transformers.BartForConditionalGeneration.from_pretrained(out_dir).eval()
+    call = {k: v for k, v in _batch().items() if k != "labels"}
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**call).logits, reference.eval()(**call).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(reloaded.final_logits_bias, reference.final_logits_bias, atol=0, rtol=0)
+    base = om.BartModel.from_pretrained(paths["BartModel"], parallel=grid, progress=False).eval()
+    call = _call("BartModel", _batch())
+    with torch.no_grad():  # the base model's outputs come back [b, s, d] at the boundary
+        for a, b in zip(_outputs("BartModel", base(**call)),
+                        _outputs("BartModel", transformers.BartModel.from_pretrained(paths["BartModel"])(**call))):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    name = "BartForCausalLM"
+    model = om.BartForCausalLM.from_pretrained(paths[name], parallel=grid, progress=False).train()
+    train_matches(model, transformers.BartForCausalLM.from_pretrained(paths[name]).train(), _call(name, _batch()),
+                  shift_labels=False)
+
+
+def test_layouts_match_transformers(checkpoints, tmp_path):
+    run_distributed(_layouts_worker, 4, checkpoints, str(tmp_path / "grid_saved"))

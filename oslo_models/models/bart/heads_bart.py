@@ -68,6 +68,8 @@ class _BartHead(BartPreTrainedModel):
     """A head over ``BartModel`` at ``model`` (its plan under ``model.``; the head itself replicated)."""
 
     parallel_plan = ParallelPlan(bart_styles("model"))
+    grid_refusal = ("its replicated head reads whole decoder states, which the grid modes split over batch and "
+                    "hidden")
 
     def build_model(self, config) -> None:
         self.model = BartModel(config, parallel_context=self.parallel_context, submodule=True)

@@ -18,7 +18,11 @@ the encoder output the decoder's cross-attention reads is full and replicated.
 
 ``BartForConditionalGeneration``: ``lm_head`` (vocab-parallel, tied to ``shared`` when ``tie_word_embeddings``) plus
 ``final_logits_bias``, a ``[1, V]`` buffer as in ``transformers`` (same state-dict key, saved whole; each rank adds
-its vocabulary slice to its logits). The loss runs on the vocab-split logits (no shift); ``logits`` are gathered to
+its vocabulary slice to its logits). Under the grid modes (2D / 2.5D / 3D) the slice is that of the logit columns
+the grid head's rank holds (``lm_head.vocab_start_index``: the grid row's block, the cube's ``y`` block), its rows
+being whatever batch block the head's output has. The buffer stays whole on every rank (V floats next to the head's
+``V h / q**2``; buffers are never split, ``conversion/loading.py``), so loading, saving and checkpoints read it as
+at 1D and adding it costs no collective. The loss runs on the vocab-split logits (no shift); ``logits`` are gathered to
 ``[b, s_dec, V]`` unless ``gather_logits=False``. Context parallelism is refused (``validate_parallel_config``):
 the decoder's cross-attention would need the whole encoder output on every chunk.
 
@@ -54,16 +58,17 @@ from ..common.layer_norm import LayerNorm
 from ..common.lm_loss import full_logits, token_loss
 from ..common.outputs import capture_parallel_outputs
 from ..common.parallel_rules import check_rules
-from ..common.positions import LearnedPositionalEmbedding
+from ..common.positions import LearnedPositionalEmbedding, LearnedPositions
 from ..common.stack import StackSpec, TransformerStack
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_bart import BartConfig
 from .layers_bart import BartAttention, BartDecoderLayer, BartEncoderLayer, BartFeedForward
 from .pipeline_bart import BartPipelineAdapter
 
+# extra_plan: the learned positions (offset 2) keep their row arithmetic under the grid modes
 _STACK_PARTS = dict(embed_tokens="embed_tokens", position_embedding="embed_positions", layers="layers",
                     final_norm=None, embedding_norm="layernorm_embedding", embedding_dropout="dropout",
-                    norm=LayerNorm)
+                    norm=LayerNorm, extra_plan={"embed_positions": LearnedPositions()})
 BART_ENCODER_SPEC = StackSpec(block=BartEncoderLayer, components=dict(
     attn=BartAttention, attn_norm=LayerNorm, mlp=BartFeedForward, mlp_norm=LayerNorm), **_STACK_PARTS)
 BART_DECODER_SPEC = StackSpec(block=BartDecoderLayer, components=dict(
@@ -90,14 +95,16 @@ class BartPreTrainedModel(OsloPreTrainedModel):
     _supports_flex_attn = True
     #: the components whose divisibility rules ``validate_parallel_config`` checks (``common/parallel_rules.py``)
     parallel_components = (BartAttention, BartFeedForward)
+    #: why a head cannot run under the grid tensor-parallel modes (2D / 2.5D / 3D); ``None``: it can
+    grid_refusal: str | None = None
 
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
         rules = [rule for component in cls.parallel_components for rule in component.parallel_rules(config)]
         check_rules(dict.fromkeys(rules), config, parallel)
-        if parallel.tensor_parallel_mode != "1d":
-            raise NotImplementedError(f"BART under tensor_parallel_mode={parallel.tensor_parallel_mode!r} is not "
-                                      "implemented: final_logits_bias is added to 1D vocab-split logits; use '1d'")
+        if parallel.tensor_parallel_mode != "1d" and cls.grid_refusal:
+            raise NotImplementedError(f"{cls.__name__} under tensor_parallel_mode={parallel.tensor_parallel_mode!r} "
+                                      f"is not implemented: {cls.grid_refusal}; use '1d'")
         if parallel.context_parallel_size > 1:
             raise NotImplementedError(f"BART under context_parallel_size={parallel.context_parallel_size} is not "
                                       "implemented: every decoder chunk's cross-attention reads the whole encoder "
@@ -364,7 +371,7 @@ class BartForConditionalGeneration(BartPreTrainedModel, GenerationMixin):
 
     def local_logits_bias(self, width: int) -> torch.Tensor:
         """This rank's ``[width]`` slice of ``final_logits_bias`` (the vocabulary slice of the vocab-parallel
-        ``lm_head``, zeros on its padded columns)."""
+        ``lm_head``, 1D or grid, zeros on its padded columns)."""
         bias = self.final_logits_bias[0]
         start = getattr(self.lm_head, "vocab_start_index", 0) if self.lm_head is not None else 0
         bias = F.pad(bias, (0, max(0, start + width - bias.shape[0])))

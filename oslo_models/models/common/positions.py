@@ -4,7 +4,9 @@
 ``num_positions + offset`` rows (OPT: offset 2, a fairseq legacy), looked up at the positions counted from the
 attention mask (``cumsum(mask) * mask - 1``, so left padding does not shift them; padded tokens read row
 ``offset - 1``). Under tensor parallelism the table is replicated (``PositionEmbedding``: looked up whole on every
-rank and added to the residual stream; split over the hidden under the grid modes); no collective.
+rank and added to the residual stream); no collective. Under the grid modes (2D / 2.5D / 3D) it is split over the
+hidden like the stream it joins: ``LearnedPositionalEmbedding2D``, the grid's ``HiddenEmbedding2D`` (which the cube
+uses for its stream too) with the same row arithmetic, so the offset survives the swap the plan makes.
 
 ALiBi (Press et al.; ``transformers``' ``build_alibi_tensor`` in Bloom): head ``i`` of ``n`` adds ``slope_i * j`` to
 the score of key ``j`` (``j`` counted over the unmasked keys); softmax is shift-invariant, so this equals the
@@ -15,18 +17,40 @@ functions, no parameters, no collective.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ...parallel_layers.layers import Embedding
 from ...parallel_layers.plan import PositionEmbedding
+from ...parallel_layers.tensor_parallel_2d import HiddenEmbedding2D
+
+
+def _position_rows(attention_mask, past_key_values_length: int, position_ids, offset: int) -> torch.Tensor:
+    """The table rows of ``LearnedPositionalEmbedding.forward``'s arguments: ``position_ids + offset``, the positions
+    counted from the mask when not given."""
+    if position_ids is None:
+        position_ids = (torch.cumsum(attention_mask, dim=1) * attention_mask - 1).long()
+        position_ids = position_ids[:, past_key_values_length:]
+    return position_ids + offset
+
+
+@dataclass(frozen=True)
+class LearnedPositions(PositionEmbedding):
+    """``PositionEmbedding`` whose grid layer keeps the offset lookup (``LearnedPositionalEmbedding2D``): the plain
+    grid table takes table rows, and the model calls it with the mask and positions."""
+
+    def build(self, module, context):
+        if not context.is_grid:
+            return super().build(module, context)
+        return LearnedPositionalEmbedding2D.from_learned(module, context)
 
 
 class LearnedPositionalEmbedding(Embedding):
     """``forward(attention_mask [b, s_total], past_key_values_length=0, position_ids=None)`` -> ``[b, s, h]``:
     rows ``position + offset``; ``position_ids`` (``[b, s]``), when given, are used as they are."""
 
-    tp_plan = {"": PositionEmbedding()}
+    tp_plan = {"": LearnedPositions()}
 
     def __init__(self, num_positions: int, embedding_dim: int, *, offset: int = 2, device=None, dtype=None):
         self.offset = offset
@@ -34,10 +58,23 @@ class LearnedPositionalEmbedding(Embedding):
 
     def forward(self, attention_mask: torch.Tensor, past_key_values_length: int = 0,
                 position_ids: torch.Tensor | None = None, *, sequence_parallel: bool | None = None) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = (torch.cumsum(attention_mask, dim=1) * attention_mask - 1).long()
-            position_ids = position_ids[:, past_key_values_length:]
-        return super().forward(position_ids + self.offset)
+        return super().forward(_position_rows(attention_mask, past_key_values_length, position_ids, self.offset))
+
+
+class LearnedPositionalEmbedding2D(HiddenEmbedding2D):
+    """``LearnedPositionalEmbedding`` under 2D / 2.5D / 3D: the ``[num_positions + offset, h/q]`` block of the
+    stream's hidden axis (``HiddenEmbedding2D``: no collective forward, gradient summed over the column and depth
+    groups), same arguments; input ``[1 or b/(dq), s]`` positions, output ``[., s, h/q]``."""
+
+    @classmethod
+    def from_learned(cls, module: LearnedPositionalEmbedding, context) -> "LearnedPositionalEmbedding2D":
+        layer = cls.from_plain(module, context)
+        layer.offset = module.offset
+        return layer
+
+    def forward(self, attention_mask: torch.Tensor, past_key_values_length: int = 0,
+                position_ids: torch.Tensor | None = None, *, sequence_parallel: bool | None = None) -> torch.Tensor:
+        return super().forward(_position_rows(attention_mask, past_key_values_length, position_ids, self.offset))
 
 
 def alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
