@@ -38,7 +38,7 @@ import os
 
 import torch
 
-from . import packed_attention, support, token_loss
+from . import packed_attention, partial_gradients, support, token_loss
 
 
 def _parallel_config(parallel):
@@ -86,7 +86,10 @@ def _apply_tensor_parallel(model, context) -> dict[str, str]:
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     plan = resolved_tp_plan(model, context)
-    apply_tensor_parallelism(model, context.mesh["tp"], plan)
+    # replicated_with_grad_allreduce entries only hook gradients: partial_gradients.py finds those parameters (and
+    # the ones no entry names) and sums their gradients itself, once per backward
+    applied = {name: style for name, style in plan.items() if style != "replicated_with_grad_allreduce"}
+    apply_tensor_parallelism(model, context.mesh["tp"], applied)
     return plan
 
 
@@ -94,6 +97,8 @@ def _attach(model, context, plan: dict[str, str]):
     """Mark ``model`` as a generic model of ``context`` (what the training helpers read)."""
     model.parallel_context = context
     model._oslo_generic_tp_plan = dict(plan)  # the resolved plan; its presence marks the generic path
+    # replicated parameters fed by tp slices: their gradients summed over tp in the backward (one dummy forward)
+    model._oslo_tp_partial_gradients = partial_gradients.reduce_partial_gradients(model, context) if plan else ()
     token_loss.install(model)  # num_items_in_batch honoured, also by models that average their loss themselves
     packed_attention.install(model)  # packed documents attend within themselves (transformers' mask may not)
     if context.config.activation_checkpointing == "full":

@@ -11,6 +11,10 @@ Hidden 64, 2 layers, vocabulary 101, no dropout. Each exercises something of its
 - mamba: a state space model (no attention), nested ``_no_split_modules`` (``MambaBlock`` > ``MambaMixer``).
 - megatron-bert: masked-LM encoder, tied decoder, no ``_no_split_modules`` (FSDP2 units: the repeated layers).
 - xglm: decoder without a plan, sinusoidal positions, scaled tied embeddings.
+- apertus (2025): a learnable activation (xIELU: two scalars per layer) between the colwise ``up_proj`` and the
+  rowwise ``down_proj``, named by no plan entry, and per-head ``q_norm`` / ``k_norm`` (plan:
+  ``replicated_with_grad_allreduce``): replicated parameters whose gradient is partial over tp
+  (``generic/partial_gradients.py``).
 """
 from __future__ import annotations
 
@@ -45,6 +49,10 @@ CONFIGS = {
     "xglm": lambda: transformers.XGLMConfig(
         vocab_size=101, d_model=64, num_layers=2, attention_heads=4, ffn_dim=96, dropout=0.0, attention_dropout=0.0,
         activation_dropout=0.0, max_position_embeddings=64, **_IDS),
+    "apertus": lambda: transformers.ApertusConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        **_IDS),
 }
 MASKED_LM = {"megatron-bert"}
 
