@@ -18,6 +18,7 @@ import torch
 from oslo_models import training
 from oslo_models.data import ContextParallelSplitter
 from oslo_models.parallel_layers.context_parallel import merge_sequence, split_sequence
+from oslo_models.training.global_batch import loss_shifts_labels
 from tests.helpers.global_loss import replica_loss, replica_weights, with_global_share
 from tests.helpers.models import assert_grads_match, assert_params_match
 from tests.helpers.pipeline import ADAMW
@@ -61,12 +62,15 @@ def train_matches(model, reference, batch: dict, *, zero_stage: int = 0, steps: 
         model, opt = training.shard_data_parallel(model, torch.optim.AdamW(model.parameters(), **ADAMW))
     inner = training.unwrap_model(model)
     mode = context.config.context_parallel_mode
-    local = with_global_share(inner, local, shift_labels)
-    weights = replica_weights(replicas, shift_labels, inner)
+    # the label count follows the model's loss (transformers' rule: a causal LM's targets are shifted, an
+    # encoder-decoder's are not), whatever the cp splitter was told
+    shift = loss_shifts_labels(inner)
+    local = with_global_share(inner, local, shift)
+    weights = replica_weights(replicas, shift, inner)
     for _ in range(steps):
         outputs = [reference(**replica, **call) for replica in replicas]
         expected = outputs[context.dp_rank]
-        losses = [replica_loss(out, replica, weight, shift_labels, names[0] if names else "logits")
+        losses = [replica_loss(out, replica, weight, shift, names[0] if names else "logits")
                   for out, replica, weight in zip(outputs, replicas, weights)]
         got = model(**local, **call)
         torch.testing.assert_close(got.loss, losses[context.dp_rank], atol=1e-5, rtol=1e-5)
