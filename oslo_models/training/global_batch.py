@@ -43,9 +43,23 @@ import torch.distributed as dist
 IGNORE_INDEX = -100
 
 
+def _averages_its_own_cross_entropy(model_class) -> bool:
+    """A ``transformers`` class whose ``forward`` runs a plain ``CrossEntropyLoss`` instead of its
+    ``loss_function`` (e.g. ``BartForCausalLM`` and its copies: their causal-LM loss does not shift)."""
+    import inspect
+
+    try:
+        source = inspect.getsource(model_class.forward)
+    except (OSError, TypeError):
+        return False
+    return "CrossEntropyLoss" in source and "loss_function" not in source
+
+
 def loss_shifts_labels(model) -> bool:
-    """Whether ``model``'s loss shifts ``labels`` left (a causal LM), by ``transformers``' own rule (what its Trainer
-    counts with): the class's ``loss_type`` maps to the causal-LM loss and the model is not an encoder-decoder."""
+    """Whether ``model``'s loss shifts ``labels`` left (a causal LM). A class may say so itself
+    (``labels_shifted_in_loss``); otherwise ``transformers``' own rule (what its Trainer counts with): the class's
+    ``loss_type`` maps to the causal-LM loss and the model is not an encoder-decoder, unless its ``forward`` averages
+    a plain ``CrossEntropyLoss`` of its own (``BartForCausalLM``: no shift)."""
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
     from .zero import unwrap_model
@@ -53,8 +67,12 @@ def loss_shifts_labels(model) -> bool:
     model = unwrap_model(model)
     if hasattr(model, "get_base_model"):  # peft
         model = model.get_base_model()
+    declared = getattr(type(model), "labels_shifted_in_loss", None)
+    if declared is not None:
+        return bool(declared)
     encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
-    return LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss and not encoder_decoder
+    causal = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss and not encoder_decoder
+    return causal and not _averages_its_own_cross_entropy(type(model))
 
 
 def loss_is_per_token(model) -> bool:

@@ -32,6 +32,15 @@ def test_label_rules_follow_transformers():
     classifier = transformers.BertForSequenceClassification(bert.config)
     assert loss_shifts_labels(llama) and not loss_shifts_labels(bert) and not loss_shifts_labels(classifier)
     assert loss_is_per_token(llama) and loss_is_per_token(bert) and not loss_is_per_token(classifier)
+    # a ...ForCausalLM whose forward averages a plain CrossEntropyLoss without shifting (BART's decoder alone), on the
+    # transformers class and on the native twin, which says so itself
+    bart_config = transformers.BartConfig(vocab_size=16, d_model=8, encoder_layers=1, decoder_layers=1,
+                                          encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=8,
+                                          decoder_ffn_dim=8)
+    from oslo_models import BartForCausalLM
+
+    assert not loss_shifts_labels(transformers.BartForCausalLM(bart_config))
+    assert not loss_shifts_labels(BartForCausalLM(bart_config))
     # causal: the first column is never a target; shift_labels (cp, packing) are counted as they are
     assert int(count_label_tokens(BATCHES[:1], shifts_labels=True)) == 1
     assert int(count_label_tokens(BATCHES[:1], shifts_labels=False)) == 3

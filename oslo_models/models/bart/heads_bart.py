@@ -164,6 +164,7 @@ class BartForCausalLM(BartPreTrainedModel, GenerationMixin):
     ``logits [b, s, V]`` unless ``gather_logits=False``."""
 
     hf_twin = transformers.BartForCausalLM
+    labels_shifted_in_loss = False  # transformers' BartForCausalLM: a plain CrossEntropyLoss, no shift
     parallel_plan = ParallelPlan({**BART_DECODER_SPEC.plan("model.decoder").styles, "lm_head": Colwise(vocab=True)})
     _tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
 
