@@ -102,6 +102,9 @@ def build_parser(doc: str, *, output: str, model_help: str, lr: float = 3e-3,
     add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     add("--keep-checkpoints", type=int, default=2,
         help="newest step folders kept in OUTPUT/checkpoint (2: a corrupt newest one falls back to the previous)")
+    add("--async-save", action="store_true",
+        help="write checkpoints from a background thread while training goes on (state staged in host memory, "
+             "pinned on CUDA; one save in flight; 'latest' moves when the write is complete)")
     add("--resume", action="store_true",
         help="continue from OUTPUT/checkpoint (automatic after an elastic restart: torchrun --max-restarts)")
     add("--collective-timeout", type=float, default=600.0,
@@ -389,7 +392,7 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler, reporter:
     def save(step_now: int) -> None:
         training.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, dataloader=loader,
                                  scaler=accelerator.scaler, step=step_now, extra={"losses": losses},
-                                 keep=args.keep_checkpoints)
+                                 keep=args.keep_checkpoints, async_=args.async_save)
 
     pipelined = training.unwrap_model(model).parallel_context.pp_size > 1
     only_loss = {} if is_generic(model) else {"skip_logits": True}  # transformers' own classes: plain forward
@@ -437,6 +440,7 @@ def train_loop(args, accelerator, model, optimizer, loader, scheduler, reporter:
     if evaluator is not None:
         reporter.log_eval(evaluator(model), step, accelerator.print)
     save(step)
+    training.wait_for_checkpoint(model)  # --async-save: the last checkpoint is on disk before the run goes on
     return step, losses
 
 

@@ -55,8 +55,9 @@ def _distributed(context) -> bool:
     return context is not None and context.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
-def agree_on_failure(context, error: BaseException | None, *, what: str, value=None) -> list:
-    """One ``all_gather_object`` over the world of ``(this rank's error or None, value)``.
+def agree_on_failure(context, error: BaseException | None, *, what: str, value=None, group=None) -> list:
+    """One ``all_gather_object`` over the world of ``(this rank's error or None, value)`` (``group``: another
+    process group spanning every rank, e.g. the one a background checkpoint writer uses).
 
     Returns every rank's ``value`` (rank order) when no rank failed. Otherwise raises on every rank the same
     exception: the first failing rank's type when it is a builtin like ``ValueError``/``FileNotFoundError``
@@ -69,7 +70,7 @@ def agree_on_failure(context, error: BaseException | None, *, what: str, value=N
         return [value]
     mine = None if error is None else (_lineage(type(error)), _describe(error), getattr(error, "errno", None))
     gathered: list = [None] * context.world_size
-    dist.all_gather_object(gathered, (mine, value))
+    dist.all_gather_object(gathered, (mine, value), group=group)
     failures = [(rank, item[0]) for rank, item in enumerate(gathered) if item[0] is not None]
     if not failures:
         return [item[1] for item in gathered]
@@ -113,16 +114,17 @@ def _rebuild(lineage) -> type:
 
 
 @contextlib.contextmanager
-def all_or_none(context, what: str):
-    """Run the block on every rank; then :func:`agree_on_failure`: all ranks go on, or all raise the same error.
+def all_or_none(context, what: str, group=None):
+    """Run the block on every rank; then :func:`agree_on_failure` (over ``group``): all ranks go on, or all raise
+    the same error.
 
     The block must not run collectives itself (a rank that failed early would never reach them)."""
     try:
         yield
     except Exception as error:  # noqa: BLE001 - re-raised on every rank below
-        agree_on_failure(context, error, what=what)
+        agree_on_failure(context, error, what=what, group=group)
         raise  # unreachable: agree_on_failure always raises when given an error
-    agree_on_failure(context, None, what=what)
+    agree_on_failure(context, None, what=what, group=group)
 
 
 def arrival_timeout() -> float:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 import weakref
 
 import numpy as np
@@ -221,7 +222,7 @@ def _unwrap_scheduler(scheduler):
 
 
 def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=None, scaler=None, step: int = 0,
-                    extra: dict | None = None, keep: int = 1) -> str:
+                    extra: dict | None = None, keep: int = 1, async_: bool = False) -> str:
     """Save a resumable training checkpoint as ``path/step-<step>`` and point ``path/latest`` at it (call on every
     rank). Returns the step folder. ``keep``: how many step folders to keep (the newest ones).
 
@@ -229,6 +230,12 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
     :func:`shard_data_parallel`. ``dataloader``: anything with ``state_dict()`` (``oslo_models.data`` loaders).
     ``scaler``: a ``GradScaler`` (``accelerator.scaler``). ``extra``: small picklable-free values (numbers,
     strings, lists, dicts, tensors) returned by :func:`load_checkpoint`.
+
+    ``async_=True``: the state is copied to host memory (pinned on CUDA) and written by a background thread while
+    training goes on (``async_checkpoint.py``); the call returns the folder the step will have once written. At most
+    one save is in flight: the next ``save_checkpoint`` (or ``load_checkpoint``, or
+    :func:`wait_for_checkpoint`) first waits for it, and raises its failure if it failed. ``latest`` names the step
+    only after every rank's files are written.
 
     Raises on every rank alike: ``NonFiniteError`` when a weight holds NaN/inf on any rank (nothing written), and the
     failing rank's error (e.g. ``OSError`` ENOSPC, naming rank and file) when a write fails anywhere; either way
@@ -240,17 +247,37 @@ def save_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
         raise ValueError(f"save_checkpoint keep= must be a positive int, got {keep!r}")
     inner = unwrap_model(model)
     context, plan = inner.parallel_context, getattr(inner, "parallel_plan", None)
+    writer = None
+    if async_:
+        from .async_checkpoint import async_writer
+
+        writer = async_writer(inner)  # (the first call makes its process group: every rank calls it)
+        writer.wait()  # the previous save: done, or its failure raised here
+    else:
+        wait_for_checkpoint(inner)
     check_arrival(context, "save_checkpoint", _RULE)
     with all_or_none(context, f"save_checkpoint({path!r}) at step {step}"):
         _refuse_nonfinite(inner)  # never a NaN checkpoint over the last good one
     run_on_main_process(context, prepare_partial, path, step, what=f"save_checkpoint({path!r}) preparing")
     try:
-        return _save_step(path, inner, context, plan, optimizer, scheduler, dataloader, scaler, step, extra, keep)
+        began = time.perf_counter()
+        captured = _capture(inner, context, plan, optimizer, scheduler, dataloader, scaler, step, extra)
+        if writer is not None:
+            return writer.start(path, step, captured, keep, _write_step, capture_seconds=time.perf_counter() - began)
+        return _write_step(path, step, *captured, context=context, keep=keep)
     except Exception:
         # every rank raised the same (agreed) error and stopped writing: free the space the partial save took
         if context.is_main_process:
             remove_partial(path, step)
         raise
+
+
+def wait_for_checkpoint(model) -> str | None:
+    """Wait for the asynchronous :func:`save_checkpoint` of ``model`` in flight, if any; return the step folder
+    it wrote (``None`` when none was in flight) or raise its failure. Call on every rank (before exiting, or to
+    be sure the last checkpoint is on disk)."""
+    writer = unwrap_model(model).__dict__.get("_oslo_async_checkpoint")
+    return None if writer is None else writer.wait()
 
 
 def _refuse_nonfinite(inner) -> None:
@@ -322,8 +349,9 @@ def _native_state(inner, opt, context, plan) -> dict:
     return state
 
 
-def _save_step(path, inner, context, plan, optimizer, scheduler, dataloader, scaler, step, extra, keep) -> str:
-    partial = partial_dir(path, step)
+def _capture(inner, context, plan, optimizer, scheduler, dataloader, scaler, step, extra) -> tuple:
+    """``(DCP state dict, RNG state, trainer state or None)`` of this rank: the values to write (views of the live
+    tensors; an asynchronous save copies them). Collective under ZeRO-2/3 (FSDP2 all-gathers)."""
     opt = unwrap_optimizer(optimizer)
     if is_generic(inner):  # a transformers model: its DTensors go to DCP as they are
         from ..generic.checkpoint import state_to_save
@@ -331,32 +359,45 @@ def _save_step(path, inner, context, plan, optimizer, scheduler, dataloader, sca
         state = state_to_save(inner, opt)
     else:
         state = _native_state(inner, opt, context, plan)
+    trainer_state = None
+    if context.is_main_process:
+        trainer_state = {
+            "step": int(step), "layout": _layout(context), "extra": extra or {},
+            "param_groups": ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                             if opt is not None else None),
+            "scheduler": _unwrap_scheduler(scheduler).state_dict() if scheduler is not None else None,
+            "dataloader": dataloader.state_dict() if dataloader is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
+    return state, _rng_state(context), trainer_state
+
+
+def _write_step(path, step, state, rng_state, trainer_state, *, context, keep, group=None) -> str:
+    """Write a captured state into ``.step-N.partial``, record checksums, publish it and point ``latest`` at it.
+    Collectives only over ``group`` (default: the world's): DCP's plan exchange and the agreements."""
     import torch.distributed.checkpoint as dcp  # here, not at import: it costs ~1 s of `import oslo_models`
 
+    partial = partial_dir(path, step)
     try:
-        dcp.save(state, checkpoint_id=partial)  # DCP reports a failed write on every rank (CheckpointException)
+        dcp.save(state, checkpoint_id=partial, process_group=group)  # a failed write: CheckpointException
     except BaseException as error:  # noqa: BLE001 - CheckpointException is a BaseException
         if type(error).__name__ != "CheckpointException":
             raise
         _raise_clear(error, f"save_checkpoint({path!r}) writing tensors")
-
-    with all_or_none(context, f"save_checkpoint({path!r}) writing the RNG / trainer state"):
+    with all_or_none(context, f"save_checkpoint({path!r}) writing the RNG / trainer state", group=group):
         os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
-        _save_synced(_rng_state(context), os.path.join(partial, "rng", f"rank{context.rank}.pt"))
-        if context.is_main_process:
-            trainer_state = {
-                "step": int(step), "layout": _layout(context), "extra": extra or {},
-                "param_groups": ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-                                 if opt is not None else None),
-                "scheduler": _unwrap_scheduler(scheduler).state_dict() if scheduler is not None else None,
-                "dataloader": dataloader.state_dict() if dataloader is not None else None,
-                "scaler": scaler.state_dict() if scaler is not None else None,
-            }
+        _save_synced(rng_state, os.path.join(partial, "rng", f"rank{context.rank}.pt"))
+        if trainer_state is not None:
             _save_synced(trainer_state, os.path.join(partial, _TRAINER_STATE))
     checksums = record_checksums(context, partial, exclude=(MARKER, CHECKSUMS),
-                                 what=f"save_checkpoint({path!r}) recording checksums")
-    run_on_main_process(context, publish_step, path, step, keep=keep, checksums=checksums,
-                        what=f"save_checkpoint({path!r}) publishing")
+                                 what=f"save_checkpoint({path!r}) recording checksums", group=group)
+    error = None
+    if context.rank == 0:
+        try:
+            publish_step(path, step, keep=keep, checksums=checksums)
+        except Exception as caught:  # noqa: BLE001 - raised on every rank below
+            error = caught
+    agree_on_failure(context, error, what=f"save_checkpoint({path!r}) publishing", group=group)
     return os.path.join(path, step_dir_name(step))
 
 
@@ -408,6 +449,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, *, dataloader=N
     path = os.fspath(path)
     inner = unwrap_model(model)
     context, plan = inner.parallel_context, getattr(inner, "parallel_plan", None)
+    wait_for_checkpoint(inner)  # an asynchronous save of this model still being written
     check_arrival(context, "load_checkpoint", _RULE)
     folder, error = find_checkpoint(path), None
     if folder is None:

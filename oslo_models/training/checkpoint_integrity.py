@@ -55,9 +55,9 @@ def _share(files: list[str], context) -> list[str]:
     return files[context.rank::context.world_size]
 
 
-def record_checksums(context, folder: str, *, exclude: tuple[str, ...], what: str) -> dict[str, list]:
+def record_checksums(context, folder: str, *, exclude: tuple[str, ...], what: str, group=None) -> dict[str, list]:
     """``{relative path: [size, sha256]}`` of every file in ``folder``; every rank hashes its share. Collective
-    (one ``all_gather_object``); an unreadable file is every rank's error."""
+    (one ``all_gather_object``, over ``group`` when given); an unreadable file is every rank's error."""
     error, table = None, {}
     try:
         for relative in _share(checkpoint_files(folder, exclude=exclude), context):
@@ -65,7 +65,7 @@ def record_checksums(context, folder: str, *, exclude: tuple[str, ...], what: st
     except Exception as caught:  # noqa: BLE001 - re-raised on every rank by agree_on_failure
         error = caught
     merged = {}
-    for part in agree_on_failure(context, error, what=what, value=table):
+    for part in agree_on_failure(context, error, what=what, value=table, group=group):
         merged.update(part)
     return dict(sorted(merged.items()))
 
