@@ -1,4 +1,6 @@
-"""DeepSeek-V3 and gpt-oss against plain ``transformers``: what the zoo (``test_zoo.py``) does not cover.
+"""DeepSeek-V3 and gpt-oss against plain ``transformers``: what the zoo (``test_zoo.py``) does not cover; and the
+dropless grouped experts against the padded ones and ``transformers`` for every causal MoE family (Mixtral,
+Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, gpt-oss) at ep 1 (in process), ep 2 (x edp 2) and ep 2 x tp 2 (in the world).
 
 In process (ep 1): logits, router logits, the loss (gpt-oss: with the load-balancing loss; DeepSeek-V3: none, as
 ``transformers``), every gradient and the parameters after 3 AdamW steps (fp32, atol 1e-5), for DeepSeek-V3 with a
@@ -28,13 +30,17 @@ import oslo_models as om
 from accelerate import Accelerator
 from oslo_models.models.gpt_oss.modeling_gpt_oss import check_not_quantized
 from oslo_models.models.registry import family_record
-from tests.helpers.dist import run_distributed
+from oslo_models.parallel_layers.moe import set_expert_implementation
+from tests.helpers.dist import breadcrumb, run_distributed
 from tests.helpers.models import padded_batch
 from tests.helpers.zoo import tiny_config
 from tests.models.test_moe_parity import _train_matches
 
 VARIANTS = {"deepseek_v3": dict(), "deepseek_v3_q": dict(q_lora_rank=None, rope_interleave=False),
-            "gpt_oss": dict()}
+            "gpt_oss": dict(), "mixtral": dict(), "qwen2_moe": dict(), "qwen3_moe": dict()}
+# every causal MoE family once (Switch Transformers: tests/models/test_switch_parity.py)
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
+IMPLEMENTATIONS = ("grouped", "padded")
 
 
 def _model_type(name: str) -> str:
@@ -74,13 +80,24 @@ def _buffers_frozen(model, reference) -> None:
             assert torch.equal(buffer, expected[name]) and buffer.abs().sum() > 0, name
 
 
+def _load_as(path: str, implementation: str, **parallel):
+    """The model with its experts run dropless-grouped (the default) or padded to the largest count."""
+    model = _load(path, **parallel).train()
+    assert set_expert_implementation(model, implementation) > 0
+    assert all(layer.mlp.experts.expert_implementation == implementation
+               for layer in model.model.layers if layer.is_sparse)
+    return model
+
+
 def test_ep1_matches_transformers(checkpoints):
+    """Grouped and padded experts each equal transformers (so each other) for every causal MoE family at ep 1."""
     for name, path in checkpoints.items():
-        model = _load(path).train()
-        reference = _hf_class(name).from_pretrained(path).train()
-        assert type(model).__name__ == type(reference).__name__
-        _train_matches(model, reference, dp_rank=0, dp_size=1)
-        _buffers_frozen(model, reference)
+        for implementation in IMPLEMENTATIONS:
+            model = _load_as(path, implementation)
+            reference = _hf_class(name).from_pretrained(path).train()
+            assert type(model).__name__ == type(reference).__name__
+            _train_matches(model, reference, dp_rank=0, dp_size=1)
+            _buffers_frozen(model, reference)
 
 
 def _differs(model, reference, ids, mask) -> bool:
@@ -185,10 +202,16 @@ def _layouts_worker(checkpoints: dict, out_root: str) -> None:
             ("ep4", dict(expert_parallel_size=4), 0, ("deepseek_v3",)),  # one expert group per rank
             ("ep2 zero1", dict(expert_parallel_size=2), 1, ("deepseek_v3",)),
             ("ep2 zero3", dict(expert_parallel_size=2), 3, ("gpt_oss",))]
-    for label, layout, zero_stage, names in runs:
+    # grouped (dropless, exact per-expert all-to-all counts) and padded experts at ep 2 (x edp 2) and ep 2 x tp 2,
+    # every causal family: each equals transformers
+    runs = [(label, layout, zero_stage, names, "grouped") for label, layout, zero_stage, names in runs] + [
+        ("ep2", dict(expert_parallel_size=2), 0, FAMILIES, implementation) for implementation in IMPLEMENTATIONS] + [
+        ("ep2 x tp2", dict(expert_parallel_size=2, tensor_parallel_size=2), 0, FAMILIES, "padded")]
+    for label, layout, zero_stage, names, implementation in runs:
         for name in names:
             path = checkpoints[name]
-            model = _load(path, **layout).train()
+            breadcrumb(f"{label} {name} {implementation}")
+            model = _load_as(path, implementation, **layout)
             ctx = model.parallel_context
             _own_experts(model)
             reference = _hf_class(name).from_pretrained(path).train()

@@ -1,7 +1,8 @@
 """Switch Transformers with expert parallelism equal plain ``transformers``: logits, router logits of both stacks,
 the loss with the router z-loss and load-balancing loss added, every gradient (routers, stacked experts) and the
 parameters after 3 AdamW steps (fp32, atol 1e-5), at ep 1 (in process), and ep 4, ep 2 x tp 2, ep 2 x edp 2 with
-ZeRO-1 through ``om.training.prepare`` in one spawned group of 4.
+ZeRO-1 through ``om.training.prepare`` in one spawned group of 4; the experts dropless-grouped (the default) and,
+at ep 1 and ep 2 x tp 2, padded to the largest count (the capacity drop is the router's: the same either way).
 
 The capacity is per sequence (as ``transformers``' router), so tokens drop identically at any ep: the main
 checkpoint drops tokens (asserted from the router logits), at every layout; a second one with a capacity no
@@ -23,6 +24,7 @@ import oslo_models as om
 from accelerate import Accelerator
 from oslo_models.conversion.checkpoint import InMemoryReader
 from oslo_models.models.common.expert_keys import ExpertKeyReader
+from oslo_models.parallel_layers.moe import set_expert_implementation
 from oslo_models.training import clip_grad_norm_
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import adamw_pair, expected_shard, padded_batch
@@ -139,10 +141,12 @@ def test_ep1_matches_transformers(checkpoints):
     fresh = om.AutoModelForSeq2SeqLM.from_config(_config(3))
     torch.manual_seed(5)
     _assert_match(fresh, HF(_config(3)), grads=False)
-    model = _load(path).train()
-    assert type(model).__name__ == HF.__name__
-    reference = HF.from_pretrained(path).train()
-    _train_matches(model, reference, dp_rank=0, dp_size=1)
+    for implementation in ("padded", "grouped"):  # the experts padded to the largest count, then dropless grouped
+        model = _load(path).train()
+        assert set_expert_implementation(model, implementation) == 4
+        assert type(model).__name__ == HF.__name__
+        reference = HF.from_pretrained(path).train()
+        _train_matches(model, reference, dp_rank=0, dp_size=1)
     model.eval(), reference.eval()
     ids = _batch(0)["input_ids"]
     assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False),
@@ -177,10 +181,13 @@ def _resident_experts_are_own(model) -> None:
 
 
 def _layouts_worker(checkpoints: dict, out_root: str) -> None:
-    for name, ep, tp, zero_stage in (("drops", 4, 1, 0), ("dropless", 4, 1, 0), ("drops", 2, 2, 0),
-                                     ("drops", 2, 1, 1)):
+    # the experts run dropless-grouped (the default) everywhere and padded at ep 2 x tp 2
+    for name, ep, tp, zero_stage, implementation in (
+            ("drops", 4, 1, 0, "grouped"), ("dropless", 4, 1, 0, "grouped"), ("drops", 2, 2, 0, "grouped"),
+            ("drops", 2, 1, 1, "grouped"), ("drops", 2, 2, 0, "padded")):
         path = checkpoints[name]
         model = _load(path, expert_parallel_size=ep, tensor_parallel_size=tp).train()
+        set_expert_implementation(model, implementation)
         ctx = model.parallel_context
         assert (ctx.ep_size, ctx.tp_size, ctx.edp_size) == (ep, tp, ctx.dp_size // ep)
         _resident_experts_are_own(model)
@@ -188,7 +195,7 @@ def _layouts_worker(checkpoints: dict, out_root: str) -> None:
         accelerator = Accelerator(cpu=True) if zero_stage else None
         _train_matches(model, reference, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, zero_stage=zero_stage,
                        accelerator=accelerator, drops=name == "drops")
-        if zero_stage or name == "dropless":
+        if zero_stage or name == "dropless" or implementation == "padded":
             continue
         # the trained model saves a plain checkpoint: transformers' per-expert keys and shapes, same logits
         out = os.path.join(out_root, f"ep{ep}-tp{tp}")

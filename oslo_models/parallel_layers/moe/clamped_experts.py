@@ -19,8 +19,9 @@ the last dim (whole gate|up pairs: units ``r*i/k .. (r+1)*i/k``), ``down_proj`` 
 outputs are summed over etp. ``down_proj_bias`` stays whole on every etp rank and is added once, by etp rank 0;
 its gradient is all-reduced over etp (``copy_to_tensor_parallel_region``), so every rank holds the same bias.
 
-The local experts run as one grouped computation on ``[E_local, C, h]`` (``_GroupedExperts``); the zero rows that
-pad an expert to ``C`` get the bias but their outputs are dropped, so they add nothing to any gradient.
+The local experts run dropless through one grouped matmul per projection, each row getting its expert's biases
+(``_GroupedExperts``, ``grouped_mm.py``); in the padded baseline the zero rows that pad an expert to ``C`` get the
+bias but their outputs are dropped, so they add nothing to any gradient.
 """
 from __future__ import annotations
 
@@ -56,10 +57,10 @@ class ClampedSwigluExperts(_GroupedExperts):
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def run(self, padded: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.bmm(padded, self.weight("gate_up_proj")) + self.weight("gate_up_proj_bias")[:, None]
-        hidden = self.clamped_swiglu(gate_up)  # [E_l, C, i]
-        return torch.bmm(hidden, self.weight("down_proj")) + self.output_bias()[:, None]  # [E_l, C, h]
+    def run(self, x: torch.Tensor, grouping) -> torch.Tensor:
+        gate_up = grouping.mm(x, self.weight("gate_up_proj")) + grouping.bias(self.weight("gate_up_proj_bias"))
+        hidden = self.clamped_swiglu(gate_up)  # [..., i]
+        return grouping.mm(hidden, self.weight("down_proj")) + grouping.bias(self.output_bias())  # [..., h]
 
     def output_bias(self) -> torch.Tensor:
         """``down_proj_bias [E_l, h]``; under etp added by etp rank 0 only (the outputs are summed over etp)."""

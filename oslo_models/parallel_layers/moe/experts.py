@@ -1,4 +1,4 @@
-"""Stacked experts: every expert of a layer in two 3-D tensors, run as one batched matmul, split over ``ep``.
+"""Stacked experts: every expert of a layer in two 3-D tensors, run as grouped matmuls, split over ``ep``.
 
 Two expert shapes:
 
@@ -23,10 +23,12 @@ with ``copy_to_tensor_parallel_region`` (backward: all-reduce over etp of the pa
 an all-reduce over etp of the partial outputs (or, with ``reduce_output=False``, the caller reduces them: a
 reduce-scatter after the combine under sequence parallelism).
 
-The local experts run as one grouped computation: rows grouped by expert are laid out as ``[E_local, C, h]``
-(``C`` = the largest expert's row count, zero rows padding the others) and multiplied with ``torch.bmm``, not a
-Python loop over experts. Both weights are used on every call, even with no rows, so their gradients exist on
-every rank (the expert-data-parallel gradient hooks rely on it).
+The local experts run dropless: rows sorted by expert go through one grouped matmul per projection
+(``grouped_mm.py``: ``torch``'s grouped-GEMM kernel on CUDA, a loop of matmuls over contiguous slices on CPU), no
+row padded to a capacity; ``expert_implementation = "padded"`` runs the ``[E_local, C, h]`` ``torch.bmm`` baseline
+instead (the same numbers). Each expert class writes its feed-forward once (``run(x, grouping)``) for both.
+Both weights are used on every call, even with no rows, so their gradients exist on every rank (the
+expert-data-parallel gradient hooks rely on it).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from ..plan import Style, grid_batch_replicated
 from ..sharding import EvenSplit, GridBlock, Layout, PackedSplit
 from ..tensor_parallel import divide
 from ..tensor_parallel_2d import replicated_over_batch
+from .grouped_mm import IMPLEMENTATIONS, Grouping, run_padded
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -86,6 +89,7 @@ class _GroupedExperts(nn.Module):
         # 2D / 2.5D: the Grid (plan.grid_batch_replicated); the experts see this rank's batch block only, so their
         # gradients are summed over the grid's batch groups (every rank of a grid row holds the same ones)
         self.grid = None
+        self.expert_implementation = "grouped"  # or "padded" (grouped_mm.set_expert_implementation)
 
     def weight(self, name: str) -> torch.Tensor:
         """The stacked weight ``name`` as the forward uses it (its gradient scaled by ``gradient_scale``)."""
@@ -127,21 +131,22 @@ class _GroupedExperts(nn.Module):
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, *, reduce_output: bool = True) -> torch.Tensor:
         """``reduce_output=False`` under expert tensor parallelism: return this rank's partial sums (the caller
         reduces them over etp, e.g. after the combine)."""
-        local, hidden = self.num_local_experts, rows.shape[-1]
+        if self.expert_implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"expert_implementation {self.expert_implementation!r} is not one of {IMPLEMENTATIONS}")
         if self.etp_group is not None:  # replicated rows into a column-parallel projection
             rows = copy_to_tensor_parallel_region(rows, self.etp_group)
-        capacity = int(counts.max()) if counts.numel() else 0
-        offsets = torch.cumsum(counts, 0) - counts
-        expert = torch.repeat_interleave(torch.arange(local, device=rows.device), counts)
-        slot = torch.arange(rows.shape[0], device=rows.device) - offsets.index_select(0, expert)
-        padded = rows.new_zeros((local, capacity, hidden)).index_put((expert, slot), rows)
-        out = self.run(padded)[expert, slot]
+        if self.expert_implementation == "padded":
+            out = run_padded(self.run, rows, counts)
+        else:
+            out = self.run(rows, Grouping(counts, rows.shape[0]))
         if self.etp_group is not None and reduce_output:  # row-parallel partial sums
             out = reduce_from_tensor_parallel_region(out, self.etp_group)
         return out
 
-    def run(self, padded: torch.Tensor) -> torch.Tensor:
-        """``[E_local, C, h]`` (expert ``e``'s rows, zero-padded to ``C``) -> ``[E_local, C, h]``."""
+    def run(self, x: torch.Tensor, grouping) -> torch.Tensor:
+        """The feed-forward of every local expert on its rows: ``x`` in ``grouping``'s layout (``[R, h]`` sorted by
+        expert, or ``[E_local, C, h]`` padded); projections through ``grouping.mm(x, weight [E_local, k, n])``,
+        per-expert biases through ``grouping.bias``. Returns ``[R, h]`` / ``[E_local, C, h]``."""
         raise NotImplementedError
 
 
@@ -158,9 +163,9 @@ class StackedExperts(_GroupedExperts):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act_fn = ACT2FN[act]
 
-    def run(self, padded: torch.Tensor) -> torch.Tensor:
-        gate, up = torch.bmm(padded, self.weight("gate_up_proj").transpose(1, 2)).chunk(2, dim=-1)  # [E_l, C, i]
-        return torch.bmm(self.act_fn(gate) * up, self.weight("down_proj").transpose(1, 2))  # [E_l, C, h]
+    def run(self, x: torch.Tensor, grouping) -> torch.Tensor:
+        gate, up = grouping.mm(x, self.weight("gate_up_proj").transpose(1, 2)).chunk(2, dim=-1)  # [..., i]
+        return grouping.mm(self.act_fn(gate) * up, self.weight("down_proj").transpose(1, 2))  # [..., h]
 
 
 class StackedDenseExperts(_GroupedExperts):
@@ -177,9 +182,9 @@ class StackedDenseExperts(_GroupedExperts):
         self.act = ACT2FN[act]
         self.dropout = Dropout(dropout)
 
-    def run(self, padded: torch.Tensor) -> torch.Tensor:
-        hidden = self.dropout(self.act(torch.bmm(padded, self.weight("wi").transpose(1, 2))))  # [E_l, C, f]
-        return torch.bmm(hidden.to(self.wo.dtype), self.weight("wo").transpose(1, 2))  # [E_l, C, d]
+    def run(self, x: torch.Tensor, grouping) -> torch.Tensor:
+        hidden = self.dropout(self.act(grouping.mm(x, self.weight("wi").transpose(1, 2))))  # [..., f]
+        return grouping.mm(hidden, self.weight("wo").transpose(1, 2))  # [..., d]
 
 
 class ExpertTensorSplit(GridBlock):
