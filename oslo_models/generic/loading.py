@@ -38,7 +38,7 @@ import os
 
 import torch
 
-from . import packed_attention, partial_gradients, support, token_loss
+from . import inplace_outputs, packed_attention, partial_gradients, support, token_loss
 
 
 def _parallel_config(parallel):
@@ -97,8 +97,12 @@ def _attach(model, context, plan: dict[str, str]):
     """Mark ``model`` as a generic model of ``context`` (what the training helpers read)."""
     model.parallel_context = context
     model._oslo_generic_tp_plan = dict(plan)  # the resolved plan; its presence marks the generic path
-    # replicated parameters fed by tp slices: their gradients summed over tp in the backward (one dummy forward)
-    model._oslo_tp_partial_gradients = partial_gradients.reduce_partial_gradients(model, context) if plan else ()
+    if plan:  # what transformers' inference plans miss in training (a dummy forward each, same on every tp rank)
+        # outputs of plan modules the model modifies in place: copied while autograd records
+        model._oslo_tp_output_copies = inplace_outputs.find_modified_outputs(model, context, plan)
+        inplace_outputs.copy_outputs(model, model._oslo_tp_output_copies)
+        # replicated parameters fed by tp slices: their gradients summed over tp in the backward
+        model._oslo_tp_partial_gradients = partial_gradients.reduce_partial_gradients(model, context)
     token_loss.install(model)  # num_items_in_batch honoured, also by models that average their loss themselves
     packed_attention.install(model)  # packed documents attend within themselves (transformers' mask may not)
     if context.config.activation_checkpointing == "full":

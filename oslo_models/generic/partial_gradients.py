@@ -9,8 +9,8 @@ from that rank's slice. Stepped on it, the tp replicas drift apart silently (the
 
 The rule is structural, read from the graph the plan builds (no gradient values are compared):
 
-1. One forward of ``model.dummy_inputs`` (grad enabled, eval mode, the RNG state restored afterwards) records the
-   autograd graph of the tensor-parallel model as it trains.
+1. One forward of ``model.dummy_inputs`` (``dummy_forward.py``: grad enabled, eval mode, the RNG state restored
+   afterwards) records the autograd graph of the tensor-parallel model as it trains.
 2. *Sharded* nodes: a ``to_local`` of a DTensor with a ``Shard`` / ``Partial`` placement on the tp mesh dimension (a
    colwise output, a local weight shard) is sharded, and so is every plain op that consumes a sharded node, up to
    the next boundary: a ``from_local`` (the rowwise input, where DTensor takes over) or ``transformers``'
@@ -39,6 +39,8 @@ import re
 
 import torch
 from torch import nn
+
+from .dummy_forward import dummy_forward, refused_on_error
 
 FULL, PARTIAL, MIXED = "full", "partial", "mixed"
 _TO_LOCAL = "_ToTorchTensorBackward"
@@ -170,24 +172,14 @@ def _output_nodes(output) -> list:
 def find_partial_parameters(model: nn.Module, context) -> dict[str, str]:
     """``{parameter name: kind}`` (``"partial"`` or ``"mixed"``) of the model's parameters whose gradient is not
     whole on every tp rank under its plan. Runs one forward of ``model.dummy_inputs`` (collective over tp)."""
-    inputs = {key: value.to(context.device) if isinstance(value, torch.Tensor) else value
-              for key, value in dict(model.dummy_inputs).items()}
-    was_training = model.training
-    devices = [context.device] if context.device.type == "cuda" else []
-    try:
-        model.eval()
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            output = model(**inputs, use_cache=False) if _accepts_use_cache(model) else model(**inputs)
-            tensors = _output_nodes(output)
-            sharded_outputs = [t for t in tensors if getattr(t.grad_fn, "dtensor_spec", None) is not None
-                               and _splits_over_tp(t.grad_fn)]
-            if sharded_outputs:
-                raise NotImplementedError(
-                    f"{type(model).__name__}: its tensor-parallel plan leaves an output split over the tp ranks "
-                    f"(shape {tuple(sharded_outputs[0].shape)}); the generic path trains on whole outputs")
-            kinds = gradient_kinds([t.grad_fn for t in tensors])
-    finally:
-        model.train(was_training)
+    with refused_on_error(model, context):
+        tensors = _output_nodes(dummy_forward(model, context, grad=True))
+    sharded_outputs = [t for t in tensors if _splits_over_tp(t.grad_fn)]
+    if sharded_outputs:
+        raise NotImplementedError(
+            f"{type(model).__name__}: its tensor-parallel plan leaves an output split over the tp ranks "
+            f"(shape {tuple(sharded_outputs[0].shape)}); the generic path trains on whole outputs")
+    kinds = gradient_kinds([t.grad_fn for t in tensors])
     by_tensor = {id(tensor): value for tensor, value in kinds.items()}
     found, seen_patterns = {}, {}
     names = dict(model.named_parameters())
@@ -202,12 +194,6 @@ def find_partial_parameters(model: nn.Module, context) -> dict[str, str]:
             if pattern_kinds:
                 found[name] = MIXED if MIXED in pattern_kinds else PARTIAL
     return found
-
-
-def _accepts_use_cache(model) -> bool:
-    import inspect
-
-    return "use_cache" in inspect.signature(model.forward).parameters
 
 
 class TensorParallelGradientSum:

@@ -15,6 +15,9 @@ Hidden 64, 2 layers, vocabulary 101, no dropout. Each exercises something of its
   rowwise ``down_proj``, named by no plan entry, and per-head ``q_norm`` / ``k_norm`` (plan:
   ``replicated_with_grad_allreduce``): replicated parameters whose gradient is partial over tp
   (``generic/partial_gradients.py``).
+- llama4_text (2025): MoE (top-1 sigmoid router, fused experts) in layer 1 with a shared expert whose rowwise output the
+  model adds the routed experts into in place (``out.add_``), a dense MLP in layer 0, chunked attention, QK L2 norm
+  (``generic/inplace_outputs.py``).
 """
 from __future__ import annotations
 
@@ -53,6 +56,10 @@ CONFIGS = {
         vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
         **_IDS),
+    "llama4_text": lambda: transformers.Llama4TextConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, interleave_moe_layer_step=2,
+        max_position_embeddings=64, **_IDS),
 }
 MASKED_LM = {"megatron-bert"}
 

@@ -3,12 +3,16 @@
 - apertus: xIELU's ``alpha_p`` / ``alpha_n`` act on the colwise ``up_proj`` slice (no plan entry names them) and the
   per-head ``q_norm`` / ``k_norm`` on the local heads (the plan's ``replicated_with_grad_allreduce``): the generic
   path finds exactly these from the autograd graph and sums their gradients over tp.
+- llama4_text: the MoE layer adds its routed experts into the shared expert's rowwise output in place, which
+  autograd refuses on ``transformers``' ``to_local`` views; the generic path finds that output (version counters of a
+  no-grad forward) and copies it while autograd records.
 
 One spawned group of 4 gloo processes: each type is loaded with ``from_pretrained`` at tp 2, sharded with ZeRO-3 over
 dp 2 and trained 3 AdamW steps (clipped at 0.5); every step's loss and gradient norm and every parameter after the
-last step equal single-process ``transformers`` on the global batch (fp32, 1e-5). Negative control: the same
+last step equal single-process ``transformers`` on the global batch (fp32, 1e-5). Negative controls: the same
 training with the gradient sums' pre-hooks taken off the modules (what the path did before) leaves the xIELU scalars
-and the norms off by more than the tolerance (and different on the two tp ranks).
+and the norms off by more than the tolerance (and different on the two tp ranks); without the output copies Llama 4's
+first training forward raises autograd's view+inplace error.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch.distributed as dist
 
 import oslo_models as om
 from oslo_models import training
+from oslo_models.generic.inplace_outputs import _copy_output
 from oslo_models.generic.partial_gradients import TensorParallelGradientSum
 from tests.generic.models import auto_class, save
 from tests.generic.test_generic_training import PARAM_TOL, STEPS, TOL, _train, reference
@@ -25,20 +30,24 @@ from tests.helpers.dist import breadcrumb, run_distributed
 
 PARTIAL = {  # type: the parameters (per layer) whose gradient the plan leaves partial over tp
     "apertus": {"mlp.act_fn.alpha_p", "mlp.act_fn.alpha_n", "self_attn.q_norm.weight", "self_attn.k_norm.weight"},
+    "llama4_text": set(),
 }
+COPIED = {"apertus": (), "llama4_text": ("model.layers.1.feed_forward.shared_expert.down_proj",)}
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
-def _remove_gradient_sums(model) -> int:
+def _remove_fixes(model) -> int:
+    """Take the generic path's gradient sums and output copies off the model's modules (the negative control)."""
     removed = 0
     for module in model.modules():
-        for key, hook in list(module._forward_pre_hooks.items()):
-            if isinstance(hook, TensorParallelGradientSum):
-                del module._forward_pre_hooks[key]
-                removed += 1
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key, hook in list(hooks.items()):
+                if isinstance(hook, TensorParallelGradientSum) or hook is _copy_output:
+                    del hooks[key]
+                    removed += 1
     return removed
 
 
@@ -54,13 +63,19 @@ def _worker(paths, refs, reduce: bool):
         marked = {key for key, style in model._oslo_generic_tp_plan.items()
                   if style == "replicated_with_grad_allreduce"}
         found = model._oslo_tp_partial_gradients
-        assert marked and all(any(f == key or f.startswith(key + ".") for f in found)
-                              for key in marked)  # the plan's own marks are among what the graph finds
-        if not reduce:
-            assert _remove_gradient_sums(model) == 3 * layers  # act_fn, q_norm, k_norm of each layer
+        assert all(any(f == key or f.startswith(key + ".") for f in found)
+                   for key in marked)  # the plan's own marks are among what the graph finds
+        assert model._oslo_tp_output_copies == COPIED[name]
+        if not reduce:  # act_fn, q_norm, k_norm of each layer; the copied outputs
+            assert _remove_fixes(model) == 3 * layers * bool(expected) + len(COPIED[name])
         model.train()
         model, opt = training.shard_data_parallel(model, torch.optim.AdamW(model.parameters(), lr=1e-3,
                                                                            weight_decay=0.1, eps=1e-6), zero_stage=3)
+        if not reduce and COPIED[name]:
+            with pytest.raises(RuntimeError, match="view and is being modified inplace"):
+                _train(model, opt, context, range(1))
+            del model, opt
+            continue
         losses, norms = _train(model, opt, context, range(STEPS))
         state = {key: _full(value).detach() for key, value in model.state_dict().items()}
         off = {key: float((state[key] - ref_state[key]).abs().max()) for key in ref_state

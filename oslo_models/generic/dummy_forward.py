@@ -1,0 +1,44 @@
+"""One forward of a generic model on ``transformers``' own dummy inputs, leaving no trace: what the structural checks
+of a tensor-parallel plan (``partial_gradients.py``, ``inplace_outputs.py``) run the model on.
+
+The model runs in eval mode (no dropout; training-only branches such as router jitter stay off) on
+``model.dummy_inputs`` (``transformers``' small batch of token ids, or the model's own override), without a cache,
+with the RNG state of the device restored afterwards (a later training run draws the same masks as without the
+check). Collectives: the model's own (every tp rank runs it).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+from torch import nn
+
+
+def dummy_forward(model: nn.Module, context, *, grad: bool):
+    """The output of one forward of ``model`` on its dummy inputs, with autograd recording when ``grad``."""
+    inputs = {key: value.to(context.device) if isinstance(value, torch.Tensor) else value
+              for key, value in dict(model.dummy_inputs).items()}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        inputs["use_cache"] = False
+    was_training = model.training
+    devices = [context.device] if context.device.type == "cuda" else []
+    try:
+        model.eval()
+        with torch.random.fork_rng(devices=devices), (torch.enable_grad() if grad else torch.no_grad()):
+            return model(**inputs)
+    finally:
+        model.train(was_training)
+
+
+@contextlib.contextmanager
+def refused_on_error(model: nn.Module, context):
+    """A forward that fails at tp > 1 (a plan ``transformers`` cannot run for this type) becomes a
+    ``NotImplementedError`` naming the type and the plan."""
+    try:
+        yield
+    except RuntimeError as error:
+        raise NotImplementedError(
+            f"{type(model).__name__}: transformers' tensor-parallel plan for {model.config.model_type!r} does not run "
+            f"at tensor_parallel_size={context.tp_size} ({str(error).splitlines()[0][:300]}); use "
+            f"tensor_parallel_size=1 for this type") from error
