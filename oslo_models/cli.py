@@ -3,6 +3,8 @@
 Commands:
     pipeline-plot   draw the pipeline schedule the runner executes (SVG or PNG)
     plan            rank parallel layouts by predicted step time under a memory cap (``planner/cli.py``)
+    checkpoint      consolidate a training checkpoint into a Hub folder; verify a folder
+                    (``conversion/checkpoint_cli.py``)
 """
 from __future__ import annotations
 
@@ -46,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .planner.cli import add_parser as add_plan_parser
 
     add_plan_parser(commands, HelpFormatter)
+    from .conversion.checkpoint_cli import add_parser as add_checkpoint_parser
+
+    add_checkpoint_parser(commands, HelpFormatter)
     return parser
 
 

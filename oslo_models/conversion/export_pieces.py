@@ -117,11 +117,10 @@ def _dtensor_pieces(tensor: torch.Tensor, packed):
     return _split_packed(local, start, length, dim, blocks, value.shape[dim + 1])
 
 
-def generic_entries(model) -> list[Entry]:
-    """This rank's entries of a generic (``transformers``) model, tied copies removed as ``transformers`` does."""
+def generic_saved_state(model) -> dict[str, torch.Tensor]:
+    """The tensors ``transformers``' ``save_pretrained`` writes, by name (tied copies and ``_keys_to_ignore_on_save``
+    left out, as it does), before its key conversion."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
-    from ..generic.checkpoint import packed_parameters
 
     state = model.state_dict(keep_vars=True)
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
@@ -130,11 +129,17 @@ def generic_entries(model) -> list[Entry]:
     meta_state = {name: metas.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype, device="meta"))
                   for name, t in state.items()}
     kept = remove_tied_weights_from_state_dict(dict(meta_state), model)
+    return {name: tensor for name, tensor in state.items() if name in kept}
+
+
+def generic_entries(model) -> list[Entry]:
+    """This rank's entries of a generic (``transformers``) model, tied copies removed as ``transformers`` does."""
+    from ..generic.checkpoint import packed_parameters
+
+    state = generic_saved_state(model)
     packed = packed_parameters(model)
     entries = []
     for name in state:
-        if name not in kept:
-            continue
         tensor = state[name].detach()
         meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         kind, outputs = generic_outputs(model, name, meta)

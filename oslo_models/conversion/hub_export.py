@@ -40,6 +40,7 @@ from .boxes import flat_runs, grid_of, split_box
 from .safetensors_files import (
     DTYPES_BY_NAME,
     INDEX_FILE,
+    FilePlan,
     HubTensor,
     as_bytes,
     create_files,
@@ -119,12 +120,8 @@ class ExportPlan:
                 raise RuntimeError(f"{name}: the ranks' pieces cover {covered.get(name, 0)} of its "
                                    f"{_numel(entry['shape'])} elements (a layout's boxes are wrong)")
 
-    def floating_dtypes(self) -> set[torch.dtype]:
-        dtypes = {DTYPES_BY_NAME[t.dtype] for t in self.files.tensors.values()}
-        return {dtype for dtype in dtypes if dtype.is_floating_point}
 
-
-class _Files:
+class Files:
     """This rank's open shard files (write-only), fsynced and closed together."""
 
     def __init__(self, folder: str):
@@ -146,9 +143,11 @@ class _Files:
             self.fds = {}
 
 
-def _write_box(files: _Files, plan: ExportPlan, entry, start, length, view, buffer_bytes: int) -> int:
-    """Write one box of a model tensor into the Hub tensors (regions) it falls in; returns the bytes written."""
-    shape, itemsize = entry.shape, DTYPES_BY_NAME[entry.dtype].itemsize
+def write_box(files: Files, where: dict, shape, itemsize: int, regions, start, length, view,
+              buffer_bytes: int) -> int:
+    """Write one box (``start``, ``length``; data ``view``) of a tensor of ``shape`` into the Hub tensors it falls
+    in (``regions``: ``(key, first flat element, shape)``, placed at ``where[key] = (file, byte offset)``), through
+    host copies of at most ``buffer_bytes``. Returns the bytes written."""
     if not length or _numel(length) == 0:
         rows_per_chunk, num_rows = 1, 1 if not length else 0
     else:
@@ -164,19 +163,19 @@ def _write_box(files: _Files, plan: ExportPlan, entry, start, length, view, buff
         starts, run = flat_runs(shape, sub_start, sub_length)
         ends = starts + run
         run_data = np.arange(len(starts), dtype=np.int64) * run  # element offset of each run in `data`
-        for key, region_start, region_shape in entry.regions:
+        for key, region_start, region_shape in regions:
             region_end = region_start + _numel(region_shape)
             lo, hi = np.maximum(starts, region_start), np.minimum(ends, region_end)
             hit = hi > lo
             if not hit.any():
                 continue
-            file_name, base = plan.files.where[key]
+            file_name, base = where[key]
             written += pwrite_all(files.fd(file_name), data, base + (lo[hit] - region_start) * itemsize,
                                   (run_data[hit] + lo[hit] - starts[hit]) * itemsize, (hi[hit] - lo[hit]) * itemsize)
     return written
 
 
-def _write_converted(files: _Files, plan: ExportPlan, outputs: dict[str, torch.Tensor]) -> int:
+def _write_converted(files: Files, plan: ExportPlan, outputs: dict[str, torch.Tensor]) -> int:
     written = 0
     for key, value in outputs.items():
         file_name, base = plan.files.where[key]
@@ -185,34 +184,41 @@ def _write_converted(files: _Files, plan: ExportPlan, outputs: dict[str, torch.T
     return written
 
 
-def _prepare_staging(save_directory: str, plan: ExportPlan) -> str:
+def prepare_staging(save_directory: str, files: FilePlan) -> str:
     """Rank 0: a staging sibling holding every planned file (headers, full sparse length)."""
     recover_folder(save_directory)  # a crash between the fallback renames of an earlier save left it aside
     remove_stale_staging(save_directory)
     staging = make_staging_dir(save_directory)
     try:
-        create_files(staging, plan.files)
+        create_files(staging, files)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return staging
 
 
-def _finish(staging: str, save_directory: str, plan: ExportPlan, write_configs) -> None:
-    """Rank 0: index, configs, the user's other files, then the atomic swap."""
+def floating_dtypes(files: FilePlan) -> set[torch.dtype]:
+    """The floating dtypes of the planned tensors (``config.dtype`` is set when there is one)."""
+    dtypes = {DTYPES_BY_NAME[t.dtype] for t in files.tensors.values()}
+    return {dtype for dtype in dtypes if dtype.is_floating_point}
+
+
+def finish(staging: str, save_directory: str, files: FilePlan, write_configs) -> None:
+    """Rank 0: index, configs (``write_configs(folder, floating dtypes)``), the user's other files, then the atomic
+    swap."""
     from ..utils.files import atomic_write_file
     from .saving import _carry_over_files
 
-    if plan.files.is_sharded:
-        text = index_json(plan.files)
+    if files.is_sharded:
+        text = index_json(files)
         atomic_write_file(os.path.join(staging, INDEX_FILE), lambda handle: handle.write(text.encode("utf-8")))
-    write_configs(staging, plan)
+    write_configs(staging, floating_dtypes(files))
     if os.path.isdir(save_directory):
         _carry_over_files(save_directory, staging)
     publish_dir(staging, save_directory)  # fsyncs, then one atomic swap
 
 
-def _write_mine(entries, plan: ExportPlan, rank: int, files: _Files, buffer_bytes: int, convert):
+def _write_mine(entries, plan: ExportPlan, rank: int, files: Files, buffer_bytes: int, convert):
     """Write the (cut) boxes the plan gives this rank; ``(bytes written, first error or None)``. A converted tensor's
     gather runs on every holder even after an error, so that no rank is left waiting in it."""
     written, error = 0, None
@@ -232,7 +238,9 @@ def _write_mine(entries, plan: ExportPlan, rank: int, files: _Files, buffer_byte
                     elif mine and error is None:
                         box = view[tuple(slice(o, o + n) for o, n in zip(offset, length))]
                         try:
-                            written += _write_box(files, plan, entry, start, length, box, buffer_bytes)
+                            written += write_box(files, plan.files.where, entry.shape,
+                                                 DTYPES_BY_NAME[entry.dtype].itemsize, entry.regions, start, length,
+                                                 box, buffer_bytes)
                         except Exception as caught:  # noqa: BLE001
                             error = caught
         files.close(sync=error is None)
@@ -245,8 +253,9 @@ def _write_mine(entries, plan: ExportPlan, rank: int, files: _Files, buffer_byte
 def export_hub_folder(context, build_entries, save_directory, *, write_configs, max_shard_size="5GB",
                       buffer_bytes: int = DEFAULT_BUFFER_BYTES, convert=None) -> dict:
     """Write the Hub folder (see the module docstring). ``build_entries()``: this rank's ``export_pieces.Entry``
-    list (no collective); ``write_configs(folder, plan)``: rank 0 writes the configs; ``convert(name, tensor)``:
-    the Hub tensors of a converted generic tensor. Returns this rank's ``{"bytes", "seconds", "planned_bytes"}``."""
+    list (no collective); ``write_configs(folder, floating dtypes)``: rank 0 writes the configs;
+    ``convert(name, tensor)``: the Hub tensors of a converted generic tensor. Returns this rank's ``{"bytes",
+    "seconds", "planned_bytes"}``."""
     save_directory = check_options(save_directory, max_shard_size, buffer_bytes)
     began = time.perf_counter()
     entries, error = [], None
@@ -261,19 +270,19 @@ def export_hub_folder(context, build_entries, save_directory, *, write_configs, 
     staging, error = None, None
     if context.rank == 0:
         try:
-            staging = _prepare_staging(save_directory, plan)
+            staging = prepare_staging(save_directory, plan.files)
         except Exception as caught:  # noqa: BLE001
             error = caught
     staging = agree_on_failure(context, error, what="save_pretrained (creating the files)", value=staging)[0]
 
-    files = _Files(staging)
+    files = Files(staging)
     written, error = _write_mine(entries, plan, context.rank, files, buffer_bytes, convert)
     try:
         agree_on_failure(context, error, what="save_pretrained (writing the tensors)")
         error = None
         if context.rank == 0:
             try:
-                _finish(staging, save_directory, plan, write_configs)
+                finish(staging, save_directory, plan.files, write_configs)
             except Exception as caught:  # noqa: BLE001
                 error = caught
         agree_on_failure(context, error, what="save_pretrained (publishing the folder)")

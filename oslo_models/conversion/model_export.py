@@ -17,15 +17,20 @@ def _class_name(model) -> str:
     return type(model).__name__.removeprefix("FSDP")  # FSDP2 renames the class of the modules it wraps
 
 
-def _config_writer(model, generic: bool):
+def hub_configs(model, generic: bool):
+    """``(config, generation config or None)`` as the Hub folder gets them (copies; ``dtype`` is set on write)."""
     config = copy.deepcopy(model.config)
     if generic and hasattr(config, "distributed_config"):
         del config.distributed_config
     config.architectures = [_class_name(model)]
-    generation_config = model.generation_config if model.can_generate() else None
+    return config, copy.deepcopy(model.generation_config) if model.can_generate() else None
 
-    def write(folder: str, plan) -> None:
-        dtypes = sorted(plan.floating_dtypes(), key=str)
+
+def _config_writer(model, generic: bool):
+    config, generation_config = hub_configs(model, generic)
+
+    def write(folder: str, floating_dtypes) -> None:
+        dtypes = sorted(floating_dtypes, key=str)
         if len(dtypes) == 1 or (generic and dtypes):
             config.dtype = dtypes[0] if len(dtypes) == 1 else model.dtype
         config.save_pretrained(folder)

@@ -77,18 +77,16 @@ class AsyncWriter:
 
         assert self._thread is None, "wait() before starting another save"
         began = time.perf_counter()
-        state, rng_state, trainer_state = captured
+        state, small = captured[0], copy.deepcopy(captured[1:])  # RNG, trainer state, Hub map: small, copied
         staged = self.stager.stage(state)
         self.stager.synchronize_staging()  # the copies are complete before training touches the tensors again
-        rng_state, trainer_state = copy.deepcopy(rng_state), copy.deepcopy(trainer_state)
         self.timings = {"waited": self._waited, "captured": capture_seconds, "staged": time.perf_counter() - began}
         context, group = self.context, self.group
 
         def run():
             started = time.perf_counter()
             try:
-                self._result = write(path, step, staged, rng_state, trainer_state, context=context, keep=keep,
-                                     group=group)
+                self._result = write(path, step, staged, *small, context=context, keep=keep, group=group)
             except BaseException as error:  # noqa: BLE001 - kept for wait(), which raises it
                 self._error = error
                 if context.is_main_process:

@@ -46,7 +46,6 @@ and small ``all_gather_object`` agreements after the rank-local steps.
 from __future__ import annotations
 
 import os
-import random
 import sys
 import time
 import weakref
@@ -58,6 +57,7 @@ from ..conversion.atomic import fsync_path
 from ..conversion.saving import run_on_main_process
 from ..distributed.agreement import _lineage, agree_on_failure, all_or_none, check_arrival, rebuild_error
 from ..generic import is_generic
+from . import checkpoint_hub
 from .checkpoint_folders import (
     MARKER,
     describe_missing,
@@ -70,6 +70,8 @@ from .checkpoint_folders import (
     step_dir_name,
 )
 from .checkpoint_integrity import CHECKSUMS, CorruptCheckpointError, record_checksums, verify_checksums
+from .checkpoint_rng import restore_rng as _restore_rng
+from .checkpoint_rng import rng_state as _rng_state
 from .finite import NonFiniteError
 from .zero import unwrap_model, unwrap_optimizer
 
@@ -185,25 +187,6 @@ def _state_holder(optimizer, param):
 
 
 # ---------------------------------------------------------------------------------------------- save
-def _rng_state(context) -> dict:
-    numpy_state = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "tp": context.rng.state_dict(), "python": random.getstate(),
-             "numpy": (numpy_state[0], torch.from_numpy(numpy_state[1].astype(np.int64)), *numpy_state[2:])}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _restore_rng(state: dict, context) -> None:
-    torch.set_rng_state(state["torch"])
-    context.rng.load_state_dict(state["tp"])
-    random.setstate(state["python"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def _layout(context) -> dict:
     layout = {"tp": context.tp_size, "dp": context.dp_size, "pp": context.pp_size, "world": context.world_size}
     if context.ep_size > 1:  # only then: layouts saved without experts compare as before
@@ -350,8 +333,8 @@ def _native_state(inner, opt, context, plan) -> dict:
 
 
 def _capture(inner, context, plan, optimizer, scheduler, dataloader, scaler, step, extra) -> tuple:
-    """``(DCP state dict, RNG state, trainer state or None)`` of this rank: the values to write (views of the live
-    tensors; an asynchronous save copies them). Collective under ZeRO-2/3 (FSDP2 all-gathers)."""
+    """``(DCP state dict, RNG state, trainer state or None, Hub map)`` of this rank: the values to write (views of
+    the live tensors; an asynchronous save copies them). Collective under ZeRO-2/3 (FSDP2 all-gathers)."""
     opt = unwrap_optimizer(optimizer)
     if is_generic(inner):  # a transformers model: its DTensors go to DCP as they are
         from ..generic.checkpoint import state_to_save
@@ -369,10 +352,10 @@ def _capture(inner, context, plan, optimizer, scheduler, dataloader, scaler, ste
             "dataloader": dataloader.state_dict() if dataloader is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None,
         }
-    return state, _rng_state(context), trainer_state
+    return state, _rng_state(context), trainer_state, checkpoint_hub.capture(inner, context, plan)
 
 
-def _write_step(path, step, state, rng_state, trainer_state, *, context, keep, group=None) -> str:
+def _write_step(path, step, state, rng_state, trainer_state, hub, *, context, keep, group=None) -> str:
     """Write a captured state into ``.step-N.partial``, record checksums, publish it and point ``latest`` at it.
     Collectives only over ``group`` (default: the world's): DCP's plan exchange and the agreements."""
     import torch.distributed.checkpoint as dcp  # here, not at import: it costs ~1 s of `import oslo_models`
@@ -384,11 +367,19 @@ def _write_step(path, step, state, rng_state, trainer_state, *, context, keep, g
         if type(error).__name__ != "CheckpointException":
             raise
         _raise_clear(error, f"save_checkpoint({path!r}) writing tensors")
-    with all_or_none(context, f"save_checkpoint({path!r}) writing the RNG / trainer state", group=group):
+    error = None
+    try:
         os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
         _save_synced(rng_state, os.path.join(partial, "rng", f"rank{context.rank}.pt"))
         if trainer_state is not None:
             _save_synced(trainer_state, os.path.join(partial, _TRAINER_STATE))
+    except Exception as caught:  # noqa: BLE001 - raised on every rank by the agreement
+        error = caught
+    maps = agree_on_failure(context, error, what=f"save_checkpoint({path!r}) writing the RNG / trainer state",
+                            value=hub["tensors"], group=group)
+    with all_or_none(context, f"save_checkpoint({path!r}) writing {checkpoint_hub.HUB_DIR}/", group=group):
+        if context.rank == 0:  # what the offline consolidation into a Hub folder needs (checkpoint_hub.py)
+            checkpoint_hub.write(partial, maps, hub["configs"])
     checksums = record_checksums(context, partial, exclude=(MARKER, CHECKSUMS),
                                  what=f"save_checkpoint({path!r}) recording checksums", group=group)
     error = None
