@@ -146,7 +146,7 @@ def capabilities(model_or_type, task: str | None = None) -> Capabilities:
     """What ``model_or_type`` supports: a model (native or generic, possibly inside DDP), a config, or a model type
     string. ``task`` (e.g. ``"causal_lm"``) picks the class when a type has a native family for some tasks only."""
     from ..models import registry
-    from ..training.zero import unwrap_model
+    from ..utils.modules import unwrap_model
     from . import is_generic, support
 
     model_class = config = None

@@ -39,6 +39,7 @@ import os
 import torch
 
 from . import inplace_outputs, packed_attention, partial_gradients, support, token_loss
+from .protocol import GenericProtocol
 
 
 def _parallel_config(parallel):
@@ -96,6 +97,7 @@ def _apply_tensor_parallel(model, context) -> dict[str, str]:
 def _attach(model, context, plan: dict[str, str]):
     """Mark ``model`` as a generic model of ``context`` (what the training helpers read)."""
     model.parallel_context = context
+    model.oslo_protocol = GenericProtocol()  # how training/ asks it for units, layouts, ... (utils/model_protocol.py)
     model._oslo_generic_tp_plan = dict(plan)  # the resolved plan; its presence marks the generic path
     if plan:  # what transformers' inference plans miss in training (a dummy forward each, same on every tp rank)
         # outputs of plan modules the model modifies in place: copied while autograd records

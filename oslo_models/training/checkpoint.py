@@ -56,7 +56,7 @@ import torch
 from ..conversion.atomic import fsync_path
 from ..conversion.saving import run_on_main_process
 from ..distributed.agreement import _lineage, agree_on_failure, all_or_none, check_arrival, rebuild_error
-from ..generic import is_generic
+from ..utils.model_protocol import protocol_of
 from . import checkpoint_hub
 from .checkpoint_folders import (
     MARKER,
@@ -336,7 +336,7 @@ def _capture(inner, context, plan, optimizer, scheduler, dataloader, scaler, ste
     """``(DCP state dict, RNG state, trainer state or None, Hub map)`` of this rank: the values to write (views of
     the live tensors; an asynchronous save copies them). Collective under ZeRO-2/3 (FSDP2 all-gathers)."""
     opt = unwrap_optimizer(optimizer)
-    if is_generic(inner):  # a transformers model: its DTensors go to DCP as they are
+    if protocol_of(inner).layout == "placements":  # its DTensors go to DCP as they are
         from ..generic.checkpoint import state_to_save
 
         state = state_to_save(inner, opt)
@@ -493,7 +493,7 @@ def _load_targets(path, inner, optimizer, context, plan):
     import torch.distributed.checkpoint as dcp  # here, not at import (see save_checkpoint)
 
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    if is_generic(inner):  # a transformers model: its DTensors go to DCP as they are
+    if protocol_of(inner).layout == "placements":  # its DTensors go to DCP as they are
         from ..generic.checkpoint import load_targets
 
         return (*load_targets(path, inner, unwrap_optimizer(optimizer), metadata), {}, trainer_state)

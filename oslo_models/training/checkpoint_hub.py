@@ -30,14 +30,15 @@ def capture(inner, context, plan) -> dict:
     """``{"tensors": {dcp key: regions or converted}, "configs": (config, generation config) on global rank 0}``."""
     from ..conversion.hub_keys import generic_outputs, native_regions
     from ..conversion.model_export import hub_configs
-    from ..generic import is_generic
+    from ..utils.model_protocol import protocol_of
 
     aliases: dict[int, list[str]] = {}  # a tied tensor's names; DCP stores it under the first (named_parameters')
     state = inner.state_dict(keep_vars=True)
     for name, tensor in state.items():
         aliases.setdefault(id(tensor), []).append(name)
     tensors = {}
-    if is_generic(inner):
+    placements = protocol_of(inner).layout == "placements"  # DTensors that say their own layout
+    if placements:
         from ..conversion.export_pieces import generic_saved_state
 
         saved = generic_saved_state(inner)
@@ -63,7 +64,7 @@ def capture(inner, context, plan) -> dict:
             if names[0] in params:
                 shape = plan.shard_spec(inner, names[0]).full_shape_of(shape, context)
             tensors[f"model/{names[0]}"] = {"regions": [list(r) for name in names for r in regions_of(name, shape)]}
-    configs = hub_configs(inner, is_generic(inner)) if context.rank == 0 else None
+    configs = hub_configs(inner, placements) if context.rank == 0 else None
     return {"tensors": tensors, "configs": configs}
 
 

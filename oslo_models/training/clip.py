@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..generic import is_generic
 from ..pipeline.stage import tied_duplicates
+from ..utils.model_protocol import protocol_of
+from ..utils.modules import unwrap_model
 from .mixed_precision import mark_overflow
-from .zero import unwrap_model
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -78,10 +78,10 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     if not (norm_type > 0):
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
     inner = unwrap_model(model)
-    if is_generic(inner):  # a transformers model: its gradients' DTensor placements say where they live
-        from ..generic.clip import grad_norm as generic_grad_norm
+    if protocol_of(inner).layout == "placements":  # its gradients' DTensor placements say where they live
+        from .clip_placements import grad_norm as placements_grad_norm
 
-        return generic_grad_norm(inner, inner.parallel_context, norm_type)
+        return placements_grad_norm(inner, inner.parallel_context, norm_type)
     context, plan = inner.parallel_context, inner.parallel_plan
     stated = _stated_layouts(inner)
     is_inf = math.isinf(norm_type)

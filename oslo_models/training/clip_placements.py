@@ -1,6 +1,7 @@
-"""The global gradient norm of a generic model, from where each gradient element lives.
+"""The global gradient norm of a model whose parameters state their layout by DTensor placements (the model protocol's
+``layout == "placements"``: ``transformers``' classes on the generic path), from where each gradient element lives.
 
-A generic model has no plan of its own: its gradients say how they are laid out. A DTensor gradient (tensor
+Such a model has no plan: its gradients say how they are laid out. A DTensor gradient (tensor
 parallel over ``tp``, FSDP2 over ``dp``, or both) is split along the mesh dimensions where its placement is
 ``Shard`` (or ``_StridedShard``) and held whole along the others; a plain tensor is held whole by every rank (DDP /
 ZeRO-1 replicas, and the parameters a tensor-parallel plan leaves alone, whose gradients are equal on all tp ranks).

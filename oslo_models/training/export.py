@@ -59,9 +59,9 @@ def _save_gathered(model: nn.Module, save_directory, **kwargs) -> None:
     """The gathering save (before issue 53): every tensor whole on global rank 0, which writes the folder."""
     from ..conversion.saving import SAVE_RULE
     from ..distributed.agreement import check_arrival
-    from ..generic import is_generic
+    from ..utils.model_protocol import protocol_of
 
-    if is_generic(unwrap_model(model)):
+    if protocol_of(model).layout == "placements":  # transformers' own save gathers its DTensors
         from ..generic.saving import save_pretrained as generic_save_pretrained
 
         return generic_save_pretrained(unwrap_model(model), save_directory, **kwargs)

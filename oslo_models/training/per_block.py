@@ -1,7 +1,7 @@
 """Apply a per-block plan (``ParallelConfig.block_plan``, ``oslo_models/block_plan.py``) with FSDP2.
 
-Each block (``zero.fsdp_units``: the model's ``_no_split_modules`` blocks, in module order) becomes its own
-``fully_shard`` unit:
+Each block (the model protocol's ``fsdp_units``: the model's ``_no_split_modules`` blocks, in module order) becomes
+its own ``fully_shard`` unit:
 
 - ``shard=True``: over the dp mesh (its parameters ``[rows/dp, ...]`` per rank at rest; all-gather before forward,
   and again before backward when ``reshard_after_forward``; reduce-scatter of its gradient in backward);
@@ -19,9 +19,9 @@ from torch import nn
 
 def check_block_plan(model: nn.Module, plan) -> list[nn.Module]:
     """The model's blocks, one per plan entry; ``ValueError`` (before any collective) when the counts differ."""
-    from .zero import fsdp_units
+    from ..utils.model_protocol import protocol_of
 
-    units = fsdp_units(model)
+    units = protocol_of(model).fsdp_units(model)
     if len(units) != len(plan):
         raise ValueError(f"ParallelConfig.block_plan has {len(plan)} entries but {type(model).__name__} has "
                          f"{len(units)} blocks (FSDP units: {sorted({type(u).__name__ for u in units})}); give one "

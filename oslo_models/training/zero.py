@@ -51,30 +51,18 @@ FSDP2 lets a parameter belong to one unit only, so it stays in the root with its
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 
 import torch
 from torch import nn
 
 from ..distributed.data_parallel import data_parallel, mark_gradients_reduced
+from ..utils.model_protocol import protocol_of
+from ..utils.modules import constructor_defaults as _constructor_defaults
+from ..utils.modules import unwrap_model, unwrap_optimizer
 from .layout_rules import check_training_layout
 
 ZERO_STAGES = (0, 1, 2, 3)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The ``oslo_models`` model inside DDP (``.module``); FSDP2 keeps the model object itself."""
-    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        model = model.module
-    return model
-
-
-def unwrap_optimizer(optimizer):
-    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (kept as ``.optimizer``)."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 def _param_groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -91,41 +79,16 @@ def _param_groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) ->
     return groups
 
 
-def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
-    """``optimizer.defaults`` restricted to what its constructor accepts (AdamW's defaults carry keys, such as
-    ``decoupled_weight_decay``, that it sets itself); the groups keep every key anyway."""
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
-
-
 def _check_fresh(optimizer: torch.optim.Optimizer) -> None:
     if any(optimizer.state.values()):
         raise ValueError("the optimizer already has state (it has stepped); shard it before training, and restore "
                          "state with oslo_models.training.load_checkpoint afterwards")
 
 
-def _shares_parameters_outside(prefix: str, module: nn.Module, model: nn.Module) -> bool:
-    """Whether a parameter of ``module`` (at ``prefix``) is also registered outside it: a tied weight, e.g. BERT's
-    word embeddings are the MLM decoder's weight. FSDP2 lets one parameter belong to one unit only."""
-    inside = {id(param) for param in module.parameters()}
-    return any(id(param) in inside and not name.startswith(prefix + ".")
-               for name, param in model.named_parameters(remove_duplicate=False))
-
-
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The submodules that become their own FSDP unit: the model's blocks (``_no_split_modules``) that share no
-    parameter with a module outside them. A block holding a tied weight (BERT/RoBERTa embeddings, tied to the MLM
-    decoder in the root) stays in the root unit with the other copy."""
-    from ..generic import is_generic
-
-    if is_generic(model):  # a transformers model (the generic path): its own rules
-        from ..generic.data_parallel import fsdp_units as generic_units
-
-        return generic_units(model)
-    block_types = set(getattr(model, "_no_split_modules", None) or ())
-    return [module for prefix, module in model.named_modules()
-            if module is not model and type(module).__name__ in block_types
-            and not _shares_parameters_outside(prefix, module, model)]
+    """The submodules that become their own FSDP unit: the model protocol's answer (``utils/model_protocol.py``; a
+    native family's blocks, ``_no_split_modules``, that share no parameter with a module outside them)."""
+    return protocol_of(model).fsdp_units(model)
 
 
 def expert_units(model: nn.Module) -> list[nn.Module]:
@@ -357,12 +320,9 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
         if stage != 3:
             raise ValueError(f"the model's ParallelConfig has a block_plan, applied by the FSDP2 engine: it needs "
                              f"zero_stage=3, got zero_stage={stage}")
-        from ..generic import is_generic
-
-        if is_generic(unwrap_model(model)):
-            raise NotImplementedError("a block_plan on a transformers model (the generic path) is not implemented: "
-                                      "its blocks are not built with the plan's checkpoint flags; use a native "
-                                      "oslo_models family")
+        refusal = protocol_of(model).block_plan_refusal
+        if refusal:
+            raise NotImplementedError(refusal)
         if cpu_offload:
             raise NotImplementedError("a block_plan with cpu_offload is not implemented: offload policies are per "
                                       "engine, not per block")
@@ -375,10 +335,10 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
     if context.pp_size > 1 and stage <= 1:
         return _pipeline_data_parallel(model, optimizer, context, stage, ddp_kwargs)
     if stage <= 1:
-        from ..generic.data_parallel import has_dtensor_parameters, shard_tensor_parallel
+        from .dtensor_data_parallel import has_dtensor_parameters, shard_dtensor_data_parallel
 
-        if has_dtensor_parameters(model):  # a tensor-parallel generic model: DDP cannot hold DTensors
-            return shard_tensor_parallel(model, optimizer, context, stage, ddp_kwargs)
+        if has_dtensor_parameters(model):  # e.g. tensor parallel through a transformers plan: DDP cannot hold them
+            return shard_dtensor_data_parallel(model, optimizer, context, stage, ddp_kwargs)
         wrapped = data_parallel(model, context, **ddp_kwargs)
         if stage == 1 and optimizer is not None:
             optimizer = _zero_redundancy(optimizer, context, model)

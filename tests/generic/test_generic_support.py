@@ -10,7 +10,7 @@ import transformers
 import oslo_models as om
 from oslo_models.generic import is_generic
 from oslo_models.generic.checkpoint import dcp_value, packed_parameters
-from oslo_models.generic.data_parallel import fsdp_units
+from oslo_models.generic.protocol import GenericProtocol
 from tests.generic.models import CONFIGS, auto_class, save
 
 
@@ -107,11 +107,11 @@ def test_capabilities_native_and_generic(tmp_path):
 def test_fsdp_units():
     torch.manual_seed(0)
     mamba = transformers.MambaForCausalLM(CONFIGS["mamba"]())
-    units = fsdp_units(mamba)  # MambaBlock holds MambaMixer, both named: only the outer one is a unit
+    units = GenericProtocol().fsdp_units(mamba)  # MambaBlock holds MambaMixer, both named: only the outer one is a unit
     assert [type(u).__name__ for u in units] == ["MambaBlock", "MambaBlock"]
     bert = transformers.MegatronBertForMaskedLM(CONFIGS["megatron-bert"]())
     assert not bert._no_split_modules  # falls back to the repeated blocks
-    assert fsdp_units(bert) == list(bert.bert.encoder.layer)
+    assert GenericProtocol().fsdp_units(bert) == list(bert.bert.encoder.layer)
 
 
 def test_packed_tensors_are_stored_as_blocks():

@@ -1,0 +1,29 @@
+"""The generic path's answers to the model protocol (``utils/model_protocol.py``) for ``transformers``' own classes.
+
+- ``layout = "placements"``: parameters split by the type's tensor-parallel plan (and FSDP2) are DTensors whose
+  placements say where each element lives; the rest are whole on every rank.
+- FSDP2 units: the outermost modules named by the model's ``_no_split_modules`` (a type may name a block and a module
+  inside it, e.g. Mamba's ``MambaBlock`` and ``MambaMixer``; FSDP2 wants one unit per parameter), falling back to the
+  repeated blocks (the items of the model's largest ``nn.ModuleList`` of one class) when it names none. Blocks
+  holding a tied weight stay in the root unit, as for native models.
+- per-block ZeRO plans are refused: ``transformers`` builds its blocks without the plan's checkpoint flags.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from ..utils.model_protocol import ModelProtocol
+from ..utils.modules import outermost, repeated_blocks, shares_parameters_outside
+
+
+class GenericProtocol(ModelProtocol):
+    layout = "placements"
+    block_plan_refusal = ("a block_plan on a transformers model (the generic path) is not implemented: its blocks "
+                          "are not built with the plan's checkpoint flags; use a native oslo_models family")
+
+    def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
+        names = set(getattr(model, "_no_split_modules", None) or ())
+        found = [(prefix, module) for prefix, module in model.named_modules()
+                 if module is not model and type(module).__name__ in names]
+        units = outermost(found) or repeated_blocks(model)
+        return [module for prefix, module in units if not shares_parameters_outside(prefix, module, model)]

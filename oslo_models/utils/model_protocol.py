@@ -1,0 +1,44 @@
+"""The questions ``training/``, ``pipeline/`` and the planner ask a model, answered the same way by every model.
+
+``protocol_of(model)`` returns the model's :class:`ModelProtocol` (its ``oslo_protocol``: a class attribute of the
+native families, set on the instance by the generic path's loader; a model without one answers as a native model).
+The callers ask the protocol and never which kind of model they hold:
+
+- ``fsdp_units(model)``: the submodules that become their own FSDP2 unit (ZeRO-2/3, per-block plans, the planner);
+- ``layout``: where a parameter states its split - ``"plan"`` (the model's ``parallel_plan`` ``ShardSpec`` s: plain
+  local tensors whose split the plan describes) or ``"placements"`` (the parameters are DTensors whose placements
+  describe it). Clipping and the training checkpoint read each the one source (``training/clip*.py``);
+- ``block_plan_refusal``: why a per-block ZeRO plan (``ParallelConfig.block_plan``) cannot apply, or ``None``.
+
+Data parallelism needs no answer: torch DDP cannot hold DTensor parameters, so a model with any goes through
+``training/dtensor_data_parallel.py`` whatever its kind. No collective here.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from .modules import shares_parameters_outside, unwrap_model
+
+
+class ModelProtocol:
+    """The native answers (``oslo_models`` families); the generic path overrides them (``generic/protocol.py``)."""
+
+    layout = "plan"
+    block_plan_refusal: str | None = None
+
+    def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
+        """The model's blocks (``_no_split_modules``) that share no parameter with a module outside them. A block
+        holding a tied weight (BERT/RoBERTa embeddings, tied to the MLM decoder in the root) stays in the root unit
+        with the other copy."""
+        block_types = set(getattr(model, "_no_split_modules", None) or ())
+        return [module for prefix, module in model.named_modules()
+                if module is not model and type(module).__name__ in block_types
+                and not shares_parameters_outside(prefix, module, model)]
+
+
+_NATIVE = ModelProtocol()
+
+
+def protocol_of(model: nn.Module) -> ModelProtocol:
+    """The protocol of ``model`` (possibly inside DDP)."""
+    return getattr(unwrap_model(model), "oslo_protocol", None) or _NATIVE
