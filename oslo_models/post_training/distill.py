@@ -25,16 +25,21 @@ import torch.distributed as dist
 
 from ..losses import VocabShard, kl_divergence, token_log_probs, topk_kl_divergence, topk_logits
 from .frozen import run_frozen
-from .log_probs import local_logits, next_token_targets
+from .log_probs import base_model_of, local_logits, next_token_targets
 
 
-def _same_split(student: VocabShard, teacher: VocabShard, student_width: int, teacher_width: int) -> bool:
-    if (student.size, student.vocab_start, student.vocab_size, student_width) != (
-            teacher.size, teacher.vocab_start, teacher.vocab_size, teacher_width):
+def _same_split(student, teacher) -> bool:
+    """Whether the two models' output layers split the vocabulary alike (the same ranks, first id, local width and
+    vocabulary): read from the layers, before any forward."""
+    heads = [base_model_of(model).get_output_embeddings() for model in (student, teacher)]
+    shards = [VocabShard.of(head) for head in heads]
+    widths = [head.weight.shape[0] for head in heads]
+    if (shards[0].size, shards[0].vocab_start, shards[0].vocab_size, widths[0]) != (
+            shards[1].size, shards[1].vocab_start, shards[1].vocab_size, widths[1]):
         return False
-    if student.size == 1:
+    if shards[0].size == 1:
         return True
-    return dist.get_process_group_ranks(student.group) == dist.get_process_group_ranks(teacher.group)
+    return dist.get_process_group_ranks(shards[0].group) == dist.get_process_group_ranks(shards[1].group)
 
 
 def distillation_loss(student_logits: torch.Tensor, targets: torch.Tensor, *, shard: VocabShard | None = None,
@@ -84,6 +89,9 @@ def distill_objective(student, batch: dict, *, teacher=None, top_k: int | None =
         raise ValueError("pass a frozen teacher model or precomputed batch['teacher_values'] / ['teacher_indices']")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be positive, got {top_k}")
+    if not precomputed and top_k is None and not _same_split(student, teacher):
+        raise ValueError("the teacher's logits are not split like the student's (another tensor-parallel group or "
+                         "vocabulary): pass top_k to distill from its top-k logits at its own layout")
     logits, shard = local_logits(student, batch["input_ids"], batch.get("attention_mask"))
     labels = batch.get("labels", batch["input_ids"])
     targets = next_token_targets(labels.to(logits.device), None)
@@ -92,10 +100,7 @@ def distill_objective(student, batch: dict, *, teacher=None, top_k: int | None =
         teacher_args = dict(teacher_values=batch["teacher_values"], teacher_indices=batch["teacher_indices"])
     elif top_k is None:
         with torch.no_grad():
-            teacher_logits, teacher_shard = local_logits(teacher, batch["input_ids"], batch.get("attention_mask"))
-        if not _same_split(shard, teacher_shard, logits.shape[-1], teacher_logits.shape[-1]):
-            raise ValueError("the teacher's logits are not split like the student's (another tensor-parallel group "
-                             "or vocabulary): pass top_k to distill from its top-k logits at its own layout")
+            teacher_logits, _ = local_logits(teacher, batch["input_ids"], batch.get("attention_mask"))
         teacher_args = dict(teacher_logits=teacher_logits)
     else:
         values, indices = teacher_topk(teacher, batch, top_k)

@@ -217,6 +217,10 @@ def _distill(paths) -> None:
             ref.distill_reference_loss(reference, t, batch, alpha=0.6, direction=d, temperature=2.0, top_k=k,
                                        count=count)), reference,
                teacher=teacher, top_k=top_k, alpha=0.6, direction=direction, temperature=2.0)
+    # a teacher split otherwise (tp 4) without top_k: ValueError before any forward
+    model = _policy(paths["llama"], tensor_parallel_size=2, data_parallel_size=2)
+    with pytest.raises(ValueError, match="top_k"):
+        pt.distill_objective(model, ref.replica(batch, 0, 2), teacher=wide_teacher)
     # negative control: the same loss with the KL over this rank's vocabulary columns only
     model = _policy(paths["llama"], tensor_parallel_size=2, data_parallel_size=2)
     ctx = model.parallel_context
