@@ -38,7 +38,7 @@ import os
 
 import torch
 
-from . import inplace_outputs, packed_attention, partial_gradients, support, token_loss
+from . import inplace_outputs, packed_attention, partial_gradients, support, token_loss, vocab_parallel_loss
 from .protocol import GenericProtocol
 
 
@@ -86,7 +86,7 @@ def _apply_tensor_parallel(model, context) -> dict[str, str]:
         return {}
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    plan = resolved_tp_plan(model, context)
+    plan = vocab_parallel_loss.split_head(model, resolved_tp_plan(model, context))  # logits left split by vocab
     # replicated_with_grad_allreduce entries only hook gradients: partial_gradients.py finds those parameters (and
     # the ones no entry names) and sums their gradients itself, once per backward
     applied = {name: style for name, style in plan.items() if style != "replicated_with_grad_allreduce"}
@@ -99,6 +99,8 @@ def _attach(model, context, plan: dict[str, str]):
     model.parallel_context = context
     model.oslo_protocol = GenericProtocol()  # how training/ asks it for units, layouts, ... (utils/model_protocol.py)
     model._oslo_generic_tp_plan = dict(plan)  # the resolved plan; its presence marks the generic path
+    # a causal LM's loss from its logits' vocabulary slices (the head applied colwise); whole logits without labels
+    model._oslo_vocab_parallel_loss = bool(plan) and vocab_parallel_loss.install(model, context, plan)
     if plan:  # what transformers' inference plans miss in training (a dummy forward each, same on every tp rank)
         # outputs of plan modules the model modifies in place: copied while autograd records
         model._oslo_tp_output_copies = inplace_outputs.find_modified_outputs(model, context, plan)
