@@ -30,6 +30,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ...parallel_layers.plan import ParallelPlan, PositionEmbedding, TPDropout, VocabEmbedding
+from ...utils.documents import PACKING_KEYS, document_ids, positions_in_documents
 from .causal_masks import FULL, SLIDING, causal_masks
 from .context_parallel import context_parallel_inputs, rotary_embeddings
 from .outputs import capture_parallel_outputs
@@ -247,10 +248,36 @@ class TransformerStack:
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        position_ids = self._packed_positions(shape_like, attention_mask, position_ids, kwargs)
         inputs = self.stack_inputs(self._shape_only(shape_like), attention_mask, position_ids, past_key_values)
         hidden = self.run_stack(input_ids, inputs, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
                                 **kwargs)
         return self.output_class(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None)
+
+    def _packed_positions(self, shape_like, attention_mask, position_ids, kwargs):
+        """The batch's packing keys (``cu_seqlens`` / ``seq_idx``, consumed from ``kwargs``) read as positions that
+        restart per document, which is how the masks and the rotary read documents; ``position_ids`` as given
+        when there are none (``ValueError`` when both are given and disagree)."""
+        packing = {key: kwargs.pop(key) for key in PACKING_KEYS if key in kwargs}
+        cu_seqlens = packing.get("cu_seqlens", packing.get("cu_seq_lens_q"))
+        if cu_seqlens is None and packing.get("seq_idx") is None:
+            return position_ids
+        if self.parallel_context.cp_size > 1:
+            raise NotImplementedError("cu_seqlens / seq_idx under context parallelism: pass position_ids that "
+                                      "restart per document (the context-parallel splitter splits them)")
+        batch, seq = shape_like.shape[:2]
+        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        documents = document_ids(batch, seq, cu_seqlens=cu_seqlens, seq_idx=packing.get("seq_idx"),
+                                  attention_mask=mask, device=shape_like.device)
+        if documents is None:
+            return position_ids
+        positions = positions_in_documents(documents)
+        if position_ids is not None:
+            given = document_ids(batch, seq, position_ids=position_ids, attention_mask=mask, device=shape_like.device)
+            if given is None or not torch.equal(given[:, 1:] != given[:, :-1], documents[:, 1:] != documents[:, :-1]):
+                raise ValueError("position_ids and cu_seqlens / seq_idx mark different documents")
+            return position_ids
+        return positions
 
     def _shape_only(self, like: torch.Tensor) -> torch.Tensor:
         """A zero-storage ``[b, s, h]`` view in the model's dtype (masks and rotary read only shape/dtype/device)."""

@@ -2,13 +2,16 @@
 ``ContextParallelMask`` (GPT-2, BERT/RoBERTa and the Llama family through ``models/common/attention.py``).
 
 ``attention_function(module, attention_mask, eager_fallback)`` picks the kernel: the context-parallel one for a
-``ContextParallelMask``, else ``transformers``' attention interface named by ``config._attn_implementation``. The
-context-parallel kernel has the interface's signature and return layout (``[b, s, n, d]``, no weights).
+``ContextParallelMask``, the packed-document FlexAttention core for a ``DocumentMask``
+(``parallel_layers/document_attention.py``), else ``transformers``' attention interface named by
+``config._attn_implementation``. The context-parallel kernel has the interface's signature and return layout
+(``[b, s, n, d]``, no weights).
 """
 from __future__ import annotations
 
 import torch
 
+from ..document_attention import DocumentMask, document_attention
 from .all_to_all import all_to_all_attention
 from .chunking import RING
 from .dropout import AttentionDropout
@@ -37,6 +40,8 @@ def attention_function(module, attention_mask, eager_fallback):
     interface for ``module.config._attn_implementation`` (``eager_fallback`` for "eager")."""
     if isinstance(attention_mask, ContextParallelMask):
         return context_parallel_attention
+    if isinstance(attention_mask, DocumentMask):  # packed documents on FlexAttention
+        return document_attention
     # imported here: the data collators import this package, and om.data must not pull in transformers' model code
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
