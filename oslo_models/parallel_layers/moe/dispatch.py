@@ -13,7 +13,9 @@ back after the expert ran. Token counts per expert vary from step to step, so th
 
 Bytes moved per layer and direction: ``assignments x hidden x bytes x (ep - 1) / ep`` for a uniform router
 (``assignments = tokens x top_k``, less dropped tokens), once in ``dispatch`` and once in ``combine``, and the same
-again in backward. With ``group=None`` (ep = 1) nothing is communicated and the same code runs single-process.
+again in backward. With ``group=None`` (ep = 1) nothing is communicated and the same code runs single-process;
+there every assignment keeps a row (the dropped ones zeroed, after the last expert's, masked in ``combine``), so
+the shapes do not depend on the routing and ``torch.compile`` traces dispatch and combine with no graph break.
 """
 from __future__ import annotations
 
@@ -56,11 +58,12 @@ class Dispatched:
 
     rows: torch.Tensor           # [R, h] token copies for this rank's experts, grouped by local expert
     local_counts: torch.Tensor   # [E_local] int64
-    order: torch.Tensor          # [A] assignment index of each sorted row (A = kept assignments)
+    order: torch.Tensor          # [A] assignment index of each sorted row (A = kept assignments; ep = 1: all)
     tokens: torch.Tensor         # [A] token index of each sorted row
     send_splits: list[int]
     recv_splits: list[int]
     regroup: torch.Tensor | None  # [R] permutation from arrival order to local-expert order (ep > 1)
+    kept: torch.Tensor | None = None  # ep = 1: [A] whether each sorted row is a kept assignment (dropped ones last)
 
 
 def dispatch(hidden_states: torch.Tensor, expert_index: torch.Tensor, num_experts: int, group) -> Dispatched:
@@ -79,14 +82,21 @@ def dispatch(hidden_states: torch.Tensor, expert_index: torch.Tensor, num_expert
     kept = (flat >= 0) & (flat < num_experts)
     keys = torch.where(kept, flat, torch.full_like(flat, num_experts))  # dropped sort last
     order = torch.argsort(keys, stable=True)
+    if ep == 1:
+        # every assignment keeps its row, the dropped ones (zeroed) after the last expert's: static shapes, no host
+        # sync, so torch.compile traces it whole; the experts run sum(counts) rows, combine masks the rest
+        counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+        counts = counts.index_add(0, keys, torch.ones_like(keys))[:num_experts]
+        tokens = order // top_k
+        kept_sorted = kept.index_select(0, order)
+        rows = torch.where(kept_sorted[:, None], hidden_states.index_select(0, tokens), 0)
+        return Dispatched(rows, counts, order, tokens, [flat.shape[0]], [flat.shape[0]], None, kept_sorted)
     num_kept = int(kept.sum())
     order = order[:num_kept]
     tokens = order // top_k
     counts = torch.bincount(flat[order], minlength=num_experts)  # [E]
     rows = hidden_states.index_select(0, tokens)
     local = num_experts // ep
-    if ep == 1:
-        return Dispatched(rows, counts, order, tokens, [num_kept], [num_kept], None)
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)  # [ep * E_local]: counts of my experts per source rank
     received = received.view(ep, local)
@@ -112,5 +122,7 @@ def combine(expert_output: torch.Tensor, dispatched: Dispatched, weights: torch.
         rows = all_to_all(rows.index_select(0, inverse), dispatched.recv_splits, dispatched.send_splits, group)
     scale = weights.reshape(-1).index_select(0, dispatched.order)
     rows = (rows * scale[:, None]).to(expert_output.dtype)
+    if dispatched.kept is not None:  # ep = 1: the dropped assignments' rows (after every expert's) add nothing
+        rows = torch.where(dispatched.kept[:, None], rows, 0)
     out = rows.new_zeros((num_tokens, rows.shape[-1]))
     return out.index_add(0, dispatched.tokens, rows)

@@ -45,6 +45,7 @@ def _grouped_mm_loop(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Ten
         if count:
             torch.mm(rows[start:start + count], weight[expert], out=out[start:start + count])
             start += count
+    out[start:].zero_()  # rows after the last expert's (dispatch's dropped assignments at ep 1)
     return out
 
 
@@ -65,6 +66,7 @@ def _grouped_mm_loop_backward(grad: torch.Tensor, rows: torch.Tensor, weight: to
             torch.mm(piece, weight[expert].t(), out=grad_rows[start:start + count])
             torch.mm(rows[start:start + count].t(), piece, out=grad_weight[expert])
             start += count
+    grad_rows[start:].zero_()
     return grad_rows, grad_weight
 
 
@@ -89,7 +91,8 @@ torch.library.register_autograd("oslo_models::grouped_mm", _backward, setup_cont
 
 def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``rows [R, k]`` (``counts[e]`` contiguous rows per expert, in expert order) times ``weight [E, k, n]`` ->
-    ``[R, n]``: row block ``e`` times ``weight[e]``. Differentiable in ``rows`` and ``weight``."""
+    ``[R, n]``: row block ``e`` times ``weight[e]``. Differentiable in ``rows`` and ``weight``. Rows after
+    ``sum(counts)`` belong to no expert: zero on the loop, unspecified from torch's kernel (callers mask them)."""
     rows = rows.to(weight.dtype)
     native = _native_grouped_mm(rows, weight)
     if native is not None:
@@ -107,8 +110,10 @@ class Grouping:
         return grouped_mm(x, weight, self.counts)
 
     def bias(self, bias: torch.Tensor) -> torch.Tensor:
-        """``[E, n]`` -> ``[R, n]``."""
-        return torch.repeat_interleave(bias, self.counts, dim=0, output_size=self.num_rows)
+        """``[E, n]`` -> ``[R, n]`` (rows after ``sum(counts)`` get the last expert's; static shapes)."""
+        rows = torch.arange(self.num_rows, device=self.counts.device)
+        expert = torch.searchsorted(torch.cumsum(self.counts, 0), rows, right=True)
+        return bias.index_select(0, expert.clamp(max=bias.shape[0] - 1))
 
 
 class PaddedGrouping:
@@ -125,7 +130,10 @@ def run_padded(run, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``run(x [E, C, k], PaddedGrouping()) -> [E, C, n]`` on ``rows [R, k]`` padded per expert to the largest
     count ``C``; returns the ``R`` real rows ``[R, n]`` (the padding rows' outputs are dropped, so they add nothing
     to any gradient)."""
-    local = counts.shape[0]
+    local, num_rows = counts.shape[0], int(counts.sum())
+    if num_rows < rows.shape[0]:  # rows after the last expert's (dispatch's dropped assignments at ep 1): zeros
+        out = run_padded(run, rows[:num_rows], counts)
+        return torch.cat([out, out.new_zeros((rows.shape[0] - num_rows, out.shape[-1]))])
     capacity = int(counts.max()) if counts.numel() else 0
     offsets = torch.cumsum(counts, 0) - counts
     expert = torch.repeat_interleave(torch.arange(local, device=rows.device), counts)
