@@ -38,7 +38,15 @@ import os
 
 import torch
 
-from . import inplace_outputs, packed_attention, partial_gradients, support, token_loss, vocab_parallel_loss
+from . import (
+    inplace_outputs,
+    packed_attention,
+    partial_gradients,
+    sequence_parallel,
+    support,
+    token_loss,
+    vocab_parallel_loss,
+)
 from .protocol import GenericProtocol
 
 
@@ -90,7 +98,13 @@ def _apply_tensor_parallel(model, context) -> dict[str, str]:
     # replicated_with_grad_allreduce entries only hook gradients: partial_gradients.py finds those parameters (and
     # the ones no entry names) and sums their gradients itself, once per backward
     applied = {name: style for name, style in plan.items() if style != "replicated_with_grad_allreduce"}
-    apply_tensor_parallelism(model, context.mesh["tp"], applied)
+    if context.config.sequence_parallel:  # the layers run on sequence slices; regions gather once, exits scatter
+        layers, regions = sequence_parallel.regions(model, plan)  # NotImplementedError with the reason
+        model._oslo_sequence_parallel = (layers, regions)
+        sequence_parallel.apply_plan(model, context.mesh["tp"], applied,
+                                     sequence_parallel.rowwise_overrides(applied, regions))
+    else:
+        apply_tensor_parallelism(model, context.mesh["tp"], applied)
     return plan
 
 
@@ -101,6 +115,8 @@ def _attach(model, context, plan: dict[str, str]):
     model._oslo_generic_tp_plan = dict(plan)  # the resolved plan; its presence marks the generic path
     # a causal LM's loss from its logits' vocabulary slices (the head applied colwise); whole logits without labels
     model._oslo_vocab_parallel_loss = bool(plan) and vocab_parallel_loss.install(model, context, plan)
+    if getattr(model, "_oslo_sequence_parallel", None):
+        sequence_parallel.install(model, context, *model._oslo_sequence_parallel)
     if plan:  # what transformers' inference plans miss in training (a dummy forward each, same on every tp rank)
         # outputs of plan modules the model modifies in place: copied while autograd records
         model._oslo_tp_output_copies = inplace_outputs.find_modified_outputs(model, context, plan)

@@ -12,7 +12,9 @@ class supports is read from ``transformers`` itself, never from a table kept her
 - data parallelism, ZeRO 1/2/3, CPU offload, mixed precision, gradient clipping and resumable checkpoints need
   nothing from the model and always apply; activation checkpointing is ``transformers``' own
   (``gradient_checkpointing_enable``), i.e. ``activation_checkpointing="full"``.
-- sequence / context / expert parallelism and the 2D / 2.5D / 3D tensor modes need the native layers: refused.
+- sequence parallelism: built from the plan's regions and the module tree at load (``sequence_parallel.py``, which
+  refuses a layer it cannot split, with the reason); it needs tensor parallelism.
+- context / expert parallelism and the 2D / 2.5D / 3D tensor modes need the native layers: refused.
 
 :func:`check_parallel` raises before any process group exists, so a request the path cannot honour is a clear
 ``ValueError`` naming the type and what it supports, never a hang or a silently different layout.
@@ -94,9 +96,9 @@ def refusals(config, parallel, model_class: type | None = None) -> list[str]:
     if parallel.tensor_parallel_mode != "1d":
         reasons.append(f"tensor_parallel_mode={parallel.tensor_parallel_mode!r}: the 2D/2.5D/3D grids need the "
                        f"native layers; the generic path applies transformers' 1D plan")
-    if parallel.sequence_parallel:
-        reasons.append("sequence_parallel=True: transformers' plans have no sequence-parallel regions "
-                       "(DistributedConfig.enable_sequence_parallel is not wired up in transformers)")
+    if parallel.sequence_parallel and (tp == 1 or not plan):
+        reasons.append("sequence_parallel=True: sequence parallelism splits the sequence between the tensor-parallel "
+                       "regions of the type's plan, so it needs tensor_parallel_size > 1 and a base_model_tp_plan")
     if parallel.pipeline_parallel_size > 1:
         why = ("its base_model_pp_plan names the stages, but transformers' pipeline runs forward only (activations "
                "cross stages without autograd, no training schedule)" if pipeline_plan(config) else

@@ -56,7 +56,8 @@ def support_matrix_markdown() -> str:
         classes = ", ".join(f"`{name}`" for name in row["classes"])
         cells = " | ".join(_cell(row["axes"][column]) for column in AXES)
         lines.append(f"| `{row['model_type']}` | {classes} | {cells} |")
-    generic = {column: "no" for column in AXES} | {"tp": "its `base_model_tp_plan`, if it has one"}
+    generic = {column: "no" for column in AXES} | {"tp": "its `base_model_tp_plan`, if it has one",
+                                                   "sp": "with tp, where every layer splits around the plan"}
     lines.append(f"| any other type: generic path | `transformers`' own | {' | '.join(generic.values())} |")
     return "\n".join(lines)
 

@@ -61,7 +61,8 @@ def launched_world(monkeypatch):
      r"parallelism"),
     ("granite", dict(pipeline_parallel_size=2, num_microbatches=2), "base_model_pp_plan names the stages, but "
      "transformers' pipeline runs forward only"),
-    ("granite", dict(tensor_parallel_size=2, sequence_parallel=True), "no sequence-parallel regions"),
+    ("mamba", dict(sequence_parallel=True), "sequence_parallel=True: sequence parallelism splits the sequence between "
+     "the tensor-parallel regions"),
     ("stablelm", dict(context_parallel_size=2), "context parallelism needs the native attention"),
     ("olmoe", dict(expert_parallel_size=2), "expert_parallel_size=2"),
     ("granite", dict(tensor_parallel_size=4, tensor_parallel_mode="2d"), "2D/2.5D/3D grids need the native"),
@@ -90,7 +91,8 @@ def test_capabilities_native_and_generic(tmp_path):
     assert not mamba.supports("tensor_parallel") and "'mamba' has no native family" in mamba["tensor_parallel"].why
     assert not mamba.supports("fused_ops") and not mamba.supports("pipeline_parallel")
     granite = om.capabilities("granite", task="causal_lm")
-    assert granite.supports("tensor_parallel") and not granite.supports("sequence_parallel")
+    assert granite.supports("tensor_parallel") and granite.supports("sequence_parallel")
+    assert not mamba.supports("sequence_parallel")
     llama = om.capabilities("llama")
     assert llama.path == "native" and llama.supports("sequence_parallel") and llama.supports("pipeline_parallel")
     assert not llama.supports("expert_parallel")  # no experts to split
