@@ -398,14 +398,17 @@ class OsloPreTrainedModel(PreTrainedModel):
         return resize_token_embeddings(self, new_num_tokens, pad_to_multiple_of, mean_resizing)
 
     # ------------------------------------------------------------------ training steps
-    def train_step(self, batch, *, labels=None, attention_mask=None, optimizer=None, scaler=None) -> torch.Tensor:
+    def train_step(self, batch, *, labels=None, attention_mask=None, optimizer=None, scaler=None, loss_fn=None,
+                   loss_inputs=None) -> torch.Tensor:
         """Forward + backward of one batch (``input_ids [b, s]`` or a dict with ``input_ids``, ``labels``,
         ``attention_mask``); returns the loss on every rank. With ``pipeline_parallel_size > 1`` this runs the
         configured pipeline schedule (see ``oslo_models.pipeline.runner``). With ``optimizer``, also steps it;
-        ``scaler`` (fp16): a ``GradScaler`` that scales each microbatch's loss inside the schedule.
-        Collective: call on every rank."""
+        ``scaler`` (fp16): a ``GradScaler`` that scales each microbatch's loss inside the schedule. ``loss_fn`` /
+        ``loss_inputs`` (pipelined): another objective on the last stage's vocab-split logits of each microbatch
+        and the per-row tensors (``oslo_models.post_training``). Collective: call on every rank."""
         return self._pipeline_runner().train_step(batch, labels=labels, attention_mask=attention_mask,
-                                                  optimizer=optimizer, scaler=scaler)
+                                                  optimizer=optimizer, scaler=scaler, loss_fn=loss_fn,
+                                                  loss_inputs=loss_inputs)
 
     def eval_step(self, batch, *, labels=None, attention_mask=None) -> torch.Tensor:
         """Forward only; returns the loss on every rank (see ``train_step``)."""

@@ -19,6 +19,14 @@ batch's ``num_items_in_batch`` says (the loaders of ``training.prepare`` attach 
 So the summed loss, averaged over dp, and the gradients equal the unpipelined model's mean loss on the global batch
 exactly, also when microbatches and replicas hold different numbers of padding or prompt tokens.
 
+Another objective (DPO, GRPO, distillation: ``oslo_models.post_training``) replaces the token loss through
+``train_step(batch, loss_fn=fn, loss_inputs=rows)``: ``batch`` holds only the model's inputs, ``rows`` any per-row
+tensors ``[b, ...]`` (targets, reference log-probabilities, advantages, teacher top-k). The schedule is given the row
+indices ``arange(b)`` as its target, so it splits them into microbatches exactly as it splits the inputs; on the last
+stage ``fn(local_logits, {name: rows[name][indices]})`` returns the microbatch's share of the global batch's loss
+(its summed terms over this replica's share of the global divisor: the runner sums the microbatches and averages over
+dp, no label count is taken). Not under context parallelism (a chunk holds part of each sequence).
+
 Communication per step, besides the schedule's point-to-point sends of activations ``[mb, s(/tp), h]`` (and
 their gradients) between neighbouring stages of one pipeline group:
 
@@ -71,9 +79,15 @@ class _LossFn:
     def __init__(self, model, num_microbatches: int):
         self.model, self.adapter, self.num_microbatches = model, adapter_for(model), num_microbatches
         self.scaler = None  # fp16: the step's GradScaler (set by train_step for the duration of one step)
+        self.objective = None  # (fn, rows) of a train_step(loss_fn=..., loss_inputs=...), for one step
 
     def __call__(self, outputs, labels, num_items_in_batch=None):
-        loss = self.adapter.microbatch_loss(self.model, outputs, labels, num_items_in_batch, self.num_microbatches)
+        if self.objective is not None:  # ``labels``: the microbatch's row indices (see the module docstring)
+            fn, rows = self.objective
+            loss = fn(outputs, {name: tensor[labels] for name, tensor in rows.items()})
+        else:
+            loss = self.adapter.microbatch_loss(self.model, outputs, labels, num_items_in_batch,
+                                                self.num_microbatches)
         if self.model.parallel_context.cp_size > 1:
             # this chunk's share of the whole sequence's loss: summed over cp (every cp rank of the last stage runs
             # the same schedule, so these all-reduces line up); backward x cp, which the dp x cp mean undoes
@@ -152,7 +166,7 @@ class PipelineRunner:
         return cls(stages[0], self.num_microbatches, loss_fn=loss_fn, scale_grads=False), sp
 
     # ------------------------------------------------------------------ steps
-    def _prepare(self, batch, labels, attention_mask) -> dict[str, torch.Tensor]:
+    def _prepare(self, batch, labels, attention_mask, objective: bool = False) -> dict[str, torch.Tensor]:
         """The batch as a dict of device tensors, completed by the adapter; ``ValueError`` on bad input."""
         if not isinstance(batch, Mapping):
             batch = {"input_ids": batch}
@@ -165,7 +179,7 @@ class PipelineRunner:
         if accepted is not None and set(batch) - set(accepted):
             raise ValueError(f"Pipelined {type(self.model).__name__} batches take {list(accepted)}; got unknown "
                              f"{sorted(set(batch) - set(accepted))}")
-        if not {"labels", "shift_labels", "start_positions"} & set(batch):  # (QA: positions become labels)
+        if not objective and not {"labels", "shift_labels", "start_positions"} & set(batch):  # (QA: positions)
             raise ValueError("A pipeline step computes the loss: pass labels (or a batch with 'labels')")
         input_ids = batch.get("input_ids")
         # [batch, seq]; [batch, choices, seq] for a multiple-choice head (its adapter flattens the choices)
@@ -197,10 +211,25 @@ class PipelineRunner:
                 return None
         return global_share(local, self.context)
 
-    def _run(self, batch, labels, attention_mask, training: bool) -> torch.Tensor:
+    def _run(self, batch, labels, attention_mask, training: bool, objective=None) -> torch.Tensor:
         batch = dict(batch) if isinstance(batch, Mapping) else batch
         share = batch.pop("num_items_in_batch", None) if isinstance(batch, dict) else None
-        batch = self._prepare(batch, labels, attention_mask)
+        if objective is not None:
+            if not self.pipelined or self.context.cp_size > 1 or labels is not None or (
+                    isinstance(batch, dict) and "labels" in batch):
+                raise ValueError("train_step(loss_fn=...) runs a pipelined model's own objective at cp 1 on a batch "
+                                 "of model inputs (no labels: the per-row tensors go in loss_inputs)")
+            batch = self._prepare(batch, None, attention_mask, objective=True)
+            rows = batch["input_ids"].shape[0]
+            bad = [name for name, tensor in objective[1].items() if tensor.shape[0] != rows]
+            if bad:
+                raise ValueError(f"loss_inputs {bad} do not hold the batch's {rows} rows")
+            batch["labels"] = torch.arange(rows, device=self.context.device)  # the target: row indices
+            self.loss_fn.objective = (objective[0], {name: tensor.to(self.context.device)
+                                                     for name, tensor in objective[1].items()})
+            share = torch.ones((), device=self.context.device)  # unused by the objective
+        else:
+            batch = self._prepare(batch, labels, attention_mask)
         if share is None:
             share = self._loss_share(batch)
         if not self.pipelined:
@@ -248,8 +277,12 @@ class PipelineRunner:
             loss /= self.context.dp_size
         return loss
 
-    def train_step(self, batch, *, labels=None, attention_mask=None, optimizer=None, scaler=None) -> torch.Tensor:
+    def train_step(self, batch, *, labels=None, attention_mask=None, optimizer=None, scaler=None, loss_fn=None,
+                   loss_inputs=None) -> torch.Tensor:
         """Forward and backward of one batch through the schedule; returns the mean loss on every rank.
+
+        ``loss_fn(local_logits, microbatch_rows) -> loss`` with ``loss_inputs`` (per-row tensors): another objective
+        on the last stage instead of the token loss (see the module docstring).
 
         Gradients accumulate into ``.grad`` (tied copies summed, data-parallel replicas averaged). With
         ``optimizer``, also runs ``optimizer.step()`` and ``optimizer.zero_grad()``.
@@ -272,11 +305,12 @@ class PipelineRunner:
             self.loss_fn.scaler = scaler
         self._scaler = scaler
         try:
-            loss = self._run(batch, labels, attention_mask, training=True)
+            objective = None if loss_fn is None else (loss_fn, dict(loss_inputs or {}))
+            loss = self._run(batch, labels, attention_mask, training=True, objective=objective)
         finally:
             self._scaler = None
             if self.pipelined:
-                self.loss_fn.scaler = None
+                self.loss_fn.scaler = self.loss_fn.objective = None
         self.sync_gradients()
         if optimizer is not None:
             if scaler is not None:

@@ -12,8 +12,10 @@ reference or teacher may sit at its own layout (:func:`run_frozen`); completions
     loss, metrics = om.post_training.distill_objective(student, batch, teacher=teacher, top_k=64, alpha=0.5)
     loss, metrics = om.post_training.train_step(model, optimizer, om.post_training.dpo_objective, batch, ...)
 
-Pipeline parallelism is refused (``PIPELINE_REFUSAL``: the schedule computes the model's own token loss at the last
-stage and returns no per-sequence values); TRL's trainers run through ``om.training.ParallelTrainerMixin``.
+A pipelined model trains the three objectives through ``train_step`` (each runs as the last stage's loss of every
+microbatch, frozen models precomputed before the step: :mod:`.pipelined`); its forward returns no logits, so the
+objectives themselves refuse it (``PIPELINE_REFUSAL``). TRL's trainers run through
+``om.training.ParallelTrainerMixin``.
 """
 from .advantages import group_advantages, rloo_advantages
 from .distill import distill_objective, distillation_loss, teacher_topk
@@ -28,12 +30,14 @@ from .grpo import (
     rloo_loss,
 )
 from .log_probs import PIPELINE_REFUSAL, local_logits, sequence_token_log_probs
+from .pipelined import pipeline_train_step
 from .rollout import generate_completions
 from .step import train_step
 
 __all__ = [
     "PIPELINE_REFUSAL", "completion_log_probs", "distill_objective", "distillation_loss", "dpo_loss", "dpo_objective",
     "generate_completions", "group_advantages", "grpo_loss", "grpo_objective", "local_logits", "pair_share",
-    "per_token_kl", "reference_completion_log_probs", "reference_log_probs", "rloo_advantages", "rloo_loss",
-    "run_frozen", "sequence_log_probs", "sequence_token_log_probs", "teacher_topk", "train_step",
+    "per_token_kl", "pipeline_train_step", "reference_completion_log_probs", "reference_log_probs",
+    "rloo_advantages", "rloo_loss", "run_frozen", "sequence_log_probs", "sequence_token_log_probs", "teacher_topk",
+    "train_step",
 ]

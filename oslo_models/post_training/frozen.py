@@ -6,13 +6,13 @@ tensor-parallel group must run its forward on the same tokens, but they may hold
 different data-parallel replicas of the policy). :func:`run_frozen` therefore:
 
 1. all-gathers the batch shapes over the frozen model's tp group (one all-gather of ``[keys, 2]`` ints), pads every
-   rank's batch to the largest ``[rows, seq]`` (ids and masks with 0, on the right), all-gathers the padded
-   batches (one all-gather per key);
+   rank's batch to the most rows and each key to its largest width (ids and masks with 0, on the right; a rollout's
+   prompt and completion keys each to their own), all-gathers the padded batches (one all-gather per key);
 2. runs ``fn(model, batch)`` once: on this rank's own batch when every rank of the group holds the same one (the
    frozen model shares the policy's tensor-parallel groups, or runs at tp 1), otherwise on the concatenation of the
    group's batches (``[tp * rows, seq]``);
 3. returns this rank's rows of what ``fn`` returned (per-row tensors ``[rows, seq', ...]``, cut back to this rank's
-   sequence length: ``seq' - (seq_max - seq)``).
+   width of the first key in sorted order: ``seq' - (seq_max - seq)``).
 
 Right padding leaves every real position's logits unchanged in a causal LM. Collectives: the all-gathers above over
 the frozen model's tp group, then its own forward's. Under ``torch.no_grad``.
@@ -47,11 +47,12 @@ def run_frozen(model, batch: dict, fn) -> dict:
     all_shapes = [torch.empty_like(shapes) for _ in range(size)]
     dist.all_gather(all_shapes, shapes.to(device) if device.type != "cpu" else shapes, group=group)
     all_shapes = torch.stack([s.cpu() for s in all_shapes])  # [tp, keys, 2]
-    rows, seq = (int(all_shapes[..., 0].max()), int(all_shapes[..., 1].max()))
+    rows = int(all_shapes[..., 0].max())
+    widths = all_shapes[..., 1].max(0).values  # per key: a rollout's prompt and completion keep their own widths
     gathered = {}
-    for name in names:
+    for index, name in enumerate(names):
         x = batch[name]
-        padded = torch.nn.functional.pad(x, (0, seq - x.shape[1], 0, rows - x.shape[0]), value=0)
+        padded = torch.nn.functional.pad(x, (0, int(widths[index]) - x.shape[1], 0, rows - x.shape[0]), value=0)
         parts = [torch.empty_like(padded) for _ in range(size)]
         dist.all_gather(parts, padded.contiguous(), group=group)
         gathered[name] = parts
@@ -62,7 +63,7 @@ def run_frozen(model, batch: dict, fn) -> dict:
     out = fn(model, {name: torch.cat(parts) for name, parts in gathered.items()})
     rank = dist.get_rank(group)
     own_rows, own_seq = batch[names[0]].shape[:2]
-    trim = seq - own_seq
+    trim = int(widths[0]) - own_seq
     result = {}
     for key, value in out.items():
         mine = value[rank * rows:rank * rows + own_rows]

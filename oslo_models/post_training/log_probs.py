@@ -10,8 +10,8 @@ The targets are the ids shifted left and padded with ``-100`` (not the logits cu
 them), so the fields come out as ``[b, s]`` and are cut to ``[b, s - 1]``: position ``i`` scores ``input_ids[:, i +
 1]``, 0 where ``completion_mask[:, i + 1]`` is 0 (the prompt, padding).
 
-A pipelined model (``pipeline_parallel_size > 1``) is refused: its forward is the schedule's, which computes the
-adapter's token loss at the last stage and returns no logits (``PIPELINE_REFUSAL``).
+A pipelined model (``pipeline_parallel_size > 1``) is refused here: its forward is the schedule's, which returns no
+logits (``PIPELINE_REFUSAL``); ``train_step`` runs the objectives as its last stage's loss (``pipelined.py``).
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from ..losses import VocabShard, token_statistics
 from ..training.zero import unwrap_model
 
 PIPELINE_REFUSAL = (
-    "Post-training losses (DPO, GRPO, distillation) need each sequence's log-probabilities at the last stage, and "
-    "the pipeline schedule (model.train_step) runs the model's own token loss on labels there and returns no logits "
-    "or per-sequence values; train these at pipeline_parallel_size=1 (tensor x data parallel, ZeRO 1-3)")
+    "A pipelined model's forward is its schedule: the logits exist only on the last stage, one microbatch at a time, "
+    "and are not returned. Run DPO / GRPO / distillation on it through om.post_training.train_step (the objective "
+    "becomes the last stage's loss), or score with an unpipelined copy (pipeline_parallel_size=1)")
 
 
 def base_model_of(model):

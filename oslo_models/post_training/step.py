@@ -8,8 +8,9 @@
 :func:`distill_objective` (or your own). The model is what ``om.training.prepare`` / ``shard_data_parallel``
 returned (DDP or ZeRO 1-3 over the data-parallel group, any 1D tensor-parallel size, sequence parallelism); the
 backward is ``accelerator.backward`` (mixed precision, accumulation) or ``loss.backward``; the gradient norm is the
-whole model's (``training.clip_grad_norm_``: tp-split pieces summed over tp). A pipelined model is refused
-(``log_probs.PIPELINE_REFUSAL``).
+whole model's (``training.clip_grad_norm_``: tp-split pieces summed over tp). A pipelined model (not wrapped; no
+``accelerator``) runs the three objectives as its last stage's loss (:mod:`.pipelined`); other objectives are
+refused there.
 
 The returned loss is the mean over the data-parallel group of the replicas' losses (one all-reduce of a scalar):
 every objective returns the replica's share of the global batch's loss, so that mean is the global batch's loss.
@@ -20,14 +21,20 @@ import torch
 import torch.distributed as dist
 
 from .. import training
-from .log_probs import base_model_of, check_not_pipelined
+from .log_probs import base_model_of
 
 
 def train_step(model, optimizer, objective, batch: dict, *, accelerator=None, max_grad_norm: float | None = None,
                **options) -> tuple[torch.Tensor, dict]:
     """``(global loss, metrics)`` after ``objective``'s backward and one ``optimizer.step()`` (gradients zeroed
     after). Collectives: the objective's, the clipping's and one all-reduce of the loss over dp."""
-    check_not_pipelined(model)
+    context = getattr(base_model_of(model), "parallel_context", None)
+    if context is not None and context.pp_size > 1:
+        if accelerator is not None:
+            raise ValueError("a pipelined model steps through its own schedule: train_step takes no accelerator")
+        from .pipelined import pipeline_train_step
+
+        return pipeline_train_step(model, optimizer, objective, batch, max_grad_norm=max_grad_norm, **options)
     loss, metrics = objective(model, batch, **options)
     if accelerator is not None:
         accelerator.backward(loss)
@@ -38,7 +45,6 @@ def train_step(model, optimizer, objective, batch: dict, *, accelerator=None, ma
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     mean = loss.detach().float().clone()
-    context = getattr(base_model_of(model), "parallel_context", None)
     if context is not None and context.dp_size > 1:
         dist.all_reduce(mean, group=context.dp_group)
         mean /= context.dp_size

@@ -47,19 +47,29 @@ def _plain(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path).train()
 
 
+def _trainable(model) -> list:
+    return [param for param in model.parameters() if param.requires_grad]  # LoRA: the adapters alone
+
+
 def _prepared(model, zero_stage: int = 3):
     from accelerate import Accelerator
 
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    optimizer = torch.optim.AdamW(_trainable(model), **ADAMW)
     return om.training.prepare(Accelerator(cpu=True), model, optimizer, zero_stage=zero_stage)
 
 
-def _train(model, objective, local: dict, reference_loss, reference_model, *, steps=STEPS, check=True, **options):
+def _train(model, objective, local: dict, reference_loss, reference_model, *, steps=STEPS, check=True,
+           pipelined=False, params_match=assert_params_match, **options):
     """``steps`` of ``objective`` on this replica's batch against ``reference_loss()`` (the global batch's loss of
-    ``reference_model``, stepped with AdamW too); returns the per-step (got, expected) losses."""
+    ``reference_model``, stepped with AdamW too); returns the per-step (got, expected) losses. ``pipelined``: the
+    model steps through its own schedule (no ZeRO wrapper); ``params_match(model, reference)`` compares the trained
+    parameters at the end."""
     inner = model
-    model, optimizer = _prepared(model)
-    ref_optimizer = torch.optim.AdamW(reference_model.parameters(), **ADAMW)
+    if pipelined:
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    else:
+        model, optimizer = _prepared(model)
+    ref_optimizer = torch.optim.AdamW(_trainable(reference_model), **ADAMW)
     losses = []
     for step in range(steps):
         breadcrumb(f"{objective.__name__} step {step}")
@@ -71,7 +81,7 @@ def _train(model, objective, local: dict, reference_loss, reference_model, *, st
         if check:
             torch.testing.assert_close(got, expected.detach(), **TOL, msg=f"{objective.__name__} step {step}")
     if check:
-        assert_params_match(inner, reference_model, **TOL)
+        params_match(inner, reference_model)
     return losses
 
 
@@ -191,8 +201,7 @@ def _sampling(paths) -> None:
     torch.testing.assert_close(loss, -(adv * torch.ones(())).mean(), **TOL)
 
 
-def _distill(paths) -> None:
-    vocab = 101
+def _distill_batch(vocab: int) -> dict:
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(3, vocab, (4, 10), generator=g)
     attention = torch.ones_like(ids)
@@ -200,7 +209,13 @@ def _distill(paths) -> None:
     attention[3, 5:] = 0
     labels = ids.masked_fill(attention == 0, -100)
     labels[:, :3] = -100  # a prompt
-    batch = {"input_ids": ids, "attention_mask": attention, "labels": labels}
+    return {"input_ids": ids, "attention_mask": attention, "labels": labels}
+
+
+def _distill(paths) -> None:
+    vocab = 101
+    batch = _distill_batch(vocab)
+    labels = batch["labels"]
     count = (labels[:, 1:] != -100).sum()
     wide_teacher = _policy(paths["teacher"], tensor_parallel_size=4).eval()
     plain_wide = _plain(paths["teacher"]).eval()
@@ -235,20 +250,140 @@ def _distill(paths) -> None:
     assert (right - wrong).abs() > 1e-3, (right.item(), wrong.item())
 
 
-def _pipeline_refused(paths) -> None:
-    model = _policy(paths["llama"], pipeline_parallel_size=2, data_parallel_size=2)
-    batch = ref.preference_batch(101, pairs=1, seq=8, seed=0)
-    with pytest.raises(NotImplementedError, match="pipeline"):
-        pt.dpo_objective(model, batch, reference=model, beta=0.1)
+def _pipeline(paths) -> None:
+    """pp 2 x dp 2 (two microbatches per replica): DPO, GRPO and distillation run as the last stage's loss and equal
+    the reference code over 3 AdamW steps; frozen models sit unpipelined at tp 4 and are run before each step."""
+    pp = dict(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2)
+    frozen = _policy(paths["llama"], tensor_parallel_size=4).eval()
+    plain_ref = _plain(paths["llama"]).eval()
+    model = _policy(paths["llama"], **pp)
+    batch = ref.preference_batch(101, pairs=4, seq=10, seed=0)
+    with pytest.raises(NotImplementedError, match="pipelined"):  # its forward returns no logits
+        pt.dpo_objective(model, batch, reference=frozen, beta=0.1)
+    with pytest.raises(NotImplementedError, match="no pipelined form"):
+        pt.train_step(model, None, lambda m, b: None, batch)
+    ctx = model.parallel_context
+    local = ref.replica(batch, ctx.dp_rank, ctx.dp_size, paired=True)  # 2 pairs: one per microbatch
+    for loss_type in ("sigmoid", "ipo"):
+        model = _policy(paths["llama"], **pp)
+        reference = _plain(paths["llama"])
+        _train(model, pt.dpo_objective, local, lambda reference=reference, loss_type=loss_type: (
+            ref.dpo_reference_loss(reference, plain_ref, batch, 0.1, loss_type)), reference, pipelined=True,
+               reference=frozen, beta=0.1, loss_type=loss_type)
+    # negative control: each microbatch's own pair mean (a divisor of 1 pair, not the replica's share of 2)
+    model = _policy(paths["llama"], **pp)
+    reference = _plain(paths["llama"])
+    losses = _train(model, pt.dpo_objective, local, lambda: ref.dpo_reference_loss(
+        reference, plain_ref, batch, 0.1, "sigmoid"), reference, steps=1, check=False, pipelined=True,
+                    reference=frozen, beta=0.1, num_pairs_in_batch=1.0)
+    assert abs(losses[0][0] - losses[0][1]) > 1e-2, losses
+
+    generations = 4
+    rollout = ref.rollout_batch(101, prompts=4, generations=generations, prompt_len=4, completion_len=6, seed=1)
+    advantages = ref.group_advantages(rollout["rewards"], generations)
+    global_tokens = rollout["completion_mask"].sum()
+    local = ref.replica(rollout, ctx.dp_rank, ctx.dp_size)  # 8 completions: one group per microbatch
+    local["advantages"] = pt.group_advantages(local.pop("rewards"), generations)
+    for loss_type in ("grpo", "dapo"):
+        model = _policy(paths["llama"], **pp)
+        options = dict(num_items_in_batch=global_tokens.float() / ctx.dp_size) if loss_type == "dapo" else {}
+        reference = _plain(paths["llama"])
+        _train(model, pt.grpo_objective, local, lambda reference=reference, loss_type=loss_type: (
+            ref.grpo_reference_loss(reference, plain_ref, rollout, advantages, 0.04, 0.7, loss_type,
+                                    num_items=global_tokens)), reference, pipelined=True,
+               reference=frozen, beta=0.04, temperature=0.7, loss_type=loss_type, **options)
+    # negative control: the raw rewards as advantages
+    model = _policy(paths["llama"], **pp)
+    wrong = dict(local, advantages=ref.replica(rollout, ctx.dp_rank, ctx.dp_size)["rewards"])
+    reference = _plain(paths["llama"])
+    losses = _train(model, pt.grpo_objective, wrong, lambda: ref.grpo_reference_loss(
+        reference, plain_ref, rollout, advantages, 0.0, 1.0, "grpo"), reference, steps=2, check=False,
+                    pipelined=True)
+    assert max(abs(a - b) for a, b in losses) > 1e-3, losses
+
+    batch = _distill_batch(101)
+    count = (batch["labels"][:, 1:] != -100).sum()
+    teacher = _policy(paths["teacher"], tensor_parallel_size=4).eval()
+    local = ref.replica(batch, ctx.dp_rank, ctx.dp_size)
+    local["teacher_values"], local["teacher_indices"] = pt.teacher_topk(teacher, local, 8)  # precomputed top-k
+    model = _policy(paths["llama"], **pp)
+    reference = _plain(paths["llama"])
+    plain_teacher = _plain(paths["teacher"]).eval()
+    _train(model, pt.distill_objective, local, lambda: ref.distill_reference_loss(
+        reference, plain_teacher, batch, alpha=0.6, direction="forward", temperature=2.0, top_k=8, count=count),
+           reference, pipelined=True, alpha=0.6, direction="forward", temperature=2.0)
+    with pytest.raises(ValueError, match="top-k"):  # a full-vocabulary teacher would cross the pipeline
+        pt.train_step(model, None, pt.distill_objective, ref.replica(batch, ctx.dp_rank, ctx.dp_size),
+                      teacher=teacher)
+
+
+def _lora(paths) -> None:
+    """peft LoRA on the policy / student at tp 2 x dp 2 ZeRO-3 (a plain-peft adapter with random A and B, sliced on
+    load; base weights frozen): DPO, GRPO (fixed completions) and top-k distillation over 3 AdamW steps equal plain
+    peft on plain transformers with the reference code (losses and every adapter piece); the frozen reference and
+    teacher are base models at tp 4. Negative control: DPO against the LoRA policy itself as its reference."""
+    import peft
+
+    from oslo_models import adapters
+    from oslo_models.post_training.log_probs import base_model_of
+    from tests.adapters.test_lora import assert_adapters_match
+
+    def ours():
+        base = _policy(paths["llama"], tensor_parallel_size=2, data_parallel_size=2)
+        return adapters.load_adapter(base, paths["adapter"], is_trainable=True)
+
+    def plain():
+        return peft.PeftModel.from_pretrained(_plain(paths["llama"]), paths["adapter"], is_trainable=True).train()
+
+    frozen = _policy(paths["llama"], tensor_parallel_size=4).eval()
+    plain_ref = _plain(paths["llama"]).eval()
+    batch = ref.preference_batch(101, pairs=4, seq=10, seed=0)
+    model = ours()
+    ctx = base_model_of(model).parallel_context
+    local = ref.replica(batch, ctx.dp_rank, ctx.dp_size, paired=True)
+    reference = plain()
+    _train(model, pt.dpo_objective, local, lambda: ref.dpo_reference_loss(reference, plain_ref, batch, 0.1, "sigmoid"),
+           reference, params_match=assert_adapters_match, reference=frozen, beta=0.1)
+    model = ours()
+    reference = plain()
+    losses = _train(model, pt.dpo_objective, local, lambda: ref.dpo_reference_loss(
+        reference, plain_ref, batch, 0.1, "sigmoid"), reference, steps=2, check=False, reference=model, beta=0.1)
+    assert max(abs(a - b) for a, b in losses[1:]) > 1e-4, losses
+
+    generations = 4
+    rollout = ref.rollout_batch(101, prompts=4, generations=generations, prompt_len=4, completion_len=6, seed=1)
+    advantages = ref.group_advantages(rollout["rewards"], generations)
+    local = ref.replica(rollout, ctx.dp_rank, ctx.dp_size)
+    local["advantages"] = pt.group_advantages(local.pop("rewards"), generations)
+    model = ours()
+    reference = plain()
+    _train(model, pt.grpo_objective, local, lambda: ref.grpo_reference_loss(
+        reference, plain_ref, rollout, advantages, 0.04, 0.7, "grpo"), reference, params_match=assert_adapters_match,
+           reference=frozen, beta=0.04, temperature=0.7)
+
+    batch = _distill_batch(101)
+    count = (batch["labels"][:, 1:] != -100).sum()
+    local = ref.replica(batch, ctx.dp_rank, ctx.dp_size)
+    local["num_items_in_batch"] = count.float() / ctx.dp_size
+    teacher = _policy(paths["teacher"], tensor_parallel_size=4).eval()
+    plain_teacher = _plain(paths["teacher"]).eval()
+    model = ours()
+    reference = plain()
+    _train(model, pt.distill_objective, local, lambda: ref.distill_reference_loss(
+        reference, plain_teacher, batch, alpha=0.6, direction="forward", temperature=2.0, top_k=8, count=count),
+           reference, params_match=assert_adapters_match, teacher=teacher, top_k=8, alpha=0.6, direction="forward",
+           temperature=2.0)
 
 
 def _worker(paths) -> None:
     torch.manual_seed(0)
-    _pipeline_refused(paths)
+    _pipeline(paths)
     _dpo(paths)
     _grpo(paths)
     _sampling(paths)
     _distill(paths)
+    if paths.get("adapter"):
+        _lora(paths)
 
 
 def test_post_training_objectives_match_reference_at_tp2_dp2_zero3(tmp_path):
@@ -259,4 +394,19 @@ def test_post_training_objectives_match_reference_at_tp2_dp2_zero3(tmp_path):
              "llama_b": save_tiny(tmp_path / "llama_b", "llama", seed=1, **sharp),
              "teacher": save_tiny(tmp_path / "teacher", "llama", seed=2, hidden_size=96, intermediate_size=128,
                                   num_hidden_layers=3, **sharp)}
+    paths["adapter"] = _save_adapter(paths["llama"], tmp_path / "adapter")
     run_distributed(_worker, 4, paths, timeout=900)
+
+
+def _save_adapter(base: str, folder) -> str | None:
+    """A plain-peft LoRA adapter on ``base`` with random A and B (``init_lora_weights=False``: B is not 0, so the
+    first step's gradients reach A), saved; ``None`` without peft (the LoRA part is skipped)."""
+    try:
+        import peft
+    except ImportError:
+        return None
+    torch.manual_seed(1)
+    model = peft.get_peft_model(_plain(base), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj", "gate_proj"], init_lora_weights=False))
+    model.save_pretrained(str(folder))
+    return str(folder)
