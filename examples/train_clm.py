@@ -11,6 +11,7 @@ tensor parallelism, ZeRO over data parallelism and Accelerate.
     ... examples/train_clm.py --model path/to/granite --tp 2 --zero 3   # no native family: transformers' own class
     ... examples/train_clm.py --model-type mamba --zero 2   # a small new model of any type (here a state space model)
     ... examples/train_clm.py --plan auto --global-batch-size 64   # the planner picks the layout for this world
+    ... examples/train_clm.py --pack --seq-len 256 --batch-size 16   # whole documents packed first-fit per row
     python examples/train_clm.py --config run.yaml          # any option below as a YAML key (dashes or underscores)
 
 ``--model`` takes any causal LM (a Hub id or a local folder with its tokenizer): the native class when the type has a
@@ -36,7 +37,7 @@ import torch
 import transformers
 
 import oslo_models as om
-from _common import build_parser, check_launch, export, finish, fit, make_accelerator, run, small_config
+from _common import UsageError, build_parser, check_launch, export, finish, fit, make_accelerator, run, small_config
 from _common import parse_args as _parse_args
 from _data import prepare_data as _prepare_data
 from _evaluate import evaluator_for
@@ -48,6 +49,10 @@ def make_parser():
                           model_help="Hub id or folder to fine-tune, of any causal-LM type (native family or "
                                      "generic path); default: a small GPT-2 from config")
     parser.add_argument("--prompt", default="Shall I compare thee", help="sampled from the saved model at the end")
+    parser.add_argument("--pack", action="store_true",
+                        help="whole documents packed first-fit into rows of --seq-len tokens (positions restarting "
+                             "per document; attention within each document) instead of fixed windows across "
+                             "documents; --batch-size counts documents")
     return parser
 
 
@@ -91,8 +96,24 @@ def gpt2_config(args, vocab_size: int, eos: int | None = None):
                                    pad_token_id=eos)
 
 
+class Documents:
+    """``--pack``: the corpus's documents as samples, ``num_samples`` of them (cycling over the corpus)."""
+
+    def __init__(self, prefix, num_samples: int):
+        self.corpus, self.num_samples = om.data.MMapTokenDataset(prefix), num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int):
+        return self.corpus[index % len(self.corpus)]
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.pack and args.pp > 1:
+        raise UsageError("--pack with --pp: a packed batch has as many rows as its documents need, and a pipeline "
+                         "splits a fixed number of rows into microbatches; pack with --pp 1")
     # before any process group or model: one clean error per job (and --plan auto's layout)
     cfg = check_launch(args, om.AutoModelForCausalLM, gpt2_config)
     accelerator, context = make_accelerator(args, cfg)
@@ -100,11 +121,15 @@ def main(argv=None) -> None:
     model = build_model(args, tokenizer, context)
 
     global_batch = args.batch_size * args.grad_accum * context.dp_size
-    dataset = om.data.PackedCausalLMDataset(prefix, args.seq_len, seed=args.seed,
-                                            num_samples=args.steps * global_batch)
+    if args.pack:  # one sample per document, cycled; the collator packs a batch's documents into rows
+        dataset, collator = Documents(prefix, args.steps * global_batch), om.data.CausalLMCollator(pack_to=args.seq_len)
+    else:
+        dataset = om.data.PackedCausalLMDataset(prefix, args.seq_len, seed=args.seed,
+                                                num_samples=args.steps * global_batch)
+        collator = om.data.CausalLMCollator()
     evaluator = evaluator_for(args, context, eval_prefix, args.seq_len, om.data.CausalLMCollator)
-    model, step, losses, reporter = fit(args, accelerator, context, model, dataset, om.data.CausalLMCollator(),
-                                        f"{args.seq_len} tokens", evaluator)
+    model, step, losses, reporter = fit(args, accelerator, context, model, dataset, collator,
+                                        "a packed document" if args.pack else f"{args.seq_len} tokens", evaluator)
 
     model_dir = export(args, accelerator, model, tokenizer, losses, "train_clm.py", reporter)
     if accelerator.is_main_process:

@@ -16,7 +16,10 @@ from .collators import (
                         MLMCollator,
                         Seq2SeqCollator,
                         SequenceParallelSplitter,
+                        SFTCollator,
                         T5SpanCorruptionCollator,
+                        first_fit,
+                        pack_documents,
                         t5_lengths,
 )
 from .indexed import FORMAT_VERSION, MMapTokenDataset, check_token_ids, tokenizer_identity, write_token_file
@@ -27,7 +30,8 @@ from .sampler import DistributedResumableSampler
 
 __all__ = [
     "BlendedDataset", "CausalLMCollator", "ContextParallelSplitter", "DistributedResumableSampler", "FORMAT_VERSION",
-    "MLMCollator", "MMapTokenDataset", "PackedCausalLMDataset", "ResumableDataLoader", "Seq2SeqCollator",
-    "SequenceParallelSplitter", "T5SpanCorruptionCollator", "build_dataloader", "check_token_ids", "exact_counts",
-    "preprocess", "t5_lengths", "tokenizer_identity", "write_token_file",
+    "MLMCollator", "MMapTokenDataset", "PackedCausalLMDataset", "ResumableDataLoader", "SFTCollator",
+    "Seq2SeqCollator", "SequenceParallelSplitter", "T5SpanCorruptionCollator", "build_dataloader",
+    "check_token_ids", "exact_counts", "first_fit", "pack_documents", "preprocess", "t5_lengths",
+    "tokenizer_identity", "write_token_file",
 ]

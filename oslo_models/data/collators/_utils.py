@@ -68,3 +68,13 @@ def pad_id_of(tokenizer, pad_token_id: int | None, what: str) -> int:
     if tokenizer is not None and tokenizer.pad_token_id is not None:
         return int(tokenizer.pad_token_id)
     raise ValueError(f"{what} needs a pad_token_id (the tokenizer has none): pass pad_token_id=")
+
+
+def packing_pad_id(tokenizer, pad_token_id: int | None) -> int:
+    """The id of a packed row's padding: the given or the tokenizer's pad id, else 0 (nothing attends to a packed
+    row's padding and it is no target, so any id serves)."""
+    if pad_token_id is not None:
+        return int(pad_token_id)
+    if tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None:
+        return int(tokenizer.pad_token_id)
+    return 0

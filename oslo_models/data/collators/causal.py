@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._utils import as_tokens, field, pad, pad_id_of, padded_length
+from ._utils import as_tokens, field, packing_pad_id, pad, pad_id_of, padded_length
+from .packing import pack_documents
 
 
 class CausalLMCollator:
@@ -17,20 +18,31 @@ class CausalLMCollator:
     ``position_ids`` when the examples carry them or ``return_position_ids`` (0..n-1, padded with 0).
 
     ``pad_token_id`` is only needed when lengths differ (packed samples never pad).
+
+    ``pack_to=N``: the examples are documents, packed first-fit into rows of ``N`` tokens (``packing.py``; a longer
+    document is cut into pieces of ``N``): ``input_ids``, ``labels`` (-100 on each document's first token and on
+    padding), ``position_ids`` restarting per document, ``attention_mask`` and ``cu_seqlens`` (unless
+    ``return_cu_seqlens=False``); the models attend per document. The number of rows depends on the lengths. The
+    padding id is ``pad_token_id`` or the tokenizer's, else 0 (a padding token is never attended to nor a target).
     """
 
     def __init__(self, tokenizer=None, *, pad_token_id: int | None = None, return_position_ids: bool = False,
-                 pad_to_multiple_of: int | None = None, max_length: int | None = None):
+                 pad_to_multiple_of: int | None = None, max_length: int | None = None, pack_to: int | None = None,
+                 return_cu_seqlens: bool = True):
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
         self.return_position_ids = return_position_ids
         self.pad_to_multiple_of = pad_to_multiple_of
         self.max_length = max_length
+        self.pack_to, self.return_cu_seqlens = pack_to, return_cu_seqlens
 
     def __call__(self, examples) -> dict[str, torch.Tensor]:
         if len(examples) == 0:
             raise ValueError("cannot collate an empty list of examples")
         ids = [as_tokens(field(e)) for e in examples]
+        if self.pack_to is not None:
+            return pack_documents(ids, self.pack_to, pad_token_id=packing_pad_id(self.tokenizer, self.pad_token_id),
+                                  return_cu_seqlens=self.return_cu_seqlens)
         lengths = [s.size for s in ids]
         length = padded_length(lengths, self.pad_to_multiple_of, self.max_length)
         needs_pad = any(n != length for n in lengths)

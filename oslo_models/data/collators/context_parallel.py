@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ...parallel_layers.context_parallel.chunking import check_sequence_length, split_sequence
+from ...utils.documents import PACKING_KEYS
 
 _DEFAULT_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "token_type_ids", "attention_mask",
                  "special_tokens_mask")
@@ -54,6 +55,9 @@ class ContextParallelSplitter:
             raise ValueError(f"entries disagree on the sequence length (dim 1): {seq_lens}")
         check_sequence_length(next(iter(seq_lens.values())), self.cp_size, self.mode)
         out = dict(batch)
+        if isinstance(out.get("position_ids"), torch.Tensor):  # offsets over the whole rows are wrong per chunk:
+            for key in PACKING_KEYS:  # the split position_ids carry the documents
+                out.pop(key, None)
         if self.shift_labels and "labels" in out and "shift_labels" not in out:
             out["shift_labels"] = torch.nn.functional.pad(out["labels"], (0, 1), value=-100)[:, 1:]
         for key in self.keys:
