@@ -23,7 +23,9 @@ def add_frozen_options(parser, role: str) -> None:
 def check_layout(args) -> None:
     """What the post-training objectives refuse, before anything is built (``UsageError`` on every rank alike)."""
     if args.pp > 1:
-        raise UsageError(om.post_training.PIPELINE_REFUSAL)
+        raise UsageError("these scripts score and sample with the model's forward, which under the pipeline schedule "
+                         "returns no logits; train a pipelined model with om.post_training.train_step in your own "
+                         "loop (the objective runs as the last stage's loss), or use --pp 1")
     if args.cp > 1:
         raise UsageError("post-training runs whole sequences per rank (log-probabilities of each completion); "
                          "--cp is not supported here")

@@ -16,7 +16,17 @@ through ``om.post_training.train_step``; every step's global loss and every para
 
 Negative controls (library code on the wrong input, each must miss the reference): the reference model being the
 trained policy itself (updated by the steps), advantages that are the raw rewards (not group-normalized), the KL of
-distillation over the local vocabulary only. Pipeline parallelism is refused with the reason (pp 2 x dp 2).
+distillation over the local vocabulary only.
+
+Pipeline (pp 2 x dp 2, two microbatches per replica, ``train_step`` running the objective as the last stage's loss):
+DPO (sigmoid, IPO) and GRPO (``"grpo"`` with a KL to the tp-4 reference, ``"dapo"``) against the reference code,
+distillation from top-8 teacher logits precomputed at tp 4 (the global token share from the default all-reduce);
+negative controls: a divisor of the microbatch's own pair count, raw rewards as advantages. The objectives refuse the
+pipelined model (no logits), train_step refuses an objective with no pipelined form and a full-vocabulary teacher.
+
+LoRA (``peft``, tp 2 x dp 2 ZeRO-3; a plain-peft adapter with random A and B): DPO, GRPO and top-8 distillation equal
+plain peft on plain transformers (losses and every adapter piece); negative control: DPO against the LoRA policy as
+its own reference.
 """
 from __future__ import annotations
 
