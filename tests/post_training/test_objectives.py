@@ -20,7 +20,8 @@ distillation over the local vocabulary only.
 
 Pipeline (pp 2 x dp 2, two microbatches per replica, ``train_step`` running the objective as the last stage's loss):
 DPO (sigmoid, IPO) and GRPO (``"grpo"`` with a KL to the tp-4 reference, ``"dapo"``) against the reference code,
-distillation from top-8 teacher logits precomputed at tp 4 (the global token share from the default all-reduce);
+distillation from top-8 teacher logits precomputed at tp 4 (the global token share from the default all-reduce;
+``max_grad_norm`` clipping: the norm equals torch's on the reference, which it clips);
 negative controls: a divisor of the microbatch's own pair count, raw rewards as advantages. The objectives refuse the
 pipelined model (no logits), train_step refuses an objective with no pipelined form and a full-vocabulary teacher.
 
@@ -83,9 +84,14 @@ def _train(model, objective, local: dict, reference_loss, reference_model, *, st
     losses = []
     for step in range(steps):
         breadcrumb(f"{objective.__name__} step {step}")
-        got, _ = pt.train_step(model, optimizer, objective, local, **options)
+        got, metrics = pt.train_step(model, optimizer, objective, local, **options)
         expected = reference_loss()
         expected.backward()
+        if options.get("max_grad_norm"):  # the whole model's norm, clipped like torch's on the reference
+            norm = torch.nn.utils.clip_grad_norm_(_trainable(reference_model), options["max_grad_norm"])
+            if check:
+                torch.testing.assert_close(metrics["grad_norm"], norm, **TOL)
+                assert norm > options["max_grad_norm"]
         ref_optimizer.step(), ref_optimizer.zero_grad()
         losses.append((got.item(), expected.item()))
         if check:
@@ -321,7 +327,7 @@ def _pipeline(paths) -> None:
     plain_teacher = _plain(paths["teacher"]).eval()
     _train(model, pt.distill_objective, local, lambda: ref.distill_reference_loss(
         reference, plain_teacher, batch, alpha=0.6, direction="forward", temperature=2.0, top_k=8, count=count),
-           reference, pipelined=True, alpha=0.6, direction="forward", temperature=2.0)
+           reference, pipelined=True, alpha=0.6, direction="forward", temperature=2.0, max_grad_norm=0.5)
     with pytest.raises(ValueError, match="top-k"):  # a full-vocabulary teacher would cross the pipeline
         pt.train_step(model, None, pt.distill_objective, ref.replica(batch, ctx.dp_rank, ctx.dp_size),
                       teacher=teacher)
