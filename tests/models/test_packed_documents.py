@@ -213,3 +213,20 @@ def test_default_core_for_packed_batches():
     assert uses_flex(config, torch.device("cuda")) and not uses_flex(config, torch.device("cpu"))
     config.attention_dropout = 0.1
     assert not uses_flex(config, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("model_type,overrides,core", [("bloom", {}, "eager"), ("falcon", {"alibi": True}, "sdpa")])
+def test_alibi_families_attend_per_document(tmp_path, model_type, overrides, core):
+    """BLOOM and Falcon build their ALiBi bias into the mask: packed rows (restarting positions, a padded row) keep
+    their documents apart there too; loss and every gradient equal transformers one document per row."""
+    path = save_tiny(tmp_path / model_type, model_type, **overrides)
+    ref_model, ref_loss, count = reference(path, model_type, core)  # the core each family's default matches
+    model = om.AutoModelForCausalLM.from_pretrained(path, progress=False).train()
+    out = model(**_inputs("position_ids"), num_items_in_batch=count)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.detach(), ref_loss, **TOL)
+    assert assert_grads_match(model, ref_model, **TOL) == len(list(model.parameters()))
+    ids, _, mask, labels = packed_batch()  # negative control: the documents unmarked
+    with torch.no_grad():
+        leaked = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=count).loss
+    assert (leaked - ref_loss).abs() > 1e-4, (leaked, ref_loss)

@@ -29,7 +29,7 @@ from transformers.models.bloom.modeling_bloom import GeLUFunction
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Embedding
 from ..common.blocks import PreNormBlock
-from ..common.causal_masks import FULL
+from ..common.causal_masks import FULL, packed_documents
 from ..common.grouped_qkv_attention import GroupedQKVAttention
 from ..common.layer_norm import LayerNorm
 from ..common.mlp import DenseMLP
@@ -128,7 +128,8 @@ class BloomModel(TransformerStack, BloomPreTrainedModel):
         """``{"full_attention": [b, n/tp, s, k]}``: the causal padding mask with this rank's ALiBi bias in it."""
         context = self.parallel_context
         slopes = local_alibi_slopes(self.num_heads, context.tp_rank, context.tp_size, shape_like.device)
-        return {FULL: alibi_attention_mask(attention_mask, shape_like, past_key_values, slopes)}
+        documents = packed_documents(shape_like, attention_mask, past_key_values, position_ids)
+        return {FULL: alibi_attention_mask(attention_mask, shape_like, past_key_values, slopes, documents=documents)}
 
 
 BloomPreTrainedModel.base_model_class = BloomModel

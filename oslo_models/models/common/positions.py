@@ -24,6 +24,7 @@ import torch
 from ...parallel_layers.layers import Embedding
 from ...parallel_layers.plan import PositionEmbedding
 from ...parallel_layers.tensor_parallel_2d import HiddenEmbedding2D
+from ...utils.documents import positions_in_documents
 
 
 def _position_rows(attention_mask, past_key_values_length: int, position_ids, offset: int) -> torch.Tensor:
@@ -102,16 +103,20 @@ def local_alibi_slopes(num_heads: int, tp_rank: int, tp_size: int, device=None) 
     return alibi_slopes(num_heads, device)[tp_rank * per_rank:(tp_rank + 1) * per_rank]
 
 
-def build_alibi(attention_mask: torch.Tensor, slopes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def build_alibi(attention_mask: torch.Tensor, slopes: torch.Tensor, dtype: torch.dtype,
+                key_positions: torch.Tensor | None = None) -> torch.Tensor:
     """The additive bias ``[b, n_local, 1, s]`` for ``attention_mask [b, s]`` (1 = token, 0 = padding) and the
     heads of ``slopes [n_local]``; broadcast over the query dim. ``transformers``' ``build_alibi_tensor`` is the same
-    values as ``[b * n, 1, s]``."""
-    positions = ((attention_mask.cumsum(dim=-1) - 1) * attention_mask)[:, None, None, :]  # [b, 1, 1, s]
+    values as ``[b * n, 1, s]``. ``key_positions [b, s]`` replace the positions counted from the mask (packed rows:
+    positions within each document)."""
+    if key_positions is None:
+        key_positions = (attention_mask.cumsum(dim=-1) - 1) * attention_mask
+    positions = key_positions[:, None, None, :]  # [b, 1, 1, s]
     return (slopes.to(attention_mask.device)[None, :, None, None] * positions).to(dtype)
 
 
 def alibi_attention_mask(attention_mask, shape_like: torch.Tensor, past_key_values, slopes: torch.Tensor, *,
-                         divisor: float = 1.0) -> torch.Tensor:
+                         divisor: float = 1.0, documents: torch.Tensor | None = None) -> torch.Tensor:
     """The additive attention mask of a causal ALiBi decoder, the bias inside it: ``[b, n_local, s, k]`` (``k = past
     + s``), ``build_alibi(...) / divisor`` where a key is visible (causal and not padding) and the dtype's minimum
     elsewhere, in ``shape_like``'s dtype. Bloom adds the bias unscaled, Falcon divides it by ``sqrt(head_dim)``.
@@ -120,6 +125,9 @@ def alibi_attention_mask(attention_mask, shape_like: torch.Tensor, past_key_valu
     padding); ``shape_like``: ``[b, s, ...]`` (batch, length, dtype and device are read); ``slopes``: this rank's
     ``[n_local]``. A row with no visible key (a left-padded query) is all minimum, so its softmax is uniform, as in
     ``transformers``' ALiBi decoders. Every attention kernel takes the result as its mask (SDPA: no ``is_causal``).
+    ``documents [b, s]`` (packed rows, no cache): a key is visible only from its own document, and its bias counts
+    its position within that document (what the document alone would get; Falcon's bfloat16 slopes round the
+    product differently at other positions, so a per-row constant shift would not be exact).
     No collective: each tensor-parallel rank builds the mask of its own heads."""
     batch, length = shape_like.shape[:2]
     device, dtype = shape_like.device, shape_like.dtype
@@ -132,12 +140,15 @@ def alibi_attention_mask(attention_mask, shape_like: torch.Tensor, past_key_valu
         raise ValueError(f"ALiBi builds its bias from the 2D padding mask [batch, past + length] = [{batch}, {total}]"
                          f", got {found} (a static cache's prepared 4D masks are not supported)")
     attention_mask = attention_mask.to(device)
-    bias = build_alibi(attention_mask, slopes, dtype)  # [b, n_local, 1, k]
+    within = None if documents is None else positions_in_documents(documents) * attention_mask
+    bias = build_alibi(attention_mask, slopes, dtype, within)  # [b, n_local, 1, k]
     if divisor != 1.0:
         bias = bias / divisor
     keys = torch.arange(total, device=device)
     visible = (keys[None, :] <= past + torch.arange(length, device=device)[:, None])[None] \
         & attention_mask[:, None, :].bool()  # [b, s, k]
+    if documents is not None:
+        visible = visible & (documents[:, :, None] == documents[:, None, :])
     hidden = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device)
     return torch.where(visible[:, None], bias, hidden)  # [b, n_local, s, k]
 

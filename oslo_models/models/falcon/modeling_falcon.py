@@ -35,7 +35,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttenti
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Embedding
 from ..common.blocks import ParallelResidualBlock, PreNormBlock
-from ..common.causal_masks import FULL
+from ..common.causal_masks import FULL, packed_documents
 from ..common.grouped_qkv_attention import GroupedQKVAttention
 from ..common.layer_norm import LayerNorm
 from ..common.mlp import DenseMLP
@@ -179,8 +179,9 @@ class FalconModel(TransformerStack, FalconPreTrainedModel):
         per_rank = self.num_heads // context.tp_size
         slopes = alibi_slopes(self.num_heads, shape_like.device).bfloat16()
         slopes = slopes[context.tp_rank * per_rank:(context.tp_rank + 1) * per_rank]
+        documents = packed_documents(shape_like, attention_mask, past_key_values, position_ids)
         return {FULL: alibi_attention_mask(attention_mask, shape_like, past_key_values, slopes,
-                                           divisor=math.sqrt(self.embed_dim // self.num_heads))}
+                                           divisor=math.sqrt(self.embed_dim // self.num_heads), documents=documents)}
 
 
 FalconPreTrainedModel.base_model_class = FalconModel
