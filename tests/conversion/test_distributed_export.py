@@ -7,17 +7,21 @@ distributed writer and with the earlier gathering save (``distributed=False``), 
 ``transformers`` loads the two folders to exactly the same tensors, which differ from the starting checkpoint (the
 trained model) and equal the model's own parameters (each rank's slice, exact); the files hold the keys, shapes
 and dtypes ``transformers``' own ``save_pretrained`` writes; every byte is written once, by the rank the plan gave
-it, and every rank writes part of it.
+it, and every rank writes part of it. A save that fails on one rank (a file-size limit there) fails on every rank and
+leaves the previous folder as it was.
 
 Memory: a 118 MB GPT-2 at tp2 x dp2 ZeRO-3 (29 MB per rank): the distributed save's peak RSS over the rank's
 resident memory before it stays under its 4 MiB buffer plus 24 MiB of slack on every rank, while the gathering
-save (the negative control) exceeds that bound (rank 0 holds the whole model). A save killed while writing leaves
-the previous folder intact (a failing rank: every rank raises, the folder is unchanged).
+save (the negative control) exceeds that bound (rank 0 holds the whole model); the offline consolidation of a
+resumable checkpoint of it, shared by the 4 processes, stays under twice the largest stored chunk plus the same, and
+writes the same files.
 """
 from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 
 import pytest
 import torch
@@ -112,6 +116,23 @@ def _layouts_worker(paths: dict, root: str) -> None:
     model, opt = build(paths["gpt2"], tensor_parallel_size=4, tensor_parallel_mode="2d")
     _check("gpt2-tp4-2d", model, opt, paths["gpt2"], transformers.GPT2LMHeadModel, root)
 
+    # a save that fails on one rank (a file-size limit there) fails on every rank; the previous folder stays as it was
+    target = os.path.join(root, "gpt2-tp4-2d-new")
+    before = {name: open(os.path.join(target, name), "rb").read() for name in sorted(os.listdir(target))}
+    dist.barrier()
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if dist.get_rank() == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limit[1]))
+    _step(model, opt, torch.randint(1, 100, (4, 8), generator=torch.Generator().manual_seed(3)))
+    with pytest.raises(OSError, match="failed on rank 1"):
+        training.save_pretrained(model, target, max_shard_size=SHARD)
+    resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    dist.barrier()  # rank 0 removes the staging folder as it raises
+    after = {name: open(os.path.join(target, name), "rb").read() for name in sorted(os.listdir(target))}
+    assert after == before
+    assert not [n for n in os.listdir(root) if n.startswith(".gpt2-tp4-2d-new.saving-")]  # staging removed
+
 
 def test_distributed_export_equals_the_gathered_one(tmp_path):
     from tests.models.test_moe_parity import CONFIGS, HF
@@ -127,40 +148,53 @@ def test_distributed_export_equals_the_gathered_one(tmp_path):
 BUFFER, SLACK = 4 * 2**20, 24 * 2**20
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def _extra_peak(save) -> int:
-    """Peak RSS while ``save()`` runs, over the RSS before it (``clear_refs`` 5 resets the high-water mark)."""
+    """Peak RSS while ``save()`` runs, over the RSS before it (``PeakRSS`` resets the high-water mark). Memory
+    freed earlier is handed back to the system first (``malloc_trim``), so the save cannot hide in it."""
+    import ctypes
     import gc
 
+    from oslo_models.utils import PeakRSS
+
     gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     dist.barrier()
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-    before = _status_bytes("VmRSS")
-    save()
-    return _status_bytes("VmHWM") - before
+    with PeakRSS() as peak:
+        save()
+    return peak.growth_bytes
 
 
 def _memory_worker(path: str, root: str, full_bytes: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from oslo_models.conversion.consolidate import consolidate
+
     cfg = om.ParallelConfig(tensor_parallel_size=2)
     model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False)
     model, _ = training.shard_data_parallel(model, zero_stage=3)
     new = _extra_peak(lambda: training.save_pretrained(model, os.path.join(root, "new"), buffer_bytes=BUFFER))
+    # the offline consolidation of a resumable checkpoint, shared by the 4 processes: one stored chunk at a time
+    ckpt = os.path.join(root, "ckpt")
+    training.save_checkpoint(ckpt, model, step=1)
+    chunk = max(c.sizes.numel() * m.properties.dtype.itemsize for m in
+                dcp.FileSystemReader(os.path.join(ckpt, "step-00000001")).read_metadata().state_dict_metadata.values()
+                if hasattr(m, "chunks") for c in m.chunks)
+    merged = _extra_peak(lambda: consolidate(ckpt, os.path.join(root, "consolidated"), buffer_bytes=BUFFER))
     old = _extra_peak(lambda: training.save_pretrained(model, os.path.join(root, "old"), distributed=False))
     peaks = [None] * 4
-    dist.all_gather_object(peaks, (new, old))
+    dist.all_gather_object(peaks, (new, old, merged))
     if dist.get_rank() == 0:
-        mib = [(round(a / 2**20, 1), round(b / 2**20, 1)) for a, b in peaks]
-        print(f"extra peak RSS per rank (MiB, distributed vs gathering), model {full_bytes / 2**20:.0f} MiB: {mib}")
-        assert all(a <= BUFFER + SLACK for a, _ in peaks), mib
-        assert max(b for _, b in peaks) > max(BUFFER + SLACK, full_bytes // 2), mib  # the negative control
+        mib = [tuple(round(x / 2**20, 1) for x in peak) for peak in peaks]
+        print(f"extra peak RSS per rank (MiB: distributed save, gathering save, consolidation; largest chunk "
+              f"{chunk / 2**20:.1f}), model {full_bytes / 2**20:.0f} MiB: {mib}")
+        assert all(a <= BUFFER + SLACK for a, _, _ in peaks), mib
+        assert max(b for _, b, _ in peaks) > max(BUFFER + SLACK, full_bytes // 2), mib  # the negative control
+        assert all(c <= 2 * chunk + BUFFER + SLACK for _, _, c in peaks), mib
+        for name in os.listdir(os.path.join(root, "new")):
+            if name.endswith(".safetensors"):
+                with open(os.path.join(root, "new", name), "rb") as a, \
+                        open(os.path.join(root, "consolidated", name), "rb") as b:
+                    assert a.read() == b.read(), name
 
 
 def test_distributed_export_memory_stays_within_the_buffer(tmp_path):

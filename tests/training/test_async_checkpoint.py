@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import resource
+import select
 import signal
 import subprocess
 import sys
@@ -118,7 +119,7 @@ def test_async_checkpoint_overlaps_and_resumes(tmp_path):
 
 
 _KILLED = textwrap.dedent("""
-    import os, sys, torch, oslo_models as om
+    import os, sys, time, torch, oslo_models as om
     from oslo_models import training
     src, root = sys.argv[1], sys.argv[2]
     model = om.AutoModelForCausalLM.from_pretrained(src, progress=False).train()
@@ -136,8 +137,8 @@ _KILLED = textwrap.dedent("""
     training.save_checkpoint(root, model, opt, step=2, async_=True)
     writer = model.__dict__["_oslo_async_checkpoint"]
     partial = os.path.join(root, ".step-00000002.partial")
-    while not (os.path.isdir(partial) and os.listdir(partial)):
-        step()  # training goes on until the background thread is writing files
+    while writer.in_flight() and not (os.path.isdir(partial) and os.listdir(partial)):
+        time.sleep(0.001)  # until the background thread is writing files
     print("WRITING" if writer.in_flight() else "DONE-TOO-EARLY", flush=True)
     while True:
         step()
@@ -150,7 +151,8 @@ def test_a_kill_during_the_background_write_keeps_the_last_checkpoint(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     child = subprocess.Popen([sys.executable, "-c", _KILLED, src, str(root)], stdout=subprocess.PIPE, env=env)
     try:
-        line = child.stdout.readline()
+        ready, _, _ = select.select([child.stdout], [], [], 600)
+        line = child.stdout.readline() if ready else b"(nothing within 600 s)"
         assert line.strip() == b"WRITING", line
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=60)
