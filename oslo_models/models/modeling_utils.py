@@ -35,6 +35,7 @@ from ..parallel_layers.plan import ParallelPlan
 from ..parallel_layers.sequence_parallel import bind_sequence_parallel_region
 from .common.bias_act import configure_fused_ops
 from .common.context_parallel import check_context_parallel
+from .common.outputs import install_recording_hooks
 from .common.parallel_rules import check_rules, spec_rules
 from .common.pretrained_options import parse_load_options
 
@@ -145,6 +146,7 @@ class OsloPreTrainedModel(PreTrainedModel):
             keep_stage_modules(self, self.parallel_context)
             self.register_forward_pre_hook(_refuse_pipelined_forward)
         self.tie_parallel_weights()
+        install_recording_hooks(self)  # now, not inside a compiled first forward (common/outputs.py)
         if not any(param.is_meta for param in self.parameters()):
             self.initialize_from_twin()
         if self.parallel_context.config.activation_checkpointing is not None:

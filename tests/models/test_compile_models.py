@@ -82,7 +82,9 @@ def test_moe_block_compiles_whole(model_type):
     from tests.helpers.zoo import tiny_config
 
     torch.manual_seed(0)
-    model = om.AutoModelForCausalLM.from_config(tiny_config(model_type)).train()
+    # without output_router_logits: the model then has no transformers recording hook on the router, whose
+    # ContextVar lookup dynamo cannot trace outside a compiled base model (whole models trace it: common/outputs.py)
+    model = om.AutoModelForCausalLM.from_config(tiny_config(model_type, output_router_logits=False)).train()
     block = next(layer.mlp for layer in model.model.layers if layer.is_sparse)
     x = torch.randn(2, 7, model.config.hidden_size, requires_grad=True)
     torch._dynamo.reset()
@@ -138,3 +140,19 @@ def test_fused_kernels_inside_the_compiled_graph(checkpoints, monkeypatch):
     torch.testing.assert_close(loss_c, loss, atol=1e-5, rtol=1e-5)
     for n, grad in grads.items():
         torch.testing.assert_close(grads_c[n], grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_recording_hooks_installed_at_construction():
+    """A config that records on every call (``output_router_logits=True``) gets ``transformers``' recording hooks
+    when the model is built, not inside a compiled first forward (where installing them takes a thread lock dynamo
+    cannot trace); each router logit is still recorded once. Without recording, no hooks."""
+    from tests.helpers.zoo import tiny_config
+
+    model = om.AutoModelForCausalLM.from_config(tiny_config("mixtral"))
+    assert getattr(model.model, "_output_capturing_hooks_installed", False)
+    assert not getattr(model, "_output_capturing_hooks_installed", False)  # the base model's only, as transformers
+    ids, mask, _ = padded_batch(model.config.vocab_size)
+    out = model(input_ids=ids, attention_mask=mask)
+    assert len(out.router_logits) == model.config.num_hidden_layers
+    plain = om.AutoModelForCausalLM.from_config(tiny_config("mixtral", output_router_logits=False))
+    assert not getattr(plain.model, "_output_capturing_hooks_installed", False)

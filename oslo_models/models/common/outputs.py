@@ -72,4 +72,29 @@ def capture_parallel_outputs(forward):
         gather_recorded_outputs(self, outputs)
         return outputs if return_dict else outputs.to_tuple()
 
+    wrapper.records_outputs = True
     return wrapper
+
+
+def install_recording_hooks(model) -> int:
+    """Install ``transformers``' output-recording hooks now on each base model inside ``model`` whose config already
+    asks for a recorded output on every call (``output_router_logits=True`` in the MoE configs, or
+    ``output_hidden_states`` / ``output_attentions``), as ``transformers`` does on the first forward that records.
+    Installed there, a compiled first step enters ``transformers``' hook-installation lock, which ``torch.compile``
+    cannot trace (a graph break in every MoE decoder). Returns how many base models got hooks (0 on a
+    ``transformers`` without the function)."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # pragma: no cover - older transformers install them on first use only
+        return 0
+    installed = 0
+    for module in model.modules():
+        if not getattr(type(module).forward, "records_outputs", False):
+            continue
+        config = module.config
+        keys = getattr(module, "_can_record_outputs", None) or {}
+        asks = {"attentions" if key == "cross_attentions" else key for key in keys}
+        if any(getattr(config, f"output_{key}", False) for key in asks):
+            maybe_install_capturing_hooks(module)
+            installed += 1
+    return installed
