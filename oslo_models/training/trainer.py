@@ -19,9 +19,12 @@ exactly those points, through ``Trainer``'s own overridable methods (nothing is 
   shard it makes is re-pointed at the data-parallel group (``num_processes = dp_size``, ``process_index =
   dp_rank``), so the tp ranks of a replica draw the same rows, as ``Trainer`` itself does for its rebalancing
   sampler.
-- model: autocast / compile from Accelerate (``prepare_model(evaluation_mode=True)``, which also marks the model
-  prepared so ``Trainer`` does not wrap it again), then DDP over the dp group
-  (:func:`~oslo_models.training.zero.shard_data_parallel`, ZeRO stage 0).
+- model and optimizer: autocast / compile from Accelerate (``prepare_model(evaluation_mode=True)``, which also marks
+  the model prepared so ``Trainer`` does not wrap it again), then data parallelism over the dp group at the model's
+  ``ParallelConfig.zero_stage`` (:func:`~oslo_models.training.zero.shard_data_parallel`): stage 0 is DDP; stages 1-3
+  shard the optimizer ``Trainer`` created before wrapping (ZeRO-1: ``ZeroRedundancyOptimizer``; ZeRO-2/3: FSDP2,
+  the optimizer rebuilt on the sharded parameters), which is then prepared here with ``device_placement=False``
+  (Accelerate's placement round trip would ask ZeRO-1 for its consolidated state), as ``training.prepare`` does.
 - loss: ``get_tp_size`` returns the model's tp size, so ``Trainer``'s token count (gathered over the world) and its
   loss scaling count each replica once: with ``average_tokens_across_devices`` (its default) the loss is the global
   batch's over the accumulation window, as ``training.prepare``'s loaders make it (``global_batch.py``); the logged
@@ -32,13 +35,14 @@ exactly those points, through ``Trainer``'s own overridable methods (nothing is 
   LoRA adapters by their own layouts) in place of Accelerate's per-rank norm.
 - checkpoints and ``save_model``: every rank joins the gathered save (``adapters.save_adapter`` for a ``peft``
   model: a plain ``peft`` folder; ``training.save_pretrained`` otherwise: a plain Hub folder); rank 0 writes. The
-  optimizer state is per rank (``rank{r}-of-{world}-optimizer.pt``: tp ranks hold different adapter pieces), the
-  scheduler once; ``resume_from_checkpoint`` reloads them at the same layout (adapters and full weights themselves
+  optimizer state is per rank (``rank{r}-of-{world}-optimizer.pt``: tp ranks hold different adapter pieces; under
+  ZeRO this rank's shard: ZeRO-1's partition, ZeRO-2/3's local pieces of the DTensor moments), the scheduler once;
+  ``resume_from_checkpoint`` reloads them at the same layout and ZeRO stage (adapters and full weights themselves
   load at any layout, sliced).
 
 Refused with the reason: pipeline and context parallelism (the schedule / the sequence split are not ``Trainer``'s
-forward), ZeRO stages 1-3 (use :func:`~oslo_models.training.prepare` in your own loop), and evaluation /
-prediction at tp > 1 (``Trainer`` gathers predictions over the whole world, so every tp rank's copy would count).
+forward), and evaluation / prediction at tp > 1 (``Trainer`` gathers predictions over the whole world, so every tp
+rank's copy would count).
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ from . import clip
 from .export import save_pretrained
 from .global_batch import loss_is_per_token
 from .trl_trainers import adapt_arguments, adapt_trainer, share_tp_rng
-from .zero import shard_data_parallel, unwrap_model
+from .zero import shard_data_parallel, unwrap_model, unwrap_optimizer
 
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
@@ -63,6 +67,52 @@ def _is_peft(model) -> bool:
     except ImportError:
         return False
     return isinstance(model, PeftModel)
+
+
+def _local_holder(optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: ZeRO-1's ``ZeroRedundancyOptimizer`` keeps its partition in
+    ``.optim`` (its own ``state_dict`` would consolidate the whole state on one rank)."""
+    inner = unwrap_optimizer(optimizer)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return inner.optim if isinstance(inner, ZeroRedundancyOptimizer) else inner
+
+
+def _copy_hyperparameters(source, target) -> None:
+    if source is not target:
+        for group, other in zip(source.param_groups, target.param_groups, strict=True):
+            other.update({key: value for key, value in group.items() if key != "params"})
+
+
+def _local_optimizer_state(optimizer) -> dict:
+    """This rank's optimizer state as plain tensors (ZeRO-2/3: the local shards of the DTensor moments)."""
+    from torch.distributed.tensor import DTensor
+
+    holder, inner = _local_holder(optimizer), unwrap_optimizer(optimizer)
+    _copy_hyperparameters(inner, holder)  # ZeRO-1: the partition's groups get the scheduler's lr only at a step
+    state = holder.state_dict()
+    state["state"] = {index: {key: value.to_local() if isinstance(value, DTensor) else value
+                              for key, value in entry.items()} for index, entry in state["state"].items()}
+    return state
+
+
+def _load_local_optimizer_state(optimizer, state: dict) -> None:
+    """Inverse of :func:`_local_optimizer_state` at the same layout: the moments of a DTensor parameter become
+    DTensors again on its mesh and placements."""
+    from torch.distributed.tensor import DTensor
+
+    holder = _local_holder(optimizer)
+    holder.load_state_dict(state)
+    _copy_hyperparameters(holder, unwrap_optimizer(optimizer))  # ZeRO-1 copies its own onto the partition's
+    for param, entry in holder.state.items():
+        if not isinstance(param, DTensor):
+            continue
+        local = param.to_local()
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == local.shape \
+                    and value.dim():
+                entry[key] = DTensor.from_local(value.to(local.device), param.device_mesh, param.placements,
+                                                run_check=False, shape=param.shape, stride=param.stride())
 
 
 class ParallelTrainerMixin:
@@ -87,11 +137,6 @@ class ParallelTrainerMixin:
             raise NotImplementedError(
                 "Trainer with context_parallel_size > 1 is not supported: Trainer's batches and token counts assume "
                 "whole sequences on every rank")
-        if context.config.zero_stage:
-            raise NotImplementedError(
-                f"Trainer with zero_stage={context.config.zero_stage} is not supported (Accelerate's optimizer "
-                "wrapper reloads the optimizer state, which a ZeRO-sharded optimizer cannot give whole); use "
-                "zero_stage=0 here, or oslo_models.training.prepare(..., zero_stage=...) in your own loop")
         if self.accelerator.num_processes != context.world_size:
             raise ValueError(f"Accelerate sees {self.accelerator.num_processes} process(es) but the model's "
                              f"ParallelContext spans {context.world_size}")
@@ -146,7 +191,21 @@ class ParallelTrainerMixin:
             return model
         # autocast / compile only; marks the model prepared so Trainer's accelerator.prepare leaves it as is
         model = self.accelerator.prepare_model(model, evaluation_mode=True)
-        wrapped, _ = shard_data_parallel(model, None, zero_stage=0)
+        stage = self.parallel_context.config.zero_stage
+        if not stage:  # Trainer's accelerator.prepare wraps the optimizer afterwards, as for any model
+            wrapped, _ = shard_data_parallel(model, None, zero_stage=0)
+            return wrapped
+        if self.optimizer is None:
+            raise RuntimeError(f"zero_stage={stage}: {type(self).__name__} shards the optimizer with the model, and "
+                               "Trainer created none before wrapping it")
+        original = unwrap_optimizer(self.optimizer)
+        wrapped, sharded = shard_data_parallel(model, original, zero_stage=stage)
+        if self.lr_scheduler is not None and getattr(self.lr_scheduler, "optimizer", None) is original:
+            self.lr_scheduler.optimizer = sharded  # ZeRO-2/3 rebuilt it on the sharded parameters (same groups)
+        # prepared here (marked so, Trainer's accelerator.prepare keeps it); device_placement=False: the state is
+        # where the parameters are, and Accelerate's placement round trip (state_dict -> load_state_dict) would need
+        # ZeRO-1's consolidated state (training/prepare.py does the same)
+        self.optimizer = self.accelerator.prepare(sharded, device_placement=[False])
         return wrapped
 
     def _clip_grad_norm(self, model):
@@ -194,7 +253,7 @@ class ParallelTrainerMixin:
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         os.makedirs(output_dir, exist_ok=True)
-        torch.save(self.optimizer.state_dict(), self._optimizer_file(output_dir))
+        torch.save(_local_optimizer_state(self.optimizer), self._optimizer_file(output_dir))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
@@ -205,7 +264,7 @@ class ParallelTrainerMixin:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} is missing: a checkpoint resumes at the layout (world size) that "
                                     "saved it; the model or adapter folder itself loads at any layout")
-        self.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        _load_local_optimizer_state(self.optimizer, torch.load(path, map_location="cpu", weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:

@@ -1,6 +1,6 @@
 """TRL's ``DPOTrainer`` and ``GRPOTrainer`` on a parallel model at tp 2 x dp 2, against the same trainers on plain
 ``transformers``: every logged value (loss, gradient norm, rewards, log-probabilities, logits, entropy, KL) at every
-step, fp32 (``bf16=False``), 1e-5.
+step, fp32 (``bf16=False``), 1e-5; ``DPOTrainer`` also at tp 2 x dp 2 with ZeRO-3 (the policy sharded over dp).
 
 ``class ParDPO(ParallelTrainerMixin, trl.DPOTrainer)`` with ``ref_model=None`` (TRL reloads the reference from the
 policy's ``name_or_path``; the mixin loads it at the policy's layout), against ``DPOTrainer`` in one process on the
@@ -113,8 +113,8 @@ def _check(got, expected, names) -> None:
                                atol=1e-5, rtol=1e-5, msg=lambda m: f"{m}\n{names}\n{got}\n{expected}")
 
 
-def _ours(path: str):
-    parallel = om.ParallelConfig(tensor_parallel_size=2, data_parallel_size=2)
+def _ours(path: str, zero_stage: int = 0):
+    parallel = om.ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, zero_stage=zero_stage)
     return om.AutoModelForCausalLM.from_pretrained(path, parallel=parallel, progress=False).train()
 
 
@@ -135,6 +135,12 @@ def _worker(path: str, expected: dict, root: str) -> None:
     assert (trl_head - expected["log_probs"]).abs().max() > 1e-2
     model = _ours(path)
     _check(_dpo(ParDPO, model, os.path.join(root, "dpo"), 2), expected["dpo"], DPO_LOGGED)
+    # ZeRO-3 over dp: the policy's parameters sharded over the replicas (after the steps too), the same values logged
+    zero3 = _ours(path, zero_stage=3)
+    _check(_dpo(ParDPO, zero3, os.path.join(root, "dpo_zero3"), 2), expected["dpo"], DPO_LOGGED)
+    from torch.distributed.tensor import DTensor, Shard
+
+    assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in zero3.parameters())
     _check(_grpo(ParGRPO, _ours(path), os.path.join(root, "grpo"), 4), expected["grpo"], GRPO_LOGGED)
 
 
