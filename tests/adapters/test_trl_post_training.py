@@ -1,6 +1,6 @@
 """TRL's ``DPOTrainer`` and ``GRPOTrainer`` on a parallel model at tp 2 x dp 2, against the same trainers on plain
 ``transformers``: every logged value (loss, gradient norm, rewards, log-probabilities, logits, entropy, KL) at every
-step, fp32 (``bf16=False``), 1e-5; ``DPOTrainer`` also at tp 2 x dp 2 with ZeRO-3 (the policy sharded over dp).
+step, fp32 (``bf16=False``), 1e-5; both also at tp 2 x dp 2 with ZeRO-3 (the policy sharded over dp).
 
 ``class ParDPO(ParallelTrainerMixin, trl.DPOTrainer)`` with ``ref_model=None`` (TRL reloads the reference from the
 policy's ``name_or_path``; the mixin loads it at the policy's layout), against ``DPOTrainer`` in one process on the
@@ -142,6 +142,10 @@ def _worker(path: str, expected: dict, root: str) -> None:
 
     assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in zero3.parameters())
     _check(_grpo(ParGRPO, _ours(path), os.path.join(root, "grpo"), 4), expected["grpo"], GRPO_LOGGED)
+    # GRPO at ZeRO-3 too: generation and the reference on the dp-sharded policy, the same values logged
+    grpo_zero3 = _ours(path, zero_stage=3)
+    _check(_grpo(ParGRPO, grpo_zero3, os.path.join(root, "grpo_zero3"), 4), expected["grpo"], GRPO_LOGGED)
+    assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in grpo_zero3.parameters())
 
 
 def _plain_grpo_worker(path: str, root: str) -> None:
