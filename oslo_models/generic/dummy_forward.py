@@ -3,7 +3,8 @@ of a tensor-parallel plan (``partial_gradients.py``, ``inplace_outputs.py``) run
 
 The model runs in eval mode (no dropout; training-only branches such as router jitter stay off) on
 ``model.dummy_inputs`` (``transformers``' small batch of token ids, or the model's own override; under sequence
-parallelism repeated to a length the tp size divides), without a cache,
+parallelism repeated to a length the tp size divides; under context parallelism this rank's chunk of it), without a
+cache,
 with the RNG state of the device restored afterwards (a later training run draws the same masks as without the
 check). Collectives: the model's own (every tp rank runs it).
 """
@@ -20,9 +21,16 @@ def dummy_forward(model: nn.Module, context, *, grad: bool):
     """The output of one forward of ``model`` on its dummy inputs, with autograd recording when ``grad``."""
     inputs = {key: value.to(context.device) if isinstance(value, torch.Tensor) else value
               for key, value in dict(model.dummy_inputs).items()}
-    if context.config.sequence_parallel:  # a sequence length the tp ranks can split evenly
-        inputs = {key: value.repeat(1, context.tp_size) if isinstance(value, torch.Tensor) and value.dim() == 2
-                  else value for key, value in inputs.items()}
+    if context.config.sequence_parallel or context.cp_size > 1:  # a length the tp ranks (x 2 cp chunks) split
+        repeat = (context.tp_size if context.config.sequence_parallel else 1) * 2 * context.cp_size
+        inputs = {key: value.repeat(1, repeat) if isinstance(value, torch.Tensor) and value.dim() == 2 else value
+                  for key, value in inputs.items()}
+    if context.cp_size > 1:  # this cp rank's chunk(s), as training.prepare's loader gives them
+        from ..parallel_layers.context_parallel.chunking import split_sequence
+
+        mode = context.config.context_parallel_mode
+        inputs = {key: split_sequence(value, context.cp_rank, context.cp_size, mode)
+                  if isinstance(value, torch.Tensor) and value.dim() == 2 else value for key, value in inputs.items()}
     if "use_cache" in inspect.signature(model.forward).parameters:
         inputs["use_cache"] = False
     was_training = model.training

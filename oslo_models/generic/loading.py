@@ -39,6 +39,7 @@ import os
 import torch
 
 from . import (
+    context_parallel,
     inplace_outputs,
     packed_attention,
     partial_gradients,
@@ -115,16 +116,18 @@ def _attach(model, context, plan: dict[str, str]):
     model._oslo_generic_tp_plan = dict(plan)  # the resolved plan; its presence marks the generic path
     # a causal LM's loss from its logits' vocabulary slices (the head applied colwise); whole logits without labels
     model._oslo_vocab_parallel_loss = bool(plan) and vocab_parallel_loss.install(model, context, plan)
+    token_loss.install(model)  # num_items_in_batch honoured, also by models that average their loss themselves
+    packed_attention.install(model)  # packed documents attend within themselves (transformers' mask may not)
     if getattr(model, "_oslo_sequence_parallel", None):
         sequence_parallel.install(model, context, *model._oslo_sequence_parallel)
+    if context.cp_size > 1:  # chunks attend across the cp group through transformers' attention interface (its
+        context_parallel.install(model, context)  # hook after packed_attention's: that one sees the batch's own)
     if plan:  # what transformers' inference plans miss in training (a dummy forward each, same on every tp rank)
         # outputs of plan modules the model modifies in place: copied while autograd records
         model._oslo_tp_output_copies = inplace_outputs.find_modified_outputs(model, context, plan)
         inplace_outputs.copy_outputs(model, model._oslo_tp_output_copies)
         # replicated parameters fed by tp slices: their gradients summed over tp in the backward
         model._oslo_tp_partial_gradients = partial_gradients.reduce_partial_gradients(model, context)
-    token_loss.install(model)  # num_items_in_batch honoured, also by models that average their loss themselves
-    packed_attention.install(model)  # packed documents attend within themselves (transformers' mask may not)
     if context.config.activation_checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -14,7 +14,9 @@ class supports is read from ``transformers`` itself, never from a table kept her
   (``gradient_checkpointing_enable``), i.e. ``activation_checkpointing="full"``.
 - sequence parallelism: built from the plan's regions and the module tree at load (``sequence_parallel.py``, which
   refuses a layer it cannot split, with the reason); it needs tensor parallelism.
-- context / expert parallelism and the 2D / 2.5D / 3D tensor modes need the native layers: refused.
+- context parallelism: causal LMs whose layers attend through ``transformers``' attention interface
+  (``context_parallel.py``, checked at load with the reason).
+- expert parallelism and the 2D / 2.5D / 3D tensor modes need the native layers: refused.
 
 :func:`check_parallel` raises before any process group exists, so a request the path cannot honour is a clear
 ``ValueError`` naming the type and what it supports, never a hang or a silently different layout.
@@ -65,6 +67,10 @@ def tensor_parallel_plan(config, model_class: type | None = None) -> dict[str, s
     return plan
 
 
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def pipeline_plan(config) -> dict:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return dict(getattr(text, "base_model_pp_plan", None) or {})
@@ -105,9 +111,13 @@ def refusals(config, parallel, model_class: type | None = None) -> list[str]:
                "it has no base_model_pp_plan")
         reasons.append(f"pipeline_parallel_size={parallel.pipeline_parallel_size}: {model_type!r} cannot be "
                        f"pipelined on the generic path: {why}")
-    if parallel.context_parallel_size > 1:
-        reasons.append(f"context_parallel_size={parallel.context_parallel_size}: context parallelism needs the "
-                       f"native attention (ring / all-to-all over the cp axis)")
+    cp = parallel.context_parallel_size
+    if cp > 1 and model_class is not None and not model_class.__name__.endswith("ForCausalLM"):
+        reasons.append(f"context_parallel_size={cp}: the generic path splits the sequence of causal LMs (through "
+                       f"transformers' attention interface); {model_class.__name__} is not one")
+    elif cp > 1 and not isinstance(getattr(text_config(config), "num_attention_heads", None), int):
+        reasons.append(f"context_parallel_size={cp}: {model_type!r} has no attention heads "
+                       f"(config.num_attention_heads) for the context-parallel attention to split across chunks")
     if parallel.expert_parallel_size > 1:
         reasons.append(f"expert_parallel_size={parallel.expert_parallel_size}: the generic path splits experts only "
                        f"as the tensor-parallel plan does (transformers' expert-parallel plan is not applied)")

@@ -34,8 +34,9 @@ def has_dtensor_parameters(model: nn.Module) -> bool:
 
 
 def average_gradients_over_dp(model: nn.Module, context) -> None:
-    """After each backward, every gradient is the mean over the dp group (registered once, on the parameters)."""
-    group, size = context.dp_group, context.dp_size
+    """After each backward, every gradient is the mean over the dp group (``dp x cp`` under context parallelism: cp
+    ranks hold the same weights and their chunks' shares add up; registered once, on the parameters)."""
+    group, size = context.dp_cp_group, context.dp_cp_size
 
     def reduce(param: torch.Tensor) -> None:
         grad = param.grad

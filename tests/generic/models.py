@@ -18,6 +18,8 @@ Hidden 64, 2 layers, vocabulary 101, no dropout. Each exercises something of its
 - llama4_text (2025): MoE (top-1 sigmoid router, fused experts) in layer 1 with a shared expert whose rowwise output the
   model adds the routed experts into in place (``out.add_``), a dense MLP in layer 0, chunked attention, QK L2 norm
   (``generic/inplace_outputs.py``).
+- cohere2 (2025): sliding-window layers (window 4) interleaved with full attention, tied embeddings, logit scale.
+- qwen3_next (2025): hybrid decoder, a gated DeltaNet (linear attention) layer before an attention layer, MoE.
 """
 from __future__ import annotations
 
@@ -59,6 +61,16 @@ CONFIGS = {
     "llama4_text": lambda: transformers.Llama4TextConfig(
         vocab_size=101, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, interleave_moe_layer_step=2,
+        max_position_embeddings=64, **_IDS),
+    "cohere2": lambda: transformers.Cohere2Config(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=64, **_IDS),
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"], num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
         max_position_embeddings=64, **_IDS),
 }
 MASKED_LM = {"megatron-bert"}

@@ -63,7 +63,8 @@ def launched_world(monkeypatch):
      "transformers' pipeline runs forward only"),
     ("mamba", dict(sequence_parallel=True), "sequence_parallel=True: sequence parallelism splits the sequence between "
      "the tensor-parallel regions"),
-    ("stablelm", dict(context_parallel_size=2), "context parallelism needs the native attention"),
+    ("mamba", dict(context_parallel_size=2), "context_parallel_size=2: 'mamba' has no attention heads"),
+    ("megatron-bert", dict(context_parallel_size=2), "splits the sequence of causal LMs .*MegatronBertForMaskedLM"),
     ("olmoe", dict(expert_parallel_size=2), "expert_parallel_size=2"),
     ("granite", dict(tensor_parallel_size=4, tensor_parallel_mode="2d"), "2D/2.5D/3D grids need the native"),
     ("xglm", dict(activation_checkpointing="selective"), "activation_checkpointing='selective'"),

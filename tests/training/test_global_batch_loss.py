@@ -82,7 +82,7 @@ def reference_steps(reference, rows: list[dict], rows_per_step: int) -> tuple[to
 
 
 def prepared_steps(model, rows: list[dict], *, batch: int, accumulation: int = 1, zero_stage: int = 0,
-                   average: bool = True) -> tuple[torch.nn.Module, list[float]]:
+                   average: bool = True, collate_fn=_collate) -> tuple[torch.nn.Module, list[float]]:
     """The documented loop over ``training.prepare`` with a plain, unshuffled ``DataLoader``: rank ``d`` of ``dp``
     gets batches ``d, d + dp, ...``, so step ``k`` covers rows ``[k R, (k + 1) R)``, ``R = batch * dp * accumulation``
     as the reference's step. Returns the unwrapped model and the logged (world-mean) loss of every step."""
@@ -90,7 +90,7 @@ def prepared_steps(model, rows: list[dict], *, batch: int, accumulation: int = 1
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    loader = DataLoader(rows, batch_size=batch, shuffle=False, collate_fn=_collate)
+    loader = DataLoader(rows, batch_size=batch, shuffle=False, collate_fn=collate_fn)
     model, optimizer, loader = training.prepare(accelerator, model, optimizer, loader, zero_stage=zero_stage,
                                                 average_tokens_across_devices=average)
     pipelined = training.unwrap_model(model).parallel_context.pp_size > 1
