@@ -176,6 +176,9 @@ class TransformerStack:
             attention_mask = attention_mask.view(shape_like.shape[0], -1)
         cp_mask, position_ids = context_parallel_inputs(self, shape_like, attention_mask, position_ids,
                                                         past_key_values, causal=self.causal)
+        # positions the stack numbers itself cannot mark packed documents: the masks then skip the packing check,
+        # whose data-dependent branch would break a compiled graph for every plain batch
+        given_positions = position_ids
         if position_ids is None:
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(seq_len, device=shape_like.device) + past_seen)[None]
@@ -183,7 +186,7 @@ class TransformerStack:
         if cp_mask is not None:  # one mask for every layer kind: each layer passes its own sliding window
             masks = {kind: cp_mask for kind in (FULL, SLIDING)}
         else:
-            masks = self.layer_masks(shape_like, attention_mask, past_key_values, position_ids, kinds)
+            masks = self.layer_masks(shape_like, attention_mask, past_key_values, given_positions, kinds)
         rotary = self.part(self.stack_spec.rotary)
         position_embeddings = rotary_embeddings(self, rotary, shape_like, position_ids) if rotary is not None else None
         if sequence_parallel is None:
