@@ -12,7 +12,8 @@ with ``torchrun`` (gloo on CPU) at tp 2 x dp N/2, ZeRO-3, and measures on every 
   (``python -m oslo_models checkpoint consolidate`` under torchrun).
 
 Peak RSS growth is ``oslo_models.utils.PeakRSS`` around the call (the kernel's high-water mark reset on entry, so
-the resident model does not count); seconds are the slowest rank's wall time of the call.
+the resident model does not count; freed memory is handed back with ``malloc_trim`` before each call, so that a call
+cannot hide in what an earlier one freed); seconds are the slowest rank's wall time of the call.
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ import time
 
 
 def worker(args) -> None:
+    import ctypes
+    import gc
+
     import torch.distributed as dist
 
     import oslo_models as om
@@ -39,10 +43,12 @@ def worker(args) -> None:
     rows = {}
     for label, call in (
             ("distributed", lambda: training.save_pretrained(model, os.path.join(args.tmp, "new"))),
-            ("gathering", lambda: training.save_pretrained(model, os.path.join(args.tmp, "old"), distributed=False)),
-            ("consolidate", lambda: consolidate(os.path.join(args.tmp, "ckpt"), os.path.join(args.tmp, "merged")))):
+            ("consolidate", lambda: consolidate(os.path.join(args.tmp, "ckpt"), os.path.join(args.tmp, "merged"))),
+            ("gathering", lambda: training.save_pretrained(model, os.path.join(args.tmp, "old"), distributed=False))):
         if label == "consolidate":
             training.save_checkpoint(os.path.join(args.tmp, "ckpt"), model, step=1)
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # memory freed earlier goes back: a save cannot hide in it
         dist.barrier()
         with PeakRSS() as peak:
             start = time.perf_counter()
@@ -101,7 +107,7 @@ def main() -> None:
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
         with open(out, encoding="utf-8") as handle:
             per_rank = json.load(handle)
-        for label in ("distributed", "gathering", "consolidate"):
+        for label in ("distributed", "gathering", "consolidate"):  # (measured distributed, consolidate, gathering)
             group = [rank[label] for rank in per_rank]
             growth = max(row["peak_rss_growth_bytes"] for row in group)
             seconds = max(row["seconds"] for row in group)

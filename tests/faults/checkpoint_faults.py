@@ -1,12 +1,13 @@
 """A full disk at every write of a save, on every rank; a corrupt checkpoint on resume; a NaN on one rank only.
 One tp=2 gloo world.
 
-Full disk (``write_faults.WriteFaults``): for ``training.save_checkpoint`` each write site of each rank in turn
-(files, native writers, mkdir, fsync), and for ``training.save_pretrained`` each of rank 0's (it alone writes),
-fails with ``OSError(ENOSPC)``. After each: every rank raised the same ``OSError`` (errno ENOSPC, message naming
-the failing rank), ``latest`` still names the previous step, whose files still match their checksums, and nothing
-of the failed save is left behind; the previous Hub folder is byte-identical. A site whose failure the save
-legitimately absorbs (``makedirs`` of a folder that exists) must instead give a complete, verified new step.
+Full disk (``write_faults.WriteFaults``): for ``training.save_checkpoint`` and ``training.save_pretrained`` (every
+rank writes its share of the Hub folder) each write site of each rank in turn (files, native writers, ``pwrite``,
+mkdir, fsync) fails with ``OSError(ENOSPC)``. After each: every rank raised the same ``OSError`` (errno ENOSPC,
+message naming the failing rank), ``latest`` still names the previous step, whose files still match their
+checksums, and nothing of the failed save is left behind; the previous Hub folder is byte-identical. A site whose
+failure the save legitimately absorbs (``makedirs`` of a folder that exists) must instead give a complete, verified
+new step.
 Negative controls: a save written in place over the previous step (the previous checkpoint's checksums catch it)
 and a write guarded by one rank alone (the other rank does not fail) are reported by the same checker.
 
@@ -160,25 +161,27 @@ def _negative_controls(context, root, model):
 
 
 def _sweep_hub(model, hub):
+    """Each write site of each rank (every rank writes its share of the Hub folder) fails in turn."""
     context = model.parallel_context
     training.save_pretrained(model, hub)
     before = {name: digest(os.path.join(hub, name)) for name in sorted(os.listdir(hub))}
     with WriteFaults() as counter:
         training.save_pretrained(model, hub)
-    sites = _gather(counter.sites)[0]
-    assert sites and not _gather(counter.sites)[1], "only rank 0 writes the Hub folder"
-    for site in _representatives(sites):
-        with WriteFaults(site if context.rank == 0 else -1):
-            outcomes = _gather(_outcome(lambda: training.save_pretrained(model, hub)))
-        after = {name: digest(os.path.join(hub, name)) for name in sorted(os.listdir(hub))}
-        assert after == before, (site, sites[site])
-        if all(outcome is None for outcome in outcomes):
-            continue  # absorbed (e.g. makedirs of the existing parent): the folder is the same model
-        assert len({outcome[:2] for outcome in outcomes}) == 1 and None not in outcomes, (site, outcomes)
-        assert outcomes[0][2] == errno.ENOSPC and "failed on rank 0" in outcomes[0][1], (site, outcomes)
-        parent = os.path.dirname(hub)
-        assert not [e for e in os.listdir(parent) if e.startswith(".hub.saving-")], (site, os.listdir(parent))
-    return sites
+    every = _gather(counter.sites)
+    assert all(any(site.startswith("pwrite") for site in sites) for sites in every), "every rank writes tensors"
+    for rank, sites in enumerate(every):
+        for site in _representatives(sites):
+            with WriteFaults(site if context.rank == rank else -1):
+                outcomes = _gather(_outcome(lambda: training.save_pretrained(model, hub)))
+            after = {name: digest(os.path.join(hub, name)) for name in sorted(os.listdir(hub))}
+            assert after == before, (rank, site, sites[site])
+            if all(outcome is None for outcome in outcomes):
+                continue  # absorbed (e.g. makedirs of the existing parent): the folder is the same model
+            assert len({outcome[:2] for outcome in outcomes}) == 1 and None not in outcomes, (site, outcomes)
+            assert outcomes[0][2] == errno.ENOSPC and f"failed on rank {rank}" in outcomes[0][1], (site, outcomes)
+            parent = os.path.dirname(hub)
+            assert not [e for e in os.listdir(parent) if e.startswith(".hub.saving-")], (site, os.listdir(parent))
+    return every
 
 
 def _flip_byte(path, offset=None):

@@ -3,9 +3,10 @@
 ``WriteFaults(fail_at=k)`` is a context manager for one process. While active it counts the *write sites* of the
 process, in order: each file opened for writing (``open``/``io.open``/``os.fdopen``/``Path.open``, which DCP, the
 pointer files and the config files use), each ``torch.save`` / ``safetensors.torch.save_file`` straight to a path
-(native writers that bypass Python's ``open``), each ``os.mkdir`` (no free inodes) and each ``os.fsync`` (where a
-network file system reports a deferred write error). At site ``k`` the disk is full: a file write stores half of
-its data and raises, a native writer leaves half a file and raises, ``mkdir``/``fsync`` raise. ``fail_at=-1``
+(native writers that bypass Python's ``open``), each ``os.pwrite`` (the distributed Hub export's writes at offsets),
+each ``os.mkdir`` (no free inodes) and each ``os.fsync`` (where a network file system reports a deferred write
+error). At site ``k`` the disk is full: a file write (or ``pwrite``) stores half of its data and raises, a native
+writer leaves half a file and raises, ``mkdir``/``fsync`` raise. ``fail_at=-1``
 only counts (``.sites``: ``"kind path"`` per site).
 
 This is fault injection for tests (like ``kill_driver.py``'s kill points), not a patch of the library: the library
@@ -71,7 +72,7 @@ class WriteFaults:
 
     def __enter__(self):
         real_open, real_save, real_save_file = io.open, torch.save, safetensors.torch.save_file
-        real_mkdir, real_fsync = os.mkdir, os.fsync
+        real_mkdir, real_fsync, real_pwrite = os.mkdir, os.fsync, os.pwrite
         faults = self
 
         def open_(file, mode="r", *args, **kwargs):
@@ -99,6 +100,13 @@ class WriteFaults:
                 raise _enospc(path)
             return real_mkdir(path, *args, **kwargs)
 
+        def pwrite(fd, data, offset):
+            if faults._site("pwrite", os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else None):
+                view = memoryview(data).cast("B")
+                real_pwrite(fd, view[: len(view) // 2], offset)
+                raise _enospc(None)
+            return real_pwrite(fd, data, offset)
+
         def fsync(fd):
             if faults._site("fsync", None):
                 raise _enospc(None)
@@ -106,7 +114,7 @@ class WriteFaults:
 
         for owner, name, value in ((builtins, "open", open_), (io, "open", open_), (torch, "save", save),
                                    (safetensors.torch, "save_file", save_file), (os, "mkdir", mkdir),
-                                   (os, "fsync", fsync)):
+                                   (os, "fsync", fsync), (os, "pwrite", pwrite)):
             self._saved.append((owner, name, getattr(owner, name)))
             setattr(owner, name, value)
         return self
