@@ -5,7 +5,7 @@ sequence parallelism, a cached decode loop and pp 2): what the zoo does not cove
 - tp=1, in this process: the other heads (sequence / token classification); greedy ``generate`` with left padding
   token for token (Gemma 2/3: the sliding-window cache, the caps); ``save_pretrained`` of trained weights loads in
   plain ``transformers`` with the same logits; Gemma's embedding scale rounded as ``transformers`` rounds it (bf16);
-  activation checkpointing (Gemma 2); soft-capping under context parallelism refused before any process group.
+  activation checkpointing (Gemma 2); soft-capping under context parallelism validates (its parity test is elsewhere).
 - Negative controls, one per new piece: each family particular switched off on our model (the norm formula, the
   embedding scale, the attention and final soft caps, the query scale, the window, the second rotary base) no longer
   matches, which also shows the tiny configs exercise it; OLMo 2's norms registered as pre-norms (same keys) do not
@@ -144,14 +144,12 @@ def test_activation_checkpointing_gives_transformers_gradients():
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
-def test_attention_softcap_refused_under_context_parallelism(model_type):
-    """Refused before any process group, with the reason; without a cap (Gemma 3's default) cp is allowed."""
+def test_attention_softcap_allowed_under_context_parallelism(model_type):
+    """The context-parallel cores cap inside each block (parity: tests/parallel_layers/
+    test_context_parallel_softcap.py): a cap no longer refuses cp."""
     parallel = om.ParallelConfig(context_parallel_size=2)
-    config = tiny_config(model_type, attn_logit_softcapping=0.5)
-    with pytest.raises(NotImplementedError, match="soft-capping .* no place for the cap inside each block"):
-        _class(model_type).validate_parallel_config(config, parallel)
-    if model_type == "gemma3_text":
-        _class(model_type).validate_parallel_config(tiny_config(model_type), parallel)
+    _class(model_type).validate_parallel_config(tiny_config(model_type, attn_logit_softcapping=0.5), parallel)
+    _class(model_type).validate_parallel_config(tiny_config(model_type), parallel)
 
 
 @pytest.mark.parametrize("model_type", TYPES)

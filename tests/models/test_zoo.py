@@ -62,13 +62,11 @@ TOY = FamilyRecord(model_type=TOY_TYPE, package=__name__, config="ToyConfig",
 # The layouts the validation code refuses for a type, with a fragment of the reason; every other layout of the zoo
 # must run and match transformers.
 # The MoE decoders run every layout (sequence parallelism, pp x tp, cp with the load-balancing statistics summed
-# over cp): no entry.
-_SOFTCAP = {"cp2 ring x dp2 zero1": "attention logit soft-capping"}
+# over cp), and so does Gemma 2 (the cp cores soft-cap inside each block): no entry.
 # DeepSeek-V3's MLA and gpt-oss's attention sinks refuse context parallelism themselves (their components' rules)
 _MLA = {"cp2 ring x dp2 zero1": "multi-head latent attention under context parallelism"}
 _SINKS = {"cp2 ring x dp2 zero1": "attention sinks under context parallelism"}
-REFUSED = {"deepseek_v3": _MLA, "gpt_oss": _SINKS, "gemma2": _SOFTCAP,
-           "bloom": {"cp2 ring x dp2 zero1": "ALiBi"}}
+REFUSED = {"deepseek_v3": _MLA, "gpt_oss": _SINKS, "bloom": {"cp2 ring x dp2 zero1": "ALiBi"}}
 
 
 def _causal_types() -> list[str]:

@@ -89,7 +89,7 @@ class GroupedQueryAttention(AttentionModule):
     - ``scaling``: the score scale instead of ``head_dim ** -0.5`` (Gemma: ``query_pre_attn_scalar ** -0.5``);
     - ``softcap``: logit soft-capping ``c * tanh(scores / c)`` before the mask (Gemma 2 ``attn_logit_softcapping``),
       passed as the attention interface's ``softcap=`` (eager: ``transformers``' Gemma 2 ``eager_attention_forward``;
-      SDPA refuses it, as in ``transformers``; refused under context parallelism);
+      SDPA refuses it, as in ``transformers``; the context-parallel cores cap inside each block);
     - partial rotary needs no switch: rotary acts on the first ``cos.shape[-1]`` dims of each head and passes the
       rest through (``transformers``' GPT-NeoX/Phi rule), so a ``PartialRotaryEmbedding`` (``partial_rotary_factor``)
       makes it partial. Learned sinks (gpt-oss) and full-width q/k norms (OLMo 2): ``attention_variants.py``;
@@ -175,8 +175,7 @@ class GroupedQueryAttention(AttentionModule):
         """Extra keyword arguments of the attention kernel (``softcap``; the sinks of ``SinkAttention``)."""
         if self.softcap is None:
             return {}
-        refuse_context_parallel(attention_mask, "attention logit soft-capping")
-        return {"softcap": self.softcap}
+        return {"softcap": self.softcap}  # every core caps: eager, flex, flash, the context-parallel ring/all-to-all
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask=None, past_key_values=None, **kwargs):

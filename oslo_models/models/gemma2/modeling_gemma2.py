@@ -8,8 +8,8 @@ What differs from Gemma 1, and where:
 - attention logits soft-capped, ``c * tanh(scores / c)`` before the mask (``attn_logit_softcapping``), and scaled
   by ``query_pre_attn_scalar ** -0.5`` instead of ``head_dim ** -0.5``: ``GroupedQueryAttention``'s ``softcap`` and
   ``scaling`` (``decoder_options``). The cap acts per head, so tensor parallelism needs nothing more; the
-  context-parallel core (ring / all-to-all) runs plain softmax attention and refuses it (``NotImplementedError``,
-  naming the reason) rather than dropping the cap. SDPA cannot cap either: the default kernel is eager, as
+  context-parallel cores (ring / all-to-all) cap the scores inside each block before their log-sum-exp merge.
+  SDPA cannot cap: the default kernel is eager, as
   ``transformers`` makes it for Gemma 2 (``_supports_sdpa = False``); flash / flex take ``softcap`` themselves;
 - the final logits soft-capped, ``c * tanh(logits / c)`` (``final_logit_softcapping``), before the loss: the
   generic causal LM head reads it from the config (``ForCausalLM.final_logit_softcap``), also on the vocab-split
@@ -50,17 +50,6 @@ class Gemma2PreTrainedModel(gemma.GemmaPreTrainedModel):
     _no_split_modules = ["Gemma2DecoderLayer"]
     _supports_sdpa = False  # SDPA cannot soft-cap the attention logits (transformers' Gemma 2 says the same)
     _can_record_outputs = {"hidden_states": Gemma2DecoderLayer, "attentions": GroupedQueryAttention}
-
-    @classmethod
-    def validate_parallel_config(cls, config, parallel) -> None:
-        super().validate_parallel_config(config, parallel)
-        cap, cp = config.attn_logit_softcapping, parallel.context_parallel_size
-        if cap is not None and cp > 1:
-            raise NotImplementedError(
-                f"{cls.__name__}: attention logit soft-capping (attn_logit_softcapping={cap}) under "
-                f"context_parallel_size={cp} is not implemented: the context-parallel core (ring / all-to-all) merges "
-                "plain softmax blocks and has no place for the cap inside each block. Train with "
-                "context_parallel_size=1 (tensor, sequence and pipeline parallelism keep the cap)")
 
     @classmethod
     def decoder_options(cls, config) -> dict:

@@ -25,13 +25,16 @@ def context_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, v
     """``query [b, n, s_local, d]``, ``key, value [b, n_kv, s_local, d]`` -> ``([b, s_local, n, d], None)``:
     attention over the whole sequence of the cp group, by ring or all-to-all as the mask says. ``dropout``: the
     attention-probability dropout, with keep bits that follow the global coordinates (``dropout.py``; one seed
-    drawn per call from the current generator). Additive position biases (T5) are not supported."""
+    drawn per call from the current generator); ``softcap`` (Gemma 2) caps the scores inside each block; a query
+    that sees no key follows the module's kernel (eager: the mean of all values; else zeros). Additive position
+    biases (T5) are not supported."""
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("an additive position bias (T5) under context parallelism is not implemented")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     core = ring_attention if attention_mask.mode == RING else all_to_all_attention
     out = core(query, key, value, attention_mask, scaling=scaling, window=sliding_window,
-               dropout=AttentionDropout.draw(dropout, query.device))
+               dropout=AttentionDropout.draw(dropout, query.device), softcap=kwargs.get("softcap"),
+               uniform_dead_rows=getattr(getattr(module, "config", None), "_attn_implementation", None) == "eager")
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -7,7 +7,13 @@ log-sum-exp (online softmax, fp32). Blocks a causal mask hides completely are sk
 the causal structure masks (no padding, sliding window or packed documents), each (query chunk, key chunk) pair is
 fully visible or plainly causal and runs through torch's CPU flash kernel (``_scaled_dot_product_flash_attention_
 for_cpu``, which returns the log-sum-exp); otherwise (and on GPUs) the block runs as query tiles of masked scores,
-so no ``s x s`` score or mask matrix ever exists.
+so no ``s x s`` score or mask matrix ever exists. Logit soft-capping (Gemma 2: ``c * tanh(scores / c)`` before the
+mask) acts on each tile's scores, which is all the cap needs: the merge by log-sum-exp is over capped scores.
+
+A query that sees no key at all (a padding token whose window holds only padding) gets zeros, as SDPA gives; with
+``uniform_dead_rows`` (the family's kernel is eager, whose additive minimum-filled mask makes such a row's softmax
+uniform over every key of the sequence) it gets the mean of all values instead, so such positions' outputs equal
+``transformers``' there too (their loss weight is zero either way).
 
 Backward (recompute, flash-attention style): the same ring again; per block the probabilities are rebuilt from the
 saved log-sum-exp, ``dQ`` accumulates locally and ``dK``/``dV`` accumulators travel *with* their block, so after
@@ -75,8 +81,8 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 class _Block:
     """One key/value block as seen from this rank's queries: positions, padding and documents of both sides."""
 
-    def __init__(self, mask: ContextParallelMask, src: int, window):
-        self.mask, self.window, self.src = mask, window, src
+    def __init__(self, mask: ContextParallelMask, src: int, window, softcap=None):
+        self.mask, self.window, self.src, self.softcap = mask, window, src, softcap
         self.q_index, _, self.q_document = mask.keys_of(mask.rank)
         self.k_index, self.k_valid, self.k_document = mask.keys_of(src)
 
@@ -87,7 +93,7 @@ class _Block:
         hidden (a later one): the load-balanced layout cuts no chunk."""
         mask = self.mask
         if q.device.type != "cpu" or self.window is not None or self.k_valid is not None or \
-                self.k_document is not None:
+                self.k_document is not None or self.softcap is not None:
             return None
         if not mask.causal:
             return [(slice(None), slice(None), False)]
@@ -110,12 +116,17 @@ class _Block:
         heads = torch.arange(q.shape[1], device=q.device)
         return dropout.keep_scale(q.shape[0], heads, self.q_index[rows], self.k_index, q.dtype)
 
-    def scores(self, q_rows: torch.Tensor, rows: slice, k: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Masked scores ``[b, n, len(rows), s_k]`` of the query rows ``rows``."""
+    def scores(self, q_rows: torch.Tensor, rows: slice, k: torch.Tensor, scaling: float):
+        """``(scores, slope)``: the masked (soft-capped) scores ``[b, n, len(rows), s_k]`` of the query rows
+        ``rows``, and the cap's derivative ``1 - tanh^2`` there (``None`` without a cap), for the backward."""
         doc = None if self.q_document is None else self.q_document[:, rows]
         allowed = self.mask.allowed(self.q_index[rows], self.k_index, self.k_valid, self.window, doc, self.k_document)
         scores = torch.matmul(q_rows, k.transpose(-1, -2)) * scaling
-        return scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))
+        slope = None
+        if self.softcap is not None:
+            capped = torch.tanh(scores / self.softcap)
+            scores, slope = capped * self.softcap, 1 - capped * capped
+        return (scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))), slope
 
 
 def _block_forward(block: _Block, q, k, v, scaling, dropout=None):
@@ -134,7 +145,7 @@ def _block_forward(block: _Block, q, k, v, scaling, dropout=None):
         return out, lse
     outs, lses = [], []
     for rows in _row_tiles(q.shape[2], q.shape[0] * q.shape[1] * k.shape[2]):
-        scores = block.scores(q[:, :, rows], rows, k, scaling)
+        scores, _ = block.scores(q[:, :, rows], rows, k, scaling)
         lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - _finite(lse)[..., None])
         outs.append(torch.matmul(probs * block.keep_scale(dropout, q, rows), v))
@@ -160,11 +171,14 @@ def _block_backward(block: _Block, q, k, v, dout, out, raw_lse, delta, lse, dq, 
             dv[:, :, cols] += grads[2]
         return dk, dv
     for rows in _row_tiles(q.shape[2], q.shape[0] * q.shape[1] * k.shape[2]):
-        probs = torch.exp(block.scores(q[:, :, rows], rows, k, scaling) - lse[:, :, rows])
+        scores, slope = block.scores(q[:, :, rows], rows, k, scaling)
+        probs = torch.exp(scores - lse[:, :, rows])
         keep = block.keep_scale(dropout, q, rows)
         dv += torch.matmul((probs * keep).transpose(-1, -2), dout[:, :, rows])
         dprobs = torch.matmul(dout[:, :, rows], v.transpose(-1, -2)) * keep
         dscores = probs * (dprobs - delta[:, :, rows]) * scaling
+        if slope is not None:  # through the cap: d(c tanh(x / c)) = (1 - tanh^2) dx
+            dscores = dscores * slope
         dq[:, :, rows] += torch.matmul(dscores, k)
         dk += torch.matmul(dscores.transpose(-1, -2), q[:, :, rows])
     return dk, dv
@@ -177,29 +191,38 @@ def _merge(out, lse, block_out, block_lse):
     return out * torch.exp(lse - safe)[..., None] + block_out * torch.exp(block_lse - safe)[..., None], new
 
 
-def _blocks(mask: ContextParallelMask, window):
+def _blocks(mask: ContextParallelMask, window, softcap=None):
     """``(step, block)`` for each ring step; the block of step ``j`` came from rank ``rank - j``."""
     for step in range(mask.size):
-        yield step, _Block(mask, (mask.rank - step) % mask.size, window)
+        yield step, _Block(mask, (mask.rank - step) % mask.size, window, softcap)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, mask: ContextParallelMask, scaling: float, window, dropout):
+    def forward(ctx, query, key, value, mask: ContextParallelMask, scaling: float, window, dropout, softcap,
+                uniform_dead_rows):
         groups = query.shape[1] // key.shape[1]
         q = query.float()
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([key, value])
-        for step, block in _blocks(mask, window):
+        value_sum = torch.zeros(*q.shape[:2], q.shape[-1], dtype=torch.float32, device=q.device)  # [b, n, d]
+        for step, block in _blocks(mask, window, softcap):
             pending = _start_exchange(kv, mask) if step + 1 < mask.size else None
             if not block.hidden:
                 k, v = (_expand(t.float(), groups) for t in kv)
                 out, lse = _merge(out, lse, *_block_forward(block, q, k, v, scaling, dropout))
+            if uniform_dead_rows:
+                value_sum += _expand(kv[1].float(), groups).sum(2)
             if pending is not None:
                 kv = _finish(*pending)
+        if uniform_dead_rows:  # rows that saw no key: the mean of every value (eager's uniform softmax)
+            total = key.shape[2] * mask.size
+            out = torch.where(torch.isinf(lse)[..., None], (value_sum / total)[:, :, None], out)
+        ctx.uniform_dead_rows = uniform_dead_rows
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.mask, ctx.scaling, ctx.window, ctx.groups, ctx.dropout = mask, scaling, window, groups, dropout
+        ctx.softcap = softcap
         return out.to(query.dtype)
 
     @staticmethod
@@ -212,25 +235,33 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q)
         kv = torch.stack([key, value])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with its block
-        for step, block in _blocks(mask, ctx.window):
+        dead_grad = None
+        if ctx.uniform_dead_rows:  # each dead row's output is the mean of all values: dV gets dout / total
+            dead = torch.isinf(raw_lse)[..., None]
+            dead_grad = _fold((dout * dead).sum(2, keepdim=True) / (key.shape[2] * mask.size), groups)
+        for step, block in _blocks(mask, ctx.window, ctx.softcap):
             pending = _start_exchange(kv, mask) if step + 1 < mask.size else None
             if not block.hidden:
                 k, v = (_expand(t.float(), groups) for t in kv)
                 dk, dv = _block_backward(block, q, k, v, dout, out, raw_lse, delta, lse, dq, scaling, ctx.dropout)
                 dkv += torch.stack([_fold(dk, groups), _fold(dv, groups)])
+            if dead_grad is not None:
+                dkv[1] += dead_grad
             if pending is not None:
                 kv = _finish(*pending)
             if mask.size > 1:  # the gradients follow their block; after the last step this hop brings them home
                 dkv = _finish(*_start_exchange(dkv, mask))
-        return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None
+        return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None, None, None
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: ContextParallelMask, *,
-                   scaling: float, window: int | None = None, dropout: AttentionDropout | None = None
-                   ) -> torch.Tensor:
+                   scaling: float, window: int | None = None, dropout: AttentionDropout | None = None,
+                   softcap: float | None = None, uniform_dead_rows: bool = False) -> torch.Tensor:
     """Attention of this rank's ``query [b, n, s, d]`` over the keys/values of every rank of the cp group
-    (``key, value [b, n_kv, s, d]``, ``n`` a multiple of ``n_kv``); returns ``[b, n, s, d]``.
+    (``key, value [b, n_kv, s, d]``, ``n`` a multiple of ``n_kv``); returns ``[b, n, s, d]``. ``softcap``: logits
+    soft-capped, ``c * tanh(scores / c)``, before the mask (Gemma 2); ``uniform_dead_rows``: a query that sees no
+    key gets the mean of all values (the eager kernels' convention) instead of zeros.
 
     Forward: ``cp - 1`` ring hops of the key/value blocks. Backward: ``cp - 1`` hops of key/value and ``cp`` hops of
     their fp32 gradients. ``dropout``: attention-probability dropout (``dropout.py``). See the module docstring."""
-    return _RingAttention.apply(query, key, value, mask, scaling, window, dropout)
+    return _RingAttention.apply(query, key, value, mask, scaling, window, dropout, softcap, uniform_dead_rows)
