@@ -40,6 +40,7 @@ import torch
 
 from . import (
     context_parallel,
+    expert_parallel,
     inplace_outputs,
     packed_attention,
     partial_gradients,
@@ -150,13 +151,15 @@ def _load(model_class, path, config, context, dtype, download_kwargs):
     dtype_plan = model._get_dtype_plan(dtype)
     conversions = get_model_conversion_mapping(model, None, None)
     plan = _apply_tensor_parallel(model, context)
+    experts = expert_parallel.apply(model, context) if context.ep_size > 1 else {}  # whole experts per ep rank
+    mesh = context.mesh["tp"] if plan else model._oslo_expert_mesh["ep"] if experts else None
     load_config = LoadStateDictConfig(
         pretrained_model_name_or_path=str(path), download_kwargs=download_kwargs, sharded_metadata=sharded_metadata,
         device_map=None if context.device.type == "cpu" else {"": context.device}, dtype=dtype,
-        dtype_plan=dtype_plan, device_mesh=context.mesh["tp"] if plan else None, weight_mapping=conversions)
+        dtype_plan=dtype_plan, device_mesh=mesh, weight_mapping=conversions)
     info, _ = model_class._load_pretrained_model(model, None, files, load_config)
     model_class._finalize_model_loading(model, load_config, info)
-    if plan:
+    if plan or experts:
         _own_storage(model)
     return model, plan, info
 
@@ -244,6 +247,8 @@ def from_config(model_class, config, *, parallel=None, dtype=None, **kwargs):
     with torch.device(context.device):
         model = model_class._from_config(config, dtype=dtype)
     plan = _apply_tensor_parallel(model, context)  # slices the full local tensors: no communication
+    if context.ep_size > 1:
+        expert_parallel.apply(model, context)  # this rank's experts of the full tensors (building the mesh)
     if plan:
         model.tie_weights()  # the split copies of a tied pair are one tensor again
     return _attach(model, context, plan)

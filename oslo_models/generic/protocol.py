@@ -6,6 +6,8 @@
   inside it, e.g. Mamba's ``MambaBlock`` and ``MambaMixer``; FSDP2 wants one unit per parameter), falling back to the
   repeated blocks (the items of the model's largest ``nn.ModuleList`` of one class) when it names none. Blocks
   holding a tied weight stay in the root unit, as for native models.
+- experts: the modules holding parameters split over ``ep`` by ``transformers``' expert-parallel plan, sharded by
+  FSDP2 over the ``edp`` dimension of the mesh they were split on (``expert_parallel.py``).
 - per-block ZeRO plans are refused: ``transformers`` builds its blocks without the plan's checkpoint flags.
 """
 from __future__ import annotations
@@ -27,3 +29,16 @@ class GenericProtocol(ModelProtocol):
                  if module is not model and type(module).__name__ in names]
         units = outermost(found) or repeated_blocks(model)
         return [module for prefix, module in units if not shares_parameters_outside(prefix, module, model)]
+
+    def expert_units(self, model: nn.Module) -> list[nn.Module]:
+        from .expert_parallel import expert_units
+
+        return expert_units(model)
+
+    def divide_expert_gradients(self, unit: nn.Module, expert_data_parallel_size: int, dp_size: int) -> None:
+        from .expert_parallel import GradientScale
+
+        unit.register_forward_pre_hook(GradientScale(expert_data_parallel_size / dp_size))
+
+    def expert_data_parallel_mesh(self, model: nn.Module, context):
+        return model._oslo_expert_mesh["edp"]  # the mesh its experts were split on (expert_parallel.py)

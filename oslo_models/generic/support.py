@@ -16,7 +16,9 @@ class supports is read from ``transformers`` itself, never from a table kept her
   refuses a layer it cannot split, with the reason); it needs tensor parallelism.
 - context parallelism: causal LMs whose layers attend through ``transformers``' attention interface
   (``context_parallel.py``, checked at load with the reason).
-- expert parallelism and the 2D / 2.5D / 3D tensor modes need the native layers: refused.
+- expert parallelism: ``transformers``' own ``base_model_ep_plan`` over the ``ep`` part of dp
+  (``expert_parallel.py``), alone (not with tp or cp), at ZeRO 0, 2 or 3.
+- the 2D / 2.5D / 3D tensor modes need the native layers: refused.
 
 :func:`check_parallel` raises before any process group exists, so a request the path cannot honour is a clear
 ``ValueError`` naming the type and what it supports, never a hang or a silently different layout.
@@ -118,9 +120,17 @@ def refusals(config, parallel, model_class: type | None = None) -> list[str]:
     elif cp > 1 and not isinstance(getattr(text_config(config), "num_attention_heads", None), int):
         reasons.append(f"context_parallel_size={cp}: {model_type!r} has no attention heads "
                        f"(config.num_attention_heads) for the context-parallel attention to split across chunks")
-    if parallel.expert_parallel_size > 1:
-        reasons.append(f"expert_parallel_size={parallel.expert_parallel_size}: the generic path splits experts only "
-                       f"as the tensor-parallel plan does (transformers' expert-parallel plan is not applied)")
+    ep = parallel.expert_parallel_size
+    if ep > 1 and not getattr(text_config(config), "base_model_ep_plan", None):
+        reasons.append(f"expert_parallel_size={ep}: transformers gives {model_type!r} no expert-parallel plan "
+                       f"(base_model_ep_plan), so the generic path has no experts to split")
+    elif ep > 1 and (tp > 1 or parallel.context_parallel_size > 1):
+        reasons.append(f"expert_parallel_size={ep} with tensor_parallel_size={tp} / context_parallel_size="
+                       f"{parallel.context_parallel_size}: the generic path splits experts over ep alone (ep x tp "
+                       f"and ep x cp are not implemented for transformers' expert-parallel plan)")
+    elif ep > 1 and parallel.zero_stage == 1:
+        reasons.append(f"expert_parallel_size={ep} with zero_stage=1: ZeRO-1's optimizer-state owners broadcast over "
+                       f"dp, which holds other experts; use zero_stage 0, 2 or 3")
     mode = parallel.activation_checkpointing
     if mode is not None and mode not in _CHECKPOINTING_MODES:
         reasons.append(f"activation_checkpointing={mode!r}: the generic path has transformers' own checkpointing "

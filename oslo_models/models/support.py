@@ -58,7 +58,8 @@ def support_matrix_markdown() -> str:
         lines.append(f"| `{row['model_type']}` | {classes} | {cells} |")
     generic = {column: "no" for column in AXES} | {"tp": "its `base_model_tp_plan`, if it has one",
                                                    "sp": "with tp, where every layer splits around the plan",
-                                                   "cp": "causal LMs attending through the attention interface"}
+                                                   "cp": "causal LMs attending through the attention interface",
+                                                   "ep": "its `base_model_ep_plan`, ep alone"}
     lines.append(f"| any other type: generic path | `transformers`' own | {' | '.join(generic.values())} |")
     return "\n".join(lines)
 

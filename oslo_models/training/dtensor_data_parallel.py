@@ -11,7 +11,8 @@ rule), so ``training.shard_data_parallel`` hands such a model (any kind: it asks
 - stage 1: :class:`ShardedStateOptimizer` (ZeRO-1: each dp rank keeps the optimizer state of the parameters it owns,
   steps them, and broadcasts their new local values over dp).
 
-FSDP2 (stages 2/3) shards DTensors again over dp (2D) and needs nothing from here.
+FSDP2 (stages 2/3) shards DTensors again over dp (2D) and needs nothing from here. Experts split over ``ep``
+(``generic/expert_parallel.py``) reduce over the ranks holding the same experts instead (ZeRO-1 refused for them).
 
 Collectives: per parameter, one all-reduce of its local gradient over dp per backward; per ZeRO-1 step, one
 broadcast over dp per parameter from its owner.
@@ -33,9 +34,18 @@ def has_dtensor_parameters(model: nn.Module) -> bool:
     return any(hasattr(param, "device_mesh") for param in model.parameters())
 
 
+def _is_expert(param) -> bool:
+    """Split over an expert-parallel mesh dimension (``ep``): other ranks of dp hold other experts."""
+    mesh = getattr(param, "device_mesh", None)
+    return mesh is not None and "ep" in (mesh.mesh_dim_names or ())
+
+
 def average_gradients_over_dp(model: nn.Module, context) -> None:
     """After each backward, every gradient is the mean over the dp group (``dp x cp`` under context parallelism: cp
-    ranks hold the same weights and their chunks' shares add up; registered once, on the parameters)."""
+    ranks hold the same weights and their chunks' shares add up; registered once, on the parameters). Experts split
+    over ``ep`` (``generic/expert_parallel.py``): each incoming gradient, before it is accumulated, is summed over the
+    ranks holding the same experts (``edp``) and divided by ``dp`` (the all-to-all backward already summed the ``ep``
+    ranks' tokens)."""
     group, size = context.dp_cp_group, context.dp_cp_size
 
     def reduce(param: torch.Tensor) -> None:
@@ -47,8 +57,23 @@ def average_gradients_over_dp(model: nn.Module, context) -> None:
         local.div_(size)
         dist.all_reduce(local, group=group)
 
+    expert_group = None
+    if any(_is_expert(param) for param in model.parameters()):
+        from ..utils.model_protocol import protocol_of
+
+        edp = protocol_of(model).expert_data_parallel_mesh(model, context)
+        expert_group = edp.get_group() if edp.size() > 1 else None
+
+    def reduce_expert(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad / context.dp_size
+        if expert_group is not None:
+            dist.all_reduce(_local(grad), group=expert_group)
+        return grad
+
     for param in model.parameters():
-        if param.requires_grad:
+        if param.requires_grad and _is_expert(param):
+            param.register_hook(reduce_expert)
+        elif param.requires_grad:
             param.register_post_accumulate_grad_hook(reduce)
 
 
@@ -103,6 +128,10 @@ def shard_dtensor_data_parallel(model: nn.Module, optimizer, context, stage: int
     if ddp_kwargs:
         raise ValueError(f"DDP options {sorted(ddp_kwargs)} do not apply to a model with DTensor parameters (torch "
                          f"DDP cannot hold them; gradients are averaged over dp by hooks instead)")
+    if stage == 1 and any(_is_expert(param) for param in model.parameters()):
+        raise NotImplementedError("zero_stage=1 with experts split over ep (transformers' expert-parallel plan) is not "
+                                  "implemented: its optimizer-state owners broadcast over dp, which holds other "
+                                  "experts; use zero_stage 0, 2 or 3")
     average_gradients_over_dp(model, context)
     if stage == 1 and optimizer is not None:
         optimizer = ShardedStateOptimizer(optimizer, context, constructor_defaults(optimizer))

@@ -92,21 +92,8 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
 
 
 def expert_units(model: nn.Module) -> list[nn.Module]:
-    """The modules holding stacked experts split over the expert-parallel group (layout axis ``"ep"``)."""
-    from ..distributed.expert_parallel import expert_parameter_names
-
-    owners = {name.rpartition(".")[0] for name in expert_parameter_names(model)}
-    return [model.get_submodule(name) for name in sorted(owners)]
-
-
-def _expert_data_parallel_mesh(context):
-    """A one-axis DeviceMesh over this rank's expert-data-parallel group (collective: every rank builds the whole
-    ``(pp, edp, ep, tp)`` mesh, in which ``ep`` is the inner part of ``dp``, as ``ParallelContext`` carves it)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    sizes = (context.pp_size, context.dp_size // context.ep_size, context.ep_size, context.tp_size)
-    mesh = init_device_mesh(context.device.type, sizes, mesh_dim_names=("pp", "edp", "ep", "tp"))
-    return mesh["edp"]
+    """The modules holding experts split over the expert-parallel group: the model protocol's answer."""
+    return protocol_of(model).expert_units(model)
 
 
 def _data_parallel_mesh(context):
@@ -140,10 +127,11 @@ def _fully_shard(model: nn.Module, mesh, *, reshard_after_forward: bool, cpu_off
         # Experts: their own units, sharded over edp (the ranks holding the same experts). Their gradient must be
         # the sum over edp divided by dp (the all-to-all backward already summed the ep ranks' tokens: the same rule
         # as the DDP path, distributed/expert_parallel.py); FSDP2's reduce-scatter averages over edp, so the
-        # experts scale their gradient by edp / dp = 1 / ep first.
-        for module in expert_units(model):
+        # model protocol makes it divide by dp instead.
+        protocol = protocol_of(model)
+        for module in protocol.expert_units(model):
             fully_shard(module, **{**options, "mesh": expert_mesh})
-            module.gradient_scale = expert_mesh.size() / dp_size
+            protocol.divide_expert_gradients(module, expert_mesh.size(), dp_size)
     for module in fsdp_units(model):
         fully_shard(module, **options)
     # The root keeps what no block owns; its parameters are needed first and last, so never reshard them early.
@@ -360,7 +348,8 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
 
         fully_shard_blocks(model, mesh, context, plan)
     else:
-        expert_mesh = _expert_data_parallel_mesh(context) if context.ep_size > 1 else None
+        expert_mesh = (protocol_of(model).expert_data_parallel_mesh(model, context) if context.ep_size > 1
+                       else None)
         _fully_shard(model, mesh, reshard_after_forward=stage == 3, cpu_offload=cpu_offload,
                      expert_mesh=expert_mesh, dp_size=context.dp_size)
     model._oslo_fsdp_shard_group = shard_group  # the gradient norm adds dp partial sums over it (clip.py)

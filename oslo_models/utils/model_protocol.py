@@ -8,7 +8,10 @@ The callers ask the protocol and never which kind of model they hold:
 - ``layout``: where a parameter states its split - ``"plan"`` (the model's ``parallel_plan`` ``ShardSpec`` s: plain
   local tensors whose split the plan describes) or ``"placements"`` (the parameters are DTensors whose placements
   describe it). Clipping and the training checkpoint read each the one source (``training/clip*.py``);
-- ``block_plan_refusal``: why a per-block ZeRO plan (``ParallelConfig.block_plan``) cannot apply, or ``None``.
+- ``block_plan_refusal``: why a per-block ZeRO plan (``ParallelConfig.block_plan``) cannot apply, or ``None``;
+- ``expert_units(model)`` / ``expert_data_parallel_mesh(model, context)`` / ``divide_expert_gradients``: under
+  expert parallelism, the modules holding experts (their own FSDP2 units), the mesh of the ranks holding the same
+  experts they shard over, and how a unit's gradient becomes the sum over that mesh divided by dp.
 
 Data parallelism needs no answer: torch DDP cannot hold DTensor parameters, so a model with any goes through
 ``training/dtensor_data_parallel.py`` whatever its kind. No collective here.
@@ -34,6 +37,28 @@ class ModelProtocol:
         return [module for prefix, module in model.named_modules()
                 if module is not model and type(module).__name__ in block_types
                 and not shares_parameters_outside(prefix, module, model)]
+
+    def expert_units(self, model: nn.Module) -> list[nn.Module]:
+        """The modules holding stacked experts split over the expert-parallel group (layout axis ``"ep"``)."""
+        from ..distributed.expert_parallel import expert_parameter_names
+
+        owners = {name.rpartition(".")[0] for name in expert_parameter_names(model)}
+        return [model.get_submodule(name) for name in sorted(owners)]
+
+    def divide_expert_gradients(self, unit: nn.Module, expert_data_parallel_size: int, dp_size: int) -> None:
+        """Make an expert FSDP2 unit's gradient the sum over edp divided by dp (FSDP2 averages over edp): the
+        native experts scale their gradient by ``edp / dp`` in their forward (``gradient_scale``)."""
+        unit.gradient_scale = expert_data_parallel_size / dp_size
+
+    def expert_data_parallel_mesh(self, model: nn.Module, context):
+        """A one-axis DeviceMesh over this rank's expert-data-parallel group (collective: every rank builds the
+        whole ``(pp, edp, ep, tp)`` mesh, in which ``ep`` is the inner part of ``dp``, as ``ParallelContext`` carves
+        it)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        sizes = (context.pp_size, context.dp_size // context.ep_size, context.ep_size, context.tp_size)
+        mesh = init_device_mesh(context.device.type, sizes, mesh_dim_names=("pp", "edp", "ep", "tp"))
+        return mesh["edp"]
 
 
 _NATIVE = ModelProtocol()

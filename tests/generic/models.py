@@ -20,6 +20,10 @@ Hidden 64, 2 layers, vocabulary 101, no dropout. Each exercises something of its
   (``generic/inplace_outputs.py``).
 - cohere2 (2025): sliding-window layers (window 4) interleaved with full attention, tied embeddings, logit scale.
 - qwen3_next (2025): hybrid decoder, a gated DeltaNet (linear attention) layer before an attention layer, MoE.
+- dots1 (2025): a dense first layer, then MoE with DeepSeek's grouped sigmoid router (score-correction bias) and a
+  shared expert.
+- minimax_m2 (2025): MoE in every layer, sigmoid router with a score-correction bias, no shared expert.
+- hunyuan_v1_moe (2025): MoE with a softmax top-k router and a shared MLP, QK norm.
 """
 from __future__ import annotations
 
@@ -72,6 +76,18 @@ CONFIGS = {
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
         max_position_embeddings=64, **_IDS),
+    "dots1": lambda: transformers.Dots1Config(
+        vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=64, **_IDS),
+    "minimax_m2": lambda: transformers.MiniMaxM2Config(
+        vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        **_IDS),
+    "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(
+        vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=4, moe_topk=2, max_position_embeddings=64, eod_token_id=3,
+        sep_token_id=4, **_IDS),
 }
 MASKED_LM = {"megatron-bert"}
 
