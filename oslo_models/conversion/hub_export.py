@@ -89,7 +89,7 @@ class ExportPlan:
                     ranks = holders.setdefault((name, sub_start, sub_length), [])
                     if rank not in ranks:
                         ranks.append(rank)
-        hub, self.regions = [], {}
+        hub = []
         for name, entry in self.tensors.items():
             if entry["converted"] is not None:
                 hub += [HubTensor(key, tuple(shape), dtype) for key, shape, dtype in entry["converted"]]
@@ -147,12 +147,15 @@ def write_box(files: Files, where: dict, shape, itemsize: int, regions, start, l
               buffer_bytes: int) -> int:
     """Write one box (``start``, ``length``; data ``view``) of a tensor of ``shape`` into the Hub tensors it falls
     in (``regions``: ``(key, first flat element, shape)``, placed at ``where[key] = (file, byte offset)``), through
-    host copies of at most ``buffer_bytes``. Returns the bytes written."""
+    host copies of at most ``buffer_bytes`` (and run lists of at most ``buffer_bytes`` too: ~64 bytes a run).
+    Returns the bytes written."""
     if not length or _numel(length) == 0:
         rows_per_chunk, num_rows = 1, 1 if not length else 0
     else:
         num_rows = length[0]
-        rows_per_chunk = max(1, buffer_bytes // max(1, _numel(length[1:]) * itemsize))
+        runs_per_row = len(flat_runs(shape, start, (1, *length[1:]))[0])
+        rows_per_chunk = max(1, min(buffer_bytes // max(1, _numel(length[1:]) * itemsize),
+                                    buffer_bytes // (64 * max(1, runs_per_row))))
     written = 0
     for r0 in range(0, num_rows, rows_per_chunk):
         n = min(rows_per_chunk, num_rows - r0)

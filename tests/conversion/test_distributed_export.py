@@ -2,7 +2,8 @@
 
 One world of 4 ranks trains one AdamW step at each layout - tp2 x dp2 ZeRO-3 (GPT-2: packed q|k|v, a vocabulary
 tp does not divide), pp2 x tp2 (GPT-2: the tied head on the last stage), ep2 x dp2 ZeRO-3 (Mixtral: experts sharded
-over edp, saved per expert), HSDP dp4 in pairs (Llama), tp4 2D (GPT-2: grid blocks) - and saves it with the
+over edp, saved per expert), HSDP dp4 in pairs (Llama), tp2 x dp2 ZeRO-3 with the parameter shards on disk (NVMe
+offload), tp4 2D (GPT-2: grid blocks) - and saves it with the
 distributed writer and with the earlier gathering save (``distributed=False``), both sharded small. Plain
 ``transformers`` loads the two folders to exactly the same tensors, which differ from the starting checkpoint (the
 trained model) and equal the model's own parameters (each rank's slice, exact); the files hold the keys, shapes
@@ -113,6 +114,10 @@ def _layouts_worker(paths: dict, root: str) -> None:
     _check("mixtral-ep2-dp2-zero3", model, opt, paths["mixtral"], transformers.MixtralForCausalLM, root)
     model, opt = build(paths["llama"], 3, data_parallel_size=4, data_parallel_shard_size=2)
     _check("llama-hsdp", model, opt, paths["llama"], transformers.LlamaForCausalLM, root)
+    model, opt = build(paths["gpt2"], 3, tensor_parallel_size=2, offload="nvme", offload_params=True,
+                       offload_path=os.path.join(root, "nvme"))  # parameter shards in a mapped file
+    _check("gpt2-tp2-dp2-zero3-nvme", model, opt, paths["gpt2"], transformers.GPT2LMHeadModel, root)
+    opt.close()
     model, opt = build(paths["gpt2"], tensor_parallel_size=4, tensor_parallel_mode="2d")
     _check("gpt2-tp4-2d", model, opt, paths["gpt2"], transformers.GPT2LMHeadModel, root)
 

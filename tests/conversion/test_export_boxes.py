@@ -146,3 +146,31 @@ def test_expert_regions_equal_to_per_expert():
         assert list(got) == list(expected)
         for key in expected:
             assert torch.equal(got[key], expected[key]), key
+
+
+def test_write_box_in_small_host_copies(tmp_path):
+    """Boxes written through a 40-byte buffer (one row per copy) into two Hub tensors that split the model tensor
+    (as per-expert regions do) give the tensor itself; a box given the wrong corner does not."""
+    from safetensors.torch import load_file
+
+    from oslo_models.conversion.hub_export import Files, write_box
+
+    full = torch.randn(4, 5, 6)
+    regions = [("a", 0, (2, 5, 6)), ("b", 60, (2, 5, 6))]  # experts 0-1 and 2-3
+    plan = plan_files([HubTensor("a", (2, 5, 6), "F32"), HubTensor("b", (2, 5, 6), "F32")], "1GB")
+
+    def write(folder, shift):
+        create_files(str(folder), plan)
+        files = Files(str(folder))
+        for s0, s1, s2 in itertools.product((0, 3), (0, 2), (0, 3)):
+            n0, n1 = (3 if s0 == 0 else 1), (2 if s1 == 0 else 3)
+            view = full[s0:s0 + n0, s1:s1 + n1, s2:s2 + 3]
+            write_box(files, plan.where, (4, 5, 6), 4, regions, (s0, s1, (s2 + shift) % 6), (n0, n1, 3), view, 40)
+        files.close(sync=True)
+        saved = load_file(str(folder / "model.safetensors"))
+        return torch.cat([saved["a"], saved["b"]])
+
+    (tmp_path / "good").mkdir()
+    (tmp_path / "bad").mkdir()
+    assert torch.equal(write(tmp_path / "good", 0), full)
+    assert not torch.equal(write(tmp_path / "bad", 3), full)
