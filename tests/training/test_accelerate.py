@@ -105,7 +105,8 @@ def test_accelerate_launch_bf16_without_matplotlib_eval_and_trackers(tmp_path):
 
 def test_torchrun_train_clm_pipeline_resumes_and_evaluates(tmp_path):
     """examples/train_clm.py at pp=2 (1F1B, 2 microbatches) under torchrun: trains through model.train_step, stops
-    checkpointed at step 4, resumes to step 6 with the loss history of an uninterrupted run, and exports a plain
+    checkpointed at step 4 (``--async-save``: steps 2 and 4 written in the background), resumes to step 6 with the
+    loss history of an uninterrupted run, and exports a plain
     Hub folder (same logits in transformers and oslo_models). The uninterrupted run also evaluates ``--eval-data``
     through ``model.eval_step`` at steps 3 and 6 (without changing its training), and its final perplexity is
     what plain ``transformers`` computes on the saved checkpoint."""
@@ -124,8 +125,8 @@ def test_torchrun_train_clm_pipeline_resumes_and_evaluates(tmp_path):
     assert report["eval"][-1]["perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)
 
     out = tmp_path / "out"
-    _, first = run(out, "--stop-at", "4")
-    stdout, resumed = run(out, "--resume")
+    _, first = run(out, "--stop-at", "4", "--async-save", "--save-every", "2")  # checkpoints written in the background
+    stdout, resumed = run(out, "--resume", "--async-save")
     first, resumed = first["losses"], resumed["losses"]
     assert "resumed at step 4" in stdout
     assert len(first) == 4 and len(resumed) == 6 and resumed[:4] == first
