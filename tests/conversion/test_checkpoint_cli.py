@@ -4,12 +4,14 @@ A world of 4 trains one AdamW step at pp2 x tp2 (GPT-2, tied head on the last st
 experts saved per expert) and tp2 x dp2 ZeRO-3 with an asynchronous save (GPT-2), and writes both a resumable
 checkpoint and ``training.save_pretrained``'s Hub folder. Offline, the CLI turns each checkpoint into a Hub folder
 byte for byte equal to the live export (shards, index, configs), in one process and under ``torchrun`` with 2
-processes sharing the chunks. ``verify`` passes both kinds of folder and fails (exit 1, naming the file) on a
-flipped byte (against a saved report), a truncated shard, an index that misplaces a key, and a corrupt training
-checkpoint file.
+processes sharing the chunks (the other calls run the CLI's ``main`` in the test process: one process, no group).
+``verify`` passes both kinds of folder and fails (exit 1, naming the file) on a flipped byte (against a saved
+report), a truncated shard, an index that misplaces a key, and a corrupt training checkpoint file.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -20,6 +22,7 @@ import torch
 
 import oslo_models as om
 from oslo_models import training
+from oslo_models.cli import main
 from tests.helpers.dist import free_port, run_distributed
 from tests.helpers.models import save_tiny_gpt2
 
@@ -48,11 +51,15 @@ def _save_worker(paths: dict, root: str) -> None:
 
 
 def _cli(*args, torchrun: int = 0) -> subprocess.CompletedProcess:
+    """``oslo_models checkpoint *args``: in this process (one process: no group), or under ``torchrun``."""
+    if not torchrun:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["checkpoint", *args])
+        return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable, "-m", "oslo_models"]
-    if torchrun:
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun}",
-                    f"--master-port={free_port()}", "-m", "oslo_models"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun}",
+                f"--master-port={free_port()}", "-m", "oslo_models"]
     return subprocess.run([*launcher, "checkpoint", *args], capture_output=True, text=True, env=env, timeout=600)
 
 
