@@ -2,7 +2,8 @@
 of a tensor-parallel plan (``partial_gradients.py``, ``inplace_outputs.py``) run the model on.
 
 The model runs in eval mode (no dropout; training-only branches such as router jitter stay off) on
-``model.dummy_inputs`` (``transformers``' small batch of token ids, or the model's own override; under sequence
+``model.dummy_inputs`` (``transformers``' small batch of token ids, or the model's own override; its first row's
+first two tokens; under sequence
 parallelism repeated to a length the tp size divides; under context parallelism this rank's chunk of it), without a
 cache,
 with the RNG state of the device restored afterwards (a later training run draws the same masks as without the
@@ -19,8 +20,9 @@ from torch import nn
 
 def dummy_forward(model: nn.Module, context, *, grad: bool):
     """The output of one forward of ``model`` on its dummy inputs, with autograd recording when ``grad``."""
-    inputs = {key: value.to(context.device) if isinstance(value, torch.Tensor) else value
-              for key, value in dict(model.dummy_inputs).items()}
+    inputs = {key: value[:1, :2].to(context.device) if isinstance(value, torch.Tensor) and value.dim() == 2
+              else value.to(context.device) if isinstance(value, torch.Tensor) else value
+              for key, value in dict(model.dummy_inputs).items()}  # its first row's first 2 tokens: a small graph
     if context.config.sequence_parallel or context.cp_size > 1:  # a length the tp ranks (x 2 cp chunks) split
         repeat = (context.tp_size if context.config.sequence_parallel else 1) * 2 * context.cp_size
         inputs = {key: value.repeat(1, repeat) if isinstance(value, torch.Tensor) and value.dim() == 2 else value

@@ -31,7 +31,7 @@ def test_model_type_and_launch_checks(examples, monkeypatch):
     assert common.small_config(parse(["--model-type", "gpt2", "--n-embd", "32"]), 57).n_embd == 32  # mapped name
     cases = {
         ("--model-type", "mamba", "--tp", "2"): "'mamba' has no native family .* runs data parallel only",
-        ("--model-type", "granite", "--tp", "2", "--sequence-parallel"): "no sequence-parallel regions",
+        ("--model-type", "mamba", "--sequence-parallel"): "sequence parallelism splits the sequence between the",
         ("--model-type", "no-such-type"): "--model-type 'no-such-type'",
         ("--model-type", "vit"): "Unsupported model type 'vit'",
         ("--model-type", "llama", "--tp", "2", "--n-head", "3", "--n-embd", "96"): "heads=3 is not divisible",
