@@ -136,7 +136,12 @@ def _generic(model_type: str, config, model_class) -> Capabilities:
             continue
         reasons = support.refusals(config, ParallelConfig(**request), model_class)
         how = {"tensor_parallel": f"transformers' base_model_tp_plan ({len(plan)} entries) as DTensors on the tp "
-                                  f"axis", "activation_checkpointing": "transformers' gradient_checkpointing_enable"}
+                                  f"axis", "activation_checkpointing": "transformers' gradient_checkpointing_enable",
+               "sequence_parallel": "layers on sequence slices around the plan's regions (each layer checked at "
+                                    "load: generic/sequence_parallel.py)",
+               "context_parallel": "ring / all-to-all through transformers' attention interface (every layer "
+                                   "checked at load: generic/context_parallel.py)",
+               "expert_parallel": "transformers' base_model_ep_plan over the ep part of dp (ZeRO 0/2/3)"}
         features.append(Feature(name, not reasons, "; ".join(reasons) or how.get(name, "generic path")))
     features.append(Feature("fused_ops", False, "transformers' own modules run as they are (no fused kernels)"))
     return Capabilities(model_type, "generic", tuple(features))
