@@ -100,6 +100,9 @@ def _apply_tensor_parallel(model, context) -> dict[str, str]:
     # replicated_with_grad_allreduce entries only hook gradients: partial_gradients.py finds those parameters (and
     # the ones no entry names) and sums their gradients itself, once per backward
     applied = {name: style for name, style in plan.items() if style != "replicated_with_grad_allreduce"}
+    # a tied copy (a materialized model's lm_head.weight is its embedding's) is split by its owner's entry
+    known = {name for name, _ in model.named_modules()} | {name for name, _ in model.named_parameters()}
+    applied = {name: style for name, style in applied.items() if name in known}
     if context.config.sequence_parallel:  # the layers run on sequence slices; regions gather once, exits scatter
         layers, regions = sequence_parallel.regions(model, plan)  # NotImplementedError with the reason
         model._oslo_sequence_parallel = (layers, regions)

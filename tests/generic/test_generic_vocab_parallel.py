@@ -9,7 +9,8 @@ rows with unequal label counts (prompts and padding masked, one row with no labe
 - with labels the forward returns this rank's vocabulary slice (51 / 50 columns), without labels the whole
   vocabulary, equal to ``transformers``' logits;
 - negative control: the same loss function told that every rank's slice starts at id 0 (the split misread) is not
-  the model's loss.
+  the model's loss;
+- ``from_config`` at tp 2 keeps cohere's tied head tied (it raised ``KeyError: 'lm_head.weight'`` before).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 import oslo_models as om
 from oslo_models.generic.vocab_parallel_loss import VocabParallelCausalLMLoss
-from tests.generic.models import save
+from tests.generic.models import CONFIGS, save
 from tests.helpers.dist import breadcrumb, run_distributed
 from tests.training.test_global_batch_loss import (
     _collate,
@@ -61,6 +62,11 @@ def _worker(paths):
         assert not torch.allclose(wrong_split, output.loss, atol=1e-3), (wrong_split, output.loss)
         torch.testing.assert_close(output.loss, reference(**batch).loss, atol=1e-5, rtol=1e-5)
         del model, reference
+    # from_config at tp keeps a tied head tied (its plan's lm_head.weight entry names the embedding's tensor)
+    torch.manual_seed(0)
+    tied = om.AutoModelForCausalLM.from_config(CONFIGS["cohere"](), parallel=om.ParallelConfig(tensor_parallel_size=2,
+                                                                                              data_parallel_size=2))
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
 
 
 @pytest.mark.slow
