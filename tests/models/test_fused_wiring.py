@@ -84,7 +84,8 @@ def run_model(path: str, name: str, *, tp: int, fused: bool):
             out.loss.backward()
     finally:
         del os.environ["OSLO_FUSED_OPS"]
-    ran = set(seen.named("oslo_models"))
+    # the experts' grouped matmul is a custom op of the same namespace but not a fused kernel: it runs either way
+    ran = {op for op in seen.named("oslo_models") if not op.startswith("oslo_models::grouped_mm")}
     if fused:
         assert out.logits is None and kernels <= ran, f"{name}: fused run showed kernels {ran}, logits kept"
     else:
