@@ -41,9 +41,11 @@ def bert_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def decoder_checkpoints(tmp_path_factory):
-    """Llama (GQA 8/2 heads, biases on q/k/v/o and the MLP, untied) and Qwen3 (q/k RMS norms, head_dim 12)."""
+    """Llama (GQA 8/2 heads, biases on q/k/v/o and the MLP, untied), Qwen3 (q/k RMS norms, head_dim 12) and OPT
+    (learned positions with an offset; ``project_in`` / ``project_out`` between its 32-wide embeddings and the 64-wide
+    stream, grid linears here)."""
     root = tmp_path_factory.mktemp("decoders_modes")
-    return {name: decoders.save_tiny(root / name, name) for name in ("llama", "qwen3")}
+    return {name: decoders.save_tiny(root / name, name) for name in ("llama", "qwen3", "opt")}
 
 
 @pytest.fixture(scope="module")

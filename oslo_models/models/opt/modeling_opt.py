@@ -30,14 +30,14 @@ from transformers.models.opt.modeling_opt import eager_attention_forward
 from ...config import ParallelConfig
 from ...parallel_layers.context_parallel import merge_sequence, split_sequence
 from ...parallel_layers.layers import Dropout, Embedding, Linear
-from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
+from ...parallel_layers.plan import Colwise, Rowwise, StreamLinear, TPDropout
 from ..common.attention import AttentionModule, attend, split_heads
 from ..common.blocks import PostNormBlock, PreNormBlock
 from ..common.causal_masks import FULL
 from ..common.layer_norm import LayerNorm
 from ..common.mlp import DenseMLP
 from ..common.parallel_rules import Heads
-from ..common.positions import LearnedPositionalEmbedding
+from ..common.positions import LearnedPositionalEmbedding, LearnedPositions
 from ..common.stack import StackSpec, TransformerStack
 from ..heads import ForCausalLM, ForQuestionAnswering, ForSequenceClassification, StackFamilyModel
 from ..modeling_utils import OsloPreTrainedModel
@@ -126,7 +126,11 @@ OPT_SPEC = StackSpec(block=OPTDecoderLayer,
                      components=dict(attn_norm=LayerNorm, attn=OPTAttention, mlp_norm=LayerNorm, mlp=OPTFeedForward),
                      embed_tokens="decoder.embed_tokens", position_embedding="decoder.embed_positions",
                      input_projection="decoder.project_in", layers="decoder.layers",
-                     final_norm="decoder.final_layer_norm", output_projection="decoder.project_out")
+                     final_norm="decoder.final_layer_norm", output_projection="decoder.project_out",
+                     # e <-> h projections outside the tp regions: replicated under 1D, grid linears under 2D/3D;
+                     # the learned positions keep their offset lookup under the grid modes
+                     extra_plan={"decoder.project_in": StreamLinear(), "decoder.project_out": StreamLinear(),
+                                 "decoder.embed_positions": LearnedPositions()})
 
 
 class OPTDecoder(nn.Module):
