@@ -58,10 +58,15 @@ def check_options(save_directory, max_shard_size, buffer_bytes) -> str:
     save_directory = os.path.abspath(os.fspath(save_directory))
     if os.path.isfile(save_directory):
         raise ValueError(f"save_directory {save_directory!r} is a file, not a folder")
+    check_sizes(max_shard_size, buffer_bytes)
+    return save_directory
+
+
+def check_sizes(max_shard_size, buffer_bytes) -> None:
+    """``ValueError`` for a bad ``max_shard_size`` or ``buffer_bytes`` (before any collective)."""
     parse_size(max_shard_size)
     if isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int) or buffer_bytes <= 0:
         raise ValueError(f"buffer_bytes must be a positive number of bytes, got {buffer_bytes!r}")
-    return save_directory
 
 
 def _numel(shape) -> int:

@@ -1,4 +1,6 @@
-"""``save_pretrained`` of a native or generic model through the distributed writer (``hub_export``): one path.
+"""``save_pretrained`` / ``push_to_hub`` of a native or generic model through the distributed writer (``hub_export``):
+one path. ``model.save_pretrained`` (native models), ``om.training.save_pretrained`` (any model, any wrapper) and
+both ``push_to_hub`` calls end in :func:`save_hub_folder`: every rank writes its share, nothing is gathered.
 
 The model says what it holds (``export_pieces``: the plan's layouts for a native model, DTensor placements for a
 generic one) and which Hub keys its tensors become (``hub_keys``); the writer does the rest, the same for both.
@@ -9,6 +11,9 @@ it (its ``distributed_config`` dropped), and ``generation_config.json`` for mode
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import tempfile
 
 from .hub_export import DEFAULT_BUFFER_BYTES, export_hub_folder
 
@@ -52,3 +57,71 @@ def export_model(model, save_directory, *, max_shard_size="5GB", buffer_bytes: i
                              (lambda: native_entries(model)), save_directory,
                              write_configs=_config_writer(model, generic), max_shard_size=max_shard_size,
                              buffer_bytes=buffer_bytes, convert=lambda name, full: convert_whole(model, name, full))
+
+
+def save_hub_folder(model, save_directory, *, max_shard_size="5GB", buffer_bytes: int | None = None,
+                    what: str = "save_pretrained") -> dict:
+    """The one Hub save: check the options (a ``ValueError`` before any collective), check that every rank arrived
+    (``what`` names the call in the error), then :func:`export_model`. ``model``: unwrapped from DDP. Collective.
+    Returns this rank's ``{"bytes", "planned_bytes", "seconds"}``."""
+    from ..distributed.agreement import check_arrival
+    from .hub_export import check_options
+    from .saving import SAVE_RULE
+
+    buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else buffer_bytes
+    check_options(save_directory, max_shard_size, buffer_bytes)
+    check_arrival(model.parallel_context, what, SAVE_RULE)
+    return export_model(model, save_directory, max_shard_size=max_shard_size, buffer_bytes=buffer_bytes)
+
+
+def _shared_staging(context, staging_dir) -> str:
+    """A new empty folder made by global rank 0 (in ``staging_dir``, else its temporary folder) that every rank
+    sees; a ``ValueError`` on every rank when some rank does not see it (it is removed first)."""
+    from ..distributed.agreement import agree_on_failure
+
+    folder, error = None, None
+    if context.rank == 0:
+        try:
+            folder = tempfile.mkdtemp(prefix="oslo-push-", dir=staging_dir)
+        except Exception as caught:  # noqa: BLE001 - raised on every rank below
+            error = caught
+    folder = agree_on_failure(context, error, what="push_to_hub (creating the staging folder)", value=folder)[0]
+    sees = agree_on_failure(context, None, what="push_to_hub", value=os.path.isdir(folder))
+    blind = [rank for rank, seen in enumerate(sees) if not seen]
+    if blind:
+        if context.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise ValueError(f"push_to_hub writes the folder from every rank, and rank(s) {blind} do not see rank 0's "
+                         f"staging folder {folder!r}: pass staging_dir= a folder on a file system every rank sees")
+    return folder
+
+
+def push_hub_folder(model, repo_id: str, *, private=None, token=None, commit_message: str = "Upload model",
+                    revision=None, max_shard_size="5GB", buffer_bytes: int | None = None, staging_dir=None):
+    """:func:`save_hub_folder` into a staging folder every rank sees (made by global rank 0 in ``staging_dir``, else
+    in its temporary folder), every rank writing its share; once every rank is done (the save's last agreement),
+    global rank 0 uploads it (``huggingface_hub.HfApi.upload_folder``) while the others wait, and removes it.
+    Collective. Returns rank 0's upload result on rank 0, ``None`` elsewhere."""
+    from .hub_export import check_sizes
+    from .saving import run_on_main_process
+
+    context = model.parallel_context
+    check_sizes(max_shard_size, DEFAULT_BUFFER_BYTES if buffer_bytes is None else buffer_bytes)
+    root = _shared_staging(context, staging_dir)
+    try:
+        folder = os.path.join(root, "model")
+        save_hub_folder(model, folder, max_shard_size=max_shard_size, buffer_bytes=buffer_bytes,
+                        what="push_to_hub")
+
+        def upload():
+            from huggingface_hub import HfApi
+
+            api = HfApi(token=token)
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
+                                     revision=revision)
+
+        return run_on_main_process(context, upload, what=f"push_to_hub({repo_id!r})")  # the others wait
+    finally:
+        if context.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)

@@ -1,4 +1,10 @@
-"""Gather a tensor-parallel model into the plain Hub layout and write it atomically; push from rank 0.
+"""The gathering save (``training.save_pretrained(..., distributed=False)`` only), its atomic writer, and the
+rank-0 helpers of both saves.
+
+Every Hub save of a model (``model.save_pretrained`` / ``push_to_hub``, ``om.training.save_pretrained`` /
+``push_to_hub``) goes through the distributed writer (``model_export.save_hub_folder``: every rank writes its
+share, nothing gathered). What is here is the explicit opt-out kept as the benchmarks' and tests' negative control,
+and ``model.full_state_dict()``:
 
 ``gather_full_state_dict``: every parameter is reassembled over its tensor-parallel group with the plan's
 ``Layout.gather_local`` (all-gather; padding stripped; packed q|k|v re-interleaved). Only the data-parallel replica
@@ -8,12 +14,12 @@
 the index, ``config.json`` and ``generation_config.json`` into a staging sibling folder, fsyncs them and swaps it
 in atomically (``conversion.atomic.publish_dir``): at every instant the target names a complete folder, the old
 one or the new one. Other files already in the folder (a tokenizer, a README) are carried over; stale weight
-shards and indexes of another shard layout are not. The folder gets the usual mode (0755 under umask 022).
+shards and indexes of another shard layout are not (the distributed writer carries them over the same way).
 
-Every rank must call ``save_pretrained``: ``gather_full_state_dict`` first checks that all ranks arrived (a
-store-based barrier with a timeout, ``distributed.agreement.check_arrival``), so ``if rank == 0:
-model.save_pretrained(...)`` is a clear error within seconds instead of a gather waiting forever; a write that
-fails on rank 0 is raised on every rank (``run_on_main_process``).
+Every rank must call either save: each first checks that all ranks arrived (a store-based barrier with a timeout,
+``distributed.agreement.check_arrival``), so ``if rank == 0: model.save_pretrained(...)`` is a clear error within
+seconds naming ``SAVE_RULE`` instead of a collective waiting forever; a write that fails on any rank is raised on
+every rank (``run_on_main_process`` / ``agree_on_failure``).
 """
 from __future__ import annotations
 
@@ -27,8 +33,9 @@ from ..distributed.agreement import agree_on_failure, check_arrival
 from ..distributed.context import ParallelContext
 from .atomic import make_staging_dir, publish_dir, recover_folder, remove_stale_staging
 
-SAVE_RULE = ("every rank calls model.save_pretrained() / full_state_dict() (the tensor-parallel pieces are "
-             "gathered from all ranks, then rank 0 alone writes the files): do not guard it with `if rank == 0:`")
+SAVE_RULE = ("every rank calls model.save_pretrained() / push_to_hub() / full_state_dict() (every rank writes "
+             "its share of the files; full_state_dict gathers the tensor-parallel pieces from all ranks): do not "
+             "guard it with `if rank == 0:`")
 _WEIGHT_FILE_PREFIXES = ("model.safetensors", "model-", "pytorch_model", "config.json", "generation_config.json")
 
 
@@ -116,3 +123,22 @@ def run_on_main_process(context: ParallelContext, fn, *args, what: str | None = 
             error = caught
     agree_on_failure(context, error, what=what or getattr(fn, "__name__", "a step on rank 0"))
     return result
+
+
+def save_gathered(model: torch.nn.Module, save_directory, *, max_shard_size: str | int = "5GB") -> None:
+    """The gathering save of a native model (``training.save_pretrained(..., distributed=False)``): every tensor
+    whole on global rank 0 (``model.full_state_dict()``), which writes the folder with :func:`write_hub_folder`.
+    ``model``: whole tp-local parameters (not FSDP2-sharded: ``training.export.plain_copy``). Collective."""
+    import copy
+
+    full_state = model.full_state_dict()
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    dtypes = {tensor.dtype for tensor in (full_state or {}).values() if tensor.is_floating_point()}
+    if len(dtypes) == 1:
+        config.dtype = dtypes.pop()
+    generation_config = model.generation_config if model.can_generate() else None
+    run_on_main_process(model.parallel_context, write_hub_folder, save_directory, full_state, config=config,
+                        generation_config=generation_config, max_shard_size=max_shard_size,
+                        what="save_pretrained (writing on rank 0)")
+    model.parallel_context.barrier()

@@ -1,4 +1,8 @@
-"""A plain Hub folder from a generic model, whatever its tensor-parallel or ZeRO layout.
+"""The gathering save of a generic model: ``om.training.save_pretrained(model, folder, distributed=False)`` only.
+
+Every Hub save of a generic model (``om.training.save_pretrained`` / ``push_to_hub``) goes through the distributed
+writer (``conversion/model_export.py``: every rank writes its share, nothing gathered), the same as native models;
+this is the explicit opt-out kept as the benchmarks' and tests' negative control (``transformers``' own files).
 
 Every rank gathers each tensor whole (``DTensor.full_tensor``: an all-gather over the tensor's mesh, tp and/or dp;
 plain tensors are already whole), one tensor at a time; global rank 0 keeps them on CPU. Rank 0 then writes them
@@ -15,7 +19,6 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import tempfile
 
 import torch
 from torch import nn
@@ -78,23 +81,3 @@ def save_pretrained(model: nn.Module, save_directory, *, max_shard_size: str | i
                         max_shard_size, what="save_pretrained (writing on rank 0)")
     context.barrier()
 
-
-def push_to_hub(model: nn.Module, repo_id: str, *, private: bool | None = None, token=None,
-                commit_message: str = "Upload model", revision: str | None = None,
-                max_shard_size: str | int = "5GB"):
-    """:func:`save_pretrained` into a temporary folder, then global rank 0 uploads it while the others wait."""
-    from ..conversion.saving import run_on_main_process
-
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = os.path.join(tmp, "model")
-        save_pretrained(model, folder, max_shard_size=max_shard_size)
-
-        def upload():
-            from huggingface_hub import HfApi
-
-            api = HfApi(token=token)
-            api.create_repo(repo_id, private=private, exist_ok=True)
-            return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
-                                     revision=revision)
-
-        return run_on_main_process(model.parallel_context, upload, what=f"push_to_hub({repo_id!r})")

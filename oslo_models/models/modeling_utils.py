@@ -17,7 +17,6 @@ import contextlib
 import copy
 import functools
 import os
-import tempfile
 from typing import ClassVar
 
 import torch
@@ -27,7 +26,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..config import ParallelConfig
 from ..conversion.checkpoint import CheckpointReader, InMemoryReader
 from ..conversion.loading import load_checkpoint_into
-from ..conversion.saving import gather_full_state_dict, run_on_main_process, write_hub_folder
+from ..conversion.saving import gather_full_state_dict
 from ..distributed.agreement import all_or_none
 from ..distributed.context import ParallelContext, _world_from_environment
 from ..distributed.data_parallel import install_data_parallel_guard
@@ -439,49 +438,45 @@ class OsloPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: str | int = "5GB",
                         is_main_process: bool | None = None, state_dict=None, push_to_hub: bool = False,
-                        **kwargs) -> None:
+                        buffer_bytes: int | None = None, **kwargs) -> dict:
         """Write a plain Hub folder that ``transformers`` loads with no conversion. Call on every rank.
 
-        Gathers each tensor over its tensor-parallel group, then global rank 0 writes safetensors (sharded at
-        ``max_shard_size`` with an index), ``config.json`` and ``generation_config.json`` atomically.
+        Every rank writes the pieces of each tensor it holds straight into the safetensors shards (sharded at
+        ``max_shard_size``, with an index): nothing is gathered, no rank holds more than its own parameters plus a
+        host buffer of ``buffer_bytes`` (default 256 MiB), the ranks share the bytes (about ``1/N`` each); global
+        rank 0 writes the index, ``config.json`` and ``generation_config.json`` and swaps the folder in atomically
+        (a killed save leaves the previous folder as it was). The same writer as ``om.training.save_pretrained``
+        (``conversion/model_export.py``); every rank must see ``save_directory`` on the same file system.
+        ``is_main_process`` is accepted for ``transformers`` compatibility and ignored (every rank writes).
+        Collectives: one ``all_gather_object`` of the ranks' piece lists, then small agreements (no tensor
+        collective). Returns this rank's ``{"bytes", "planned_bytes", "seconds"}``.
         """
+        from ..conversion.model_export import save_hub_folder
+
         if kwargs.pop("safe_serialization", True) is False:  # transformers v5 always writes safetensors too
             raise ValueError("save_pretrained(safe_serialization=False) is not supported: oslo-models writes "
                              "safetensors only, as transformers v5 does (it no longer writes pytorch_model.bin)")
         if kwargs:
             raise ValueError(f"Unknown save_pretrained option(s): {sorted(kwargs)}")
         if state_dict is not None:
-            raise ValueError("state_dict= is not supported: the gathered model state is always saved")
-        full_state = self.full_state_dict()
-        config = copy.deepcopy(self.config)
-        config.architectures = [type(self).__name__]
-        dtypes = {tensor.dtype for tensor in (full_state or {}).values() if tensor.is_floating_point()}
-        if len(dtypes) == 1:
-            config.dtype = dtypes.pop()
-        generation_config = self.generation_config if self.can_generate() else None
-        run_on_main_process(self.parallel_context, write_hub_folder, save_directory, full_state, config=config,
-                            generation_config=generation_config, max_shard_size=max_shard_size,
-                            what="save_pretrained (writing on rank 0)")
-        self.parallel_context.barrier()
+            raise ValueError("state_dict= is not supported: the model's own parameters are always saved")
         if push_to_hub:
             raise ValueError("Use model.push_to_hub(repo_id) to upload")
+        return save_hub_folder(self, save_directory, max_shard_size=max_shard_size, buffer_bytes=buffer_bytes)
 
     def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | bool | None = None,
                     commit_message: str = "Upload model", revision: str | None = None,
-                    max_shard_size: str | int = "5GB", **kwargs):
-        """Save (gathered, plain Hub layout) and upload from global rank 0 while the other ranks wait."""
+                    max_shard_size: str | int = "5GB", buffer_bytes: int | None = None,
+                    staging_dir: str | os.PathLike | None = None, **kwargs):
+        """Upload the folder :meth:`save_pretrained` writes. Call on every rank: every rank writes its share into a
+        staging folder made by global rank 0 (in ``staging_dir``, else its temporary folder; every rank must see
+        it, else a ``ValueError`` on every rank before anything is written); after the save's last agreement
+        global rank 0 uploads it (``huggingface_hub``) while the others wait. Returns the upload's result on rank
+        0, ``None`` elsewhere."""
+        from ..conversion.model_export import push_hub_folder
+
         if kwargs:
             raise ValueError(f"Unknown push_to_hub option(s): {sorted(kwargs)}")
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = os.path.join(tmp, "model")
-            self.save_pretrained(folder, max_shard_size=max_shard_size)
-
-            def upload():
-                from huggingface_hub import HfApi
-
-                api = HfApi(token=token)
-                api.create_repo(repo_id, private=private, exist_ok=True)
-                return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
-                                         revision=revision)
-
-            return run_on_main_process(self.parallel_context, upload)
+        return push_hub_folder(self, repo_id, private=private, token=token, commit_message=commit_message,
+                               revision=revision, max_shard_size=max_shard_size, buffer_bytes=buffer_bytes,
+                               staging_dir=staging_dir)

@@ -2,15 +2,16 @@
 
 :func:`save_pretrained` writes the folder from every rank at once, each rank the boxes of the tensors it holds
 (``conversion/model_export.py`` -> ``conversion/hub_export.py``): no tensor is gathered, for every layout (tp 1D
-and grid, pp, ep, ZeRO 1-3, HSDP, NVMe offload; native and generic models alike). ``distributed=False`` keeps the
-gathering save: ``model.save_pretrained`` gathers tensor-parallel shards through the plan and rank 0 writes; under
-ZeRO-2/3 (FSDP2) every parameter is first gathered over dp into a plain copy of the model (:func:`plain_copy`).
+and grid, pp, ep, ZeRO 1-3, HSDP, NVMe offload; native and generic models alike). It is the same writer as a
+native model's own ``model.save_pretrained`` / ``push_to_hub``. ``distributed=False`` keeps the gathering save
+(the benchmarks' and tests' negative control): tensor-parallel shards gathered through the plan and rank 0 writes
+(``conversion.saving.save_gathered``); under ZeRO-2/3 (FSDP2) every parameter is first gathered over dp into a
+plain copy of the model (:func:`plain_copy`); generic models through ``generic/saving.py``.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 
 import torch
 from torch import nn
@@ -55,18 +56,18 @@ def plain_copy(model: nn.Module) -> nn.Module:
     return copy
 
 
-def _save_gathered(model: nn.Module, save_directory, **kwargs) -> None:
+def _save_gathered(model: nn.Module, save_directory, *, max_shard_size) -> None:
     """The gathering save (before issue 53): every tensor whole on global rank 0, which writes the folder."""
-    from ..conversion.saving import SAVE_RULE
+    from ..conversion.saving import SAVE_RULE, save_gathered
     from ..distributed.agreement import check_arrival
     from ..utils.model_protocol import protocol_of
 
     if protocol_of(model).layout == "placements":  # transformers' own save gathers its DTensors
         from ..generic.saving import save_pretrained as generic_save_pretrained
 
-        return generic_save_pretrained(unwrap_model(model), save_directory, **kwargs)
+        return generic_save_pretrained(unwrap_model(model), save_directory, max_shard_size=max_shard_size)
     check_arrival(unwrap_model(model).parallel_context, "training.save_pretrained", SAVE_RULE)  # before FSDP gathers
-    plain_copy(model).save_pretrained(save_directory, **kwargs)
+    save_gathered(plain_copy(model), save_directory, max_shard_size=max_shard_size)
 
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_shard_size: str | int = "5GB",
@@ -81,52 +82,31 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
     each); rank 0 writes the index and configs and swaps the folder in atomically. Every rank must see the folder
     on the same file system. Returns this rank's ``{"bytes", "planned_bytes", "seconds"}``.
     ``distributed=False``: the earlier gathering save (every tensor whole on global rank 0); returns ``None``."""
-    from ..conversion.hub_export import DEFAULT_BUFFER_BYTES, check_options
-    from ..conversion.model_export import export_model
-    from ..conversion.saving import SAVE_RULE
-    from ..distributed.agreement import check_arrival
+    from ..conversion.model_export import save_hub_folder
 
     if safe_serialization is False:
         raise ValueError("save_pretrained(safe_serialization=False) is not supported: oslo-models writes "
                          "safetensors only, as transformers v5 does")
+    if kwargs:
+        raise ValueError(f"Unknown save_pretrained option(s): {sorted(kwargs)}")
     if not distributed:
         if buffer_bytes is not None:
             raise ValueError("buffer_bytes= applies to the distributed save only (distributed=True)")
-        return _save_gathered(model, save_directory, max_shard_size=max_shard_size, **kwargs)
-    if kwargs:
-        raise ValueError(f"Unknown save_pretrained option(s): {sorted(kwargs)}")
-    buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else buffer_bytes
-    check_options(save_directory, max_shard_size, buffer_bytes)  # a user error, before any collective
-    inner = unwrap_model(model)
-    check_arrival(inner.parallel_context, "training.save_pretrained", SAVE_RULE)
-    return export_model(inner, save_directory, max_shard_size=max_shard_size, buffer_bytes=buffer_bytes)
+        return _save_gathered(model, save_directory, max_shard_size=max_shard_size)
+    return save_hub_folder(unwrap_model(model), save_directory, max_shard_size=max_shard_size,
+                           buffer_bytes=buffer_bytes, what="training.save_pretrained")
 
 
 def push_to_hub(model: nn.Module, repo_id: str, *, private: bool | None = None, token=None,
                 commit_message: str = "Upload model", revision: str | None = None, max_shard_size: str | int = "5GB",
-                buffer_bytes: int | None = None):
-    """Upload the plain Hub folder :func:`save_pretrained` writes (native or generic, any wrapper) from global rank 0
-    while the other ranks wait. Call on every rank. The folder is written into a temporary folder of rank 0 by
-    every rank when every rank sees it (one machine, or a shared temporary folder), else gathered on rank 0."""
-    from ..conversion.saving import run_on_main_process
-    from ..distributed.agreement import agree_on_failure
+                buffer_bytes: int | None = None, staging_dir: str | os.PathLike | None = None):
+    """Upload the plain Hub folder :func:`save_pretrained` writes (native or generic, any wrapper). Call on every
+    rank: every rank writes its share into a staging folder made by global rank 0 (in ``staging_dir``, else its
+    temporary folder; every rank must see it, else a ``ValueError`` on every rank before anything is written),
+    then rank 0 uploads it while the others wait (``conversion.model_export.push_hub_folder``). Returns the
+    upload's result on rank 0, ``None`` elsewhere."""
+    from ..conversion.model_export import push_hub_folder
 
-    context = unwrap_model(model).parallel_context
-    with tempfile.TemporaryDirectory() as tmp:
-        shared = agree_on_failure(context, None, what="push_to_hub", value=tmp)[0]
-        visible = agree_on_failure(context, None, what="push_to_hub", value=os.path.isdir(shared))
-        folder = os.path.join(shared if all(visible) else tmp, "model")
-        save_pretrained(model, folder, max_shard_size=max_shard_size, distributed=all(visible),
-                        **({"buffer_bytes": buffer_bytes} if all(visible) else {}))
-
-        def upload():
-            from huggingface_hub import HfApi
-
-            api = HfApi(token=token)
-            api.create_repo(repo_id, private=private, exist_ok=True)
-            return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
-                                     revision=revision)
-
-        result = run_on_main_process(context, upload, what=f"push_to_hub({repo_id!r})")
-        context.barrier()  # rank 0's temporary folder goes away only after every rank is done with it
-        return result
+    return push_hub_folder(unwrap_model(model), repo_id, private=private, token=token, commit_message=commit_message,
+                           revision=revision, max_shard_size=max_shard_size, buffer_bytes=buffer_bytes,
+                           staging_dir=staging_dir)

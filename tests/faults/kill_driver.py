@@ -2,8 +2,9 @@
 
 ``python -m tests.faults.kill_driver WORKDIR`` builds a tiny GPT-2 once, then for each save path (``save_pretrained``
 with the atomic exchange, ``save_pretrained`` on a file system without it, ``training.save_checkpoint``) counts the
-file-system steps of one save (mkdir, file writes, fsync, renames, removals) and, for every step k, forks a child
-that SIGKILLs itself just before step k. After each kill the parent checks what is on disk:
+file-system steps of one save (mkdir, file writes - the Hub writer's ``os.pwrite`` of each tensor box into the
+pre-sized shard files -, renames, removals) and, for every step k, forks a child that SIGKILLs itself just before
+step k. After each kill the parent checks what is on disk:
 
 - Hub folder: plain ``transformers`` loads it and gives exactly the old or the new model's logits (with the
   fallback renames, after ``recover_folder``), and never the new one before the publishing step;
@@ -36,7 +37,7 @@ IDS = torch.tensor([[1, 5, 9, 33, 7, 2, 11, 4]])
 STEPS = 6
 # (module, attribute) pairs whose calls are the visible steps of a save; a kill lands just before one of them.
 # fsync is not one: it changes nothing a killed process leaves behind (it matters for power loss only).
-STEP_CALLS = [(os, "mkdir"), (os, "rename"), (os, "replace"), (os, "remove"), (os, "rmdir"),
+STEP_CALLS = [(os, "mkdir"), (os, "rename"), (os, "replace"), (os, "remove"), (os, "rmdir"), (os, "pwrite"),
               (shutil, "rmtree"), (safetensors.torch, "save_file"), (torch, "save"), (atomic, "_exchange")]
 
 

@@ -1,7 +1,8 @@
 """A failure that only some ranks see is every rank's clear error within seconds, never a hang.
 
-Pipeline stages read only their own tensors and tensor-parallel ranks can fail to read on one node only; rank 0
-alone writes files; ``if rank == 0: model.save_pretrained(...)`` leaves the other ranks out of the gather. In each
+Pipeline stages read only their own tensors and tensor-parallel ranks can fail to read on one node only; every rank
+writes its share of a Hub folder and any one can fail; ``if rank == 0: model.save_pretrained(...)`` leaves the other
+ranks out of the save. In each
 case every rank must raise the same error (``distributed.agreement``) quickly. CPU, gloo: ``world2`` and ``world4``
 run in the spawned worlds of ``test_worlds.py`` (whose timeout fails a hang instead of holding CI)."""
 from __future__ import annotations
@@ -20,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import oslo_models as om
 from oslo_models import training
+from oslo_models.conversion import hub_export
 from oslo_models.conversion.checkpoint import CheckpointReader
 from oslo_models.conversion.loading import MismatchedSizeError
 from tests.helpers.models import save_tiny_gpt2, tiny_gpt2_config
@@ -94,9 +96,17 @@ def world2(paths):
     dist.barrier()
     del os.environ["OSLO_ARRIVAL_TIMEOUT"]
     model.save_pretrained(out)  # everyone calling afterwards still works (the failed arrival was withdrawn)
-    # Rank 0 failing to write: every rank gets its error, the folder is still the complete previous one.
-    with mock.patch("oslo_models.models.modeling_utils.write_hub_folder", side_effect=OSError("disk full")):
-        same_error_everywhere(lambda: model.save_pretrained(out), r"failed on rank 0: OSError: disk full",
+    # Rank 1 failing to write its share (every rank writes): every rank gets its error, the folder is still the
+    # complete previous one.
+    real_write_box = hub_export.write_box
+
+    def write_box_fails_on_rank1(*args, **kwargs):
+        if rank == 1:
+            raise OSError("disk full")
+        return real_write_box(*args, **kwargs)
+
+    with mock.patch.object(hub_export, "write_box", write_box_fails_on_rank1):
+        same_error_everywhere(lambda: model.save_pretrained(out), r"failed on rank 1: OSError: disk full",
                               expected_type=OSError)
     if rank == 0:
         reference = transformers.AutoModelForCausalLM.from_pretrained(good)
