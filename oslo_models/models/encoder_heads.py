@@ -24,7 +24,10 @@ from transformers.modeling_outputs import (
 from transformers.utils.generic import can_return_tuple
 
 from ..parallel_layers.layers import Dropout, Linear
+from ..utils.documents import PACKING_KEYS
+from .common.cache_names import cache_field, output_cache
 from .common.context_parallel import context_parallel_loss, context_parallel_loss_items
+from .common.encoder_masks import PACKED_HEAD_REFUSAL, is_packed_batch
 from .common.lm_loss import head_loss_and_logits, keep_last_logits
 from .common.outputs import passed_on
 from .heads import (
@@ -75,6 +78,12 @@ class EncoderHeadModel(HeadModel):
     classifier_dropout = staticmethod(classifier_dropout)
     pipeline_adapter = _BoundPipelineAdapter()
     pipeline_adapter_class: ClassVar[type | None] = None
+    #: the head's outputs are per token, so a packed batch (several documents per row, attending within
+    #: themselves: ``common/encoder_masks.py``) gives each document's own values; per-row heads (pooled
+    #: classification, spans, choices, NSP/SOP) refuse packed batches with the reason
+    accepts_packed: ClassVar[bool] = False
+    #: what the per-row output is, for the refusal's message
+    per_row_output: ClassVar[str] = "a pooled or per-row prediction"
 
     def __init__(self, config, *, parallel_context=None):
         super(HeadModel, self).__init__(config, parallel_context=parallel_context)
@@ -86,7 +95,11 @@ class EncoderHeadModel(HeadModel):
 
     def encode(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                **kwargs):
-        """The base model's output object (``last_hidden_state [b, s, h]``, ``pooler_output [b, h]``, ...)."""
+        """The base model's output object (``last_hidden_state [b, s, h]``, ``pooler_output [b, h]``, ...).
+        ``ValueError`` for a packed batch when the head is per row (``accepts_packed``)."""
+        if not self.accepts_packed and is_packed_batch(input_ids, inputs_embeds, attention_mask, position_ids,
+                                                       {key: kwargs.get(key) for key in PACKING_KEYS}):
+            raise ValueError(PACKED_HEAD_REFUSAL.format(name=type(self).__name__, what=self.per_row_output))
         return self.base_outputs(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                                  position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
 
@@ -101,6 +114,7 @@ class ForMaskedLM(EncoderHeadModel):
     head_name: ClassVar[str] = "cls"
     head_class: ClassVar[type] = None
     head_styles = _HeadStyles()
+    accepts_packed = True  # per-token loss and logits
     _decoder_bias_owner: ClassVar[str | None] = None
     #: the vocab-parallel decoder's module path when it is not ``{_decoder_bias_owner}.decoder`` (ELECTRA's
     #: ``generator_lm_head``, DistilBERT's ``vocab_projector``: top-level linears with their own bias)
@@ -174,7 +188,7 @@ class EncoderForCausalLM(ForMaskedLM, GenerationMixin):
                                             labels, causal=True, skip_logits=skip_logits,
                                             fused=self.parallel_context.config.fused_ops, gather_logits=gather_logits,
                                             num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
-        return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+        return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits, **cache_field(output_cache(outputs)),
                                                  cross_attentions=getattr(outputs, "cross_attentions", None),
                                                  **passed_on(outputs))
 
@@ -182,6 +196,8 @@ class EncoderForCausalLM(ForMaskedLM, GenerationMixin):
 class EncoderForSequenceClassification(EncoderHeadModel):
     """``logits [b, num_labels]``. Without ``head_class`` (BERT): ``classifier(dropout(pooled [CLS] state))``;
     with one (RoBERTa's ``classifier.dense/out_proj`` on ``<s>``): ``classifier(last_hidden_state)``, no pooler."""
+
+    per_row_output = "one label per row from the first token or the pooler"
 
     head_class: ClassVar[type | None] = None
 
@@ -214,6 +230,8 @@ class EncoderForSequenceClassification(EncoderHeadModel):
 class EncoderForTokenClassification(EncoderHeadModel):
     """Replicated ``classifier`` (after ``dropout``) on every token: ``logits [b, s, num_labels]``."""
 
+    accepts_packed = True
+
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
         self.dropout = Dropout(self.classifier_dropout(config))
@@ -230,6 +248,8 @@ class EncoderForTokenClassification(EncoderHeadModel):
 class EncoderForQuestionAnswering(EncoderHeadModel):
     """Replicated span head ``qa_outputs`` (``config.num_labels`` outputs, as ``transformers``' encoders):
     ``start_logits, end_logits [b, s]``."""
+
+    per_row_output = "one answer span per row"
 
     #: whether a ``dropout`` runs before ``qa_outputs`` (DistilBERT's ``qa_dropout``)
     span_dropout: ClassVar[bool] = False
@@ -250,6 +270,8 @@ class ForMultipleChoice(EncoderHeadModel):
     """``[b, c, s]`` inputs flattened to ``[b*c, s]``; one replicated score per choice from the pooled state:
     ``logits [b, c]``. ``classifier_dropout(config)``: the family's dropout rule (RoBERTa: ``hidden_dropout_prob``)."""
 
+    per_row_output = "one pooled score per choice row"
+
     uses_pooler = True
 
     def build_head(self, config) -> None:
@@ -269,6 +291,8 @@ class ForMultipleChoice(EncoderHeadModel):
 class ForNextSentencePrediction(EncoderHeadModel):
     """``logits [b, 2]`` from the pooled ``[CLS]`` state through ``head_class`` at ``head_name``; cross-entropy
     with ``labels``."""
+
+    per_row_output = "next-sentence prediction on the pooled first token"
 
     uses_pooler = True
     head_name: ClassVar[str] = "cls"

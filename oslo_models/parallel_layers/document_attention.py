@@ -90,7 +90,8 @@ def _to_indices(blocks: torch.Tensor):
 def document_block_mask(documents: torch.Tensor, *, window: int | None = None, causal: bool = True,
                         block: int = BLOCK):
     """The FlexAttention ``BlockMask`` of ``documents [b, s]``: same document, and (``causal``) key <= query, and
-    (``window``) query - key < ``window``; built from block summaries (module docstring), no ``[s, s]`` tensor."""
+    (``window``) query - key < ``window`` (``|query - key| < window`` when not ``causal``); built from block
+    summaries (module docstring), no ``[s, s]`` tensor."""
     from torch.nn.attention.flex_attention import BlockMask
 
     batch, seq = documents.shape
@@ -113,6 +114,9 @@ def document_block_mask(documents: torch.Tensor, *, window: int | None = None, c
     if window is not None:
         some &= (q_first - k_last < window)
         every &= (q_last - k_first < window)
+        if not causal:  # bidirectional: |q - k| < window (ModernBERT's local layers)
+            some &= (k_first - q_last < window)
+            every &= (k_last - q_first < window)
     partial = some & ~every
     kv_num, kv_index = _to_indices(partial)
     full_num, full_index = _to_indices(every)
@@ -123,6 +127,8 @@ def document_block_mask(documents: torch.Tensor, *, window: int | None = None, c
             allowed = allowed & (kv_idx <= q_idx)
         if window is not None:
             allowed = allowed & (q_idx - kv_idx < window)
+            if not causal:
+                allowed = allowed & (kv_idx - q_idx < window)
         return allowed
 
     return BlockMask.from_kv_blocks(kv_num, kv_index, full_num, full_index, BLOCK_SIZE=block, mask_mod=mask_mod,

@@ -269,6 +269,8 @@ class AlbertForPreTraining(ForMaskedLM, AlbertPreTrainedModel):
     """The MLM head (vocab-parallel, as ``AlbertForMaskedLM``) plus the replicated sentence-order head on the
     pooler; the loss is MLM + SOP when both ``labels`` and ``sentence_order_label`` are given."""
 
+    accepts_packed, per_row_output = False, "the pooled first token's sentence-pair prediction"
+
     hf_twin = transformers.AlbertForPreTraining
     uses_pooler = True
     head_name, head_class = "predictions", AlbertMLMHead

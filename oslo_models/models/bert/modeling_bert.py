@@ -27,7 +27,7 @@ import transformers
 from torch import nn
 from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 from transformers.utils.generic import can_return_tuple
@@ -48,8 +48,9 @@ from ...parallel_layers.plan import (
 from ..common import enter_sequence_parallel, full_logits, token_loss
 from ..common.bias_act import fused_gelu_approximation, linear_act
 from ..common.blocks import BlockTemplate
-from ..common.causal_masks import FULL
+from ..common.causal_masks import FULL, causal_masks
 from ..common.cross_attention import self_attention_cache
+from ..common.encoder_masks import document_bidirectional_masks, encoder_documents
 from ..common.legacy_keys import LegacyKeyReader
 from ..common.outputs import capture_parallel_outputs, passed_on
 from ..common.parallel_rules import Features, Heads
@@ -109,6 +110,11 @@ class BertEmbeddings(nn.Module):
     def make_position_ids(self, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:
         seq_len = inputs_embeds.shape[1]
         return (torch.arange(seq_len, device=inputs_embeds.device) + past_length).unsqueeze(0)
+
+    @classmethod
+    def first_position(cls, config) -> int:
+        """A sequence's first position id (RoBERTa: ``pad_token_id + 1``); packed documents start there."""
+        return 0
 
     def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 past_key_values_length: int = 0) -> torch.Tensor:
@@ -433,13 +439,16 @@ class BertModel(TransformerStack, BertPreTrainedModel):
         return bool(getattr(self.config, "is_decoder", False))
 
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
-        """Bidirectional (padding only), or causal when ``config.is_decoder``: ``transformers``' masks."""
-        if self.causal:
-            mask = create_causal_mask(config=self.config, inputs_embeds=shape_like, attention_mask=attention_mask,
-                                      past_key_values=self_attention_cache(past_key_values))
-        else:
-            mask = create_bidirectional_mask(config=self.config, inputs_embeds=shape_like,
-                                             attention_mask=attention_mask)
+        """Bidirectional (padding only), or causal when ``config.is_decoder``: ``transformers``' masks. Packed
+        documents (caller-given ``position_ids`` restarting per document) attend within themselves: bidirectional
+        per document (``common/encoder_masks.py``), causal per document (``common/causal_masks.py``)."""
+        if self.causal:  # the decoders' masks (packed documents, Flex, the cache)
+            return causal_masks(self.config, shape_like, attention_mask, self_attention_cache(past_key_values),
+                                position_ids, kinds={FULL})
+        documents = encoder_documents(shape_like, attention_mask, position_ids)
+        if documents is not None:
+            return document_bidirectional_masks(self.config, shape_like, documents, {FULL})
+        mask = create_bidirectional_mask(config=self.config, inputs_embeds=shape_like, attention_mask=attention_mask)
         return {FULL: mask}
 
     def stack_inputs(self, shape_like, attention_mask=None, position_ids=None, past_key_values=None, **options):
@@ -498,6 +507,9 @@ class BertModel(TransformerStack, BertPreTrainedModel):
         if not self.causal:
             past_key_values = None
         shape_like = self._shape_only(inputs_embeds if inputs_embeds is not None else input_ids[..., None])
+        given, position_ids = position_ids, self._packed_positions(shape_like, attention_mask, position_ids, kwargs)
+        if given is None and position_ids is not None:  # read from cu_seqlens / seq_idx
+            position_ids = position_ids + self.embeddings_class.first_position(self.config)
         inputs = self.stack_inputs(shape_like, attention_mask, position_ids, past_key_values)
         if encoder_hidden_states is not None:  # layer keywords only when there is a cross-attention input
             kwargs.update(encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=self.cross_attention_mask(
@@ -539,6 +551,8 @@ class BertLMHeadModel(EncoderForCausalLM, BertPreTrainedModel):
 class BertForPreTraining(ForMaskedLM, BertPreTrainedModel):
     """MLM head (vocab-parallel, as ``BertForMaskedLM``) plus the replicated next-sentence head on the pooler.
     The loss is MLM + NSP when both ``labels`` and ``next_sentence_label`` are given."""
+
+    accepts_packed, per_row_output = False, "the pooled first token's sentence-pair prediction"
 
     hf_twin = transformers.BertForPreTraining
     uses_pooler = True

@@ -51,6 +51,7 @@ from ..common import enter_sequence_parallel
 from ..common.blocks import BlockTemplate
 from ..common.causal_masks import FULL
 from ..common.disentangled_attention import DisentangledSelfAttention, relative_span
+from ..common.encoder_masks import encoder_documents, same_document
 from ..common.outputs import capture_parallel_outputs, passed_on
 from ..common.stack import StackSpec, TransformerStack
 from ..encoder_heads import EncoderForQuestionAnswering, EncoderHeadModel, ForMaskedLM
@@ -278,12 +279,21 @@ class DebertaV2Model(TransformerStack, DebertaV2PreTrainedModel):
             self.finish_init()
 
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
-        """``transformers``' DeBERTa mask: bool ``[b, 1, s, s]``, query and key both non-padding."""
+        """``transformers``' DeBERTa mask: bool ``[b, 1, s, s]``, query and key both non-padding, and for packed
+        documents (``position_ids`` restarting) in one document: the relative (c2p / p2c) terms depend on ``q - k``
+        only, which within a document is its distance run alone, so a packed row equals its documents one per row.
+        The convolution layer (``conv_kernel_size > 0``) would mix documents: refused."""
+        documents = encoder_documents(shape_like, attention_mask, position_ids)
+        if documents is not None and self.encoder.conv is not None:
+            raise NotImplementedError("packed documents through DeBERTa-v2's convolution layer (conv_kernel_size > "
+                                      "0) are not implemented: the convolution runs over the whole row, across "
+                                      "documents; run one sequence per row")
         if attention_mask is None:
             attention_mask = torch.ones(shape_like.shape[:2], device=shape_like.device)
         if attention_mask.dim() <= 2:
             keep = attention_mask[:, None, None, :].bool()
-            return {FULL: keep & keep.transpose(-1, -2)}
+            keep = keep & keep.transpose(-1, -2)
+            return {FULL: keep if documents is None else keep & same_document(documents)}
         return {FULL: (attention_mask.unsqueeze(1) if attention_mask.dim() == 3 else attention_mask).bool()}
 
     def _embed_phase(self, input_ids, inputs, inputs_embeds, token_type_ids) -> torch.Tensor:
@@ -304,6 +314,7 @@ class DebertaV2Model(TransformerStack, DebertaV2PreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         kwargs.pop("use_cache", None), kwargs.pop("past_key_values", None)
         shape_like = inputs_embeds if inputs_embeds is not None else input_ids[..., None]
+        position_ids = self._packed_positions(shape_like, attention_mask, position_ids, kwargs)  # cu_seqlens/seq_idx
         inputs = self.stack_inputs(self._shape_only(shape_like), attention_mask, position_ids)
         hidden = self.run_stack(input_ids, inputs, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
                                 **kwargs)
@@ -450,6 +461,7 @@ class DebertaV2ForSequenceClassification(_PooledHead, DebertaV2PreTrainedModel):
 
 class DebertaV2ForTokenClassification(EncoderHeadModel, DebertaV2PreTrainedModel):
     hf_twin = transformers.DebertaV2ForTokenClassification
+    accepts_packed = True
     pipeline_adapter_class = DebertaV2TokenClassificationPipelineAdapter
 
     def build_head(self, config) -> None:

@@ -170,6 +170,7 @@ class ElectraForPreTraining(EncoderHeadModel, ElectraPreTrainedModel):
     (1 = replaced) the binary cross-entropy over the tokens ``attention_mask`` keeps, as ``transformers``."""
 
     hf_twin = transformers.ElectraForPreTraining
+    accepts_packed = True  # one logit per token: the packed row's are its documents'
 
     def build_head(self, config) -> None:
         self.discriminator_predictions = ElectraDiscriminatorPredictions(config)

@@ -47,6 +47,7 @@ from ..common.attention import AttentionModule, attend
 from ..common.blocks import PreNormBlock
 from ..common.causal_masks import FULL, SLIDING
 from ..common.context_parallel import context_parallel_loss, context_parallel_loss_items
+from ..common.encoder_masks import document_bidirectional_masks, encoder_documents
 from ..common.layer_norm import LayerNorm
 from ..common.lm_loss import head_loss_and_logits
 from ..common.outputs import capture_parallel_outputs, passed_on
@@ -247,6 +248,9 @@ class ModernBertModel(TransformerStack, ModernBertPreTrainedModel):
         sliding_window`` (local layers); a dict of them passes through."""
         if isinstance(attention_mask, dict):
             return attention_mask
+        documents = encoder_documents(shape_like, attention_mask, position_ids)
+        if documents is not None:  # packed: within each document (rotary and windows read q - k only)
+            return document_bidirectional_masks(self.config, shape_like, documents, kinds)
         options = dict(config=self.config, inputs_embeds=shape_like, attention_mask=attention_mask)
         build = {FULL: create_bidirectional_mask, SLIDING: create_bidirectional_sliding_window_mask}
         return {kind: build[kind](**options) for kind in kinds}
@@ -258,6 +262,7 @@ class ModernBertModel(TransformerStack, ModernBertPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         kwargs.pop("use_cache", None), kwargs.pop("past_key_values", None)  # an encoder keeps no cache
         shape_like = inputs_embeds if inputs_embeds is not None else input_ids[..., None]
+        position_ids = self._packed_positions(shape_like, attention_mask, position_ids, kwargs)  # cu_seqlens/seq_idx
         inputs = self.stack_inputs(self._shape_only(shape_like), attention_mask, position_ids)
         hidden = self.run_stack(input_ids, inputs, inputs_embeds=inputs_embeds, **kwargs)
         return BaseModelOutput(last_hidden_state=hidden)
@@ -327,6 +332,7 @@ class ModernBertForMaskedLM(EncoderHeadModel, ModernBertPreTrainedModel):
     head_styles = {"decoder": Colwise(vocab=True)}
     _oslo_context_parallel = True
     pipeline_adapter_class = ModernBertMaskedLMPipelineAdapter
+    accepts_packed = True
     _tied_weights_keys = {"decoder.weight": "model.embeddings.tok_embeddings.weight"}
 
     def build_head(self, config) -> None:
@@ -380,6 +386,7 @@ class ModernBertForSequenceClassification(_ModernBertHead, ModernBertPreTrainedM
 
 class ModernBertForTokenClassification(_ModernBertHead, ModernBertPreTrainedModel):
     hf_twin = transformers.ModernBertForTokenClassification
+    accepts_packed = True
     pipeline_adapter_class = ModernBertTokenClassificationPipelineAdapter
 
     @can_return_tuple

@@ -46,6 +46,10 @@ class RobertaEmbeddings(BertEmbeddings):
         self.position_embeddings = Embedding(config.max_position_embeddings, config.hidden_size,
                                              padding_idx=self.padding_idx)
 
+    @classmethod
+    def first_position(cls, config) -> int:
+        return config.pad_token_id + 1
+
     def make_position_ids(self, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:
         """fairseq's ``make_positions``: ``padding_idx + 1 + (index among non-padding tokens)``, ``padding_idx``
         on padding. Without ``input_ids`` padding cannot be seen, so positions are sequential."""
