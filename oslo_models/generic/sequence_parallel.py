@@ -13,6 +13,13 @@ at its exit. On a ``transformers`` model with a plan:
   colwise projections inside take it as it is and their input gradients (each ``Partial``) are added up by DTensor
   and reduce-scattered once at the gather (backward) - and its ``rowwise`` projections reduce-scatter their output to
   the sequence slice (``RowwiseParallel(output_layouts=Shard(1))``) instead of all-reducing it;
+- an *MoE region* (a region holding a ``moe_tp_experts`` entry: GLM-4.5's, ERNIE 4.5's MoE blocks) keeps its
+  exits' all-reduce (the experts and shared experts work on the flattened ``[b * s, h]`` tokens, which cannot be
+  reduce-scattered along the sequence); its modules with parameters or buffers of their own that no plan entry names
+  (the router) take the gathered sequence as a plain tensor (``to_local``: their gradient is whole on every tp rank,
+  which DTensor adds to the colwise projections' partial ones as such), and the region's whole output is cut to the
+  rank's slice (``Replicate -> Shard(1)``; backward: an all-gather of the slices' gradients). The router so sees
+  every token of the sequence, as in ``transformers``;
 - every other child of a layer must be per-token: a module with no parameters, or a norm (a class named ``*Norm*``
   with 1-D parameters). The norm weights then see only the rank's tokens: their gradients are partial over tp, which
   ``partial_gradients.py`` finds in the graph like any other and sums over tp.
@@ -23,7 +30,8 @@ combines a slice with a whole-sequence tensor is refused when the load's dummy f
 a batch must be divisible by tp (``ValueError`` from the first layer's hook, on every rank alike).
 
 Collectives per layer and forward: one all-gather of ``[b, s, h]`` per region and one reduce-scatter per rowwise
-exit (backward: the mirror); once per forward: the cut (none) and the gather at the last layer.
+exit (an MoE region: its exits' all-reduces, then a local cut; backward: the mirror); once per forward: the cut
+(none) and the gather at the last layer.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ from torch import nn
 
 _COLWISE = ("colwise", "packed_colwise")
 _ROWWISE = ("rowwise", "packed_rowwise")
+_MOE_EXPERTS = "moe_tp_experts"
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -81,14 +90,41 @@ def regions(model: nn.Module, plan: dict[str, str]) -> tuple[list[str], list[str
     return [prefix for prefix, _ in layers], found
 
 
+def moe_regions(plan: dict[str, str], region_names: list[str]) -> list[str]:
+    """The regions holding a ``moe_tp_experts`` entry (an MoE block: router, experts, shared experts)."""
+    return [region for region in region_names
+            if any(style == _MOE_EXPERTS and key.startswith(region + ".") for key, style in plan.items())]
+
+
 def rowwise_overrides(plan: dict[str, str], region_names: list[str]) -> dict:
-    """The region exits' styles: ``rowwise`` entries inside a region reduce-scatter to the sequence slice."""
+    """The region exits' styles: ``rowwise`` entries inside a region reduce-scatter to the sequence slice (except in
+    an MoE region, whose flattened ``[b * s, h]`` exits all-reduce and whose whole output is then cut)."""
     from torch.distributed.tensor import Shard
     from transformers.distributed.tensor_parallel import RowwiseParallel
 
     exit_style = RowwiseParallel(input_layouts=Shard(-1), output_layouts=Shard(1))
+    dense = [region for region in region_names if region not in moe_regions(plan, region_names)]
     return {key: exit_style for key, style in plan.items() if style == "rowwise"
-            and any(key.startswith(region + ".") for region in region_names)}
+            and any(key.startswith(region + ".") for region in dense)}
+
+
+def _local_modules(region: nn.Module, prefix: str, plan: dict[str, str]) -> list[nn.Module]:
+    """Modules of an MoE region holding parameters or buffers of their own that no plan entry names (the router):
+    they take the gathered sequence as a plain tensor."""
+    named = set(plan)
+    found = []
+    for name, module in region.named_modules(prefix=prefix):
+        own = [f"{name}.{key}" for key, value in [*module._parameters.items(), *module._buffers.items()]
+               if value is not None]
+        if own and name not in named and not any(key in named for key in own):
+            found.append(module)
+    return found
+
+
+def _to_local(value):
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _replace_hidden(args, kwargs, change):
@@ -121,12 +157,27 @@ def install(model: nn.Module, context, layer_names: list[str], region_names: lis
         whole = whole.redistribute(placements=[Replicate()]).to_local()
         return (whole, *output[1:]) if isinstance(output, tuple) else whole
 
+    def cut_output(module, args, output):
+        whole = output if isinstance(output, DTensor) else DTensor.from_local(output, mesh, [Replicate()],
+                                                                               run_check=False)
+        return whole.redistribute(placements=[Shard(1)]).to_local()
+
+    def local_inputs(module, args, kwargs):
+        return tuple(_to_local(a) for a in args), {key: _to_local(v) for key, v in kwargs.items()}
+
     model.get_submodule(layer_names[0]).register_forward_pre_hook(
         lambda module, args, kwargs: _replace_hidden(args, kwargs, cut), with_kwargs=True)
     model.get_submodule(layer_names[-1]).register_forward_hook(gathered_output)
+    plan = getattr(model, "_oslo_generic_tp_plan", None) or {}
+    moe = moe_regions(plan, region_names)
     for name in region_names:
-        model.get_submodule(name).register_forward_pre_hook(
+        region = model.get_submodule(name)
+        region.register_forward_pre_hook(
             lambda module, args, kwargs: _replace_hidden(args, kwargs, gather), with_kwargs=True)
+        if name in moe:  # whole output (the experts' all-reduce): cut to the slice (backward: all-gather)
+            region.register_forward_hook(cut_output)
+            for module in _local_modules(region, name, plan):  # the router sees the gathered tokens, whole
+                module.register_forward_pre_hook(local_inputs, with_kwargs=True)
 
 
 def apply_plan(model: nn.Module, mesh, plan: dict[str, str], overrides: dict) -> None:

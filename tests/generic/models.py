@@ -24,6 +24,19 @@ Hidden 64, 2 layers, vocabulary 101, no dropout. Each exercises something of its
   shared expert.
 - minimax_m2 (2025): MoE in every layer, sigmoid router with a score-correction bias, no shared expert.
 - hunyuan_v1_moe (2025): MoE with a softmax top-k router and a shared MLP, QK norm.
+- granitemoehybrid (2025, Granite 4): hybrid decoder, a Mamba-2 layer before an attention layer, MoE (softmax top-k
+  router) plus a shared MLP in every layer; no ``base_model_pp_plan``; its plan names only the experts.
+- lfm2_moe (2025, LFM2-MoE): hybrid decoder, a gated short-convolution layer before an attention layer, a dense
+  first layer then MoE (sigmoid router with an expert bias), tied embeddings; no ``base_model_pp_plan``.
+- glm4_moe (2025, GLM-4.5): a dense first layer, then MoE with a grouped sigmoid router (score-correction bias) and
+  shared experts inside the plan's regions, partial rotary.
+- ernie4_5_moe (2025, ERNIE 4.5): MoE from layer 1 with a softmax router whose top-k is picked on bias-corrected
+  scores (the bias in a module of its own), shared experts, tied embeddings.
+- exaone4 (2025, EXAONE 4): post-norm layers (norms after attention / MLP), per-head QK norm, a sliding-window layer
+  (window 4) before a global one.
+- smollm3 (2025, SmolLM3): NoPE layers (every 2nd layer without rotary positions), tied embeddings.
+- olmo3 (2025, Olmo 3): sliding-window (window 4) and full layers, QK norm over all heads (the plan gathers q/k/v
+  whole: no head-split region).
 """
 from __future__ import annotations
 
@@ -88,6 +101,33 @@ CONFIGS = {
         vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_experts=4, moe_topk=2, max_position_embeddings=64, eod_token_id=3,
         sep_token_id=4, **_IDS),
+    "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=32, shared_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1,
+        mamba_chunk_size=8, mamba_expand=2, max_position_embeddings=64, **_IDS),
+    "lfm2_moe": lambda: transformers.Lfm2MoeConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+        layer_types=["conv", "full_attention"], max_position_embeddings=64, **_IDS),
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=64, **_IDS),
+    "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
+        moe_layer_start_index=1, max_position_embeddings=64, **_IDS),
+    "exaone4": lambda: transformers.Exaone4Config(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4, sliding_window_pattern=2, max_position_embeddings=64, **_IDS),
+    "smollm3": lambda: transformers.SmolLM3Config(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, no_rope_layer_interval=2, max_position_embeddings=64, **_IDS),
+    "olmo3": lambda: transformers.Olmo3Config(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=64, **_IDS),
 }
 MASKED_LM = {"megatron-bert"}
 

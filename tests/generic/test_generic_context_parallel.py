@@ -5,12 +5,15 @@ One spawned group of 4 gloo processes, through ``training.prepare`` with a plain
 unequal label counts (the loader splits them into each cp rank's chunks and shifts the labels on the whole sequence;
 the loss is the global batch's):
 
-- granite, ring (ZeRO-3) and cohere2 (sliding window 4 on every other layer, tied embeddings), all-to-all (ZeRO-1):
-  the logged loss of each of 3 AdamW steps and every parameter after them equal single-process ``transformers``
-  (fp32, 1e-5), every layer attending through the registered context-parallel attention;
+- granite, ring (ZeRO-3) and cohere2 (sliding window 4 on every other layer, tied embeddings), all-to-all (ZeRO-1);
+  2025 types: exaone4 (sliding window, post-norm, QK norm; all-to-all, ZeRO-3), smollm3 (NoPE layers; ring,
+  ZeRO-0), olmo3 (sliding window; ring, ZeRO-3), glm4_moe (MoE, partial rotary; all-to-all, ZeRO-3): the logged loss
+  of each of 3 AdamW steps and every parameter after them equal single-process ``transformers`` (fp32, 1e-5), every
+  layer attending through the registered context-parallel attention;
 - negative control: the ring model fed the all-to-all split of the same rows (the chunks it holds are not where it
   puts them) trains away from the reference;
-- refused with the reason at load: qwen3_next, whose gated DeltaNet layer does not attend through the interface.
+- refused with the reason at load: the hybrids qwen3_next (gated DeltaNet), granitemoehybrid (Mamba-2) and lfm2_moe
+  (short convolution), whose first layer does not attend through the interface.
 """
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ from tests.training.test_global_batch_loss import (
     sft_rows,
 )
 
-CASES = {"granite": ("ring", 3), "cohere2": ("all_to_all", 1)}  # name: (context_parallel_mode, zero stage)
+CASES = {"granite": ("ring", 3), "cohere2": ("all_to_all", 1), "exaone4": ("all_to_all", 3), "smollm3": ("ring", 0),
+         "olmo3": ("ring", 3), "glm4_moe": ("all_to_all", 3)}  # name: (context_parallel_mode, zero stage)
+HYBRIDS = ("qwen3_next", "granitemoehybrid", "lfm2_moe")
 BATCH = 4
 
 
@@ -72,11 +77,12 @@ def _worker(paths):
     model, _ = prepared_steps(model, rows, batch=BATCH, zero_stage=3, collate_fn=wrong)
     assert parameters_differ(model, reference_steps(transformers.GraniteForCausalLM.from_pretrained(
         paths["granite"]).train(), rows, BATCH * context.dp_size)[0])
-    with pytest.raises(NotImplementedError, match="1 of the 2 layers of Qwen3NextForCausalLM attend through"):
-        _load(paths["qwen3_next"], "ring")
+    for name in HYBRIDS:
+        with pytest.raises(NotImplementedError, match=r"1 of the 2 layers of \w+ForCausalLM attend through"):
+            _load(paths[name], "ring")
 
 
 @pytest.mark.slow
 def test_generic_context_parallel(tmp_path):
-    paths = save(tmp_path / "models", (*CASES, "qwen3_next"))
+    paths = save(tmp_path / "models", (*CASES, *HYBRIDS))
     run_distributed(_worker, 4, paths, timeout=900)

@@ -5,10 +5,12 @@ One spawned group of 4 gloo processes (``data_parallel_size=4, expert_parallel_s
 expert held by the 2 ranks of its edp group), through ``training.prepare`` with a plain DataLoader of rows with unequal
 label counts (the loss is the global batch's; no load-balancing loss):
 
-- three routers: dots1 (DeepSeek's grouped sigmoid router, shared expert, a dense first layer) and minimax_m2 (sigmoid
-  router with a score-correction bias) at ZeRO-3, hunyuan_v1_moe (softmax top-k, shared MLP) at ZeRO-0: each rank
-  holds half of the experts, and the logged loss of each of 3 AdamW steps and every parameter after them equal
-  single-process ``transformers`` (fp32, 1e-5);
+- seven routers: dots1 (DeepSeek's grouped sigmoid router, shared expert, a dense first layer) and minimax_m2
+  (sigmoid router with a score-correction bias) at ZeRO-3, hunyuan_v1_moe (softmax top-k, shared MLP) at ZeRO-0,
+  glm4_moe (grouped sigmoid router, shared experts) and granitemoehybrid (softmax top-k in a Mamba-2 hybrid) at
+  ZeRO-3, ernie4_5_moe (softmax router, top-k on bias-corrected scores) and lfm2_moe (sigmoid router with an expert
+  bias in a short-convolution hybrid) at ZeRO-0: each rank holds half of the experts, and the logged loss of each of
+  3 AdamW steps and every parameter after them equal single-process ``transformers`` (fp32, 1e-5);
 - negative control: with the expert units' gradient scale taken off (FSDP2's own mean over edp instead of the sum
   over edp divided by dp) the experts train away from the reference;
 """
@@ -23,7 +25,9 @@ from tests.generic.models import save
 from tests.helpers.dist import breadcrumb, run_distributed
 from tests.training.test_global_batch_loss import assert_same_parameters, prepared_steps, reference_steps, sft_rows
 
-CASES = {"dots1": 3, "minimax_m2": 3, "hunyuan_v1_moe": 0}  # name: zero stage
+CASES = {"dots1": 3, "minimax_m2": 3, "hunyuan_v1_moe": 0, "glm4_moe": 3, "granitemoehybrid": 3, "ernie4_5_moe": 0,
+         "lfm2_moe": 0}  # name: zero stage
+NEGATIVE = ("dots1", "minimax_m2")
 BATCH, EXPERTS = 4, 4
 
 
@@ -54,7 +58,7 @@ def _worker(paths, negative: bool):
     parallel = om.ParallelConfig(data_parallel_size=4, expert_parallel_size=2)
     rows = sft_rows(101, 48)
     for name, stage in CASES.items():
-        if negative and stage != 3:
+        if negative and name not in NEGATIVE:
             continue
         breadcrumb(name)
         model = om.AutoModelForCausalLM.from_pretrained(paths[name], parallel=parallel).train()
