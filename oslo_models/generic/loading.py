@@ -44,6 +44,7 @@ from . import (
     inplace_outputs,
     packed_attention,
     partial_gradients,
+    pipeline_stage,
     sequence_parallel,
     support,
     token_loss,
@@ -132,6 +133,8 @@ def _attach(model, context, plan: dict[str, str]):
         inplace_outputs.copy_outputs(model, model._oslo_tp_output_copies)
         # replicated parameters fed by tp slices: their gradients summed over tp in the backward
         model._oslo_tp_partial_gradients = partial_gradients.reduce_partial_gradients(model, context)
+    if context.pp_size > 1:  # train_step / eval_step run the schedule; a plain forward is refused
+        pipeline_stage.attach(model)
     if context.config.activation_checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -155,6 +158,8 @@ def _load(model_class, path, config, context, dtype, download_kwargs):
     conversions = get_model_conversion_mapping(model, None, None)
     plan = _apply_tensor_parallel(model, context)
     experts = expert_parallel.apply(model, context) if context.ep_size > 1 else {}  # whole experts per ep rank
+    if context.pp_size > 1:  # this rank's stages only, before anything is read (pipeline_cut.py)
+        pipeline_stage.cut(model, context, loaded=False)
     mesh = context.mesh["tp"] if plan else model._oslo_expert_mesh["ep"] if experts else None
     load_config = LoadStateDictConfig(
         pretrained_model_name_or_path=str(path), download_kwargs=download_kwargs, sharded_metadata=sharded_metadata,
@@ -162,6 +167,8 @@ def _load(model_class, path, config, context, dtype, download_kwargs):
         dtype_plan=dtype_plan, device_mesh=mesh, weight_mapping=conversions)
     info, _ = model_class._load_pretrained_model(model, None, files, load_config)
     model_class._finalize_model_loading(model, load_config, info)
+    if context.pp_size > 1:
+        pipeline_stage.finish(model)
     if plan or experts:
         _own_storage(model)
     return model, plan, info
@@ -252,6 +259,8 @@ def from_config(model_class, config, *, parallel=None, dtype=None, **kwargs):
     plan = _apply_tensor_parallel(model, context)  # slices the full local tensors: no communication
     if context.ep_size > 1:
         expert_parallel.apply(model, context)  # this rank's experts of the full tensors (building the mesh)
+    if context.pp_size > 1:  # this rank's stages; the others' layers are freed
+        pipeline_stage.cut(model, context, loaded=True)
     if plan:
         model.tie_weights()  # the split copies of a tied pair are one tensor again
     return _attach(model, context, plan)

@@ -8,6 +8,7 @@
   holding a tied weight stay in the root unit, as for native models.
 - experts: the modules holding parameters split over ``ep`` by ``transformers``' expert-parallel plan, sharded by
   FSDP2 over the ``edp`` dimension of the mesh they were split on (``expert_parallel.py``).
+- pipeline stages: cut from the decoder's layer list (``pipeline_cut.py``, ``pipeline_stage.py``);
 - per-block ZeRO plans are refused: ``transformers`` builds its blocks without the plan's checkpoint flags.
 """
 from __future__ import annotations
@@ -29,6 +30,12 @@ class GenericProtocol(ModelProtocol):
                  if module is not model and type(module).__name__ in names]
         units = outermost(found) or repeated_blocks(model)
         return [module for prefix, module in units if not shares_parameters_outside(prefix, module, model)]
+
+    def pipeline_adapter(self, model: nn.Module):
+        from .pipeline_stage import GenericCausalLMPipelineAdapter
+
+        adapter = model.__dict__.get("_oslo_pipeline_adapter")  # set when the model was cut (pipeline_stage.cut)
+        return adapter if adapter is not None else GenericCausalLMPipelineAdapter.for_model(model)
 
     def expert_units(self, model: nn.Module) -> list[nn.Module]:
         from .expert_parallel import expert_units

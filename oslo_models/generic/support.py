@@ -6,9 +6,11 @@ class supports is read from ``transformers`` itself, never from a table kept her
 - tensor parallelism: the config's ``base_model_tp_plan`` (plus the class's own ``_tp_plan`` entries for its head),
   applied by ``transformers``' DTensor styles on the ``tp`` axis of the model's DeviceMesh. A type with no plan runs
   data parallel only.
-- pipeline parallelism: refused. A ``base_model_pp_plan`` names the stage boundaries, but ``transformers``' pipeline
-  (``transformers.distributed.pipeline_parallel``) runs a forward pass only: activations are sent without autograd,
-  so no gradient crosses a stage, and there is no training schedule to drive it.
+- pipeline parallelism: causal LMs, cut at the decoder's layers (``base_model_pp_plan``'s, or the repeated
+  ``_no_split_modules`` blocks of a type without one) and run by the native models' schedules
+  (``pipeline_cut.py``, ``pipeline_stage.py``), with data parallelism and ZeRO 0-3. Refused with the reason: other
+  tasks, and pipelines combined with tensor, sequence, context or expert parallelism, or with a router loss
+  (``output_router_logits``, which sums statistics of layers on different stages).
 - data parallelism, ZeRO 1/2/3, CPU offload, mixed precision, gradient clipping and resumable checkpoints need
   nothing from the model and always apply; activation checkpointing is ``transformers``' own
   (``gradient_checkpointing_enable``), i.e. ``activation_checkpointing="full"``.
@@ -107,12 +109,7 @@ def refusals(config, parallel, model_class: type | None = None) -> list[str]:
     if parallel.sequence_parallel and (tp == 1 or not plan):
         reasons.append("sequence_parallel=True: sequence parallelism splits the sequence between the tensor-parallel "
                        "regions of the type's plan, so it needs tensor_parallel_size > 1 and a base_model_tp_plan")
-    if parallel.pipeline_parallel_size > 1:
-        why = ("its base_model_pp_plan names the stages, but transformers' pipeline runs forward only (activations "
-               "cross stages without autograd, no training schedule)" if pipeline_plan(config) else
-               "it has no base_model_pp_plan")
-        reasons.append(f"pipeline_parallel_size={parallel.pipeline_parallel_size}: {model_type!r} cannot be "
-                       f"pipelined on the generic path: {why}")
+    reasons += pipeline_refusals(config, parallel, model_class)
     cp = parallel.context_parallel_size
     if cp > 1 and model_class is not None and not model_class.__name__.endswith("ForCausalLM"):
         reasons.append(f"context_parallel_size={cp}: the generic path splits the sequence of causal LMs (through "
@@ -135,6 +132,31 @@ def refusals(config, parallel, model_class: type | None = None) -> list[str]:
     if mode is not None and mode not in _CHECKPOINTING_MODES:
         reasons.append(f"activation_checkpointing={mode!r}: the generic path has transformers' own checkpointing "
                        f"of whole layers only ('full')")
+    return reasons
+
+
+def pipeline_refusals(config, parallel, model_class: type | None = None) -> list[str]:
+    """Why ``parallel`` cannot pipeline ``config``'s type on the generic path (empty when it can, or at pp 1)."""
+    pp = parallel.pipeline_parallel_size
+    if pp == 1:
+        return []
+    head = f"pipeline_parallel_size={pp}: "
+    if model_class is not None and not model_class.__name__.endswith("ForCausalLM"):
+        return [head + f"the generic path pipelines causal LMs (a decoder's layers cut into stages); "
+                       f"{model_class.__name__} is not one"]
+    reasons = []
+    others = {"tensor_parallel_size": parallel.tensor_parallel_size,
+              "context_parallel_size": parallel.context_parallel_size,
+              "expert_parallel_size": parallel.expert_parallel_size}
+    for name, size in others.items():
+        if size > 1:
+            reasons.append(head + f"with {name}={size} is not implemented on the generic path (its load-time "
+                                  f"checks and layers run the whole model's forward, which no pipeline rank holds); "
+                                  f"use pipeline and data parallelism (ZeRO 0-3), or {name} without a pipeline")
+    if getattr(text_config(config), "output_router_logits", False):
+        reasons.append(head + f"{config.model_type!r} has output_router_logits=True: its load-balancing loss sums "
+                              f"the router statistics of every layer, which sit on different stages; set "
+                              f"output_router_logits=False to pipeline it")
     return reasons
 
 

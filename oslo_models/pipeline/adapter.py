@@ -221,6 +221,15 @@ def check_pipeline_support(model_class: type, parallel) -> None:
 
 
 def adapter_for(model) -> PipelineAdapter:
-    """The pipeline adapter of ``model``'s class; ``NotImplementedError`` naming the class when there is none."""
-    check_pipeline_support(type(model), model.parallel_context.config)
-    return _adapter_class(type(model))()
+    """The pipeline adapter of ``model``, as the model protocol answers it (``utils/model_protocol.py``: a native
+    family's ``pipeline_adapter`` class, the generic path's adapter cut from ``transformers``' module tree);
+    ``NotImplementedError`` naming the class when there is none or when it does not run the tensor-parallel mode."""
+    from ..utils.model_protocol import protocol_of
+
+    adapter = protocol_of(model).pipeline_adapter(model)
+    mode = model.parallel_context.config.tensor_parallel_mode
+    if model.parallel_context.pp_size > 1 and mode != "1d" and not adapter.grid_modes:
+        raise NotImplementedError(f"pipeline_parallel_size > 1 with tensor_parallel_mode={mode!r} is not "
+                                  f"implemented for {type(model).__name__}; use tensor_parallel_mode='1d' or no "
+                                  "pipeline parallelism for it")
+    return adapter

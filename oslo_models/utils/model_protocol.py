@@ -8,6 +8,7 @@ The callers ask the protocol and never which kind of model they hold:
 - ``layout``: where a parameter states its split - ``"plan"`` (the model's ``parallel_plan`` ``ShardSpec`` s: plain
   local tensors whose split the plan describes) or ``"placements"`` (the parameters are DTensors whose placements
   describe it). Clipping and the training checkpoint read each the one source (``training/clip*.py``);
+- ``pipeline_adapter(model)``: the ``pipeline.PipelineAdapter`` that cuts it into stages;
 - ``block_plan_refusal``: why a per-block ZeRO plan (``ParallelConfig.block_plan``) cannot apply, or ``None``;
 - ``expert_units(model)`` / ``expert_data_parallel_mesh(model, context)`` / ``divide_expert_gradients``: under
   expert parallelism, the modules holding experts (their own FSDP2 units), the mesh of the ranks holding the same
@@ -37,6 +38,13 @@ class ModelProtocol:
         return [module for prefix, module in model.named_modules()
                 if module is not model and type(module).__name__ in block_types
                 and not shares_parameters_outside(prefix, module, model)]
+
+    def pipeline_adapter(self, model: nn.Module):
+        """The ``pipeline.PipelineAdapter`` that cuts ``model`` into stages (its class's ``pipeline_adapter``);
+        ``NotImplementedError`` naming the class when it has none."""
+        from ..pipeline.adapter import _adapter_class
+
+        return _adapter_class(type(model))()
 
     def expert_units(self, model: nn.Module) -> list[nn.Module]:
         """The modules holding stacked experts split over the expert-parallel group (layout axis ``"ep"``)."""

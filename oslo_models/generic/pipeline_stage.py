@@ -1,0 +1,220 @@
+"""The pipeline adapter of a generic causal LM: how the pipeline engine (``oslo_models/pipeline``) runs
+``transformers``' own class stage by stage, with every schedule of the native models (GPipe, 1F1B, interleaved 1F1B,
+zero-bubble).
+
+    cfg = om.ParallelConfig(pipeline_parallel_size=2, num_microbatches=4, pipeline_schedule="1f1b")
+    model = om.AutoModelForCausalLM.from_pretrained("path/to/new-decoder", parallel=cfg)  # no native family
+    loss = model.train_step(batch)     # the schedule; loss on every rank (as on a native pipelined model)
+
+What a stage computes: ``transformers``' forward of the whole model (``type(model).forward``) over the stage's view
+of the layers (``pipeline_cut.py``): the decoder embeds the tokens (first stage) or the stand-in's zeros (others),
+computes the position ids, the rotary embeddings and the mask of each layer type from the microbatch's
+``input_ids`` / ``attention_mask`` exactly as it does unpipelined, and calls every layer with the keyword arguments
+it always gives them; the probe before the stage's first layer hands it the activations received from the previous
+stage, the probe after its last layer stops the forward. The last stage runs to the end: final norm, head and the
+model's own logit scaling / soft-capping; its output is the logits ``[mb, s, V]`` (under tensor parallelism this rank's
+vocabulary slice ``[mb, s, V/tp]``, the head applied colwise), and the loss is ``transformers``' causal-LM loss on
+them over the global batch's label count (``pipeline/runner.py``). Between stages flows ``[mb, s, h]``.
+
+The first call of each stage checks that its first layer received exactly the activations the probe handed it and
+no other hidden-sized tensor (a decoder loop that transforms the hidden states between layers, or carries a second
+stream such as a separate residual, would not be cut exactly): ``NotImplementedError`` naming the type otherwise.
+
+Tied embeddings: the first and the last stage both hold the tied weight (the embedding, and the head); the engine
+sums its gradient over the two (``pipeline/stage.py`` ``TiedCopies``), as for the native models.
+
+A pipelined model's plain ``forward`` / ``generate`` raise ``RuntimeError`` (each rank holds some layers only):
+``model.train_step`` / ``model.eval_step`` run the schedule (set on the instance by ``attach``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..pipeline.adapter import CausalLMPipelineAdapter
+from .pipeline_cut import EmbeddingStandIn, LayerProbe, StageDone, StagePieces, stage_view, viewing
+
+
+class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
+    """A ``transformers`` causal LM cut at its decoder layers (one instance per model: ``for_model``)."""
+
+    batch_keys = ("input_ids", "labels", "attention_mask")
+
+    def __init__(self, pieces: StagePieces, layer_costs: list[float], first_extra: float, last_extra: float):
+        self.pieces = pieces
+        self.layer_paths = (pieces.layers,)
+        self.first_modules = {"embedding": pieces.embedding}
+        self.last_modules = {f"last_{i}": path for i, path in enumerate(pieces.last)}
+        self.every_stage_modules = {}
+        self.tied_embedding = f"{pieces.embedding}.weight"
+        self._costs = (layer_costs, first_extra, last_extra)
+        self._views: dict[int, torch.nn.ModuleList] = {}
+        self._checked: set[int] = set()
+
+    @classmethod
+    def for_model(cls, model) -> "GenericCausalLMPipelineAdapter":
+        """Read the pieces and per-layer parameter counts from the uncut (meta) model."""
+        pieces = StagePieces.of(model)
+
+        def count(module) -> float:
+            return float(sum(p.numel() for p in module.parameters())) if module is not None else 0.0
+
+        costs = [count(layer) for layer in model.get_submodule(pieces.layers)]
+        embed = count(model.get_submodule(pieces.embedding))
+        last = sum(count(model.get_submodule(path)) for path in pieces.last)
+        return cls(pieces, costs, embed, last + (embed if pieces.tied else 0.0))
+
+    # ------------------------------------------------------------------ structure
+    def layer_counts(self, model) -> tuple[int, ...]:
+        return (self.pieces.num_layers,)
+
+    def layer_parameter_counts(self, model):
+        return self._costs
+
+    def tied_groups(self, model):
+        if not self.pieces.tied:
+            return []
+        return [(self.tied_embedding, f"{self.pieces.head}.weight")]
+
+    # ------------------------------------------------------------------ batches and shapes
+    def prepare_batch(self, model, batch):
+        """Every stage recomputes positions and masks from the tokens: ``input_ids`` also go to every stage (as the
+        keyword ``token_ids``)."""
+        batch["token_ids"] = batch["input_ids"]
+        return batch
+
+    def use_sequence_parallel(self, model, batch) -> bool:
+        return False
+
+    def stage_io(self, model, layout, stage, microbatch, sequence_parallel):
+        mb, seq_len = microbatch["input_ids"].shape
+
+        def head_shape():
+            head = model.get_output_embeddings()
+            weight = head.weight
+            rows = weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0]
+            return (mb, seq_len, rows)
+
+        return self.hidden_state_io(model, layout, stage, microbatch, False, head_shape)
+
+    # ------------------------------------------------------------------ compute
+    def _view(self, model, stage) -> torch.nn.ModuleList:
+        index = stage.stage_index
+        if index not in self._views:
+            self._views[index] = stage_view(model, self.pieces, stage.layout.ranges[index])
+        return self._views[index]
+
+    def stage_forward(self, stage, x, attention_mask=None, token_ids=None):
+        """``x``: ``input_ids [mb, s]`` on the first stage, else the previous stage's hidden states ``[mb, s, h]``;
+        returns hidden states ``[mb, s, h]``, or the logits on the last stage."""
+        model = stage.owner
+        view = self._view(model, stage)
+        first_layer = stage.layout.ranges[stage.stage_index].start
+        if not stage.is_first:
+            view[first_layer - 1].pending = x
+        stand_in = self.__dict__.setdefault("_stand_in", EmbeddingStandIn(self.pieces.hidden_size, self._dtype(model)))
+        check = None
+        if not stage.is_first and stage.stage_index not in self._checked:
+            check = view[first_layer].register_forward_pre_hook(
+                functools.partial(_check_first_layer, model, x), with_kwargs=True, prepend=True)
+        try:
+            with viewing(model, self.pieces, view, stage.is_first, stand_in):
+                output = type(model).forward(model, input_ids=x if stage.is_first else token_ids,
+                                             attention_mask=attention_mask, use_cache=False, return_dict=True)
+        except StageDone as done:
+            return done.hidden
+        finally:
+            if check is not None:
+                check.remove()
+                self._checked.add(stage.stage_index)
+            if not stage.is_first:
+                view[first_layer - 1].pending = None
+        if not stage.is_last:
+            raise RuntimeError(f"{type(model).__name__}: pipeline stage {stage.stage_index} ran past its last layer")
+        return output.logits
+
+    @staticmethod
+    def _dtype(model) -> torch.dtype:
+        return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+    def loss(self, model, logits, labels, num_items_in_batch):
+        """``transformers``' causal-LM loss (labels shifted left) on the logits, or on this rank's vocabulary slice
+        of them (``vocab_parallel_loss.py``): summed token losses / ``num_items_in_batch``."""
+        if getattr(model, "_oslo_vocab_parallel_loss", False):
+            return model.loss_function(logits, labels, num_items_in_batch=num_items_in_batch)
+        from ..parallel_layers.cross_entropy import causal_lm_loss
+
+        return causal_lm_loss(logits, labels, group=None, vocab_start=0, num_items_in_batch=num_items_in_batch)
+
+
+def _check_first_layer(model, received, module, args, kwargs):
+    """Pre-hook of a stage's first layer, on the stage's first call: it must get the received activations and no
+    other hidden-sized tensor."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    others = [value for value in (*args[1:], *kwargs.values())
+              if torch.is_tensor(value) and value.is_floating_point() and value.shape == received.shape]
+    if hidden is not received or others:
+        why = ("transforms the hidden states between its layers" if hidden is not received else
+               "gives its layers a second hidden-sized tensor (a stream carried across layers)")
+        raise NotImplementedError(f"{type(model).__name__} cannot be pipelined on the generic path: its decoder loop "
+                                  f"{why}, so a stage cannot start from the previous stage's activations alone")
+
+
+def _refuse_forward(model, args, kwargs):
+    raise RuntimeError(f"{type(model).__name__} is split into pipeline stages (pipeline_parallel_size="
+                       f"{model.parallel_context.pp_size}): each rank holds only its stages' layers, so forward() and "
+                       f"generate() cannot run here. Train with model.train_step(batch), evaluate with "
+                       f"model.eval_step(batch); for inference, save_pretrained() and load without pipelining.")
+
+
+def _runner(model):
+    runner = model.__dict__.get("_oslo_pipeline_runner")
+    if runner is None:
+        from ..pipeline.runner import PipelineRunner
+
+        runner = model.__dict__["_oslo_pipeline_runner"] = PipelineRunner(model)
+    return runner
+
+
+def _train_step(model, batch, *, labels=None, attention_mask=None, optimizer=None, scaler=None, loss_fn=None,
+                loss_inputs=None):
+    return _runner(model).train_step(batch, labels=labels, attention_mask=attention_mask, optimizer=optimizer,
+                                     scaler=scaler, loss_fn=loss_fn, loss_inputs=loss_inputs)
+
+
+def _eval_step(model, batch, *, labels=None, attention_mask=None):
+    return _runner(model).eval_step(batch, labels=labels, attention_mask=attention_mask)
+
+
+def attach(model) -> None:
+    """Give a pipelined generic model the native models' step API on the instance (``train_step``, ``eval_step``;
+    the runner is built on first use, collectively) and refuse its plain forward / ``generate``."""
+    model.__dict__["train_step"] = functools.partial(_train_step, model)
+    model.__dict__["eval_step"] = functools.partial(_eval_step, model)
+    model.__dict__["_pipeline_runner"] = functools.partial(_runner, model)
+    model.register_forward_pre_hook(_refuse_forward, with_kwargs=True)
+
+
+__all__ = ["GenericCausalLMPipelineAdapter", "LayerProbe", "attach"]
+
+
+def cut(model, context, *, loaded: bool) -> None:
+    """Cut ``model`` (``transformers``' class; on the meta device unless ``loaded``) to this rank's stages
+    (``pipeline_cut.cut_stages``); sets ``model.pipeline_layout``. No collective."""
+    from ..pipeline.stage import build_layout
+    from .pipeline_cut import cut_stages
+    from .protocol import GenericProtocol
+
+    model.parallel_context, model.oslo_protocol = context, GenericProtocol()  # as _attach sets them later
+    adapter = model.__dict__["_oslo_pipeline_adapter"] = GenericCausalLMPipelineAdapter.for_model(model)
+    layout = build_layout(model, context)
+    cut_stages(model, adapter.pieces, layout, loaded=loaded)
+    model.pipeline_layout = layout
+
+
+def finish(model) -> None:
+    """After the load: the tied last stage's embedding becomes the stand-in (``pipeline_cut.finish_cut``)."""
+    from .pipeline_cut import finish_cut
+
+    finish_cut(model, model.__dict__["_oslo_pipeline_adapter"].pieces, model.pipeline_layout)
