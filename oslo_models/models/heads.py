@@ -20,6 +20,7 @@ from transformers.utils.generic import can_return_tuple
 from ..parallel_layers.layers import Dropout, Linear
 from ..parallel_layers.plan import Colwise
 from .common import context_parallel as cp
+from .common.cache_names import cache_field, output_cache
 from .common.context_parallel import causal_lm_head_outputs
 from .common.outputs import passed_on
 from .common.pipeline_stack import StackPipelineAdapter
@@ -240,7 +241,7 @@ class ForCausalLM(HeadModel):
         # cross-attentions where the output class has them (GPT-2's, as transformers: recorded, empty)
         extra = {key: outputs[key] for key in ("cross_attentions",)
                  if key in outputs and key in self.output_class.__dataclass_fields__}
-        return self.output_class(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+        return self.output_class(loss=loss, logits=logits, **cache_field(output_cache(outputs)),
                                  **passed_on(outputs), **extra)
 
 
@@ -264,7 +265,7 @@ class ForSequenceClassification(HeadModel):
         pool = last_token_logits if self.parallel_context.cp_size == 1 else partial(cp.last_token_logits, self)
         logits = pool(self.score(outputs.last_hidden_state), input_ids, self.config.pad_token_id)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
-        return SequenceClassifierOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+        return SequenceClassifierOutputWithPast(loss=loss, logits=logits, **cache_field(output_cache(outputs)),
                                                 **passed_on(outputs))
 
 

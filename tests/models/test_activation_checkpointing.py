@@ -20,6 +20,7 @@ import transformers
 
 import oslo_models as om
 from oslo_models.models.common.checkpointing import OffloadedActivation, PartitionedActivation
+from tests.helpers.checkpointing import disable_checkpointing, enable_checkpointing
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import mlm_batch, seq2seq_batch, tiny_bert_config, tiny_t5_config
 from tests.helpers.models import padded_batch, tiny_gpt2_config
@@ -216,10 +217,10 @@ def test_entry_points_and_errors():
     model = _build("gpt2", activation_checkpointing="selective")
     assert all(block.attn.core_checkpoint is not None and not block.gradient_checkpointing
                for block in model.transformer.h)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"mode": "offload", "use_reentrant": False})
+    enable_checkpointing(model, {"mode": "offload", "use_reentrant": False})
     assert model.activation_checkpointing_mode == "offload"
     assert all(block.attn.core_checkpoint is None and block.gradient_checkpointing for block in model.transformer.h)
-    model.gradient_checkpointing_disable()
+    disable_checkpointing(model)
     assert model.activation_checkpointing_mode is None
     assert not any(block.gradient_checkpointing for block in model.transformer.h)
     with pytest.raises(ValueError, match="activation_checkpointing"):

@@ -27,7 +27,9 @@ import torch
 import transformers
 
 import oslo_models as om
+from oslo_models.models.common.cache_names import cache_kwargs
 from tests.helpers import encoders
+from tests.helpers.checkpointing import enable_checkpointing
 from tests.helpers.dist import run_distributed
 from tests.helpers.layouts import train_matches
 from tests.helpers.models import assert_grads_match
@@ -110,7 +112,7 @@ def _check_class(name: str, path: str, *, checkpointing: bool = False) -> None:
     model = getattr(om, name).from_pretrained(path, progress=False).train()
     assert type(model).__name__ == name
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     call = _call(name, _batch())
     expected, got = reference(**call), model(**call)
     for a, b in zip(_outputs(name, got), _outputs(name, expected)):
@@ -207,7 +209,7 @@ def _check_bert_decode_loop(model, reference) -> None:
               for _ in range(2)]
     with torch.no_grad():
         for start, stop in [(0, 5), (5, 6), (6, 7), (7, 8)]:
-            expected = reference(ids[:, start:stop], past_key_values=caches[0], use_cache=True, **encoder).logits
+            expected = reference(ids[:, start:stop], **cache_kwargs(caches[0]), use_cache=True, **encoder).logits
             got = model(ids[:, start:stop], past_key_values=caches[1], use_cache=True, **encoder).logits
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=lambda m, s=start: f"step {s}: {m}")
 

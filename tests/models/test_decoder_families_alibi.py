@@ -25,6 +25,7 @@ import torch
 import transformers
 
 import oslo_models as om
+from oslo_models.models.common.cache_names import cache_kwargs
 from oslo_models.models.common.positions import alibi_attention_mask, alibi_slopes, local_alibi_slopes
 from oslo_models.parallel_layers.grouped_qkv import GroupedQKVSplit
 from oslo_models.parallel_layers.sharding import PackedSplit
@@ -99,7 +100,7 @@ def _check_decode_and_generate(model, reference) -> None:
     caches = [transformers.DynamicCache(config=reference.config) for _ in range(2)]
     with torch.no_grad():
         for start, stop in [(0, 5), (5, 6), (6, 7), (7, 8)]:
-            expected = reference(ids[:, start:stop], past_key_values=caches[0]).logits
+            expected = reference(ids[:, start:stop], **cache_kwargs(caches[0])).logits
             got = model(ids[:, start:stop], past_key_values=caches[1]).logits
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     prompt = torch.tensor([[5, 17, 42, 3, 9, 11], [0, 0, 8, 21, 33, 4]])

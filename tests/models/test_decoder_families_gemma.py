@@ -27,6 +27,7 @@ from oslo_models.models.common.lm_loss import causal_token_loss
 from oslo_models.models.common.stack import TransformerStack
 from oslo_models.models.registry import family_record
 from oslo_models.parallel_layers.context_parallel import split_sequence
+from tests.helpers.checkpointing import enable_checkpointing
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import assert_grads_match, padded_batch
 from tests.helpers.zoo import tiny_config
@@ -136,7 +137,7 @@ def test_bf16_load_keeps_both_rotary_bases_fp32_like_transformers(tmp_path):
 def test_activation_checkpointing_gives_transformers_gradients():
     model, reference = _pair("gemma2")
     model.train(), reference.train()
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     ids, mask, labels = padded_batch(reference.config.vocab_size)
     reference(ids, attention_mask=mask, labels=labels).loss.backward()
     model(ids, attention_mask=mask, labels=labels).loss.backward()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import oslo_models as om
+from tests.helpers.checkpointing import enable_checkpointing
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import padded_batch, save_tiny_gpt2
 
@@ -35,7 +36,7 @@ def _worker(path: str) -> None:
     # Dropout is really on: another draw of the masks gives another loss.
     other_loss = model(ids, attention_mask=mask, labels=labels).loss.detach()
     assert not torch.allclose(other_loss, plain_loss)
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     assert all(block.gradient_checkpointing for block in model.transformer.h)
     loss, grads = _loss_and_grads(model, ids, mask, labels, states)
     torch.testing.assert_close(loss, plain_loss, atol=0, rtol=0)

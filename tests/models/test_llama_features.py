@@ -15,6 +15,7 @@ import transformers
 
 import oslo_models as om
 from oslo_models.fused_ops._utils import HAS_TRITON, interpreter_enabled
+from tests.helpers.checkpointing import enable_checkpointing
 from tests.helpers.decoders import VOCAB, hf_class, om_class, save_tiny, tiny_config
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import assert_grads_match, padded_batch
@@ -110,7 +111,7 @@ def _tp2_worker(paths: dict) -> None:
     # Activation checkpointing (recomputed blocks) gives the gradients of transformers.
     model, reference = _pair("qwen2", parallel=parallel)
     model.train(), reference.train()
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     reference(ids, attention_mask=mask, labels=labels).loss.backward()
     model(ids, attention_mask=mask, labels=labels).loss.backward()

@@ -29,6 +29,7 @@ import transformers
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import oslo_models as om
+from oslo_models.models.common.cache_names import cache_kwargs
 from oslo_models.models.common.context_parallel import check_context_parallel
 from oslo_models.models.declare import declare_stack_family
 from oslo_models.models.family import FamilyRecord
@@ -36,6 +37,7 @@ from oslo_models.models.heads import ForCausalLM
 from oslo_models.models.llama import TINY_DECODER
 from oslo_models.models.llama.modeling_llama import LLAMA_SPEC, LlamaPreTrainedModel
 from oslo_models.models.registry import families, register_family, unregister_family
+from tests.helpers.checkpointing import enable_checkpointing
 from tests.helpers.dist import run_distributed
 from tests.helpers.layouts import train_matches
 from tests.helpers.models import assert_grads_match, padded_batch
@@ -118,7 +120,7 @@ def _check_decode_loop(model, reference) -> None:
     caches = [transformers.DynamicCache(config=reference.config) for _ in range(2)]
     with torch.no_grad():
         for start, stop in [(0, 5), (5, 6), (6, 7), (7, 8), (8, 9)]:
-            expected = reference(ids[:, start:stop], past_key_values=caches[0]).logits
+            expected = reference(ids[:, start:stop], **cache_kwargs(caches[0])).logits
             got = model(ids[:, start:stop], past_key_values=caches[1]).logits
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=lambda m, s=start: f"step {s}: {m}")
 
@@ -138,7 +140,7 @@ def _check_save_load(model, reference, folder) -> None:
 def _check_activation_checkpointing(model_type: str, path: str) -> None:
     """Recomputed blocks give the same gradients."""
     model = _om_class(model_type).from_pretrained(path, progress=False).train()
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
     assert layers and all(layer.gradient_checkpointing for layer in layers)
     _check_forward_and_grads(model, _reference(model_type, path))

@@ -14,6 +14,7 @@ import torch
 import transformers
 
 import oslo_models as om
+from tests.helpers.checkpointing import enable_checkpointing
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import padded_batch, save_tiny_gpt2
 from tests.helpers.pipeline import assert_pipeline_matches
@@ -98,7 +99,7 @@ def _world2_worker(path: str) -> None:
     cfg = om.ParallelConfig(pipeline_parallel_size=2, num_microbatches=2, pipeline_schedule="zero_bubble",
                             virtual_pipeline_size=2)
     model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False).train()
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     assert all(block.gradient_checkpointing for block in model.transformer.h)
     reference = transformers.GPT2LMHeadModel.from_pretrained(path).train()
     assert_pipeline_matches(model, reference, {"input_ids": ids, "labels": labels, "attention_mask": mask}, steps=2)

@@ -21,9 +21,10 @@ from transformers.utils.generic import can_return_tuple
 
 from ...parallel_layers.layers import Dropout, Linear
 from ...parallel_layers.plan import Colwise, ParallelPlan
+from ..common.cache_names import cache_field, output_cache, seq2seq_fields
 from ..common.lm_loss import full_logits, keep_last_logits, token_loss
 from ..heads import sequence_classification_loss, span_logits_and_loss
-from .modeling_bart import BART_DECODER_SPEC, BartDecoder, BartModel, BartPreTrainedModel, bart_styles, seq2seq_fields
+from .modeling_bart import BART_DECODER_SPEC, BartDecoder, BartModel, BartPreTrainedModel, bart_styles
 from .pipeline_bart import BartQuestionAnsweringPipelineAdapter, BartSequenceClassificationPipelineAdapter
 
 
@@ -210,6 +211,6 @@ class BartForCausalLM(BartPreTrainedModel, GenerationMixin):
             loss = token_loss(local_logits, labels, self.lm_head, num_items_in_batch=num_items_in_batch)
         return CausalLMOutputWithCrossAttentions(
             loss=loss, logits=full_logits(local_logits, self.lm_head, gather_logits),
-            past_key_values=outputs.past_key_values,
+            **cache_field(output_cache(outputs)),
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
             cross_attentions=outputs.cross_attentions)

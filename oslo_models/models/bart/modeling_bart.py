@@ -52,6 +52,7 @@ from transformers.utils.output_capturing import OutputRecorder
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ...parallel_layers.plan import Colwise, ParallelPlan, VocabEmbedding
+from ..common.cache_names import MASK_CACHE_KEYWORD, cache_field, output_cache, seq2seq_fields
 from ..common.causal_masks import FULL
 from ..common.cross_attention import self_attention_cache
 from ..common.layer_norm import LayerNorm
@@ -207,7 +208,7 @@ class BartDecoder(_BartStack):
             past = cache.get_seq_length() if cache is not None else 0
             attention_mask = torch.ones(shape_like.shape[0], past + shape_like.shape[1], device=shape_like.device)
         return {FULL: create_causal_mask(config=self.config, inputs_embeds=shape_like, attention_mask=attention_mask,
-                                         past_key_values=cache)}
+                                         **{MASK_CACHE_KEYWORD: cache})}
 
     def cross_attention_mask(self, shape_like, encoder_attention_mask, encoder_hidden_states):
         """The cross-attention's padding mask ``[b, 1, s_dec, s_enc]`` (or ``None``), built once per forward."""
@@ -240,7 +241,7 @@ class BartDecoder(_BartStack):
                                 encoder_attention_mask=self.cross_attention_mask(like, encoder_attention_mask,
                                                                                  encoder_hidden_states), **kwargs)
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden,
-                                                         past_key_values=past_key_values if use_cache else None)
+                                                         **cache_field(past_key_values if use_cache else None))
 
 
 def as_encoder_output(encoder_outputs) -> ModelOutput:
@@ -250,13 +251,6 @@ def as_encoder_output(encoder_outputs) -> ModelOutput:
     return BaseModelOutput(last_hidden_state=encoder_outputs[0],
                            hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
                            attentions=encoder_outputs[2] if len(encoder_outputs) > 2 else None)
-
-
-def seq2seq_fields(outputs: Seq2SeqModelOutput) -> dict:
-    """The fields of ``Seq2Seq*Output`` besides the head's own."""
-    return {key: getattr(outputs, key) for key in (
-        "past_key_values", "decoder_hidden_states", "decoder_attentions", "cross_attentions",
-        "encoder_last_hidden_state", "encoder_hidden_states", "encoder_attentions")}
 
 
 class BartModel(BartPreTrainedModel):
@@ -314,7 +308,7 @@ class BartModel(BartPreTrainedModel):
                                        inputs_embeds=decoder_inputs_embeds, use_cache=use_cache, return_dict=True,
                                        **kwargs)
         return Seq2SeqModelOutput(
-            last_hidden_state=decoder_outputs.last_hidden_state, past_key_values=decoder_outputs.past_key_values,
+            last_hidden_state=decoder_outputs.last_hidden_state, **cache_field(output_cache(decoder_outputs)),
             decoder_hidden_states=decoder_outputs.hidden_states, decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,

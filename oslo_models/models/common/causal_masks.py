@@ -20,6 +20,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from ...parallel_layers.document_attention import DocumentMask, flex_trains
 from ...utils.documents import document_ids, positions_in_documents
+from .cache_names import MASK_CACHE_KEYWORD
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -70,8 +71,8 @@ def causal_masks(config, inputs_embeds: torch.Tensor, attention_mask, past_key_v
             mask = DocumentMask(documents)
             return {kind: mask for kind in kinds}
         attention_mask, past_key_values, position_ids = None, None, positions_in_documents(documents)
-    kwargs = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                  past_key_values=past_key_values, position_ids=position_ids)
+    kwargs = {"config": config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+              MASK_CACHE_KEYWORD: past_key_values, "position_ids": position_ids}
     masks = {}
     if FULL in kinds:
         masks[FULL] = create_causal_mask(**kwargs)

@@ -31,6 +31,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ...parallel_layers.plan import ParallelPlan, PositionEmbedding, TPDropout, VocabEmbedding
 from ...utils.documents import PACKING_KEYS, document_ids, positions_in_documents
+from .cache_names import cache_field
 from .causal_masks import FULL, SLIDING, causal_masks
 from .context_parallel import context_parallel_inputs, rotary_embeddings
 from .outputs import capture_parallel_outputs
@@ -255,7 +256,7 @@ class TransformerStack:
         inputs = self.stack_inputs(self._shape_only(shape_like), attention_mask, position_ids, past_key_values)
         hidden = self.run_stack(input_ids, inputs, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
                                 **kwargs)
-        return self.output_class(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None)
+        return self.output_class(last_hidden_state=hidden, **cache_field(past_key_values if use_cache else None))
 
     def _packed_positions(self, shape_like, attention_mask, position_ids, kwargs):
         """The batch's packing keys (``cu_seqlens`` / ``seq_idx``, consumed from ``kwargs``) read as positions that

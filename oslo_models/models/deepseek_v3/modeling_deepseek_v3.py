@@ -34,6 +34,7 @@ from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder
 
 from ...parallel_layers.moe.router_variants import GroupLimitedRouter
+from ..common.cache_names import cache_field, output_cache
 from ..common.expert_keys import ExpertKeyLayout
 from ..common.latent_attention import MultiHeadLatentAttention
 from ..common.mlp import GatedMLP
@@ -117,7 +118,7 @@ class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, mixtral.MixtralForCausalL
             logits_to_keep=logits_to_keep, gather_logits=gather_logits, num_items_in_batch=num_items_in_batch,
             router_logits=collected, **kwargs)
         return MoeCausalLMOutputWithPast(loss=out.loss, aux_loss=None, logits=out.logits,
-                                         past_key_values=out.past_key_values,
+                                         **cache_field(output_cache(out)),
                                          router_logits=tuple(collected.logits) if output_router_logits else None,
                                          **passed_on(out))
 

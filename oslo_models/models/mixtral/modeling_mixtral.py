@@ -35,6 +35,7 @@ from ...config import ParallelConfig
 from ...parallel_layers.context_parallel import sum_over_replica_tokens, token_groups
 from ...parallel_layers.moe import TopKRouter, load_balancing_loss
 from ...parallel_layers.summa import Grid
+from ..common.cache_names import cache_field, output_cache
 from ..common.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
 from ..common.mlp import GatedMLP
 from ..common.moe import RouterLogits, SparseMoeBlock, check_expert_layout
@@ -159,7 +160,7 @@ class MixtralForCausalLM(MixtralPreTrainedModel, llama.LlamaForCausalLM):
             if labels is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=out.logits,
-                                         past_key_values=out.past_key_values,
+                                         **cache_field(output_cache(out)),
                                          router_logits=self._whole_batch(router_logits) if output_router_logits
                                          else None, **passed_on(out))
 

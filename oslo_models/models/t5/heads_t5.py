@@ -19,6 +19,7 @@ from transformers.utils.generic import can_return_tuple
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ...parallel_layers.plan import ParallelPlan
 from ..bert.parallel_plan import prefixed
+from ..common.cache_names import seq2seq_fields
 from ..heads import ForTokenClassification, sequence_classification_loss, span_logits_and_loss
 from .modeling_t5 import (
     T5EncoderModel,
@@ -93,10 +94,7 @@ class T5ForSequenceClassification(T5PreTrainedModel):
         representation = sequence_output[eos_mask, :].view(batch_size, -1, hidden_size)[:, -1, :]
         logits = self.classification_head(representation)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
-        fields = {key: getattr(outputs, key) for key in (
-            "past_key_values", "decoder_hidden_states", "decoder_attentions", "cross_attentions",
-            "encoder_last_hidden_state", "encoder_hidden_states", "encoder_attentions")}
-        return Seq2SeqSequenceClassifierOutput(loss=loss, logits=logits, **fields)
+        return Seq2SeqSequenceClassifierOutput(loss=loss, logits=logits, **seq2seq_fields(outputs))
 
 
 class T5ForTokenClassification(ForTokenClassification, T5PreTrainedModel):

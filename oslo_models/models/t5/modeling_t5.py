@@ -53,6 +53,7 @@ from ..common import (
     leave_sequence_parallel,
     use_sequence_parallel,
 )
+from ..common.cache_names import MASK_CACHE_KEYWORD, cache_field, output_cache
 from ..common.lm_loss import head_loss_and_logits
 from ..common.outputs import capture_parallel_outputs
 from ..common.parallel_rules import check_rules
@@ -198,7 +199,7 @@ class T5Stack(T5PreTrainedModel):
             self_cache = (past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache)
                           else past_key_values)
             mask = create_causal_mask(config=self.config, inputs_embeds=shape_like, attention_mask=attention_mask,
-                                      past_key_values=self_cache)
+                                      **{MASK_CACHE_KEYWORD: self_cache})
         else:
             mask = create_bidirectional_mask(config=self.config, inputs_embeds=shape_like,
                                              attention_mask=attention_mask)
@@ -282,7 +283,7 @@ class T5Stack(T5PreTrainedModel):
                                    past_key_values)
         hidden, _ = self.run_stack(input_ids, inputs, inputs_embeds=inputs_embeds,
                                    encoder_hidden_states=encoder_hidden_states, **kwargs)
-        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden, past_key_values=past_key_values)
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden, **cache_field(past_key_values))
 
 
 def _stack_config(config, *, is_decoder: bool):
@@ -306,7 +307,7 @@ def _as_encoder_output(encoder_outputs) -> BaseModelOutput:
 
 def _seq2seq_outputs(encoder_outputs, decoder_outputs) -> dict:
     """The fields of ``Seq2Seq*Output`` besides the head's own, from both stacks' outputs."""
-    return dict(past_key_values=decoder_outputs.past_key_values,
+    return dict(**cache_field(output_cache(decoder_outputs)),
                 decoder_hidden_states=decoder_outputs.hidden_states, decoder_attentions=decoder_outputs.attentions,
                 cross_attentions=decoder_outputs.cross_attentions,
                 encoder_last_hidden_state=encoder_outputs.last_hidden_state,
