@@ -100,6 +100,13 @@ class ParallelConfig:
             only (the FSDP2 engine then shards or replicates each block as the plan says). ``None``: uniform.
         offload_params: with ``offload="nvme"`` and ``zero_stage=3``, the sharded parameters live in a scratch file
             there too (DeepSpeed's ``offload_param.device=nvme``; ``training/nvme_params.py``).
+        tiled_mlp: long sequences: every decoder block's feed-forward in this many sequence slices (or ``"auto"``:
+            ``ceil(s / h)``), each recomputed in the backward, so no ``[b, s, ffn]`` tensor is whole (ALST's
+            TiledMLP; ``parallel_layers/tiled_mlp.py``). ``None``: off.
+        activation_offload: long sequences: what every block saves for its backward lives in host memory (side-
+            stream copies into pinned buffers on CUDA; on CPU a copy that saves nothing); ``True`` or the smallest
+            tensor in bytes to move (``training/activation_offload.py``). Not with ``activation_checkpointing``
+            (``"offload"`` is its checkpointed form). The tiled loss is the heads' ``skip_logits=True``.
     """
 
     tensor_parallel_size: int = 1
@@ -126,6 +133,8 @@ class ParallelConfig:
     offload_path: str | None = None
     block_plan: tuple | None = None
     offload_params: bool = False
+    tiled_mlp: int | str | None = None
+    activation_offload: bool | int = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "tensor_parallel_depth", "pipeline_parallel_size",
@@ -174,6 +183,17 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.activation_checkpointing={self.activation_checkpointing!r} is unknown; "
                              f"choose None or one of {_ACTIVATION_CHECKPOINTING}")
         check_block_plan_layout(self)
+        self._check_long_sequence()
+
+    def _check_long_sequence(self) -> None:
+        from .parallel_layers.tiled_mlp import check_tiles_setting
+        from .training.activation_offload import check_setting
+
+        check_tiles_setting(self.tiled_mlp)
+        if check_setting(self.activation_offload) is not None and self.activation_checkpointing is not None:
+            raise ValueError(f"ParallelConfig.activation_offload with activation_checkpointing="
+                             f"{self.activation_checkpointing!r}: a checkpointed block saves only its input; "
+                             "activation_checkpointing='offload' keeps that input in host memory")
 
     def _check_offload(self) -> None:
         """``offload`` in ``OFFLOAD_TIERS``; ``offload_path`` exactly when it is ``"nvme"`` (the ZeRO stage it needs

@@ -155,6 +155,9 @@ class OsloPreTrainedModel(PreTrainedModel):
             from .common.checkpointing import apply_block_checkpointing  # per-block plan (block_plan.py)
 
             apply_block_checkpointing(self, [choice.checkpoint for choice in block_plan])
+        from .common.long_sequence import apply_long_sequence_options  # tiled_mlp, activation_offload
+
+        apply_long_sequence_options(self)
         # dp x cp > 1: an unwrapped model's first backward raises (distributed/data_parallel.py)
         install_data_parallel_guard(self)
 

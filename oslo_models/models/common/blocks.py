@@ -41,6 +41,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ...parallel_layers.layers import Dropout
 from ...parallel_layers.plan import TPDropout
+from ...parallel_layers.tiled_mlp import tiled_module
 
 
 class BlockTemplate(GradientCheckpointingLayer):
@@ -55,6 +56,9 @@ class BlockTemplate(GradientCheckpointingLayer):
     #: pre-norm only: each residual branch adds to the *normalized* input (Bloom's
     #: ``apply_residual_connection_post_layernorm``); a family sets it per instance from its config
     residual_after_norm: bool = False
+    #: the feed-forward's sequence slices in training (``parallel_layers/tiled_mlp.py``: ``None`` whole, an int or
+    #: ``"auto"``), set by ``ParallelConfig.tiled_mlp`` (``common/long_sequence.py``)
+    mlp_tiles = None
 
     def __init__(self, *, order: tuple[str, ...] | None = None, **components: nn.Module | None):
         super().__init__()
@@ -87,6 +91,8 @@ class BlockTemplate(GradientCheckpointingLayer):
 
     def mlp_forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         """The feed-forward on ``x``; ``kwargs``: the call's ``mlp_kwargs``."""
+        if self.mlp_tiles is not None and self.training and not kwargs:
+            return tiled_module(self.part("mlp"), x, self.mlp_tiles)
         return self.part("mlp")(x, **kwargs)
 
     @classmethod
