@@ -213,7 +213,8 @@ class RMSNorm2D(nn.Module):
     ``[b/(dq), s, h/q]``, weight ``[h/q]``. Forward and backward: one all-reduce over the row (the sum of
     squares); the weight gradient is summed over the column and depth groups. ``formula`` as ``RMSNorm``'s:
     ``"t5"`` rounds to the weight's half dtype after normalizing, ``"llama"`` normalizes in fp32 and rounds to the
-    input's dtype before scaling (the fused kernel is not used: its statistic would cover one block only)."""
+    input's dtype before scaling (the fused kernel is not used: its statistic would cover one block only);
+    ``"olmo2"`` / ``"gemma"`` normalize and scale (``weight`` / ``1 + weight``) in fp32, then round to the input's."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, grid: Grid, formula: str = "t5", device=None,
                  dtype=None):
@@ -234,6 +235,10 @@ class RMSNorm2D(nn.Module):
         weight = replicated_over_batch(self.weight, self.grid)
         if self.formula == "llama":
             return weight * (x.to(torch.float32) * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
+        if self.formula in ("olmo2", "gemma"):  # normalize and scale in fp32; gemma stores ``weight - 1``
+            normed = x.float() * torch.rsqrt(variance + self.variance_epsilon)
+            scale = 1.0 + weight.float() if self.formula == "gemma" else weight.float()
+            return (normed * scale).to(x.dtype)
         x = x * torch.rsqrt(variance + self.variance_epsilon)
         if weight.dtype in (torch.float16, torch.bfloat16):
             x = x.to(weight.dtype)

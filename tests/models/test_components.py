@@ -315,16 +315,20 @@ def test_components_tp2():
 
 
 def test_grid_modes_refuse_new_norms():
-    """The grid's RMS norm knows t5/llama only; the full-width and parameter-free norms are 1D only."""
+    """The parameter-free norm and sink attention are 1D only; the full-width (OLMo 2) q/k norm is refused under 3D
+    (the gemma formula and the full-width norm under 2D / 2.5D are checked against transformers in
+    tests/parallel_layers/test_tp_modes_models.py)."""
 
     class Grid:
         tensor_parallel_mode, is_grid = "2d", True
 
-    cases = ((RMSNorm.tp_plan[""], RMSNorm(H, formula="gemma")),
-             (ParameterFreeLayerNorm.tp_plan[""], ParameterFreeLayerNorm(H)),
-             (FullWidthQKNormAttention.tp_plan["q_norm"], FullWidthRMSNorm(H, num_heads=4)),
-             (SinkAttention.tp_plan[""], SinkAttention(_attn_config(transformers.GptOssConfig), 0)))
-    for style, module in cases:
+    class Cube:
+        tensor_parallel_mode, is_grid = "3d", True
+
+    cases = ((ParameterFreeLayerNorm.tp_plan[""], ParameterFreeLayerNorm(H), Grid()),
+             (FullWidthQKNormAttention.tp_plan["q_norm"], FullWidthRMSNorm(H, num_heads=4), Cube()),
+             (SinkAttention.tp_plan[""], SinkAttention(_attn_config(transformers.GptOssConfig), 0), Grid()))
+    for style, module, context in cases:
         with pytest.raises(NotImplementedError):
-            style.build(module, Grid())
+            style.build(module, context)
     assert HeadSplit(0, 1).replicas(2) == 2

@@ -43,9 +43,10 @@ def bert_checkpoint(tmp_path_factory):
 def decoder_checkpoints(tmp_path_factory):
     """Llama (GQA 8/2 heads, biases on q/k/v/o and the MLP, untied), Qwen3 (q/k RMS norms, head_dim 12) and OPT
     (learned positions with an offset; ``project_in`` / ``project_out`` between its 32-wide embeddings and the 64-wide
-    stream, grid linears here)."""
+    stream, grid linears here), Gemma 2 (the ``1 + weight`` RMS norm formula, soft-capping) and OLMo 2 (q/k norms over
+    the whole projection output: the grid norm over the split hidden; refused under 3D)."""
     root = tmp_path_factory.mktemp("decoders_modes")
-    return {name: decoders.save_tiny(root / name, name) for name in ("llama", "qwen3", "opt")}
+    return {name: decoders.save_tiny(root / name, name) for name in ("llama", "qwen3", "opt", "gemma2", "olmo2")}
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +112,16 @@ def _decoders(paths: dict, ctx) -> None:
     ids, mask, labels = padded_batch(decoders.VOCAB, batch=4, seq=8)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     for name, path in paths.items():
+        if name == "olmo2" and ctx.tensor_parallel_mode == "3d":
+            with pytest.raises(NotImplementedError, match="full-width"):
+                decoders.om_class(name).from_pretrained(path, parallel=ctx, progress=False)
+            continue
         reference = decoders.hf_class(name).from_pretrained(path).train()
         model = decoders.om_class(name).from_pretrained(path, parallel=ctx, progress=False).train()
+        # eps 1e-5 for OLMo 2: its q/k norms' statistic is summed over the grid row in another order; every
+        # gradient matches to 1e-5, but one float-noise MLP gradient becomes an Adam step of 2e-5 at eps 1e-6
         assert_steps_match(model, reference, dict(input_ids=ids, attention_mask=mask, position_ids=position_ids),
-                           labels)
+                           labels, eps=1e-5 if name == "olmo2" else 1e-6)
 
 
 def _modes_worker(path: str, bert_path: str, t5_path: str, decoder_paths: dict, tp: int, mode: str, depth: int,

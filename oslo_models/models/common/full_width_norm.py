@@ -15,7 +15,8 @@ dtype) and a weight of ``n*d``. Under tensor parallelism ``q_proj`` is column-pa
   the replica group (``tp_subgroup(tp/n_kv)``), as ``KVHeadColumnParallelLinear`` does for ``k_proj``.
 
 Collectives per call: one all-reduce of ``[b, s, 1]`` forward and one backward (plus the replica-group all-reduce of
-the weight gradient when key/value heads are replicated). The grid modes (2D/2.5D/3D) are refused.
+the weight gradient when key/value heads are replicated). Under 2D / 2.5D the projection's output is split
+over the hidden like the stream, and the stream's ``RMSNorm2D`` (formula ``"olmo2"``) is this norm; 3D is refused.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from torch import nn
 from ...parallel_layers.mappings import copy_to_tensor_parallel_region, group_size, reduce_from_tensor_parallel_region
 from ...parallel_layers.plan import Style, refuse_grid_mode
 from ...parallel_layers.sharding import HeadSplit
+from ...parallel_layers.summa import Grid
+from ...parallel_layers.tensor_parallel_2d import RMSNorm2D
 
 
 def _olmo2_rms(x: torch.Tensor, weight: torch.Tensor, variance: torch.Tensor, eps: float) -> torch.Tensor:
@@ -91,10 +94,17 @@ class FullWidthRMSNormStyle(Style):
     hf_style = None  # none in transformers (its OLMo 2 plan gathers q/k/v and keeps these norms replicated)
 
     def build(self, module, context):
-        refuse_grid_mode(context, "a full-width (OLMo 2) q/k norm")
+        if context.is_grid:
+            if context.tensor_parallel_mode == "3d":  # the cube's column outputs are split over another axis
+                refuse_grid_mode(context, "a full-width (OLMo 2) q/k norm under '3d'")
+            # 2D / 2.5D: the projection's output is split over the hidden like the residual stream, so the
+            # stream's grid norm (sum of squares all-reduced over the row) is this norm, with OLMo 2's formula.
+            weight = module.weight
+            return RMSNorm2D(weight.shape[0], module.variance_epsilon, grid=Grid.from_context(context),
+                             formula="olmo2", device=weight.device, dtype=weight.dtype)
         replicas = HeadSplit(0, module.num_heads).replicas(context.tp_size)
         replica_group = context.tp_subgroup(replicas) if replicas > 1 else None
         return TensorParallelFullWidthRMSNorm.from_plain(module, context.tp_group, replica_group=replica_group)
 
-    def shard_specs(self, module):
+    def layouts(self, module):  # 1D; the grid norm states its own (``tp_shard_specs``)
         return {"weight": HeadSplit(0, getattr(module, "full_heads", module.num_heads))}

@@ -12,8 +12,7 @@ rounds):
 - ``"gemma"`` (``GemmaRMSNorm``, Gemma 1/2/3): ``x * (1 + weight)``, all in fp32, rounded to the input's dtype.
   The weight is stored as the offset from one, so a fresh norm holds zeros (as ``transformers``').
 
-The grid modes (2D/2.5D/3D) split a residual-stream norm over the hidden (``RMSNorm2D``), which knows ``"t5"`` and
-``"llama"`` only: the plan style refuses the other two there, before any collective.
+The grid modes (2D/2.5D/3D) split a residual-stream norm over the hidden (``RMSNorm2D``, every formula).
 """
 from __future__ import annotations
 
@@ -24,11 +23,10 @@ from torch import nn
 
 from ... import fused_ops
 from ...parallel_layers.mappings import copy_to_tensor_parallel_region
-from ...parallel_layers.plan import Style, build_grid_layer, refuse_grid_mode
+from ...parallel_layers.plan import Style, build_grid_layer
 from ...parallel_layers.sequence_parallel import SequenceParallelAware
 
 FORMULAS = ("t5", "llama", "olmo2", "gemma")
-GRID_FORMULAS = ("t5", "llama")  # the formulas RMSNorm2D implements
 
 
 class RMSNorm(nn.Module):
@@ -106,8 +104,6 @@ class SequenceParallelRMSNormStyle(Style):
 
     def build(self, module, context):
         if context.is_grid and not self.always_reduce:  # an RMS norm over the split hidden
-            if getattr(module, "formula", "t5") not in GRID_FORMULAS:
-                refuse_grid_mode(context, f"the {module.formula!r} RMS norm formula")
             return build_grid_layer("rms_norm", module, context)
         norm = SequenceParallelRMSNorm.from_plain(module, context.tp_group, always_reduce=self.always_reduce,
                                                   fused=context.config.fused_ops)
