@@ -167,6 +167,11 @@ def test_tiled_mlp_refusals(tmp_path):
     with pytest.raises(NotImplementedError, match="only causal decoders"):
         om.AutoModelForMaskedLM.from_pretrained(tmp_path / "bert", parallel=om.ParallelConfig(tiled_mlp=2),
                                                 progress=False)
+    granite = transformers.GraniteConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=101)
+    for options in (dict(tiled_mlp=2), dict(activation_offload=True)):  # the generic path: refused before loading
+        with pytest.raises(NotImplementedError, match="generic path"):
+            om.AutoModelForCausalLM.from_config(granite, parallel=om.ParallelConfig(**options))
     gpt2 = save_tiny(tmp_path / "gpt2", "gpt2", "LMHeadModel", resid_pdrop=0.1)
     with pytest.raises(ValueError, match="dropout"):
         _model(gpt2, tiled_mlp=2)(**_batch())
