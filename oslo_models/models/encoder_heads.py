@@ -28,8 +28,17 @@ from ..utils.documents import PACKING_KEYS
 from .common.cache_names import cache_field, output_cache
 from .common.context_parallel import context_parallel_loss, context_parallel_loss_items
 from .common.encoder_masks import PACKED_HEAD_REFUSAL, is_packed_batch
+from .common.head_rules import (
+    MASKED_LM,
+    MULTIPLE_CHOICE,
+    QUESTION_ANSWERING,
+    SEQUENCE_CLASSIFICATION,
+    TOKEN_CLASSIFICATION,
+    HeadParts,
+)
 from .common.lm_loss import head_loss_and_logits, keep_last_logits
 from .common.outputs import passed_on
+from .common.pipeline_encoder import EncoderPipelineAdapter
 from .heads import (
     HeadModel,
     flatten_choices,
@@ -55,10 +64,11 @@ class _HeadStyles:
 
 class _BoundPipelineAdapter:
     """``pipeline_adapter`` of an encoder head: ``pipeline_adapter_class.of(head class)`` (the adapter counts
-    parameters on the head class built on the meta device), or ``None`` when the head has no pipeline stages."""
+    parameters on the head class built on the meta device), or ``None`` when the head has no pipeline stages (no
+    ``head_rule``, or ``pipeline_adapter_class = None``)."""
 
     def __get__(self, obj, cls):
-        if cls.pipeline_adapter_class is None:
+        if cls.pipeline_adapter_class is None or cls.head_rule is None:
             return None
         adapter = cls.__dict__.get("_bound_adapter")
         if adapter is None:
@@ -77,7 +87,9 @@ class EncoderHeadModel(HeadModel):
     #: ``hidden_dropout_prob``)
     classifier_dropout = staticmethod(classifier_dropout)
     pipeline_adapter = _BoundPipelineAdapter()
-    pipeline_adapter_class: ClassVar[type | None] = None
+    pipeline_adapter_class: ClassVar[type | None] = EncoderPipelineAdapter
+    #: the task's head rule (``common/head_rules.py``), run by ``forward`` and by a pipeline's last stage
+    head_rule: ClassVar = None
     #: the head's outputs are per token, so a packed batch (several documents per row, attending within
     #: themselves: ``common/encoder_masks.py``) gives each document's own values; per-row heads (pooled
     #: classification, spans, choices, NSP/SOP) refuse packed batches with the reason
@@ -92,6 +104,21 @@ class EncoderHeadModel(HeadModel):
         self.build_head(config)
         self.post_init()
         self.finish_init()
+
+    @classmethod
+    def pooler_modules(cls) -> dict[str, str]:
+        """The modules ``pool`` reads, ``{attribute: module path}`` (BERT: the base model's ``pooler``)."""
+        return {"pooler": f"{cls.base_model_prefix}.pooler"}
+
+    @classmethod
+    def pool(cls, holder, hidden):
+        """The pooled first token ``[b, h]`` from ``hidden [b, s, h]``, on the modules of ``pooler_modules()``."""
+        return holder.pooler(hidden)
+
+    def run_head(self, hidden, attention_mask=None, pooled=None):
+        """The task rule's logits on this model's head modules (what a pipeline's last stage runs on its own)."""
+        parts = HeadParts(self, self.head_rule.modules(type(self)))
+        return self.head_rule.logits(type(self), parts, hidden, attention_mask, self.config, pooled=pooled)
 
     def encode(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                **kwargs):
@@ -114,6 +141,7 @@ class ForMaskedLM(EncoderHeadModel):
     head_name: ClassVar[str] = "cls"
     head_class: ClassVar[type] = None
     head_styles = _HeadStyles()
+    head_rule = MASKED_LM
     accepts_packed = True  # per-token loss and logits
     _decoder_bias_owner: ClassVar[str | None] = None
     #: the vocab-parallel decoder's module path when it is not ``{_decoder_bias_owner}.decoder`` (ELECTRA's
@@ -168,6 +196,8 @@ class EncoderForCausalLM(ForMaskedLM, GenerationMixin):
     """The encoder as a causal decoder (``config.is_decoder``: causal mask, key/value cache) over its MLM head
     (``BertLMHeadModel``, ``RobertaForCausalLM``); the loss is the causal-LM loss on the vocab-split logits."""
 
+    pipeline_adapter_class = None
+
     @classmethod
     def can_generate(cls) -> bool:
         """``True``: ``transformers`` looks for ``GenerationMixin`` among a class's direct bases only."""
@@ -198,6 +228,7 @@ class EncoderForSequenceClassification(EncoderHeadModel):
     with one (RoBERTa's ``classifier.dense/out_proj`` on ``<s>``): ``classifier(last_hidden_state)``, no pooler."""
 
     per_row_output = "one label per row from the first token or the pooler"
+    head_rule = SEQUENCE_CLASSIFICATION
 
     head_class: ClassVar[type | None] = None
 
@@ -214,9 +245,7 @@ class EncoderForSequenceClassification(EncoderHeadModel):
             self.classifier = self.head_class(config)
 
     def classify(self, outputs):
-        if self.head_class is None:
-            return self.classifier(self.dropout(outputs.pooler_output))
-        return self.classifier(outputs.last_hidden_state)
+        return self.run_head(outputs.last_hidden_state, pooled=getattr(outputs, "pooler_output", None))
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
@@ -231,6 +260,7 @@ class EncoderForTokenClassification(EncoderHeadModel):
     """Replicated ``classifier`` (after ``dropout``) on every token: ``logits [b, s, num_labels]``."""
 
     accepts_packed = True
+    head_rule = TOKEN_CLASSIFICATION
 
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
@@ -241,8 +271,8 @@ class EncoderForTokenClassification(EncoderHeadModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, num_items_in_batch=None, **kwargs):
         outputs = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))
-        return token_classification_output(logits, labels, outputs, num_items_in_batch)
+        return token_classification_output(self.run_head(outputs.last_hidden_state), labels, outputs,
+                                           num_items_in_batch)
 
 
 class EncoderForQuestionAnswering(EncoderHeadModel):
@@ -250,6 +280,7 @@ class EncoderForQuestionAnswering(EncoderHeadModel):
     ``start_logits, end_logits [b, s]``."""
 
     per_row_output = "one answer span per row"
+    head_rule = QUESTION_ANSWERING
 
     #: whether a ``dropout`` runs before ``qa_outputs`` (DistilBERT's ``qa_dropout``)
     span_dropout: ClassVar[bool] = False
@@ -262,7 +293,7 @@ class EncoderForQuestionAnswering(EncoderHeadModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, start_positions=None, end_positions=None, **kwargs):
         outputs = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        return question_answering_output(self.qa_outputs(outputs.last_hidden_state), start_positions, end_positions,
+        return question_answering_output(self.run_head(outputs.last_hidden_state), start_positions, end_positions,
                                          outputs)
 
 
@@ -271,6 +302,7 @@ class ForMultipleChoice(EncoderHeadModel):
     ``logits [b, c]``. ``classifier_dropout(config)``: the family's dropout rule (RoBERTa: ``hidden_dropout_prob``)."""
 
     per_row_output = "one pooled score per choice row"
+    head_rule = MULTIPLE_CHOICE
 
     uses_pooler = True
 
@@ -284,7 +316,7 @@ class ForMultipleChoice(EncoderHeadModel):
         num_choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         outputs = self.encode(*flatten_choices(input_ids, attention_mask, token_type_ids, position_ids,
                                                inputs_embeds), **kwargs)
-        logits = self.classifier(self.dropout(outputs.pooler_output))  # [b*c, 1]
+        logits = self.run_head(outputs.last_hidden_state, pooled=getattr(outputs, "pooler_output", None))  # [b*c, 1]
         return multiple_choice_output(logits, labels, num_choices, outputs)
 
 

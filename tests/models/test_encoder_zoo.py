@@ -31,6 +31,7 @@ from oslo_models.conversion.checkpoint import InMemoryReader
 from oslo_models.models.common.context_parallel import check_context_parallel
 from oslo_models.models.encoder_heads import ForMaskedLM
 from oslo_models.models.registry import families, family_record
+from tests.helpers.checkpointing import enable_checkpointing
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import single_thread  # noqa: F401 (a fixture)
 from tests.helpers.layouts import train_matches
@@ -45,8 +46,8 @@ REFUSED = {"deberta-v2": {"cp2 all_to_all x dp2 zero1": "relative (c2p / p2c) at
 # ALBERT's 4 layers run groups 0, 0, 1, 1: cut after layer 0, group 0 runs on both stages (its copies' gradients
 # summed across them) and group 1 on the last only
 PIPELINE = {"albert": dict(pipeline_partition=(1, 3))}
-# The heads run at pp2 x tp2 per family (each one more 4-rank build and step: CI time): every adapter of
-# bert/pipeline_bert.py once (DistilBERT's first-token classifier, ELECTRA's own classifier module, token
+# The heads run at pp2 x tp2 per family (each one more 4-rank build and step: CI time): every rule of
+# common/head_rules.py once (DistilBERT's first-token classifier, ELECTRA's own classifier module, token
 # classification, QA) on a family that needs it; BERT's sequence classification runs in tests/models/test_bert_parity.py
 PIPELINE_HEADS = {"bert": ("multiple_choice",),  # BERT's pooler (RoBERTa's too)
                   "distilbert": ("sequence_classification", "question_answering", "multiple_choice"),
@@ -122,7 +123,7 @@ def _check_mlm_and_save(model_type: str, path: str, folder) -> None:
 def _check_activation_checkpointing(model_type: str, path: str) -> None:
     """``gradient_checkpointing_enable``: every block recomputed in backward, the same loss and gradients."""
     model = _om_class(model_type).from_pretrained(path, progress=False).train()
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     assert layers and all(layer.gradient_checkpointing for layer in layers), model_type
     reference = _reference(model_type, path)
@@ -250,15 +251,15 @@ def _check_pipeline_heads(model_type: str, heads: dict[str, str], layout: dict) 
 def _check_choices_grouping_matters(path: str, layout: dict, batch: dict) -> None:
     """Negative control of the multiple-choice stages: scores grouped choice-major (``[c, mb]`` transposed: each
     question's scores taken from other questions' rows) instead of question-major give another loss."""
-    from oslo_models.models.bert.pipeline_bert import MultipleChoicePipelineAdapter
+    from oslo_models.models.common.head_rules import MultipleChoiceRule
 
-    class ChoiceMajor(MultipleChoicePipelineAdapter):
+    class ChoiceMajor(MultipleChoiceRule):
         def loss(self, model, logits, labels, num_items_in_batch):
             return super().loss(model, logits.view(-1, labels.shape[0]).t().reshape(-1, 1), labels,
                                 num_items_in_batch)
 
     om_class = _om_class("bert", "multiple_choice")
-    broken = type(om_class.__name__, (om_class,), {"pipeline_adapter_class": ChoiceMajor})
+    broken = type(om_class.__name__, (om_class,), {"head_rule": ChoiceMajor()})
     model = broken.from_pretrained(path, parallel=om.ParallelConfig(**layout), progress=False).train()
     expected = _reference("bert", path, "multiple_choice")(**batch).loss
     assert not torch.allclose(model.train_step(batch), expected.detach(), atol=1e-3)

@@ -52,14 +52,7 @@ from ..encoder_heads import (
     ForMultipleChoice,
 )
 from .configuration_albert import AlbertConfig
-from .pipeline_albert import (
-    AlbertMaskedLMPipelineAdapter,
-    AlbertMultipleChoicePipelineAdapter,
-    AlbertQuestionAnsweringPipelineAdapter,
-    AlbertSequenceClassificationPipelineAdapter,
-    AlbertTokenClassificationPipelineAdapter,
-    check_sharded_pipeline,
-)
+from .pipeline_albert import AlbertPooling, AlbertStages, check_sharded_pipeline
 
 
 def _classifier_dropout(config) -> float:
@@ -171,6 +164,7 @@ class AlbertPreTrainedModel(BertPreTrainedModel):
     config_class = AlbertConfig
     config: AlbertConfig
     base_model_prefix = "albert"
+    pipeline_stages = AlbertStages  # the depth over shared layer groups (pipeline_albert.py)
 
     @classmethod
     def validate_parallel_config(cls, config, parallel) -> None:
@@ -260,7 +254,6 @@ class AlbertForMaskedLM(ForMaskedLM, AlbertPreTrainedModel):
     head_name, head_class = "predictions", AlbertMLMHead
     _decoder_bias_owner = "predictions"
     _oslo_context_parallel = True
-    pipeline_adapter_class = AlbertMaskedLMPipelineAdapter
     _tied_weights_keys = {"predictions.decoder.weight": "albert.embeddings.word_embeddings.weight",
                           "predictions.decoder.bias": "predictions.bias"}
 
@@ -276,6 +269,7 @@ class AlbertForPreTraining(ForMaskedLM, AlbertPreTrainedModel):
     head_name, head_class = "predictions", AlbertMLMHead
     _decoder_bias_owner = "predictions"
     _tied_weights_keys = AlbertForMaskedLM._tied_weights_keys
+    pipeline_adapter_class = None  # no pipeline stages for MLM + SOP
 
     def build_head(self, config) -> None:
         super().build_head(config)
@@ -297,24 +291,20 @@ class AlbertForPreTraining(ForMaskedLM, AlbertPreTrainedModel):
                                           **passed_on(outputs))
 
 
-class AlbertForSequenceClassification(EncoderForSequenceClassification, AlbertPreTrainedModel):
+class AlbertForSequenceClassification(AlbertPooling, EncoderForSequenceClassification, AlbertPreTrainedModel):
     hf_twin = transformers.AlbertForSequenceClassification
-    pipeline_adapter_class = AlbertSequenceClassificationPipelineAdapter
     classifier_dropout = staticmethod(_classifier_dropout)
 
 
 class AlbertForTokenClassification(EncoderForTokenClassification, AlbertPreTrainedModel):
     hf_twin = transformers.AlbertForTokenClassification
-    pipeline_adapter_class = AlbertTokenClassificationPipelineAdapter
     classifier_dropout = staticmethod(_classifier_dropout)
 
 
 class AlbertForQuestionAnswering(EncoderForQuestionAnswering, AlbertPreTrainedModel):
     hf_twin = transformers.AlbertForQuestionAnswering
-    pipeline_adapter_class = AlbertQuestionAnsweringPipelineAdapter
 
 
-class AlbertForMultipleChoice(ForMultipleChoice, AlbertPreTrainedModel):
+class AlbertForMultipleChoice(AlbertPooling, ForMultipleChoice, AlbertPreTrainedModel):
     hf_twin = transformers.AlbertForMultipleChoice
-    pipeline_adapter_class = AlbertMultipleChoicePipelineAdapter
     classifier_dropout = staticmethod(_classifier_dropout)

@@ -1,6 +1,6 @@
-"""ALBERT's masked LM as pipeline stages: BERT's encoder stages (``bert/pipeline_bert.py``: the base model's own
-phases on each stage's layers, one hidden-state tensor ``[mb, s(/tp), h]`` between stages) over ALBERT's depth
-sharing.
+"""ALBERT's heads as pipeline stages: the encoder stages every encoder head shares (``common/pipeline_encoder.py``:
+the base model's own phases on each stage's layers, one hidden-state tensor ``[mb, s(/tp), h]`` between stages, the
+head class's task rule on the last) over ALBERT's depth sharing.
 
 The pipeline cuts the ``num_hidden_layers`` layers (the depth), not the ``num_hidden_groups`` modules of
 ``albert.encoder.albert_layer_groups``: flat layer ``i`` is the group ``transformers`` runs there
@@ -16,19 +16,12 @@ summed over every use, and with the same optimizer the copies stay equal; the gr
 lowest rank only (``tied_duplicates``), saving writes the key once (stages' state dicts merge by name).
 
 The first stage also holds ``encoder.embedding_hidden_mapping_in`` (``embedding_extras``: ``[b, s, e] -> [b, s, h]``),
-the last the MLM head ``predictions`` (its vocab-parallel ``decoder`` a copy of the word embeddings: tied too).
+the last the head (the MLM head ``predictions``: its vocab-parallel ``decoder`` a copy of the word embeddings,
+tied too).
 """
 from __future__ import annotations
 
 import torch
-
-from ..bert.pipeline_bert import (
-    MaskedLMPipelineAdapter,
-    MultipleChoicePipelineAdapter,
-    QuestionAnsweringPipelineAdapter,
-    SequenceClassificationPipelineAdapter,
-    TokenClassificationPipelineAdapter,
-)
 
 
 def group_of_layer(config, layer: int) -> int:
@@ -73,9 +66,9 @@ def check_sharded_pipeline(model_class: type, config, parallel) -> None:
                 f"runs each layer group once")
 
 
-class AlbertDepth:
-    """The part of every ALBERT head's adapter that differs from BERT's: flat layers are the depth over the shared
-    groups (mixed in before a BERT head adapter)."""
+class AlbertStages:
+    """``pipeline_stages`` of every ALBERT head (mixed in before ``EncoderPipelineAdapter``): flat layers are the
+    depth over the shared groups."""
 
     def layer_ids(self, model) -> list[tuple[str, int]]:
         config, path = model.config, self.layer_paths[0]
@@ -99,34 +92,14 @@ class AlbertDepth:
         return [*super().tied_groups(model), *shared]
 
 
-class AlbertMaskedLMPipelineAdapter(AlbertDepth, MaskedLMPipelineAdapter):
-    """The MLM head ``predictions`` on the last stage (its decoder tied to the word embeddings)."""
-
-
-class AlbertPooledHead:
-    """ALBERT's pooler is two modules of the base model (``pooler`` linear, ``pooler_activation`` tanh) on the
-    first token, then ``dropout`` and ``classifier`` (mixed in before a BERT head adapter)."""
+class AlbertPooling:
+    """ALBERT's pooled first token for the pooled heads' rule (``common/head_rules.py``): the base model's ``pooler``
+    linear then ``pooler_activation`` tanh (mixed in before the task head class)."""
 
     @classmethod
-    def head_modules_of(cls, model_class):
-        return {"pooler": "albert.pooler", "pooler_activation": "albert.pooler_activation", "dropout": "dropout",
-                "classifier": "classifier"}
+    def pooler_modules(cls) -> dict[str, str]:
+        return {"pooler": "albert.pooler", "pooler_activation": "albert.pooler_activation"}
 
-    def head_forward(self, stage, hidden):
-        return stage.classifier(stage.dropout(stage.pooler_activation(stage.pooler(hidden[:, 0]))))
-
-
-class AlbertSequenceClassificationPipelineAdapter(AlbertDepth, AlbertPooledHead, SequenceClassificationPipelineAdapter):
-    """``logits [mb, num_labels]`` from the pooled first token."""
-
-
-class AlbertMultipleChoicePipelineAdapter(AlbertDepth, AlbertPooledHead, MultipleChoicePipelineAdapter):
-    """One score per flattened choice from the pooled first token: ``[mb*c, 1]``."""
-
-
-class AlbertTokenClassificationPipelineAdapter(AlbertDepth, TokenClassificationPipelineAdapter):
-    pass
-
-
-class AlbertQuestionAnsweringPipelineAdapter(AlbertDepth, QuestionAnsweringPipelineAdapter):
-    pass
+    @classmethod
+    def pool(cls, holder, hidden):
+        return holder.pooler_activation(holder.pooler(hidden[:, 0]))

@@ -37,8 +37,8 @@ import torch
 
 from ...distributed.context import ParallelContext
 from ...pipeline.adapter import PipelineAdapter
-from ..bert.pipeline_bert import QuestionAnsweringPipelineAdapter, SequenceClassificationPipelineAdapter
 from ..common import use_sequence_parallel
+from ..common.head_rules import QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION
 from ..common.lm_loss import token_loss
 
 ENCODER, DECODER = "model.encoder.layers", "model.decoder.layers"
@@ -187,7 +187,22 @@ class BartPipelineAdapter(PipelineAdapter):
 
 class _BartHeadStages(BartPipelineAdapter):
     """A head over ``BartModel`` whose decoder reads ``input_ids`` shifted right unless given (``BartModel``'s
-    rule; the labels are the head's targets, not tokens)."""
+    rule; the labels are the head's targets, not tokens). Its output shape, batch and loss are the task's rule
+    (``common/head_rules.py``), as for the encoders' heads."""
+
+    rule = None
+
+    def head_output_shape(self, model, mb, dec_len):
+        return self.rule.output_shape(model, mb, dec_len)
+
+    def num_loss_items(self, labels):
+        return self.rule.num_loss_items(labels)
+
+    def loss_items(self, model, labels):
+        return self.rule.loss_items(model, labels)
+
+    def loss(self, model, logits, labels, num_items_in_batch):
+        return self.rule.loss(model, logits, labels, num_items_in_batch)
 
     def prepare_batch(self, model, batch):
         from transformers.models.bart.modeling_bart import shift_tokens_right
@@ -205,8 +220,7 @@ class BartSequenceClassificationPipelineAdapter(_BartHeadStages):
     the model's (``config.problem_type``) as this microbatch's share of the whole batch's mean."""
 
     head_modules = {"classification_head": "classification_head"}
-    num_loss_items = SequenceClassificationPipelineAdapter.num_loss_items
-    loss = SequenceClassificationPipelineAdapter.loss
+    rule = SEQUENCE_CLASSIFICATION
 
     def prepare_batch(self, model, batch):
         from .heads_bart import eos_positions
@@ -214,9 +228,6 @@ class BartSequenceClassificationPipelineAdapter(_BartHeadStages):
         batch = super().prepare_batch(model, batch)
         batch["eos_mask"] = eos_positions(batch["input_ids"], model.config.eos_token_id)  # checked on the batch
         return batch
-
-    def head_output_shape(self, model, mb, dec_len):
-        return mb, model.config.num_labels
 
     def head_forward(self, stage, hidden, eos_mask=None):
         from .heads_bart import last_eos_state
@@ -226,22 +237,14 @@ class BartSequenceClassificationPipelineAdapter(_BartHeadStages):
 
 class BartQuestionAnsweringPipelineAdapter(_BartHeadStages):
     """``qa_outputs`` on every decoder state -> ``[mb, s_dec, 2]``; the positions index the decoder sequence and
-    become the labels as for the encoders' span heads (``QuestionAnsweringPipelineAdapter``)."""
+    become the labels as for the encoders' span heads (``QUESTION_ANSWERING``)."""
 
     head_modules = {"qa_outputs": "qa_outputs"}
-    batch_keys = BartPipelineAdapter.batch_keys + ("start_positions", "end_positions")
-    num_loss_items = QuestionAnsweringPipelineAdapter.num_loss_items
-    loss = QuestionAnsweringPipelineAdapter.loss
+    rule = QUESTION_ANSWERING
+    batch_keys = BartPipelineAdapter.batch_keys + QUESTION_ANSWERING.extra_batch_keys
 
     def prepare_batch(self, model, batch):
-        batch = super().prepare_batch(model, batch)
-        return QuestionAnsweringPipelineAdapter.prepare_batch(self, model, batch)
-
-    def span_length(self, batch) -> int:
-        return batch["decoder_input_ids"].shape[-1]
-
-    def head_output_shape(self, model, mb, dec_len):
-        return mb, dec_len, 2
+        return self.rule.prepare_batch(model, super().prepare_batch(model, batch), span_key="decoder_input_ids")
 
     def head_forward(self, stage, hidden):
         return stage.qa_outputs(hidden)

@@ -1,7 +1,7 @@
 """BERT, written single-device with the module tree and state-dict keys of ``transformers``' BERT.
 
 The base model is the shared stack (``common/stack.py``): its phases (``stack_inputs``, ``run_stack``) run the
-model's ``forward`` and every pipeline stage alike (``pipeline_bert.py``). BERT fills the stack's hooks: the
+model's ``forward`` and every pipeline stage alike (``common/pipeline_encoder.py``). BERT fills the stack's hooks: the
 embeddings module (sum, LayerNorm, dropout: cheap and replicated, so it runs outside the sequence-parallel region,
 before the scatter ``[b, s, h] -> [b, s/tp, h]``), the bidirectional mask (causal with a key/value cache when
 ``config.is_decoder``), no final norm (post-norm layers), and the gather back after the last layer, so pooler,
@@ -48,6 +48,7 @@ from ...parallel_layers.plan import (
 from ..common import enter_sequence_parallel, full_logits, token_loss
 from ..common.bias_act import fused_gelu_approximation, linear_act
 from ..common.blocks import BlockTemplate
+from ..common.cache_names import cache_field
 from ..common.causal_masks import FULL, causal_masks
 from ..common.cross_attention import self_attention_cache
 from ..common.encoder_masks import document_bidirectional_masks, encoder_documents
@@ -69,13 +70,6 @@ from ..modeling_utils import OsloPreTrainedModel
 from .attention_bert import BertCrossAttention, BertSelfAttention
 from .configuration_bert import BertConfig
 from .parallel_plan import prefixed
-from .pipeline_bert import (
-    MaskedLMPipelineAdapter,
-    MultipleChoicePipelineAdapter,
-    QuestionAnsweringPipelineAdapter,
-    SequenceClassificationPipelineAdapter,
-    TokenClassificationPipelineAdapter,
-)
 
 
 def _activation(hidden_act):
@@ -519,7 +513,7 @@ class BertModel(TransformerStack, BertPreTrainedModel):
         pooled = self.pool(hidden) if self.pooler is not None else None
         fields = self.output_class.__dataclass_fields__  # DistilBERT's has no pooler, ALBERT's no cache
         outputs = dict(last_hidden_state=hidden, pooler_output=pooled,
-                       past_key_values=past_key_values if use_cache else None)
+                       **cache_field(past_key_values if use_cache else None))
         return self.output_class(**{key: value for key, value in outputs.items() if key in fields})
 
 
@@ -528,13 +522,12 @@ BertPreTrainedModel.base_model_class = BertModel
 
 # ---------------------------------------------------------------------------------------------- heads
 class BertForMaskedLM(ForMaskedLM, BertPreTrainedModel):
-    """BERT with the MLM head ``cls.predictions`` (see ``ForMaskedLM``); pipeline stages: ``pipeline_bert.py``."""
+    """BERT with the MLM head ``cls.predictions`` (see ``ForMaskedLM``); pipeline: ``common/pipeline_encoder.py``."""
 
     hf_twin = transformers.BertForMaskedLM
     head_name, head_class = "cls", BertOnlyMLMHead
     _decoder_bias_owner = "cls.predictions"
     _oslo_context_parallel = True
-    pipeline_adapter_class = MaskedLMPipelineAdapter
     _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
                           "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
@@ -559,6 +552,7 @@ class BertForPreTraining(ForMaskedLM, BertPreTrainedModel):
     head_name, head_class = "cls", BertPreTrainingHeads
     _decoder_bias_owner = "cls.predictions"
     _tied_weights_keys = BertForMaskedLM._tied_weights_keys
+    pipeline_adapter_class = None  # no pipeline stages for MLM + NSP
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
@@ -575,25 +569,21 @@ class BertForPreTraining(ForMaskedLM, BertPreTrainedModel):
 
 
 class BertForSequenceClassification(EncoderForSequenceClassification, BertPreTrainedModel):
-    """Replicated ``classifier`` on the pooled ``[CLS]`` state; pipeline stages: ``pipeline_bert.py``."""
+    """Replicated ``classifier`` on the pooled ``[CLS]`` state; pipeline stages: ``common/pipeline_encoder.py``."""
 
     hf_twin = transformers.BertForSequenceClassification
-    pipeline_adapter_class = SequenceClassificationPipelineAdapter
 
 
 class BertForTokenClassification(EncoderForTokenClassification, BertPreTrainedModel):
     hf_twin = transformers.BertForTokenClassification
-    pipeline_adapter_class = TokenClassificationPipelineAdapter
 
 
 class BertForQuestionAnswering(EncoderForQuestionAnswering, BertPreTrainedModel):
     hf_twin = transformers.BertForQuestionAnswering
-    pipeline_adapter_class = QuestionAnsweringPipelineAdapter
 
 
 class BertForMultipleChoice(ForMultipleChoice, BertPreTrainedModel):
     hf_twin = transformers.BertForMultipleChoice
-    pipeline_adapter_class = MultipleChoicePipelineAdapter
 
 
 class BertForNextSentencePrediction(ForNextSentencePrediction, BertPreTrainedModel):

@@ -52,6 +52,7 @@ from ..common.blocks import BlockTemplate
 from ..common.causal_masks import FULL
 from ..common.disentangled_attention import DisentangledSelfAttention, relative_span
 from ..common.encoder_masks import encoder_documents, same_document
+from ..common.head_rules import MULTIPLE_CHOICE, TOKEN_CLASSIFICATION
 from ..common.outputs import capture_parallel_outputs, passed_on
 from ..common.stack import StackSpec, TransformerStack
 from ..encoder_heads import EncoderForQuestionAnswering, EncoderHeadModel, ForMaskedLM
@@ -64,13 +65,7 @@ from ..heads import (
 )
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_deberta_v2 import DebertaV2Config
-from .pipeline_deberta_v2 import (
-    DebertaV2MaskedLMPipelineAdapter,
-    DebertaV2MultipleChoicePipelineAdapter,
-    DebertaV2QuestionAnsweringPipelineAdapter,
-    DebertaV2SequenceClassificationPipelineAdapter,
-    DebertaV2TokenClassificationPipelineAdapter,
-)
+from .pipeline_deberta_v2 import DEBERTA_SEQUENCE_CLASSIFICATION, DebertaV2Stages
 
 
 class DebertaV2Embeddings(nn.Module):
@@ -226,6 +221,7 @@ class DebertaV2PreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     config: DebertaV2Config
     base_model_prefix = "deberta"
     stack_spec = DEBERTA_V2_SPEC
+    pipeline_stages = DebertaV2Stages  # relative embeddings on every stage (pipeline_deberta_v2.py)
     supports_gradient_checkpointing = True
     _keys_to_ignore_on_load_unexpected = ["position_embeddings"]
     _no_split_modules = ["DebertaV2Embeddings", "DebertaV2Layer"]
@@ -415,7 +411,6 @@ class DebertaV2ForMaskedLM(ForMaskedLM, DebertaV2PreTrainedModel):
     hf_twin = transformers.DebertaV2ForMaskedLM
     head_name, head_class = "cls", LegacyDebertaV2OnlyMLMHead
     _decoder_bias_owner = "cls.predictions"
-    pipeline_adapter_class = DebertaV2MaskedLMPipelineAdapter
     _keys_to_ignore_on_load_unexpected = [r"mask_predictions.*"]
     _tied_weights_keys = {"cls.predictions.decoder.bias": "cls.predictions.bias",
                           "cls.predictions.decoder.weight": "deberta.embeddings.word_embeddings.weight"}
@@ -448,7 +443,7 @@ class _PooledHead(EncoderHeadModel):
 
 class DebertaV2ForSequenceClassification(_PooledHead, DebertaV2PreTrainedModel):
     hf_twin = transformers.DebertaV2ForSequenceClassification
-    pipeline_adapter_class = DebertaV2SequenceClassificationPipelineAdapter
+    head_rule = DEBERTA_SEQUENCE_CLASSIFICATION
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
@@ -462,7 +457,7 @@ class DebertaV2ForSequenceClassification(_PooledHead, DebertaV2PreTrainedModel):
 class DebertaV2ForTokenClassification(EncoderHeadModel, DebertaV2PreTrainedModel):
     hf_twin = transformers.DebertaV2ForTokenClassification
     accepts_packed = True
-    pipeline_adapter_class = DebertaV2TokenClassificationPipelineAdapter
+    head_rule = TOKEN_CLASSIFICATION
 
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
@@ -479,12 +474,11 @@ class DebertaV2ForTokenClassification(EncoderHeadModel, DebertaV2PreTrainedModel
 
 class DebertaV2ForQuestionAnswering(EncoderForQuestionAnswering, DebertaV2PreTrainedModel):
     hf_twin = transformers.DebertaV2ForQuestionAnswering
-    pipeline_adapter_class = DebertaV2QuestionAnsweringPipelineAdapter
 
 
 class DebertaV2ForMultipleChoice(_PooledHead, DebertaV2PreTrainedModel):
     hf_twin = transformers.DebertaV2ForMultipleChoice
-    pipeline_adapter_class = DebertaV2MultipleChoicePipelineAdapter
+    head_rule = MULTIPLE_CHOICE
     outputs_one = True
 
     @can_return_tuple

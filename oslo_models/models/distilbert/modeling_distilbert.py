@@ -41,13 +41,6 @@ from ...parallel_layers.plan import (
 )
 from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel
 from ..bert.parallel_plan import prefixed
-from ..bert.pipeline_bert import (
-    MaskedLMPipelineAdapter,
-    MultipleChoicePipelineAdapter,
-    QuestionAnsweringPipelineAdapter,
-    SequenceClassificationPipelineAdapter,
-    TokenClassificationPipelineAdapter,
-)
 from ..common import attend, split_heads
 from ..common.attention import AttentionModule
 from ..common.blocks import PostNormBlock
@@ -199,7 +192,6 @@ class DistilBertForMaskedLM(ForMaskedLM, DistilBertPreTrainedModel):
     head_styles = {"vocab_transform": StreamLinear(), "vocab_layer_norm": SequenceParallelNorm(),
                    "vocab_projector": Colwise(vocab=True)}
     _oslo_context_parallel = True
-    pipeline_adapter_class = MaskedLMPipelineAdapter
     _tied_weights_keys = {"vocab_projector.weight": "distilbert.embeddings.word_embeddings.weight"}
 
     def build_head(self, config) -> None:
@@ -231,7 +223,6 @@ class _FirstTokenClassifier:
 class DistilBertForSequenceClassification(_FirstTokenClassifier, EncoderForSequenceClassification,
                                           DistilBertPreTrainedModel):
     hf_twin = transformers.DistilBertForSequenceClassification
-    pipeline_adapter_class = SequenceClassificationPipelineAdapter
 
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
@@ -243,7 +234,6 @@ class DistilBertForSequenceClassification(_FirstTokenClassifier, EncoderForSeque
 
 class DistilBertForTokenClassification(EncoderForTokenClassification, DistilBertPreTrainedModel):
     hf_twin = transformers.DistilBertForTokenClassification
-    pipeline_adapter_class = TokenClassificationPipelineAdapter
     classifier_dropout = staticmethod(lambda config: config.dropout)
 
 
@@ -252,7 +242,6 @@ class DistilBertForQuestionAnswering(EncoderForQuestionAnswering, DistilBertPreT
 
     hf_twin = transformers.DistilBertForQuestionAnswering
     span_dropout = True
-    pipeline_adapter_class = QuestionAnsweringPipelineAdapter
 
     def build_head(self, config) -> None:
         super().build_head(config)
@@ -268,7 +257,6 @@ class DistilBertForQuestionAnswering(EncoderForQuestionAnswering, DistilBertPreT
 
 class DistilBertForMultipleChoice(_FirstTokenClassifier, ForMultipleChoice, DistilBertPreTrainedModel):
     hf_twin = transformers.DistilBertForMultipleChoice
-    pipeline_adapter_class = MultipleChoicePipelineAdapter
 
     def build_head(self, config) -> None:
         self.build_classifier(config, 1)

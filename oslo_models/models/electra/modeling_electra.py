@@ -33,13 +33,6 @@ from ...parallel_layers.layers import Dropout, LayerNorm, Linear
 from ...parallel_layers.plan import Colwise, SequenceParallelNorm, StreamLinear
 from ..bert.modeling_bert import BERT_SPEC, BertEmbeddings, BertEncoder, BertModel, BertPreTrainedModel
 from ..bert.parallel_plan import prefixed
-from ..bert.pipeline_bert import (
-    MaskedLMPipelineAdapter,
-    MultipleChoicePipelineAdapter,
-    QuestionAnsweringPipelineAdapter,
-    SequenceClassificationPipelineAdapter,
-    TokenClassificationPipelineAdapter,
-)
 from ..common.outputs import passed_on
 from ..encoder_heads import (
     EncoderForQuestionAnswering,
@@ -157,7 +150,6 @@ class ElectraForMaskedLM(ForMaskedLM, ElectraPreTrainedModel):
     head_styles = {**prefixed("generator_predictions", ElectraGeneratorPredictions.tp_plan),
                    "generator_lm_head": Colwise(vocab=True)}
     _oslo_context_parallel = True
-    pipeline_adapter_class = MaskedLMPipelineAdapter
     _tied_weights_keys = {"generator_lm_head.weight": "electra.embeddings.word_embeddings.weight"}
 
     def build_head(self, config) -> None:
@@ -192,18 +184,15 @@ class ElectraForPreTraining(EncoderHeadModel, ElectraPreTrainedModel):
 
 class ElectraForSequenceClassification(EncoderForSequenceClassification, ElectraPreTrainedModel):
     hf_twin = transformers.ElectraForSequenceClassification
-    pipeline_adapter_class = SequenceClassificationPipelineAdapter
     head_class = ElectraClassificationHead
 
 
 class ElectraForTokenClassification(EncoderForTokenClassification, ElectraPreTrainedModel):
     hf_twin = transformers.ElectraForTokenClassification
-    pipeline_adapter_class = TokenClassificationPipelineAdapter
 
 
 class ElectraForQuestionAnswering(EncoderForQuestionAnswering, ElectraPreTrainedModel):
     hf_twin = transformers.ElectraForQuestionAnswering
-    pipeline_adapter_class = QuestionAnsweringPipelineAdapter
 
 
 class ElectraForMultipleChoice(ForMultipleChoice, ElectraPreTrainedModel):
@@ -212,7 +201,6 @@ class ElectraForMultipleChoice(ForMultipleChoice, ElectraPreTrainedModel):
 
     hf_twin = transformers.ElectraForMultipleChoice
     uses_pooler = False
-    pipeline_adapter_class = MultipleChoicePipelineAdapter
     pipeline_head_modules = {"sequence_summary": "sequence_summary", "classifier": "classifier"}
 
     def build_head(self, config) -> None:
@@ -220,7 +208,7 @@ class ElectraForMultipleChoice(ForMultipleChoice, ElectraPreTrainedModel):
         self.classifier = Linear(config.hidden_size, 1)
 
     def head_logits(self, hidden, attention_mask=None, config=None):
-        """``[b*c, s, h] -> [b*c, 1]``; run on the model or on a pipeline's last stage (``pipeline_bert.py``)."""
+        """``[b*c, s, h] -> [b*c, 1]``; run on the model or on a pipeline's last stage (``common/head_rules.py``)."""
         return self.classifier(self.sequence_summary(hidden))
 
     @can_return_tuple

@@ -48,6 +48,13 @@ from ..common.blocks import PreNormBlock
 from ..common.causal_masks import FULL, SLIDING
 from ..common.context_parallel import context_parallel_loss, context_parallel_loss_items
 from ..common.encoder_masks import document_bidirectional_masks, encoder_documents
+from ..common.head_rules import (
+    MASKED_LM,
+    MULTIPLE_CHOICE,
+    QUESTION_ANSWERING,
+    SEQUENCE_CLASSIFICATION,
+    TOKEN_CLASSIFICATION,
+)
 from ..common.layer_norm import LayerNorm
 from ..common.lm_loss import head_loss_and_logits
 from ..common.outputs import capture_parallel_outputs, passed_on
@@ -65,13 +72,7 @@ from ..heads import (
 )
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_modernbert import ModernBertConfig
-from .pipeline_modernbert import (
-    ModernBertMaskedLMPipelineAdapter,
-    ModernBertMultipleChoicePipelineAdapter,
-    ModernBertQuestionAnsweringPipelineAdapter,
-    ModernBertSequenceClassificationPipelineAdapter,
-    ModernBertTokenClassificationPipelineAdapter,
-)
+from .pipeline_modernbert import ModernBertStages
 
 
 def _norm(config) -> LayerNorm:
@@ -206,6 +207,7 @@ class ModernBertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     config: ModernBertConfig
     base_model_prefix = "model"
     stack_spec = MODERNBERT_SPEC
+    pipeline_stages = ModernBertStages  # rotary on every stage, final norm on the last (pipeline_modernbert.py)
     supports_gradient_checkpointing = True
     _no_split_modules = ["ModernBertEmbeddings", "ModernBertEncoderLayer"]
     _supports_sdpa = True
@@ -304,7 +306,7 @@ def _classify(holder, hidden: torch.Tensor) -> torch.Tensor:
 
 class _ModernBertHead(EncoderHeadModel):
     """A head reading ``head`` -> ``drop`` -> ``classifier`` (``classifier_outputs`` wide) from the base model; its
-    ``head_logits`` runs on the model or on a pipeline's last stage holding the same modules (``pipeline_bert.py``)."""
+    ``head_logits`` runs on the model or on a pipeline's last stage holding the same modules (``head_rules.py``)."""
 
     classifier_outputs = "num_labels"
     pipeline_head_modules = {"head": "head", "drop": "drop", "classifier": "classifier"}
@@ -331,9 +333,21 @@ class ModernBertForMaskedLM(EncoderHeadModel, ModernBertPreTrainedModel):
     hf_twin = transformers.ModernBertForMaskedLM
     head_styles = {"decoder": Colwise(vocab=True)}
     _oslo_context_parallel = True
-    pipeline_adapter_class = ModernBertMaskedLMPipelineAdapter
     accepts_packed = True
+    head_rule = MASKED_LM
     _tied_weights_keys = {"decoder.weight": "model.embeddings.tok_embeddings.weight"}
+
+    @classmethod
+    def mlm_head_module_names(cls) -> tuple[str, ...]:
+        return ("head",)
+
+    @classmethod
+    def mlm_decoder_path(cls) -> str:
+        return "decoder"
+
+    @classmethod
+    def mlm_transform(cls, holder, hidden):
+        return holder.head(hidden)
 
     def build_head(self, config) -> None:
         self.head = ModernBertPredictionHead(config)
@@ -369,7 +383,7 @@ class ModernBertForSequenceClassification(_ModernBertHead, ModernBertPreTrainedM
     """``logits [b, num_labels]`` from the ``cls`` token or the mean over non-padding tokens."""
 
     hf_twin = transformers.ModernBertForSequenceClassification
-    pipeline_adapter_class = ModernBertSequenceClassificationPipelineAdapter
+    head_rule = SEQUENCE_CLASSIFICATION
 
     def head_logits(self, hidden, attention_mask=None, config=None):
         """``[b, s, h] -> [b, num_labels]``: the ``classifier_pooling`` pooled state (``cls``/``mean``)."""
@@ -387,7 +401,7 @@ class ModernBertForSequenceClassification(_ModernBertHead, ModernBertPreTrainedM
 class ModernBertForTokenClassification(_ModernBertHead, ModernBertPreTrainedModel):
     hf_twin = transformers.ModernBertForTokenClassification
     accepts_packed = True
-    pipeline_adapter_class = ModernBertTokenClassificationPipelineAdapter
+    head_rule = TOKEN_CLASSIFICATION
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
@@ -399,7 +413,7 @@ class ModernBertForTokenClassification(_ModernBertHead, ModernBertPreTrainedMode
 
 class ModernBertForQuestionAnswering(_ModernBertHead, ModernBertPreTrainedModel):
     hf_twin = transformers.ModernBertForQuestionAnswering
-    pipeline_adapter_class = ModernBertQuestionAnsweringPipelineAdapter
+    head_rule = QUESTION_ANSWERING
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, start_positions=None,
@@ -414,8 +428,8 @@ class ModernBertForMultipleChoice(_ModernBertHead, ModernBertPreTrainedModel):
     non-padding token, as ``transformers``): ``logits [b, c]``."""
 
     hf_twin = transformers.ModernBertForMultipleChoice
+    head_rule = MULTIPLE_CHOICE
     classifier_outputs = "one"
-    pipeline_adapter_class = ModernBertMultipleChoicePipelineAdapter
 
     def head_logits(self, hidden, attention_mask=None, config=None):
         """``[b*c, s, h] -> [b*c, 1]``; ``cls`` pools each row's first non-padding token."""

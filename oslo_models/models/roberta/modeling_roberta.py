@@ -18,13 +18,6 @@ from ...parallel_layers.head_parallel import VocabBias
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ...parallel_layers.plan import Colwise, SequenceParallelNorm, StreamLinear
 from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel
-from ..bert.pipeline_bert import (
-    MaskedLMPipelineAdapter,
-    MultipleChoicePipelineAdapter,
-    QuestionAnsweringPipelineAdapter,
-    SequenceClassificationPipelineAdapter,
-    TokenClassificationPipelineAdapter,
-)
 from ..encoder_heads import (
     EncoderForCausalLM,
     EncoderForQuestionAnswering,
@@ -120,7 +113,6 @@ class RobertaForMaskedLM(ForMaskedLM, RobertaPreTrainedModel):
     head_name, head_class = "lm_head", RobertaLMHead
     _decoder_bias_owner = "lm_head"
     _oslo_context_parallel = True  # with position_ids given (RobertaModel.stack_inputs says why)
-    pipeline_adapter_class = MaskedLMPipelineAdapter
     _tied_weights_keys = {"lm_head.decoder.weight": "roberta.embeddings.word_embeddings.weight",
                           "lm_head.decoder.bias": "lm_head.bias"}
 
@@ -137,22 +129,18 @@ class RobertaForCausalLM(EncoderForCausalLM, RobertaPreTrainedModel):
 class RobertaForSequenceClassification(EncoderForSequenceClassification, RobertaPreTrainedModel):
     hf_twin = transformers.RobertaForSequenceClassification
     head_class = RobertaClassificationHead
-    pipeline_adapter_class = SequenceClassificationPipelineAdapter
 
 
 class RobertaForTokenClassification(EncoderForTokenClassification, RobertaPreTrainedModel):
     hf_twin = transformers.RobertaForTokenClassification
-    pipeline_adapter_class = TokenClassificationPipelineAdapter
 
 
 class RobertaForQuestionAnswering(EncoderForQuestionAnswering, RobertaPreTrainedModel):
     hf_twin = transformers.RobertaForQuestionAnswering
-    pipeline_adapter_class = QuestionAnsweringPipelineAdapter
 
 
 class RobertaForMultipleChoice(ForMultipleChoice, RobertaPreTrainedModel):
     hf_twin = transformers.RobertaForMultipleChoice
-    pipeline_adapter_class = MultipleChoicePipelineAdapter
 
     @staticmethod
     def classifier_dropout(config) -> float:
