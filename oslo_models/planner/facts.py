@@ -261,16 +261,20 @@ class ModelFacts:
         tests/planner/test_memory_measured.py). ``seq_len`` does not enter: SDPA keeps no ``s x s`` score matrix
         (flash / memory-efficient kernels, and the CPU path keep the log-sum-exp only)."""
         size = element_size or torch.empty((), dtype=self.dtype).element_size()
-        h, f, a, d = self.hidden_size, self.intermediate_size, self.num_heads, self.head_dim
+        h, a, d = self.hidden_size, self.num_heads, self.head_dim
         key_values = 2 * d * max(1, self.num_kv_heads // tp)  # this rank's k and v (replicated below one head)
-        gated = self._get("hidden_act", "activation_function", default="") in ("silu", "swiglu")
-        mlp = (4 if gated else 2) * f
-        if self.num_experts:  # each token runs experts_per_token experts
-            mlp *= self.experts_per_token
-        split = 3 * a * d + a + mlp
+        split = 3 * a * d + a + self.mlp_elements_per_token()
         if sequence_parallel and tp > 1:
             return size * (split / tp + key_values + (3 * h + 2) / tp + self.gathered_inputs() * h)
         return size * (split / tp + key_values + 5 * h + 2)
+
+    def mlp_elements_per_token(self) -> int:
+        """Elements the feed-forward saves per token inside it (its input not counted): gate and up outputs, the
+        activation, down_proj's input: ``4f`` gated (``2f`` plain), times the experts a token runs; split by tp. A
+        tiled MLP (``ParallelConfig.tiled_mlp``) keeps none of them."""
+        gated = self._get("hidden_act", "activation_function", default="") in ("silu", "swiglu")
+        mlp = (4 if gated else 2) * self.intermediate_size
+        return mlp * self.experts_per_token if self.num_experts else mlp
 
     def gathered_inputs(self) -> int:
         """Distinct block inputs the column-parallel linears all-gather under sequence parallelism: the attention's
@@ -288,15 +292,21 @@ class ModelFacts:
         return self.cache["colwise"]
 
     def outside_layers_bytes_per_token(self, *, tp: int = 1, sequence_parallel: bool = False,
-                                       element_size: int | None = None) -> float:
+                                       element_size: int | None = None, tiled_loss: bool = False) -> float:
         """Bytes per token saved outside the blocks (single stage): the final norm (``3h + 1``; under sequence
         parallelism its input, ``1/rms`` and output split by tp, and the head's all-gathered input whole), the fp32
-        logits (``vocab / tp``, padded), the token ids and labels (int64)."""
+        logits (``vocab / tp``, padded), the token ids and labels (int64). ``tiled_loss`` (the heads'
+        ``skip_logits=True``): no logits; the chunked loss keeps the hidden states' gradient (``h``) instead, and
+        a ``[V / tp, h]`` fp32 weight-gradient accumulator per step (``tiled_loss_fixed_bytes``)."""
         size = element_size or torch.empty((), dtype=self.dtype).element_size()
         vocab = -(-self.vocab_size // tp)
         h = self.hidden_size
         norm = (2 * h + 1) / tp + h if sequence_parallel and tp > 1 else 3 * h + 1
-        return size * norm + 4 * vocab + 16
+        return size * norm + (size * h if tiled_loss else 4 * vocab) + 16
+
+    def tiled_loss_fixed_bytes(self, *, tp: int = 1) -> int:
+        """The chunked loss's fp32 ``[V / tp, h]`` weight-gradient accumulator (kept from forward to backward)."""
+        return 4 * -(-self.vocab_size // tp) * self.hidden_size
 
 
 def _pipeline_config(pp: int, v: int, partition, schedule: str) -> ParallelConfig:

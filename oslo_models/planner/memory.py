@@ -33,6 +33,13 @@ the device); the block being recomputed in backward is counted in ``buffers``. M
 hooks of the tiny Llama: within 10% single-process for each checkpointing mode (tests/planner/test_planner.py) and
 on every rank at tp2, tp2 + sp (with and without full checkpointing), cp2 and tp2 x sp x cp2
 (tests/planner/test_memory_measured.py); pipeline ranks' in-flight peaks are not measured.
+
+Long sequences (issue 52): ``ParallelConfig.tiled_mlp`` removes the feed-forward's inside (``4f`` gated per token)
+from what a block keeps and adds one slice of it, recomputed in the backward, to ``buffers``; the tiled loss
+(``estimate_memory(..., tiled_loss=True)``: the heads' ``skip_logits=True``) replaces the fp32 logits by the hidden
+states' gradient plus a ``[V / tp, h]`` fp32 weight-gradient accumulator; ``ParallelConfig.activation_offload``
+moves the blocks' share to ``host``. Each within 10% of the saved-tensor hooks (tests/planner/
+test_long_sequence_memory.py).
 """
 from __future__ import annotations
 
@@ -178,17 +185,29 @@ def microbatches_in_flight(parallel: ParallelConfig, num_microbatches: int) -> f
     return float(min(pp, num_microbatches))  # 1f1b, zero_bubble (ZB-H1 keeps 1F1B's memory)
 
 
-def activation_bytes(facts: ModelFacts, parallel: ParallelConfig, *, micro_batch: int, seq_len: int,
-                     num_microbatches: int, element_size: int | None = None) -> int:
-    """Activation bytes saved for backward on the busiest rank (pipeline rank 0; without a pipeline the one stage,
-    logits included) at the end of the forward passes in flight. The block being recomputed under checkpointing
-    is a transient (``recompute_bytes``)."""
+def _mlp_tiles(facts: ModelFacts, parallel: ParallelConfig, seq_len: int) -> int:
+    """The slices of ``ParallelConfig.tiled_mlp`` for this rank's sequence (1: not tiled)."""
+    from ..parallel_layers.tiled_mlp import tiles_for
+
+    if parallel.tiled_mlp is None:
+        return 1
+    tp = parallel.tensor_parallel_size
+    local = seq_len // parallel.context_parallel_size // (tp if parallel.sequence_parallel and tp > 1 else 1)
+    return max(1, min(local, tiles_for(local, facts.hidden_size, parallel.tiled_mlp)))
+
+
+def _activation_parts(facts: ModelFacts, parallel: ParallelConfig, *, micro_batch: int, seq_len: int,
+                      num_microbatches: int, element_size: int | None, tiled_loss: bool) -> tuple[float, float]:
+    """``(blocks, outside)``: the bytes the blocks of the forwards in flight keep, and what the embeddings, final
+    norm and loss keep (single stage)."""
     tp, cp, pp = parallel.tensor_parallel_size, parallel.context_parallel_size, parallel.pipeline_parallel_size
     sp = parallel.sequence_parallel and tp > 1
     size = element_size or facts.parameters()[0].element_size
     tokens = micro_batch * seq_len // cp
     per_layer = facts.activation_bytes_per_token_per_layer(seq_len // cp, tp=tp, sequence_parallel=sp,
                                                            element_size=size) * tokens
+    if _mlp_tiles(facts, parallel, seq_len) > 1:  # the tiled MLP keeps only its input (counted with the norm)
+        per_layer -= size * facts.mlp_elements_per_token() / tp * tokens
     block_input = size * facts.hidden_size * tokens / (tp if sp else 1)
     layers = -(-facts.num_layers // pp)
     mode = parallel.activation_checkpointing
@@ -200,26 +219,65 @@ def activation_bytes(facts: ModelFacts, parallel: ParallelConfig, *, micro_batch
         held = {"full": block_input, "partitioned": block_input / tp, "offload": 0.0}[mode]
         kept = layers * held
     in_flight = microbatches_in_flight(parallel, num_microbatches)
-    outside = (facts.outside_layers_bytes_per_token(tp=tp, sequence_parallel=sp, element_size=size) * tokens
-               if pp == 1 else 0)
-    return int(kept * in_flight + outside)
+    outside = 0.0
+    if pp == 1:
+        outside = facts.outside_layers_bytes_per_token(tp=tp, sequence_parallel=sp, element_size=size,
+                                                       tiled_loss=tiled_loss) * tokens
+        outside += facts.tiled_loss_fixed_bytes(tp=tp) if tiled_loss else 0
+    return kept * in_flight, outside
+
+
+def activation_bytes(facts: ModelFacts, parallel: ParallelConfig, *, micro_batch: int, seq_len: int,
+                     num_microbatches: int, element_size: int | None = None, tiled_loss: bool = False) -> int:
+    """Activation bytes saved for backward on the device of the busiest rank (pipeline rank 0; without a pipeline
+    the one stage, logits included) at the end of the forward passes in flight. The block being recomputed under
+    checkpointing (or a tiled MLP's slice) is a transient (``recompute_bytes``). ``ParallelConfig.tiled_mlp``: no
+    ``[s, ffn]`` term; ``tiled_loss`` (``skip_logits=True``): no logits; ``ParallelConfig.activation_offload``: the
+    blocks' share is in host memory (``offloaded_activation_bytes``), not here."""
+    blocks, outside = _activation_parts(facts, parallel, micro_batch=micro_batch, seq_len=seq_len,
+                                        num_microbatches=num_microbatches, element_size=element_size,
+                                        tiled_loss=tiled_loss)
+    return int((0 if _offloads(parallel) else blocks) + outside)
+
+
+def _offloads(parallel: ParallelConfig) -> bool:
+    from ..training.activation_offload import check_setting
+
+    return check_setting(parallel.activation_offload) is not None
+
+
+def offloaded_activation_bytes(facts: ModelFacts, parallel: ParallelConfig, *, micro_batch: int, seq_len: int,
+                               num_microbatches: int, element_size: int | None = None) -> int:
+    """The blocks' saved activations held in host memory under ``ParallelConfig.activation_offload`` (0 without:
+    a tensor below the offload's byte threshold stays on the device; the model counts every one as moved)."""
+    if not _offloads(parallel):
+        return 0
+    blocks, _ = _activation_parts(facts, parallel, micro_batch=micro_batch, seq_len=seq_len,
+                                  num_microbatches=num_microbatches, element_size=element_size, tiled_loss=False)
+    return int(blocks)
 
 
 def recompute_bytes(facts: ModelFacts, parallel: ParallelConfig, *, micro_batch: int, seq_len: int,
                     element_size: int | None = None) -> int:
-    """One block's activations, rebuilt during backward under activation checkpointing (0 without it)."""
-    if parallel.activation_checkpointing is None:
+    """The transient of the backward: one block's activations rebuilt under activation checkpointing (its MLP one
+    slice's worth when tiled), or, tiled without checkpointing, one MLP slice recomputed (0 with neither)."""
+    tiles = _mlp_tiles(facts, parallel, seq_len)
+    if parallel.activation_checkpointing is None and tiles == 1:
         return 0
     tp, cp = parallel.tensor_parallel_size, parallel.context_parallel_size
     size = element_size or facts.parameters()[0].element_size
-    return int(facts.activation_bytes_per_token_per_layer(
-        seq_len // cp, tp=tp, sequence_parallel=parallel.sequence_parallel and tp > 1, element_size=size)
-        * micro_batch * seq_len // cp)
+    tokens = micro_batch * seq_len // cp
+    mlp = size * facts.mlp_elements_per_token() / tp * tokens
+    if parallel.activation_checkpointing is None:
+        return int(mlp / tiles)
+    block = facts.activation_bytes_per_token_per_layer(
+        seq_len // cp, tp=tp, sequence_parallel=parallel.sequence_parallel and tp > 1, element_size=size) * tokens
+    return int(block - mlp + mlp / tiles)
 
 
 def estimate_memory(facts: ModelFacts, parallel: ParallelConfig, world_size: int, *, zero_stage: int | None = None,
                     cpu_offload: bool = False, micro_batch: int = 1, seq_len: int = 1, num_microbatches: int = 1,
-                    mixed_precision: str = "no", device: str = "cuda") -> MemoryEstimate:
+                    mixed_precision: str = "no", device: str = "cuda", tiled_loss: bool = False) -> MemoryEstimate:
     """The busiest rank's memory: the largest training state over pipeline ranks, activations of pipeline rank 0,
     and the transient buffers (DDP's gradient buckets at stages 0/1 without pipeline; FSDP2's gathered
     parameters: all of the rank's at stage 2, the largest two blocks (current + prefetched) at stage 3).
@@ -232,7 +290,9 @@ def estimate_memory(facts: ModelFacts, parallel: ParallelConfig, world_size: int
     state = max(states, key=lambda s: s.total)
     element = 2 if mixed_precision in ("bf16", "fp16") else None
     activations = activation_bytes(facts, parallel, micro_batch=micro_batch, seq_len=seq_len,
-                                   num_microbatches=num_microbatches, element_size=element)
+                                   num_microbatches=num_microbatches, element_size=element, tiled_loss=tiled_loss)
+    offloaded = offloaded_activation_bytes(facts, parallel, micro_batch=micro_batch, seq_len=seq_len,
+                                           num_microbatches=num_microbatches, element_size=element)
     unsharded = training_state(facts, parallel, world_size, zero_stage=0, pp_rank=0).parameters
     dp = parallel.resolve_data_parallel_size(world_size) * parallel.context_parallel_size
     buffers = 0
@@ -244,7 +304,7 @@ def estimate_memory(facts: ModelFacts, parallel: ParallelConfig, world_size: int
         buffers = 2 * unsharded // max(1, -(-facts.num_layers // pp))
     buffers += recompute_bytes(facts, parallel, micro_batch=micro_batch, seq_len=seq_len, element_size=element)
     if cpu_offload or parallel.offload == "cpu":
-        return MemoryEstimate(0, 0, 0, activations, buffers, host=state.total)
+        return MemoryEstimate(0, 0, 0, activations, buffers, host=state.total + offloaded)
     if parallel.offload == "nvme":
         from ..training.nvme_offload import DEFAULT_CHUNK_BYTES
 
@@ -253,5 +313,5 @@ def estimate_memory(facts: ModelFacts, parallel: ParallelConfig, world_size: int
         buffers += min(DEFAULT_CHUNK_BYTES, disk) if device != "cpu" else 0  # device while it is updated
         on_disk = state.parameters if parallel.offload_params else 0  # nvme_params.py: ZeRO-3 shards in a file
         return MemoryEstimate(state.parameters - on_disk, state.gradients, 0, activations, buffers,
-                              host=state.optimizer - disk + chunks, disk=disk + on_disk)
-    return MemoryEstimate(state.parameters, state.gradients, state.optimizer, activations, buffers)
+                              host=state.optimizer - disk + chunks + offloaded, disk=disk + on_disk)
+    return MemoryEstimate(state.parameters, state.gradients, state.optimizer, activations, buffers, host=offloaded)
