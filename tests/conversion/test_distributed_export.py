@@ -1,21 +1,24 @@
-"""``training.save_pretrained`` writes the Hub folder from every rank, nothing gathered (issue 53).
+"""``training.save_pretrained`` and ``model.save_pretrained`` write the Hub folder from every rank, nothing gathered
+(issue 53).
 
 One world of 4 ranks trains one AdamW step at each layout - tp2 x dp2 ZeRO-3 (GPT-2: packed q|k|v, a vocabulary
 tp does not divide), pp2 x tp2 (GPT-2: the tied head on the last stage), ep2 x dp2 ZeRO-3 (Mixtral: experts sharded
 over edp, saved per expert), HSDP dp4 in pairs (Llama), tp2 x dp2 ZeRO-3 with the parameter shards on disk (NVMe
-offload), tp4 2D (GPT-2: grid blocks) - and saves it with the
-distributed writer and with the earlier gathering save (``distributed=False``), both sharded small. Plain
-``transformers`` loads the two folders to exactly the same tensors, which differ from the starting checkpoint (the
-trained model) and equal the model's own parameters (each rank's slice, exact); the files hold the keys, shapes
-and dtypes ``transformers``' own ``save_pretrained`` writes; every byte is written once, by the rank the plan gave
-it, and every rank writes part of it. A save that fails on one rank (a file-size limit there) fails on every rank and
-leaves the previous folder as it was.
+offload), tp4 2D (GPT-2: grid blocks) - and saves it with the distributed writer and with the earlier gathering save
+(``distributed=False``), both sharded small. Plain ``transformers`` loads the two folders to exactly the same
+tensors, which differ from the starting checkpoint (the trained model) and equal the model's own parameters (each
+rank's slice, exact); the files hold the keys, shapes and dtypes ``transformers``' own ``save_pretrained`` writes;
+every byte is written once, by the rank the plan gave it, and every rank writes part of it; the model's own
+``save_pretrained`` writes the same bytes. A save that fails on one rank (a file-size limit there) fails on every
+rank and leaves the previous folder as it was.
 
-Memory: a 118 MB GPT-2 at tp2 x dp2 ZeRO-3 (29 MB per rank): the distributed save's peak RSS over the rank's
-resident memory before it stays under its 4 MiB buffer plus 24 MiB of slack on every rank, while the gathering
-save (the negative control) exceeds that bound (rank 0 holds the whole model); the offline consolidation of a
-resumable checkpoint of it, shared by the 4 processes, stays under twice the largest stored chunk plus the same, and
-writes the same files.
+Memory, in one world of 4 ranks: a 118 MB GPT-2 at tp2 x dp2 ZeRO-3 (``training.save_pretrained``), pp2 x tp2 and
+HSDP (dp4 in pairs), and a 74 MB Mixtral at ep2 x dp2 ZeRO-3 (the model's own ``save_pretrained``): the distributed
+save's peak RSS over the rank's resident memory before it (its share) stays under its 4 MiB buffer plus 24 MiB of
+slack on every rank, while the gathering save (``distributed=False``, the negative control) exceeds that bound and
+half the model on some rank (rank 0 holds the whole model); both write the same Hub tensors. The offline
+consolidation of a resumable checkpoint of the tp2 x dp2 ZeRO-3 model, shared by the 4 processes, stays under twice
+the largest stored chunk plus the same, and writes the same files.
 """
 from __future__ import annotations
 
@@ -70,6 +73,8 @@ def _check(name, model, optimizer, source, hf_class, root):
     new, old = os.path.join(root, name + "-new"), os.path.join(root, name + "-old")
     stats = training.save_pretrained(model, new, max_shard_size=SHARD)
     training.save_pretrained(model, old, max_shard_size=SHARD, distributed=False)
+    own = os.path.join(root, name + "-own")
+    inner.save_pretrained(own, max_shard_size=SHARD)  # the model's own method: the same writer, the same bytes
     written = [None] * dist.get_world_size()
     dist.all_gather_object(written, stats["bytes"])
     saved = hf_class.from_pretrained(new).state_dict()
@@ -97,6 +102,10 @@ def _check(name, model, optimizer, source, hf_class, root):
         with open(os.path.join(new, "config.json")) as a, open(os.path.join(old, "config.json")) as b:
             assert json.load(a) == json.load(b)
         assert all(count > 0 for count in written), (name, written)  # every rank writes its share
+        assert sorted(os.listdir(own)) == sorted(os.listdir(new))
+        for file in os.listdir(new):
+            with open(os.path.join(new, file), "rb") as a, open(os.path.join(own, file), "rb") as b:
+                assert a.read() == b.read(), (name, file)
     dist.barrier()
 
 
@@ -169,46 +178,86 @@ def _extra_peak(save) -> int:
     return peak.growth_bytes
 
 
-def _memory_worker(path: str, root: str, full_bytes: int) -> None:
+MEMORY_LAYOUTS = (  # (name, checkpoint, ParallelConfig options, ZeRO stage, save through the model's own method)
+    ("tp2-dp2-zero3", "gpt2", dict(tensor_parallel_size=2), 3, False),
+    ("pp2-tp2", "gpt2", dict(tensor_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2), 0, True),
+    ("ep2-dp2-zero3", "mixtral", dict(expert_parallel_size=2), 3, True),
+    ("hsdp", "gpt2", dict(data_parallel_size=4, data_parallel_shard_size=2), 3, True),
+)
+
+
+def _memory_worker(paths: dict, root: str, full_bytes: dict) -> None:
+    import gc
+    import shutil
+
     import torch.distributed.checkpoint as dcp
 
     from oslo_models.conversion.consolidate import consolidate
 
-    cfg = om.ParallelConfig(tensor_parallel_size=2)
-    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=cfg, progress=False)
-    model, _ = training.shard_data_parallel(model, zero_stage=3)
-    new = _extra_peak(lambda: training.save_pretrained(model, os.path.join(root, "new"), buffer_bytes=BUFFER))
-    # the offline consolidation of a resumable checkpoint, shared by the 4 processes: one stored chunk at a time
-    ckpt = os.path.join(root, "ckpt")
-    training.save_checkpoint(ckpt, model, step=1)
-    chunk = max(c.sizes.numel() * m.properties.dtype.itemsize for m in
-                dcp.FileSystemReader(os.path.join(ckpt, "step-00000001")).read_metadata().state_dict_metadata.values()
-                if hasattr(m, "chunks") for c in m.chunks)
-    merged = _extra_peak(lambda: consolidate(ckpt, os.path.join(root, "consolidated"), buffer_bytes=BUFFER))
-    old = _extra_peak(lambda: training.save_pretrained(model, os.path.join(root, "old"), distributed=False))
-    peaks = [None] * 4
-    dist.all_gather_object(peaks, (new, old, merged))
+    peaks, chunk = {}, None
+    for name, source, options, zero_stage, own in MEMORY_LAYOUTS:
+        breadcrumb(f"memory {name}")
+        model = om.AutoModelForCausalLM.from_pretrained(paths[source], progress=False,
+                                                        parallel=om.ParallelConfig(zero_stage=zero_stage, **options))
+        if zero_stage:
+            model, _ = training.shard_data_parallel(model, zero_stage=zero_stage)
+        new, old = os.path.join(root, name, "new"), os.path.join(root, name, "old")
+        if own:  # the model's own save_pretrained: the same distributed writer
+            saved = _extra_peak(lambda: training.unwrap_model(model).save_pretrained(new, buffer_bytes=BUFFER))
+        else:
+            saved = _extra_peak(lambda: training.save_pretrained(model, new, buffer_bytes=BUFFER))
+        merged = None
+        if name == "tp2-dp2-zero3":  # the offline consolidation of a resumable checkpoint, shared by the 4
+            ckpt = os.path.join(root, "ckpt")  # processes: one stored chunk at a time
+            training.save_checkpoint(ckpt, model, step=1)
+            reader = dcp.FileSystemReader(os.path.join(ckpt, "step-00000001"))
+            chunk = max(c.sizes.numel() * m.properties.dtype.itemsize for m in
+                        reader.read_metadata().state_dict_metadata.values() if hasattr(m, "chunks")
+                        for c in m.chunks)
+            merged = _extra_peak(lambda: consolidate(ckpt, os.path.join(root, "consolidated"), buffer_bytes=BUFFER))
+        gathered = _extra_peak(lambda: training.save_pretrained(model, old, distributed=False))
+        peaks[name] = [None] * 4
+        dist.all_gather_object(peaks[name], (saved, gathered, merged))
+        if dist.get_rank() == 0:
+            mib = [tuple(None if x is None else round(x / 2**20, 1) for x in peak) for peak in peaks[name]]
+            print(f"{name}: extra peak RSS per rank (MiB: distributed save, gathering save, consolidation), "
+                  f"model {full_bytes[source] / 2**20:.0f} MiB: {mib}")
+            for file in os.listdir(new):
+                if file.endswith(".safetensors") and merged is not None:
+                    with open(os.path.join(new, file), "rb") as a, \
+                            open(os.path.join(root, "consolidated", file), "rb") as b:
+                        assert a.read() == b.read(), file
+            assert _tensors(new) == _tensors(old), name  # the same Hub tensors
+        model = None  # the next layout's baseline without this one
+        gc.collect()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(os.path.join(root, name))
     if dist.get_rank() == 0:
-        mib = [tuple(round(x / 2**20, 1) for x in peak) for peak in peaks]
-        print(f"extra peak RSS per rank (MiB: distributed save, gathering save, consolidation; largest chunk "
-              f"{chunk / 2**20:.1f}), model {full_bytes / 2**20:.0f} MiB: {mib}")
-        assert all(a <= BUFFER + SLACK for a, _, _ in peaks), mib
-        assert max(b for _, b, _ in peaks) > max(BUFFER + SLACK, full_bytes // 2), mib  # the negative control
-        assert all(c <= 2 * chunk + BUFFER + SLACK for _, _, c in peaks), mib
-        for name in os.listdir(os.path.join(root, "new")):
-            if name.endswith(".safetensors"):
-                with open(os.path.join(root, "new", name), "rb") as a, \
-                        open(os.path.join(root, "consolidated", name), "rb") as b:
-                    assert a.read() == b.read(), name
+        for name, per_rank in peaks.items():
+            source = next(layout[1] for layout in MEMORY_LAYOUTS if layout[0] == name)
+            mib = [tuple(None if x is None else round(x / 2**20, 1) for x in peak) for peak in per_rank]
+            assert all(a <= BUFFER + SLACK for a, _, _ in per_rank), (name, mib)
+            # the negative control: the gathering save holds (far) more than the bound on some rank
+            assert max(b for _, b, _ in per_rank) > max(BUFFER + SLACK, full_bytes[source] // 2), (name, mib)
+            if name == "tp2-dp2-zero3":
+                assert all(c <= 2 * chunk + BUFFER + SLACK for _, _, c in per_rank), (mib, chunk)
 
 
 def test_distributed_export_memory_stays_within_the_buffer(tmp_path):
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_embd=512, n_layer=8, n_head=8, vocab_size=8192, n_positions=64)
-    model = transformers.GPT2LMHeadModel(config)
-    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    model.save_pretrained(tmp_path / "src")
-    del model
-    run_distributed(_memory_worker, 4, str(tmp_path / "src"), str(tmp_path), full_bytes, timeout=600)
+    models = {"gpt2": transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                  n_embd=512, n_layer=8, n_head=8, vocab_size=8192, n_positions=64)),
+              "mixtral": transformers.MixtralForCausalLM(transformers.MixtralConfig(
+                  vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
+                  max_position_embeddings=64))}
+    full_bytes, paths = {}, {}
+    for name, model in models.items():
+        full_bytes[name] = sum(p.numel() * p.element_size() for p in model.parameters())
+        paths[name] = str(tmp_path / name)
+        model.save_pretrained(paths[name])
+    del models, model
+    run_distributed(_memory_worker, 4, paths, str(tmp_path / "work"), full_bytes, timeout=900)
