@@ -141,7 +141,10 @@ def _generic(model_type: str, config, model_class) -> Capabilities:
                                     "load: generic/sequence_parallel.py)",
                "context_parallel": "ring / all-to-all through transformers' attention interface (every layer "
                                    "checked at load: generic/context_parallel.py)",
-               "expert_parallel": "transformers' base_model_ep_plan over the ep part of dp (ZeRO 0/2/3)"}
+               "expert_parallel": "transformers' base_model_ep_plan over the ep part of dp (ZeRO 0/2/3)",
+               "pipeline_parallel": "decoder layers cut into stages (base_model_pp_plan, or the _no_split_modules "
+                                    "blocks), every schedule, with dp and ZeRO 0-3 (the module tree checked at "
+                                    "load: generic/pipeline_cut.py)"}
         features.append(Feature(name, not reasons, "; ".join(reasons) or how.get(name, "generic path")))
     features.append(Feature("fused_ops", False, "transformers' own modules run as they are (no fused kernels)"))
     return Capabilities(model_type, "generic", tuple(features))

@@ -16,8 +16,8 @@ How the model is cut (``cut_stages``, on the meta device, before ``transformers`
 else is ever materialized): each layer no local stage runs becomes a ``LayerProbe`` in the same ``ModuleList`` (no
 parameters; parameter names stay the Hub names, so ``transformers`` loads this rank's tensors only and reports the
 others as unused); the final norm and the head are set to ``None`` off the last stage; the input embedding becomes
-an ``EmbeddingStandIn`` (zeros of the hidden width, no parameters) off the first stage - after the load on a last
-stage holding a tied head, whose weight the embedding was loaded into.
+an ``EmbeddingStandIn`` (zeros of the hidden width, no parameters) off the first stage. A tied pair is kept whole
+through the load (``transformers`` ties it), then the last stage keeps the head, the first the embedding.
 
 A stage then runs ``transformers``' own forward of the whole model (``pipeline_stage.py``), so the rotary
 embeddings, position ids and the attention mask of every layer type (full, sliding, linear) are computed exactly as
@@ -56,20 +56,19 @@ class LayerProbe(nn.Module):
     returns ``pending``, the activations the stage received; ``"stop"`` (after a stage's last layer) raises
     ``StageDone`` with its hidden-states input."""
 
-    def __init__(self, layer: nn.Module, role: str = "pass"):
+    def __init__(self, layer: nn.Module, role: str = "pass", convention: str = "tensor"):
         super().__init__()
         for key, value in _plain_attributes(layer).items():
             setattr(self, key, value)
-        self.role = role
+        self.role, self.convention = role, convention
         self.pending: torch.Tensor | None = None
 
     def forward(self, *args, **kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")
         if self.role == "stop":
             raise StageDone(hidden)
-        if self.role == "inject":
-            return self.pending
-        return hidden
+        out = self.pending if self.role == "inject" else hidden
+        return (out,) if self.convention == "tuple" else out
 
 
 class EmbeddingStandIn(nn.Module):
@@ -106,6 +105,7 @@ class StagePieces:
     tied: bool  # the head's weight is the input embedding's
     num_layers: int
     hidden_size: int
+    convention: str = "tensor"  # how the decoder calls a layer: layer_call_convention
 
     @classmethod
     def of(cls, model: nn.Module) -> "StagePieces":
@@ -144,7 +144,51 @@ class StagePieces:
         tied_keys = getattr(model, "all_tied_weights_keys", None) or {}
         tied = head.weight is embedding.weight or tied_keys.get(f"{head_path}.weight") == f"{embedding_path}.weight"
         return cls(layers=layers, embedding=embedding_path, last=tuple(last), head=head_path, tied=tied,
-                   num_layers=len(model.get_submodule(layers)), hidden_size=config.hidden_size)
+                   num_layers=len(model.get_submodule(layers)), hidden_size=config.hidden_size,
+                   convention=layer_call_convention(model, layers))
+
+
+def layer_call_convention(model: nn.Module, layers: str) -> str:
+    """How the decoder's forward calls its layers, read from its source (``ast``): ``"tensor"`` for
+    ``h = layer(h, ...)``, ``"tuple"`` for ``out = layer(h, ...)`` then ``h = out[0]``. ``NotImplementedError`` with
+    the reason for any other loop (one that changes ``h`` between layers, or carries a second stream), before any
+    collective: a stage must be able to start from the previous stage's activations alone."""
+    import ast
+    import inspect
+    import textwrap
+
+    owner_path, _, container = layers.rpartition(".")
+    decoder = model.get_submodule(owner_path) if owner_path else model
+    name = type(model).__name__
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(decoder).forward)))
+    except (OSError, TypeError, SyntaxError) as error:
+        raise NotImplementedError(f"{name}: the generic pipeline reads how {type(decoder).__name__}.forward calls its "
+                                  f"layers from its source, which is unavailable ({error})") from error
+    loops = [node for node in ast.walk(tree) if isinstance(node, ast.For)
+             and f"self.{container}" in ast.unparse(node.iter)]
+    why = f"{type(decoder).__name__}.forward has no single loop over self.{container}"
+    if len(loops) == 1:
+        loop = loops[0]
+        target = loop.target.elts[-1] if isinstance(loop.target, ast.Tuple) else loop.target
+        assigns = [node for node in ast.walk(loop) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))]
+        calls = [node for node in assigns if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                 and isinstance(node.value.func, ast.Name) and node.value.func.id == getattr(target, "id", None)]
+        if len(calls) == 1 and calls[0].value.args and isinstance(calls[0].value.args[0], ast.Name):
+            hidden, result = calls[0].value.args[0].id, ast.unparse(calls[0].targets[0])
+            writes = [node for node in assigns if node is not calls[0]
+                      and hidden in {ast.unparse(t) for t in getattr(node, "targets", [getattr(node, "target", None)])
+                                     if t is not None}]
+            if result == hidden and not writes:
+                return "tensor"
+            if len(writes) == 1 and ast.unparse(writes[0].value) == f"{result}[0]":
+                return "tuple"
+            why = (f"{type(decoder).__name__}.forward changes {hidden!r} between its layers "
+                   f"({'; '.join(ast.unparse(node) for node in writes)[:200]})")
+        else:
+            why = f"{type(decoder).__name__}.forward does not call each layer as h = layer(h, ...)"
+    raise NotImplementedError(f"{name} cannot be pipelined on the generic path: {why}, so a stage could not start "
+                              f"from the previous stage's activations alone")
 
 
 def _layer_container(model: nn.Module) -> str:
@@ -179,11 +223,11 @@ def cut_stages(model: nn.Module, pieces: StagePieces, layout, *, loaded: bool) -
     dropped = []  # module paths whose checkpoint tensors other ranks load
     for index in range(len(container)):
         if index not in local:
-            container[index] = LayerProbe(container[index])
+            container[index] = LayerProbe(container[index], convention=pieces.convention)
             dropped.append(f"{pieces.layers}.{index}")
     if not last_rank:
         for path in pieces.last:
-            if not (pieces.tied and first_rank and path == pieces.head):
+            if not (pieces.tied and first_rank and path == pieces.head and not loaded):
                 _set(model, path, None)
                 dropped.append(path)
     if not first_rank and not (pieces.tied and last_rank and not loaded):
@@ -200,9 +244,13 @@ def cut_stages(model: nn.Module, pieces: StagePieces, layout, *, loaded: bool) -
 
 
 def finish_cut(model: nn.Module, pieces: StagePieces, layout) -> None:
-    """After the load: a last stage holding a tied head keeps the weight in its head only."""
+    """After the load (which ties the pair): a last stage holding a tied head keeps the weight in its head only, a
+    first stage in its embedding only (one module per copy: ZeRO-2/3 shard each stage's modules)."""
     if not layout.has_first and not isinstance(model.get_submodule(pieces.embedding), EmbeddingStandIn):
         _set(model, pieces.embedding, _stand_in(model, pieces))
+    owner, _, name = pieces.head.rpartition(".")
+    if not layout.has_last and (model.get_submodule(owner) if owner else model)._modules.get(name) is not None:
+        _set(model, pieces.head, None)
 
 
 def _stand_in(model: nn.Module, pieces: StagePieces) -> EmbeddingStandIn:
@@ -220,7 +268,7 @@ def stage_view(model: nn.Module, pieces: StagePieces, layers: range) -> nn.Modul
             view.append(container[index])
             continue
         role = "inject" if index == layers.start - 1 else "stop" if index == layers.stop else "pass"
-        view.append(LayerProbe(container[index], role))
+        view.append(LayerProbe(container[index], role, pieces.convention))
     return nn.ModuleList(view)
 
 

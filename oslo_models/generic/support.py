@@ -141,6 +141,9 @@ def pipeline_refusals(config, parallel, model_class: type | None = None) -> list
     if pp == 1:
         return []
     head = f"pipeline_parallel_size={pp}: "
+    if model_class is None and transformers_class("causal_lm", config) is None:
+        return [head + f"the generic path pipelines causal LMs (a decoder's layers cut into stages); transformers "
+                       f"has no causal LM class for {config.model_type!r}"]
     if model_class is not None and not model_class.__name__.endswith("ForCausalLM"):
         return [head + f"the generic path pipelines causal LMs (a decoder's layers cut into stages); "
                        f"{model_class.__name__} is not one"]

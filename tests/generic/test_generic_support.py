@@ -59,8 +59,8 @@ def launched_world(monkeypatch):
     ("mamba", dict(tensor_parallel_size=2), r"'mamba' runs on the generic path .*MambaForCausalLM.*"
      r"tensor_parallel_size=2: 'mamba' has no native family .* no tensor-parallel plan .*It supports: data "
      r"parallelism"),
-    ("granite", dict(pipeline_parallel_size=2, num_microbatches=2), "base_model_pp_plan names the stages, but "
-     "transformers' pipeline runs forward only"),
+    ("granite", dict(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2),
+     "pipeline_parallel_size=2: with tensor_parallel_size=2 is not implemented on the generic path"),
     ("mamba", dict(sequence_parallel=True), "sequence_parallel=True: sequence parallelism splits the sequence between "
      "the tensor-parallel regions"),
     ("mamba", dict(context_parallel_size=2), "context_parallel_size=2: 'mamba' has no attention heads"),
@@ -93,7 +93,7 @@ def test_capabilities_native_and_generic(tmp_path):
     mamba = om.capabilities("mamba")
     assert mamba.path == "generic" and mamba.supports("zero_3") and mamba.supports("activation_checkpointing")
     assert not mamba.supports("tensor_parallel") and "'mamba' has no native family" in mamba["tensor_parallel"].why
-    assert not mamba.supports("fused_ops") and not mamba.supports("pipeline_parallel")
+    assert not mamba.supports("fused_ops") and mamba.supports("pipeline_parallel")
     granite = om.capabilities("granite", task="causal_lm")
     assert granite.supports("tensor_parallel") and granite.supports("sequence_parallel")
     assert not mamba.supports("sequence_parallel")

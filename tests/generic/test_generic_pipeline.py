@@ -1,0 +1,158 @@
+"""Pipeline parallelism on generic causal LMs (``oslo_models/generic/pipeline_cut.py``, ``pipeline_stage.py``): pp 2 x
+dp 2 trains like single-process ``transformers``.
+
+One spawned group of 4 gloo processes, through ``training.prepare`` and ``model.train_step`` with a plain DataLoader
+of SFT rows whose label counts differ (prompt masks, right padding, a row with no label; the loss is the global
+batch's):
+
+- 1F1B, two microbatches per replica, for every 2025-26 causal LM of ``tests/generic/models.py`` (Apertus' xIELU,
+  Llama 4's chunked attention + MoE, Cohere 2's sliding window + tied embeddings, Qwen3-Next's gated DeltaNet + MoE,
+  dots1, MiniMax-M2, HunYuan MoE, GraniteMoE-Hybrid's Mamba layers, LFM2-MoE's convolutions, GLM-4-MoE, ERNIE 4.5 MoE,
+  EXAONE 4, SmolLM3, OLMo 3), Granite, and three types without a ``base_model_pp_plan``, cut at their
+  ``_no_split_modules`` blocks: XGLM (tied, sinusoidal positions), MPT (ALiBi, blocks returning tuples), Mamba (a
+  state space model); ZeRO 0-3 spread over them: the logged loss of each of 3 AdamW steps and every parameter after
+  them equal ``transformers`` (fp32, 1e-5); each rank holds only its stage's parameters;
+- GPipe (ZeRO-0), interleaved 1F1B (ZeRO-3) and zero-bubble (ZeRO-2) on a 4-layer Qwen3-Next (4 stages on 2 ranks
+  for the last two): the same;
+- negative control: Cohere 2 with the tied embedding's gradient left unsummed across its two stages trains away from
+  the reference;
+- ``forward`` / ``generate`` of a pipelined model raise with the way out; pp x tp, a router loss, a non-causal-LM
+  class and a decoder loop that changes the hidden states between layers are refused before any process group.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import oslo_models as om
+from oslo_models.generic import support
+from tests.generic.models import CONFIGS, save
+from tests.helpers.dist import breadcrumb, run_distributed
+from tests.training.test_global_batch_loss import (
+    assert_same_parameters,
+    parameters_differ,
+    prepared_steps,
+    reference_steps,
+    sft_rows,
+)
+
+RECENT = ("apertus", "llama4_text", "cohere2", "qwen3_next", "dots1", "minimax_m2", "hunyuan_v1_moe",
+          "granitemoehybrid", "lfm2_moe", "glm4_moe", "ernie4_5_moe", "exaone4", "smollm3", "olmo3")
+# name: ZeRO stage; xglm, mpt and mamba have no base_model_pp_plan (mpt's blocks return tuples, mamba is an SSM)
+CASES = {name: index % 4 for index, name in enumerate((*RECENT, "granite", "xglm", "mpt", "mamba"))}
+SCHEDULES = {"gpipe": 0, "interleaved_1f1b": 3, "zero_bubble": 2}  # on the 4-layer qwen3_next
+BATCH = 4  # rows per replica and step: 2 microbatches of 2
+
+
+def _load(path, schedule="1f1b", zero_stage=0):
+    virtual = 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
+    parallel = om.ParallelConfig(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2,
+                                 pipeline_schedule=schedule, virtual_pipeline_size=virtual, zero_stage=zero_stage)
+    return om.AutoModelForCausalLM.from_pretrained(path, parallel=parallel).train()
+
+
+def _assert_own_stage_only(model, name):
+    """This rank's parameters are its layers', plus the embedding on the first stage and the norm / head on the last."""
+    layout, pieces = model.pipeline_layout, model._oslo_pipeline_adapter.pieces
+    layers = {f"{pieces.layers}.{index}." for index in layout.local_layers()}
+    allowed = ({pieces.embedding + "."} if layout.has_first else set()) | (
+        {path + "." for path in pieces.last} if layout.has_last else set())
+    names = [n for n, _ in model.named_parameters()]
+    stray = [n for n in names if not any(n.startswith(prefix) for prefix in layers | allowed)]
+    assert not stray, f"{name}: rank holds parameters of other stages: {stray}"
+    assert any(n.startswith(tuple(layers)) for n in names)
+
+
+def _train_and_compare(name, path, rows, *, schedule="1f1b", zero_stage=0, break_tied=False):
+    model = _load(path, schedule, zero_stage)
+    _assert_own_stage_only(model, name)
+    if break_tied:  # the negative control: each copy of the tied embedding steps on its own stage's gradient
+        model._pipeline_runner().tied.groups = []
+    model, logged = prepared_steps(model, rows, batch=BATCH, zero_stage=zero_stage)
+    reference_class = type(transformers.AutoModelForCausalLM.from_config(model.config))
+    reference, expected = reference_steps(reference_class.from_pretrained(path).train(), rows,
+                                          BATCH * model.parallel_context.dp_size)
+    if break_tied:
+        assert parameters_differ(model, reference), f"{name}: the unsummed tied gradient matched"
+        return model
+    torch.testing.assert_close(torch.tensor(logged), torch.tensor(expected), atol=1e-5, rtol=1e-5,
+                               msg=lambda m: f"{name} {schedule} logged losses: {m}")
+    assert_same_parameters(model, reference)
+    return model
+
+
+def _worker(paths, deep_path):
+    rows = sft_rows(101, 48)
+    for name, zero_stage in CASES.items():
+        breadcrumb(f"{name} 1f1b zero{zero_stage}")
+        _train_and_compare(name, paths[name], rows, zero_stage=zero_stage)
+    for schedule, zero_stage in SCHEDULES.items():
+        breadcrumb(f"qwen3_next x4 {schedule}")
+        _train_and_compare("qwen3_next", deep_path, rows, schedule=schedule, zero_stage=zero_stage)
+    breadcrumb("negative control")
+    model = _train_and_compare("cohere2", paths["cohere2"], rows, zero_stage=1, break_tied=True)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(RuntimeError, match="split into pipeline stages"):
+        model(input_ids=ids)
+    with pytest.raises(RuntimeError, match="split into pipeline stages"):
+        model.generate(ids, max_new_tokens=2)
+
+
+@pytest.mark.slow
+def test_generic_pipeline(tmp_path):
+    paths = save(tmp_path / "models", CASES)
+    config = CONFIGS["qwen3_next"]()
+    config.num_hidden_layers, config.layer_types = 4, list(config.layer_types) * 2
+    torch.manual_seed(0)
+    deep_path = str(tmp_path / "qwen3_next_4")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(deep_path)
+    run_distributed(_worker, 4, paths, deep_path, timeout=900)
+
+
+def test_generic_pipeline_refusals():
+    """Before any process group: what the generic pipeline cannot run, with the reason."""
+    granite = CONFIGS["granite"]()
+    causal_lm = transformers.GraniteForCausalLM
+    assert support.refusals(granite, om.ParallelConfig(pipeline_parallel_size=2), causal_lm) == []
+    tp = support.refusals(granite, om.ParallelConfig(pipeline_parallel_size=2, tensor_parallel_size=2), causal_lm)
+    assert any("tensor_parallel_size=2 is not implemented" in reason for reason in tp)
+    routed = CONFIGS["qwen3_next"]()
+    routed.output_router_logits = True
+    assert any("output_router_logits=True" in reason for reason in support.refusals(
+        routed, om.ParallelConfig(pipeline_parallel_size=2), transformers.Qwen3NextForCausalLM))
+    bert = CONFIGS["megatron-bert"]()
+    with pytest.raises(ValueError, match="pipelines causal LMs"):
+        support.check_parallel(bert, om.ParallelConfig(pipeline_parallel_size=2), transformers.MegatronBertForMaskedLM)
+    assert om.capabilities("granite").supports("pipeline_parallel")
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, hidden_states):
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return hidden_states
+
+
+class _ScalingDecoder(_Decoder):
+    def forward(self, hidden_states):
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+            hidden_states = hidden_states * 2
+        return hidden_states
+
+
+def test_decoder_loops_the_pipeline_cannot_cut():
+    """A stage starts from the previous stage's activations: a loop that changes them between layers is refused."""
+    from oslo_models.generic.pipeline_cut import layer_call_convention
+
+    holder = torch.nn.Module()
+    holder.model = _Decoder()
+    assert layer_call_convention(holder, "model.layers") == "tensor"
+    holder.model = _ScalingDecoder()
+    with pytest.raises(NotImplementedError, match="changes 'hidden_states' between its layers"):
+        layer_call_convention(holder, "model.layers")
