@@ -89,7 +89,8 @@ def resolved_tp_plan(model, context) -> dict[str, str]:
     from transformers.distributed.configuration_utils import DistributedConfig
 
     tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=context.tp_size))
-    return tp_plan
+    # experts split over ep keep no tp entries (transformers' rule: EP rules take precedence)
+    return expert_parallel.without_experts(tp_plan, expert_parallel.expert_plan(model, context))
 
 
 def _apply_tensor_parallel(model, context) -> dict[str, str]:
@@ -107,8 +108,9 @@ def _apply_tensor_parallel(model, context) -> dict[str, str]:
     if context.config.sequence_parallel:  # the layers run on sequence slices; regions gather once, exits scatter
         layers, regions = sequence_parallel.regions(model, plan)  # NotImplementedError with the reason
         model._oslo_sequence_parallel = (layers, regions)
+        moe = sequence_parallel.moe_regions(model, plan, regions)
         sequence_parallel.apply_plan(model, context.mesh["tp"], applied,
-                                     sequence_parallel.rowwise_overrides(applied, regions))
+                                     sequence_parallel.rowwise_overrides(applied, regions, moe))
     else:
         apply_tensor_parallelism(model, context.mesh["tp"], applied)
     return plan

@@ -55,8 +55,8 @@ def _wildcard(name: str) -> str:
 
 def _tp_dims(mesh) -> list[int]:
     names = getattr(mesh, "mesh_dim_names", None)
-    if names and "tp" in names:
-        return [names.index("tp")]
+    if names:  # a named mesh: only its tp dimension (experts split over "ep" are whole on every tp rank)
+        return [names.index("tp")] if "tp" in names else []
     return list(range(mesh.ndim)) if mesh.ndim == 1 else []
 
 

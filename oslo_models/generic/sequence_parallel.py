@@ -13,7 +13,8 @@ at its exit. On a ``transformers`` model with a plan:
   colwise projections inside take it as it is and their input gradients (each ``Partial``) are added up by DTensor
   and reduce-scattered once at the gather (backward) - and its ``rowwise`` projections reduce-scatter their output to
   the sequence slice (``RowwiseParallel(output_layouts=Shard(1))``) instead of all-reducing it;
-- an *MoE region* (a region holding a ``moe_tp_experts`` entry: GLM-4.5's, ERNIE 4.5's MoE blocks) keeps its
+- an *MoE region* (a region holding a ``moe_tp_experts`` entry or the experts of the type's expert-parallel plan:
+  GLM-4.5's, ERNIE 4.5's MoE blocks) keeps its
   exits' all-reduce (the experts and shared experts work on the flattened ``[b * s, h]`` tokens, which cannot be
   reduce-scattered along the sequence); its modules with parameters or buffers of their own that no plan entry names
   (the router) take the gathered sequence as a plain tensor (``to_local``: their gradient is whole on every tp rank,
@@ -90,20 +91,35 @@ def regions(model: nn.Module, plan: dict[str, str]) -> tuple[list[str], list[str
     return [prefix for prefix, _ in layers], found
 
 
-def moe_regions(plan: dict[str, str], region_names: list[str]) -> list[str]:
-    """The regions holding a ``moe_tp_experts`` entry (an MoE block: router, experts, shared experts)."""
+def _expert_modules(model: nn.Module) -> set[str]:
+    """Names of the modules the type's ``base_model_ep_plan`` dispatches tokens to (``ep_dispatch_experts``)."""
+    import re
+
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    base = getattr(model, "base_model_prefix", "")
+    patterns = [re.compile(re.escape(f"{base}.{key}" if base else key).replace(r"\*", r"\d+"))
+                for key, style in (getattr(text, "base_model_ep_plan", None) or {}).items()
+                if style == "ep_dispatch_experts"]
+    return {name for name, _ in model.named_modules() if any(p.fullmatch(name) for p in patterns)}
+
+
+def moe_regions(model: nn.Module, plan: dict[str, str], region_names: list[str]) -> list[str]:
+    """The regions that are MoE blocks: holding a ``moe_tp_experts`` entry (experts split over tp) or experts
+    module of the type's expert-parallel plan (split over ep instead)."""
+    experts = _expert_modules(model)
     return [region for region in region_names
-            if any(style == _MOE_EXPERTS and key.startswith(region + ".") for key, style in plan.items())]
+            if any(style == _MOE_EXPERTS and key.startswith(region + ".") for key, style in plan.items())
+            or any(name.startswith(region + ".") for name in experts)]
 
 
-def rowwise_overrides(plan: dict[str, str], region_names: list[str]) -> dict:
+def rowwise_overrides(plan: dict[str, str], region_names: list[str], moe: list[str] = ()) -> dict:
     """The region exits' styles: ``rowwise`` entries inside a region reduce-scatter to the sequence slice (except in
-    an MoE region, whose flattened ``[b * s, h]`` exits all-reduce and whose whole output is then cut)."""
+    an MoE region (``moe``), whose flattened ``[b * s, h]`` exits all-reduce and whose whole output is then cut)."""
     from torch.distributed.tensor import Shard
     from transformers.distributed.tensor_parallel import RowwiseParallel
 
     exit_style = RowwiseParallel(input_layouts=Shard(-1), output_layouts=Shard(1))
-    dense = [region for region in region_names if region not in moe_regions(plan, region_names)]
+    dense = [region for region in region_names if region not in moe]
     return {key: exit_style for key, style in plan.items() if style == "rowwise"
             and any(key.startswith(region + ".") for region in dense)}
 
@@ -169,7 +185,7 @@ def install(model: nn.Module, context, layer_names: list[str], region_names: lis
         lambda module, args, kwargs: _replace_hidden(args, kwargs, cut), with_kwargs=True)
     model.get_submodule(layer_names[-1]).register_forward_hook(gathered_output)
     plan = getattr(model, "_oslo_generic_tp_plan", None) or {}
-    moe = moe_regions(plan, region_names)
+    moe = moe_regions(model, plan, region_names)
     for name in region_names:
         region = model.get_submodule(name)
         region.register_forward_pre_hook(

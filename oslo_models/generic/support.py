@@ -18,8 +18,9 @@ class supports is read from ``transformers`` itself, never from a table kept her
   refuses a layer it cannot split, with the reason); it needs tensor parallelism.
 - context parallelism: causal LMs whose layers attend through ``transformers``' attention interface
   (``context_parallel.py``, checked at load with the reason).
-- expert parallelism: ``transformers``' own ``base_model_ep_plan`` over the ``ep`` part of dp
-  (``expert_parallel.py``), alone (not with tp or cp), at ZeRO 0, 2 or 3.
+- expert parallelism: ``transformers``' own ``base_model_ep_plan`` over the ``ep`` part of ``dp x cp``
+  (``expert_parallel.py``), with tensor (and sequence) parallelism and ZeRO 0-3 (``ParallelConfig`` refuses it
+  with context parallelism for every model: ``config.py``).
 - the 2D / 2.5D / 3D tensor modes need the native layers: refused.
 
 :func:`check_parallel` raises before any process group exists, so a request the path cannot honour is a clear
@@ -121,13 +122,6 @@ def refusals(config, parallel, model_class: type | None = None) -> list[str]:
     if ep > 1 and not getattr(text_config(config), "base_model_ep_plan", None):
         reasons.append(f"expert_parallel_size={ep}: transformers gives {model_type!r} no expert-parallel plan "
                        f"(base_model_ep_plan), so the generic path has no experts to split")
-    elif ep > 1 and (tp > 1 or parallel.context_parallel_size > 1):
-        reasons.append(f"expert_parallel_size={ep} with tensor_parallel_size={tp} / context_parallel_size="
-                       f"{parallel.context_parallel_size}: the generic path splits experts over ep alone (ep x tp "
-                       f"and ep x cp are not implemented for transformers' expert-parallel plan)")
-    elif ep > 1 and parallel.zero_stage == 1:
-        reasons.append(f"expert_parallel_size={ep} with zero_stage=1: ZeRO-1's optimizer-state owners broadcast over "
-                       f"dp, which holds other experts; use zero_stage 0, 2 or 3")
     mode = parallel.activation_checkpointing
     if mode is not None and mode not in _CHECKPOINTING_MODES:
         reasons.append(f"activation_checkpointing={mode!r}: the generic path has transformers' own checkpointing "

@@ -9,10 +9,11 @@ rule), so ``training.shard_data_parallel`` hands such a model (any kind: it asks
   accumulated (DDP without buckets; under gradient accumulation this averages at every micro-step, which gives the
   same mean);
 - stage 1: :class:`ShardedStateOptimizer` (ZeRO-1: each dp rank keeps the optimizer state of the parameters it owns,
-  steps them, and broadcasts their new local values over dp).
+  steps them, and broadcasts their new local values over dp; an expert split over ep is owned by one rank of the
+  ranks holding the same experts, ``edp``, and broadcast over them).
 
 FSDP2 (stages 2/3) shards DTensors again over dp (2D) and needs nothing from here. Experts split over ``ep``
-(``generic/expert_parallel.py``) reduce over the ranks holding the same experts instead (ZeRO-1 refused for them).
+(``generic/expert_parallel.py``) reduce over the ranks holding the same experts instead.
 
 Collectives: per parameter, one all-reduce of its local gradient over dp per backward; per ZeRO-1 step, one
 broadcast over dp per parameter from its owner.
@@ -44,8 +45,8 @@ def average_gradients_over_dp(model: nn.Module, context) -> None:
     """After each backward, every gradient is the mean over the dp group (``dp x cp`` under context parallelism: cp
     ranks hold the same weights and their chunks' shares add up; registered once, on the parameters). Experts split
     over ``ep`` (``generic/expert_parallel.py``): each incoming gradient, before it is accumulated, is summed over the
-    ranks holding the same experts (``edp``) and divided by ``dp`` (the all-to-all backward already summed the ``ep``
-    ranks' tokens)."""
+    ranks holding the same experts (``edp``) and divided by ``dp x cp`` (the all-to-all backward already summed the
+    ``ep`` ranks' tokens; ep is carved out of ``dp x cp``)."""
     group, size = context.dp_cp_group, context.dp_cp_size
 
     def reduce(param: torch.Tensor) -> None:
@@ -57,15 +58,10 @@ def average_gradients_over_dp(model: nn.Module, context) -> None:
         local.div_(size)
         dist.all_reduce(local, group=group)
 
-    expert_group = None
-    if any(_is_expert(param) for param in model.parameters()):
-        from ..utils.model_protocol import protocol_of
-
-        edp = protocol_of(model).expert_data_parallel_mesh(model, context)
-        expert_group = edp.get_group() if edp.size() > 1 else None
+    expert_group = _expert_group(model, context)
 
     def reduce_expert(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad / context.dp_size
+        grad = grad / size
         if expert_group is not None:
             dist.all_reduce(_local(grad), group=expert_group)
         return grad
@@ -75,6 +71,16 @@ def average_gradients_over_dp(model: nn.Module, context) -> None:
             param.register_hook(reduce_expert)
         elif param.requires_grad:
             param.register_post_accumulate_grad_hook(reduce)
+
+
+def _expert_group(model: nn.Module, context):
+    """The process group of the ranks holding this rank's experts (``edp``); ``None`` without experts or at edp 1."""
+    if not any(_is_expert(param) for param in model.parameters()):
+        return None
+    from ..utils.model_protocol import protocol_of
+
+    edp = protocol_of(model).expert_data_parallel_mesh(model, context)
+    return edp.get_group() if edp.size() > 1 else None
 
 
 def _partition(params: list[torch.Tensor], size: int) -> list[int]:
@@ -96,17 +102,22 @@ class ShardedStateOptimizer(torch.optim.Optimizer):
     ``param_groups`` hold every parameter (schedulers and ``zero_grad`` see the whole model); ``optim`` is the inner
     optimizer over this rank's own parameters (its ``state`` is what this rank holds, as in torch's
     ``ZeroRedundancyOptimizer``). ``step`` copies the group hyperparameters in, steps the own parameters, then
-    broadcasts every parameter's local tensor from its owner over the dp group."""
+    broadcasts every parameter's local tensor from its owner over the dp group; experts split over ep
+    (``expert_group``: the ranks holding the same experts) are owned and broadcast within that group."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, context, defaults: dict):
+    def __init__(self, optimizer: torch.optim.Optimizer, context, defaults: dict, expert_group=None):
         groups = [dict(group) for group in optimizer.param_groups]
         super().__init__(groups, defaults)
-        self._group, self._dp_ranks = context.dp_group, context.axis("dp").ranks
         params = [param for group in self.param_groups for param in group["params"]]
-        owners = _partition(params, context.dp_size)
-        self._owner = {id(param): owner for param, owner in zip(params, owners)}
+        self._owner = {}  # id(param) -> (group, global rank of the owner)
+        dense_ranks = context.axis("dp").ranks
+        for expert, group, ranks in ((False, context.dp_group, dense_ranks),
+                                     (True, expert_group, _group_ranks(expert_group, context.rank))):
+            chosen = [param for param in params if _is_expert(param) == expert]
+            for param, owner in zip(chosen, _partition(chosen, len(ranks))):
+                self._owner[id(param)] = (group, ranks[owner])
         mine = [{**{k: v for k, v in group.items() if k != "params"},
-                 "params": [p for p in group["params"] if self._owner[id(p)] == context.dp_rank]}
+                 "params": [p for p in group["params"] if self._owner[id(p)][1] == context.rank]}
                 for group in self.param_groups]
         self.optim = type(optimizer)(mine, **defaults) if any(g["params"] for g in mine) else None
 
@@ -119,8 +130,15 @@ class ShardedStateOptimizer(torch.optim.Optimizer):
             self.optim.step()
         for group in self.param_groups:
             for param in group["params"]:
-                dist.broadcast(_local(param), src=self._dp_ranks[self._owner[id(param)]], group=self._group)
+                owner_group, owner = self._owner[id(param)]
+                if owner_group is not None:
+                    dist.broadcast(_local(param), src=owner, group=owner_group)
         return loss
+
+
+def _group_ranks(group, rank: int) -> tuple[int, ...]:
+    """The global ranks of ``group`` (just ``rank`` when ``None``: a group of one)."""
+    return tuple(dist.get_process_group_ranks(group)) if group is not None else (rank,)
 
 
 def shard_dtensor_data_parallel(model: nn.Module, optimizer, context, stage: int, ddp_kwargs: dict):
@@ -128,12 +146,9 @@ def shard_dtensor_data_parallel(model: nn.Module, optimizer, context, stage: int
     if ddp_kwargs:
         raise ValueError(f"DDP options {sorted(ddp_kwargs)} do not apply to a model with DTensor parameters (torch "
                          f"DDP cannot hold them; gradients are averaged over dp by hooks instead)")
-    if stage == 1 and any(_is_expert(param) for param in model.parameters()):
-        raise NotImplementedError("zero_stage=1 with experts split over ep (transformers' expert-parallel plan) is not "
-                                  "implemented: its optimizer-state owners broadcast over dp, which holds other "
-                                  "experts; use zero_stage 0, 2 or 3")
     average_gradients_over_dp(model, context)
     if stage == 1 and optimizer is not None:
-        optimizer = ShardedStateOptimizer(optimizer, context, constructor_defaults(optimizer))
+        optimizer = ShardedStateOptimizer(optimizer, context, constructor_defaults(optimizer),
+                                          expert_group=_expert_group(model, context))
     model._oslo_zero_stage = stage
     return model, optimizer

@@ -351,7 +351,7 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
         expert_mesh = (protocol_of(model).expert_data_parallel_mesh(model, context) if context.ep_size > 1
                        else None)
         _fully_shard(model, mesh, reshard_after_forward=stage == 3, cpu_offload=cpu_offload,
-                     expert_mesh=expert_mesh, dp_size=context.dp_size)
+                     expert_mesh=expert_mesh, dp_size=context.dp_cp_size)  # ep is carved out of dp x cp
     model._oslo_fsdp_shard_group = shard_group  # the gradient norm adds dp partial sums over it (clip.py)
     model._oslo_zero_stage = stage
     mark_gradients_reduced(model, f"fsdp2 zero{stage}")

@@ -67,8 +67,6 @@ def launched_world(monkeypatch):
     ("megatron-bert", dict(context_parallel_size=2), "splits the sequence of causal LMs .*MegatronBertForMaskedLM"),
     ("granite", dict(expert_parallel_size=2), "expert_parallel_size=2: transformers gives 'granite' no "
      "expert-parallel plan"),
-    ("olmoe", dict(expert_parallel_size=2, zero_stage=1), "expert_parallel_size=2 with zero_stage=1"),
-    ("olmoe", dict(expert_parallel_size=2, tensor_parallel_size=2), "ep x tp and ep x cp are not implemented"),
     ("granite", dict(tensor_parallel_size=4, tensor_parallel_mode="2d"), "2D/2.5D/3D grids need the native"),
     ("xglm", dict(activation_checkpointing="selective"), "activation_checkpointing='selective'"),
 ])
