@@ -1,12 +1,21 @@
-"""The generic path's axes together: tp 2 + SP x cp 2 (ring) x dp 2 ZeRO-3 on 8 processes trains like transformers.
+"""The generic path's axes together on 8 processes train like transformers: four axes per layout.
 
-One spawned group of 8 gloo processes, granite (a dense decoder with a plan) through ``training.prepare`` with a plain
-DataLoader of whole sequences with unequal label counts: the loader splits each sequence into the cp ranks' chunks,
-the layers run on half of each chunk (SP), the sequence is gathered per region over tp, the chunks attend across cp
-through the registered attention function, the head's logits stay split by vocabulary, and FSDP2 shards everything
-over dp x cp. The logged loss of each of 3 AdamW steps and every parameter after them equal single-process
-``transformers`` on the global batch (fp32, 1e-5). Negative control: the per-replica mean
-(``average_tokens_across_devices=False``) trains away from it.
+One spawned group of 8 gloo processes, through ``training.prepare`` with a plain DataLoader of whole sequences with
+unequal label counts (the loss is the global batch's):
+
+- granite (a dense decoder with a plan) at tp 2 + SP x cp 2 (ring) x dp 2 ZeRO-3: the loader splits each sequence
+  into the cp ranks' chunks, the layers run on half of each chunk (SP), the sequence is gathered per region over tp,
+  the chunks attend across cp through the registered attention function, the head's logits stay split by
+  vocabulary, and FSDP2 shards everything over dp x cp;
+- glm4_moe (2025, MoE with shared experts and a dense first layer) at tp 2 + SP x cp 2 (all-to-all) x dp 2 ZeRO-3,
+  its experts split over tp (the MoE region: router on the gathered sequence, the output cut to the slice);
+- glm4_moe at tp 2 + SP x dp 4 ZeRO-3 with ep 2 inside dp (two ep groups of 2 per tp rank, each expert on the 2 ranks
+  of its edp group, FSDP2 units of the experts over edp);
+- each: the logged loss of each of 3 AdamW steps and every parameter after them equal single-process
+  ``transformers`` on the global batch (fp32, 1e-5). Negative control (each layout): the per-replica mean
+  (``average_tokens_across_devices=False``) trains away from it.
+
+Expert parallelism with context parallelism is not among them: ``ParallelConfig`` refuses it for every model.
 """
 from __future__ import annotations
 
@@ -25,31 +34,40 @@ from tests.training.test_global_batch_loss import (
 )
 
 BATCH = 4
+TP_SP = dict(tensor_parallel_size=2, sequence_parallel=True)
+LAYOUTS = [  # (name, layout)
+    ("granite", dict(TP_SP, context_parallel_size=2, data_parallel_size=2)),
+    ("glm4_moe", dict(TP_SP, context_parallel_size=2, data_parallel_size=2, context_parallel_mode="all_to_all")),
+    ("glm4_moe", dict(TP_SP, data_parallel_size=4, expert_parallel_size=2)),
+]
 
 
-def _worker(path):
+def _worker(paths):
     import transformers
 
-    parallel = om.ParallelConfig(tensor_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
-                                 data_parallel_size=2)
-    rows = sft_rows(101, 24)
-    for average in (True, False):
-        breadcrumb(f"average={average}")
-        model = om.AutoModelForCausalLM.from_pretrained(path, parallel=parallel).train()
-        assert model._oslo_vocab_parallel_loss and model._oslo_sequence_parallel
-        assert model.config._attn_implementation == "oslo_context_parallel"
-        model, logged = prepared_steps(model, rows, batch=BATCH, zero_stage=3, average=average)
-        reference, expected = reference_steps(transformers.GraniteForCausalLM.from_pretrained(path).train(), rows,
-                                              BATCH * 2)
-        if average:
-            torch.testing.assert_close(torch.tensor(logged), torch.tensor(expected), atol=1e-5, rtol=1e-5)
-            assert_same_parameters(model, reference)
-        else:
-            assert parameters_differ(model, reference)
-        del model, reference
+    rows = sft_rows(101, 48)
+    for name, layout in LAYOUTS:
+        for average in (True, False):
+            breadcrumb(f"{name} {layout} average={average}")
+            model = om.AutoModelForCausalLM.from_pretrained(paths[name], parallel=om.ParallelConfig(**layout)).train()
+            assert model._oslo_vocab_parallel_loss and model._oslo_sequence_parallel
+            context = model.parallel_context
+            if context.cp_size > 1:
+                assert model.config._attn_implementation == "oslo_context_parallel"
+            model, logged = prepared_steps(model, rows, batch=BATCH, zero_stage=3, average=average)
+            reference_class = type(transformers.AutoModelForCausalLM.from_config(model.config))
+            reference, expected = reference_steps(reference_class.from_pretrained(paths[name]).train(), rows,
+                                                  BATCH * context.dp_size)
+            if average:
+                torch.testing.assert_close(torch.tensor(logged), torch.tensor(expected), atol=1e-5, rtol=1e-5,
+                                           msg=lambda m: f"{name} {layout} logged losses: {m}")
+                assert_same_parameters(model, reference)
+            else:
+                assert parameters_differ(model, reference)
+            del model, reference
 
 
 @pytest.mark.slow
-def test_generic_tp_sp_cp_dp_zero3_on_eight_ranks(tmp_path):
-    path = save(tmp_path / "models", ["granite"])["granite"]
-    run_distributed(_worker, 8, path, timeout=900)
+def test_generic_four_axes_on_eight_ranks(tmp_path):
+    paths = save(tmp_path / "models", ["granite", "glm4_moe"])
+    run_distributed(_worker, 8, paths, timeout=1500)
