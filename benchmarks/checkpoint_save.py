@@ -7,6 +7,7 @@ Builds a random GPT-2 once (safetensors, saved locally), then for each process c
 with ``torchrun`` (gloo on CPU) at tp 2 x dp N/2, ZeRO-3, and measures on every rank, one after the other:
 
 - ``distributed``: ``training.save_pretrained(model, out)`` (every rank writes its share, nothing gathered);
+- ``model``: the model's own ``model.save_pretrained(out)`` (the same distributed writer);
 - ``gathering``: ``training.save_pretrained(model, out, distributed=False)`` (the save before issue 53);
 - ``consolidate``: the offline consolidation of a resumable checkpoint of the same model by the same N processes
   (``python -m oslo_models checkpoint consolidate`` under torchrun).
@@ -43,6 +44,7 @@ def worker(args) -> None:
     rows = {}
     for label, call in (
             ("distributed", lambda: training.save_pretrained(model, os.path.join(args.tmp, "new"))),
+            ("model", lambda: training.unwrap_model(model).save_pretrained(os.path.join(args.tmp, "own"))),
             ("consolidate", lambda: consolidate(os.path.join(args.tmp, "ckpt"), os.path.join(args.tmp, "merged"))),
             ("gathering", lambda: training.save_pretrained(model, os.path.join(args.tmp, "old"), distributed=False))):
         if label == "consolidate":
@@ -107,7 +109,7 @@ def main() -> None:
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
         with open(out, encoding="utf-8") as handle:
             per_rank = json.load(handle)
-        for label in ("distributed", "gathering", "consolidate"):  # (measured distributed, consolidate, gathering)
+        for label in ("distributed", "model", "gathering", "consolidate"):  # (measured: gathering last)
             group = [rank[label] for rank in per_rank]
             growth = max(row["peak_rss_growth_bytes"] for row in group)
             seconds = max(row["seconds"] for row in group)
