@@ -1,16 +1,16 @@
 """``training.save_pretrained`` and ``model.save_pretrained`` write the Hub folder from every rank, nothing gathered
 (issue 53).
 
-One world of 4 ranks trains one AdamW step at each layout - tp2 x dp2 ZeRO-3 (GPT-2: packed q|k|v, a vocabulary
-tp does not divide), pp2 x tp2 (GPT-2: the tied head on the last stage), ep2 x dp2 ZeRO-3 (Mixtral: experts sharded
-over edp, saved per expert), HSDP dp4 in pairs (Llama), tp2 x dp2 ZeRO-3 with the parameter shards on disk (NVMe
-offload), tp4 2D (GPT-2: grid blocks) - and saves it with the distributed writer and with the earlier gathering save
-(``distributed=False``), both sharded small. Plain ``transformers`` loads the two folders to exactly the same
-tensors, which differ from the starting checkpoint (the trained model) and equal the model's own parameters (each
-rank's slice, exact); the files hold the keys, shapes and dtypes ``transformers``' own ``save_pretrained`` writes;
-every byte is written once, by the rank the plan gave it, and every rank writes part of it; the model's own
-``save_pretrained`` writes the same bytes. A save that fails on one rank (a file-size limit there) fails on every
-rank and leaves the previous folder as it was.
+One world of 4 ranks trains one AdamW step at each layout - tp2 x dp2 ZeRO-3 (GPT-2: packed q|k|v, a vocabulary tp
+does not divide), tp2 x dp2 ZeRO-1 (GPT-2), dp4 ZeRO-2 (Llama), pp2 x tp2 (GPT-2: the tied head on the last stage),
+ep2 x dp2 ZeRO-3 (Mixtral: experts sharded over edp, saved per expert), HSDP dp4 in pairs (Llama), tp2 x dp2 ZeRO-3
+with the parameter shards on disk (NVMe offload), tp4 2D (GPT-2: grid blocks) - and saves it with the distributed
+writer and with the earlier gathering save (``distributed=False``), both sharded small. Plain ``transformers`` loads
+the two folders to exactly the same tensors, which differ from the starting checkpoint (the trained model) and equal
+the model's own parameters (each rank's slice, exact); the files hold the keys, shapes and dtypes ``transformers``'
+own ``save_pretrained`` writes; every byte is written once, by the rank the plan gave it, and every rank writes part
+of it; the model's own ``save_pretrained`` writes the same bytes. A save that fails on one rank (a file-size limit
+there) fails on every rank and leaves the previous folder as it was.
 
 Memory, in one world of 4 ranks: a 118 MB GPT-2 at tp2 x dp2 ZeRO-3 (``training.save_pretrained``), pp2 x tp2 and
 HSDP (dp4 in pairs), and a 74 MB Mixtral at ep2 x dp2 ZeRO-3 (the model's own ``save_pretrained``): the distributed
@@ -117,6 +117,10 @@ def _layouts_worker(paths: dict, root: str) -> None:
 
     model, opt = build(paths["gpt2"], 3, tensor_parallel_size=2)
     _check("gpt2-tp2-dp2-zero3", model, opt, paths["gpt2"], transformers.GPT2LMHeadModel, root)
+    model, opt = build(paths["gpt2"], 1, tensor_parallel_size=2)  # whole tp-local parameters, replicated over dp
+    _check("gpt2-tp2-dp2-zero1", model, opt, paths["gpt2"], transformers.GPT2LMHeadModel, root)
+    model, opt = build(paths["llama"], 2)  # FSDP2 shards over dp 4, kept unsharded after forward
+    _check("llama-dp4-zero2", model, opt, paths["llama"], transformers.LlamaForCausalLM, root)
     model, opt = build(paths["gpt2"], tensor_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2)
     _check("gpt2-pp2-tp2", model, opt, paths["gpt2"], transformers.GPT2LMHeadModel, root)
     model, opt = build(paths["mixtral"], 3, expert_parallel_size=2)
