@@ -21,6 +21,7 @@ from ..parallel_layers.layers import Dropout, Linear
 from ..parallel_layers.plan import Colwise
 from .common import context_parallel as cp
 from .common.cache_names import cache_field, output_cache
+from .common.capabilities import Capabilities
 from .common.context_parallel import causal_lm_head_outputs
 from .common.outputs import passed_on
 from .common.pipeline_stack import StackPipelineAdapter
@@ -203,7 +204,7 @@ class ForCausalLM(HeadModel):
     pipeline_adapter = _DerivedPipelineAdapter()
     pipeline_adapter_class = StackPipelineAdapter
     output_class = CausalLMOutputWithPast
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
     _tied_weights_keys = _DerivedTiedKeys()
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
@@ -250,7 +251,7 @@ class ForSequenceClassification(HeadModel):
     Under context parallelism the token's row comes from the cp rank holding it (``context_parallel.
     last_token_logits``): every rank returns the whole ``[b, num_labels]`` and the same loss."""
 
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
 
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
@@ -275,7 +276,7 @@ class ForTokenClassification(HeadModel):
     rank's chunk(s) and the loss is the mean over the whole sequence (``context_parallel.token_loss``)."""
 
     classifier_name = "score"
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
 
     def build_head(self, config) -> None:
         self.num_labels = config.num_labels
@@ -305,7 +306,7 @@ class ForQuestionAnswering(HeadModel):
     ``[b, s_local, 2]`` logits are gathered to the whole sequence first (``context_parallel.gather_over_context``,
     ``2 * b * s`` values): every rank returns the whole ``[b, s]`` logits and the same loss."""
 
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
 
     def build_head(self, config) -> None:
         self.qa_outputs = Linear(self.head_hidden_size(config), 2)

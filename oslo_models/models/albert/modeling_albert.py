@@ -41,6 +41,7 @@ from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel
 from ..bert.parallel_plan import prefixed
 from ..common import attend, full_logits, split_heads, token_loss
 from ..common.attention import AttentionModule
+from ..common.capabilities import Capabilities
 from ..common.outputs import passed_on
 from ..common.parallel_rules import Features, Heads
 from ..common.stack import StackSpec
@@ -253,7 +254,7 @@ class AlbertForMaskedLM(ForMaskedLM, AlbertPreTrainedModel):
     hf_twin = transformers.AlbertForMaskedLM
     head_name, head_class = "predictions", AlbertMLMHead
     _decoder_bias_owner = "predictions"
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
     _tied_weights_keys = {"predictions.decoder.weight": "albert.embeddings.word_embeddings.weight",
                           "predictions.decoder.bias": "predictions.bias"}
 

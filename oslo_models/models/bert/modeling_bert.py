@@ -49,6 +49,7 @@ from ..common import enter_sequence_parallel, full_logits, token_loss
 from ..common.bias_act import fused_gelu_approximation, linear_act
 from ..common.blocks import BlockTemplate
 from ..common.cache_names import cache_field
+from ..common.capabilities import Capabilities
 from ..common.causal_masks import FULL, causal_masks
 from ..common.cross_attention import self_attention_cache
 from ..common.encoder_masks import document_bidirectional_masks, encoder_documents
@@ -391,7 +392,7 @@ class BertModel(TransformerStack, BertPreTrainedModel):
     hf_twin = transformers.BertModel
     is_base_model = True
     output_class = BaseModelOutputWithPoolingAndCrossAttentions
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
     embeddings_class: ClassVar[type] = BertEmbeddings
 
     def __init__(self, config, add_pooling_layer: bool = True, *, parallel_context=None, submodule: bool = False):
@@ -527,7 +528,7 @@ class BertForMaskedLM(ForMaskedLM, BertPreTrainedModel):
     hf_twin = transformers.BertForMaskedLM
     head_name, head_class = "cls", BertOnlyMLMHead
     _decoder_bias_owner = "cls.predictions"
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
     _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
                           "cls.predictions.decoder.bias": "cls.predictions.bias"}
 

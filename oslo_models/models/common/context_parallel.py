@@ -31,6 +31,7 @@ from ...parallel_layers.context_parallel import (
     sum_over_context,
     token_index,
 )
+from .capabilities import capabilities_of
 
 
 def context_parallel_inputs(model, inputs_embeds: torch.Tensor, attention_mask, position_ids, past_key_values=None,
@@ -153,17 +154,17 @@ def token_loss(model, logits: torch.Tensor, labels: torch.Tensor, num_items_in_b
 
 def check_context_parallel(model_class, config, parallel) -> None:
     """Before any collective: ``NotImplementedError`` for a model class that does not run under context parallelism
-    (``_oslo_context_parallel``, not ``transformers``' own ``_supports_context_parallel``, which is ``True`` on every
-    model: the base models and LM heads of GPT-2, BERT and the stack decoders, and the stack decoders'
-    classification heads; heads that pool one token of an encoder do not), ``ValueError`` for heads that all-to-all
-    cannot split."""
+    (its ``Capabilities.context_parallel``, ``common/capabilities.py``; not ``transformers``' own
+    ``_supports_context_parallel``, which is ``True`` on every model: the base models and LM heads of GPT-2, BERT and
+    the stack decoders, and the stack decoders' classification heads; heads that pool one token of an encoder do
+    not), ``ValueError`` for heads that all-to-all cannot split."""
     cp = parallel.context_parallel_size
     if cp == 1:
         return
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    # MoE: only a family whose router loss reduces its statistics over cp (``_oslo_moe_context_parallel``)
-    if (experts and not getattr(model_class, "_oslo_moe_context_parallel", False)) \
-            or not getattr(model_class, "_oslo_context_parallel", False):
+    capabilities = capabilities_of(model_class)
+    # MoE: only a family whose router loss reduces its statistics over cp (``moe_context_parallel``)
+    if (experts and not capabilities.moe_context_parallel) or not capabilities.context_parallel:
         raise NotImplementedError(f"{model_class.__name__} under context_parallel_size={cp} is not implemented; "
                                   f"the base models and LM heads of GPT-2, BERT and the stack decoders are, and "
                                   f"the stack decoders' sequence/token classification and question answering heads")

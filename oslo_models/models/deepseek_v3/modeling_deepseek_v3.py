@@ -35,6 +35,7 @@ from transformers.utils.output_capturing import OutputRecorder
 
 from ...parallel_layers.moe.router_variants import GroupLimitedRouter
 from ..common.cache_names import cache_field, output_cache
+from ..common.capabilities import Capabilities
 from ..common.expert_keys import ExpertKeyLayout
 from ..common.latent_attention import MultiHeadLatentAttention
 from ..common.mlp import GatedMLP
@@ -63,9 +64,8 @@ class DeepseekV3PreTrainedModel(mixtral.MixtralPreTrainedModel):
 
     # its MoE block routes like SparseMoeBlock (moe.route_tokens): sequence parallelism and pipeline x tp/ep run;
     # context parallelism is refused by its attention's own rule
-    _oslo_moe_sequence_parallel = True
-    _oslo_moe_grid = False  # its router is not the grid-planned TopKRouter: the 2D grid is refused
-    _oslo_moe_context_parallel = False
+    # moe_grid: its router is not the grid-planned TopKRouter, the 2D grid is refused
+    capabilities = Capabilities(moe_sequence_parallel=True, moe_grid=False, moe_context_parallel=False)
 
     @classmethod
     def expert_intermediate_size(cls, config) -> int:

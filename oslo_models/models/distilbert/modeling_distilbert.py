@@ -44,6 +44,7 @@ from ..bert.parallel_plan import prefixed
 from ..common import attend, split_heads
 from ..common.attention import AttentionModule
 from ..common.blocks import PostNormBlock
+from ..common.capabilities import Capabilities
 from ..common.layer_norm import LayerNorm as StreamLayerNorm
 from ..common.mlp import DenseMLP
 from ..common.parallel_rules import Heads
@@ -191,7 +192,7 @@ class DistilBertForMaskedLM(ForMaskedLM, DistilBertPreTrainedModel):
     mlm_head_modules = ("vocab_transform", "activation", "vocab_layer_norm")
     head_styles = {"vocab_transform": StreamLinear(), "vocab_layer_norm": SequenceParallelNorm(),
                    "vocab_projector": Colwise(vocab=True)}
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
     _tied_weights_keys = {"vocab_projector.weight": "distilbert.embeddings.word_embeddings.weight"}
 
     def build_head(self, config) -> None:

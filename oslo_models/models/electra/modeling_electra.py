@@ -33,6 +33,7 @@ from ...parallel_layers.layers import Dropout, LayerNorm, Linear
 from ...parallel_layers.plan import Colwise, SequenceParallelNorm, StreamLinear
 from ..bert.modeling_bert import BERT_SPEC, BertEmbeddings, BertEncoder, BertModel, BertPreTrainedModel
 from ..bert.parallel_plan import prefixed
+from ..common.capabilities import Capabilities
 from ..common.outputs import passed_on
 from ..encoder_heads import (
     EncoderForQuestionAnswering,
@@ -149,7 +150,7 @@ class ElectraForMaskedLM(ForMaskedLM, ElectraPreTrainedModel):
     decoder_path = "generator_lm_head"
     head_styles = {**prefixed("generator_predictions", ElectraGeneratorPredictions.tp_plan),
                    "generator_lm_head": Colwise(vocab=True)}
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
     _tied_weights_keys = {"generator_lm_head.weight": "electra.embeddings.word_embeddings.weight"}
 
     def build_head(self, config) -> None:

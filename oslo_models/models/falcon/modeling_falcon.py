@@ -35,6 +35,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttenti
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Embedding
 from ..common.blocks import ParallelResidualBlock, PreNormBlock
+from ..common.capabilities import Capabilities
 from ..common.causal_masks import FULL, packed_documents
 from ..common.grouped_qkv_attention import GroupedQKVAttention
 from ..common.layer_norm import LayerNorm
@@ -155,7 +156,8 @@ class FalconModel(TransformerStack, FalconPreTrainedModel):
     hf_twin = transformers.FalconModel
     is_base_model = True
     output_class = BaseModelOutputWithPastAndCrossAttentions
-    _oslo_context_parallel = True  # the rotary model; the ALiBi one is refused by validate_parallel_config
+    # the rotary model; the ALiBi one is refused by validate_parallel_config
+    capabilities = Capabilities(context_parallel=True)
 
     def __init__(self, config: FalconConfig, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)

@@ -25,6 +25,7 @@ from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
 from ..common.attention import AttentionModule, attend
 from ..common.bias_act import fused_gelu_approximation, linear_act
 from ..common.blocks import PreNormBlock
+from ..common.capabilities import Capabilities
 from ..common.layer_norm import LayerNorm
 from ..common.parallel_rules import Features, Heads
 from ..common.stack import StackSpec, TransformerStack
@@ -157,7 +158,7 @@ class GPT2Model(TransformerStack, GPT2PreTrainedModel):
     hf_twin = transformers.GPT2Model
     is_base_model = True
     output_class = BaseModelOutputWithPastAndCrossAttentions
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
 
     def __init__(self, config: GPT2Config, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)

@@ -27,6 +27,7 @@ from transformers.generation import GenerationMixin
 from ...parallel_layers.layers import Dropout, Embedding
 from ...parallel_layers.plan import TPDropout
 from ..common.blocks import ParallelResidualBlock, PreNormBlock
+from ..common.capabilities import Capabilities
 from ..common.layer_norm import LayerNorm
 from ..common.mlp import DenseMLP
 from ..common.packed_attention import HeadPackedAttention
@@ -123,7 +124,7 @@ class GPTNeoXModel(TransformerStack, GPTNeoXPreTrainedModel):
 
     hf_twin = transformers.GPTNeoXModel
     is_base_model = True
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
 
     def __init__(self, config: GPTNeoXConfig, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)

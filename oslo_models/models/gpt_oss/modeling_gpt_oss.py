@@ -30,6 +30,7 @@ from transformers.utils.output_capturing import OutputRecorder
 
 from ...parallel_layers.moe.router_variants import BiasedTopKRouter
 from ..common.attention_variants import SinkAttention
+from ..common.capabilities import Capabilities
 from ..common.expert_keys import ExpertKeyLayout
 from ..common.moe_variants import ClampedSwigluMoe
 from ..llama import modeling_llama as llama
@@ -74,9 +75,8 @@ class GptOssPreTrainedModel(mixtral.MixtralPreTrainedModel):
 
     # its MoE block routes like SparseMoeBlock (moe.route_tokens): sequence parallelism and pipeline x tp/ep run;
     # context parallelism is refused by its attention's own rule
-    _oslo_moe_sequence_parallel = True
-    _oslo_moe_grid = False  # its router is not the grid-planned TopKRouter: the 2D grid is refused
-    _oslo_moe_context_parallel = False
+    # moe_grid: its router is not the grid-planned TopKRouter, the 2D grid is refused
+    capabilities = Capabilities(moe_sequence_parallel=True, moe_grid=False, moe_context_parallel=False)
 
     @classmethod
     def expert_intermediate_size(cls, config) -> int:

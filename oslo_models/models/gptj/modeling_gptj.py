@@ -43,6 +43,7 @@ from ...parallel_layers.layers import Dropout, Embedding
 from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
 from ..common.attention import GroupedQueryAttention
 from ..common.blocks import ParallelResidualBlock
+from ..common.capabilities import Capabilities
 from ..common.layer_norm import LayerNorm
 from ..common.mlp import DenseMLP
 from ..common.rotary import InterleavedRotaryEmbedding
@@ -119,7 +120,7 @@ class GPTJModel(TransformerStack, GPTJPreTrainedModel):
 
     hf_twin = transformers.GPTJModel
     is_base_model = True
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
 
     def __init__(self, config: GPTJConfig, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)

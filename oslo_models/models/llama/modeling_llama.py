@@ -31,6 +31,7 @@ from transformers.generation import GenerationMixin
 from ...parallel_layers.layers import Embedding
 from ..common import GatedMLP, GroupedQueryAttention, RMSNorm, RotaryEmbedding, layer_types
 from ..common.blocks import PreNormBlock, SandwichNormBlock
+from ..common.capabilities import Capabilities
 from ..common.stack import StackSpec, TransformerStack
 from ..heads import (
     ForCausalLM,
@@ -144,7 +145,7 @@ class LlamaModel(TransformerStack, LlamaPreTrainedModel):
 
     hf_twin = transformers.LlamaModel
     is_base_model = True
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
     decoder_layer_class = LlamaDecoderLayer  # the MoE decoders (models/mixtral, qwen2_moe) swap in theirs
 
     def __init__(self, config, *, parallel_context=None, submodule: bool = False):

@@ -36,6 +36,7 @@ from ...parallel_layers.context_parallel import sum_over_replica_tokens, token_g
 from ...parallel_layers.moe import TopKRouter, load_balancing_loss
 from ...parallel_layers.summa import Grid
 from ..common.cache_names import cache_field, output_cache
+from ..common.capabilities import Capabilities, capabilities_of
 from ..common.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
 from ..common.mlp import GatedMLP
 from ..common.moe import RouterLogits, SparseMoeBlock, check_expert_layout
@@ -71,12 +72,10 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
     config_class = MixtralConfig
     stack_spec = MOE_SPEC
     _no_split_modules = ["MoeDecoderLayer"]
-    _oslo_moe_context_parallel = True  # the load-balancing statistics are summed over cp (forward below)
-    # SparseMoeBlock runs sequence-parallel and under pipeline x tp/ep; a family with another MoE block says False
-    _oslo_moe_sequence_parallel = True
-    # SparseMoeBlock runs on the 2D / 2.5D grid (experts replicated: common/moe.py); a family with another MoE block
-    # says False
-    _oslo_moe_grid = True
+    # the load-balancing statistics are summed over cp (forward below); SparseMoeBlock runs sequence-parallel, under
+    # pipeline x tp/ep and on the 2D / 2.5D grid (experts replicated: common/moe.py): a family with another MoE block
+    # says what it does not run
+    capabilities = Capabilities(moe_context_parallel=True, moe_sequence_parallel=True, moe_grid=True)
     # the base model returns each sparse layer's router logits [b*s, E] with output_router_logits, as transformers'
     # (recorded by its hooks on the routers; the tokens are whole on every TP rank: nothing to gather)
     _can_record_outputs = {**llama.LlamaPreTrainedModel._can_record_outputs,
@@ -109,11 +108,12 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
         super().validate_parallel_config(config, parallel)
+        capabilities = capabilities_of(cls)
         check_expert_layout(config.model_type, cls.num_experts(config), parallel,
-                            sequence_parallel=cls._oslo_moe_sequence_parallel, grid=cls._oslo_moe_grid,
+                            sequence_parallel=capabilities.moe_sequence_parallel, grid=capabilities.moe_grid,
                             expert_intermediate_size=cls.expert_intermediate_size(config))
         split = parallel.tensor_parallel_size > 1 or parallel.expert_parallel_size > 1
-        if parallel.pipeline_parallel_size > 1 and split and not cls._oslo_moe_sequence_parallel:
+        if parallel.pipeline_parallel_size > 1 and split and not capabilities.moe_sequence_parallel:
             raise NotImplementedError(f"{config.model_type}: pipeline_parallel_size > 1 together with tensor or expert "
                                       "parallelism is not implemented for this family's MoE block (only the "
                                       "SparseMoeBlock decoders run it); use pipeline with data parallelism")

@@ -45,6 +45,7 @@ from ...parallel_layers.plan import Colwise, Rowwise, SequenceParallelNorm, TPDr
 from ..common import PerLayerTypeRotary
 from ..common.attention import AttentionModule, attend
 from ..common.blocks import PreNormBlock
+from ..common.capabilities import Capabilities
 from ..common.causal_masks import FULL, SLIDING
 from ..common.context_parallel import context_parallel_loss, context_parallel_loss_items
 from ..common.encoder_masks import document_bidirectional_masks, encoder_documents
@@ -232,7 +233,7 @@ class ModernBertModel(TransformerStack, ModernBertPreTrainedModel):
     is_base_model = True
     causal = False
     output_class = BaseModelOutput
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
 
     def __init__(self, config, add_pooling_layer: bool = False, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)
@@ -332,7 +333,7 @@ class ModernBertForMaskedLM(EncoderHeadModel, ModernBertPreTrainedModel):
 
     hf_twin = transformers.ModernBertForMaskedLM
     head_styles = {"decoder": Colwise(vocab=True)}
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
     accepts_packed = True
     head_rule = MASKED_LM
     _tied_weights_keys = {"decoder.weight": "model.embeddings.tok_embeddings.weight"}

@@ -33,6 +33,7 @@ from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ...parallel_layers.plan import Colwise, Rowwise, StreamLinear, TPDropout
 from ..common.attention import AttentionModule, attend, split_heads
 from ..common.blocks import PostNormBlock, PreNormBlock
+from ..common.capabilities import Capabilities
 from ..common.causal_masks import FULL
 from ..common.layer_norm import LayerNorm
 from ..common.mlp import DenseMLP
@@ -190,7 +191,7 @@ class OPTModel(TransformerStack, OPTPreTrainedModel):
 
     hf_twin = transformers.OPTModel
     is_base_model = True
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
 
     def __init__(self, config: OPTConfig, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)

@@ -29,6 +29,7 @@ from ...parallel_layers.layers import LayerNorm as PlainLayerNorm
 from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
 from ..common.attention import GroupedQueryAttention
 from ..common.blocks import ParallelResidualBlock
+from ..common.capabilities import Capabilities
 from ..common.layer_norm import HeadLayerNormStyle, LayerNorm
 from ..common.mlp import DenseMLP
 from ..common.rotary import PartialRotaryEmbedding
@@ -117,7 +118,7 @@ class PhiModel(TransformerStack, PhiPreTrainedModel):
 
     hf_twin = transformers.PhiModel
     is_base_model = True
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
 
     def __init__(self, config: PhiConfig, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)

@@ -18,6 +18,7 @@ from ...parallel_layers.head_parallel import VocabBias
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ...parallel_layers.plan import Colwise, SequenceParallelNorm, StreamLinear
 from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel
+from ..common.capabilities import Capabilities
 from ..encoder_heads import (
     EncoderForCausalLM,
     EncoderForQuestionAnswering,
@@ -112,7 +113,7 @@ class RobertaForMaskedLM(ForMaskedLM, RobertaPreTrainedModel):
     hf_twin = transformers.RobertaForMaskedLM
     head_name, head_class = "lm_head", RobertaLMHead
     _decoder_bias_owner = "lm_head"
-    _oslo_context_parallel = True  # with position_ids given (RobertaModel.stack_inputs says why)
+    capabilities = Capabilities(context_parallel=True)  # with position_ids given (RobertaModel.stack_inputs says why)
     _tied_weights_keys = {"lm_head.decoder.weight": "roberta.embeddings.word_embeddings.weight",
                           "lm_head.decoder.bias": "lm_head.bias"}
 

@@ -22,6 +22,7 @@ from torch import nn
 from ...parallel_layers.layers import Dropout, Embedding
 from ..common import DenseMLP, GroupedQueryAttention, LayerNorm, RotaryEmbedding
 from ..common.blocks import PreNormBlock, ResidualDropout
+from ..common.capabilities import Capabilities
 from ..common.causal_masks import FULL, SLIDING
 from ..common.stack import StackSpec, TransformerStack
 from ..llama import modeling_llama as llama
@@ -77,7 +78,7 @@ class Starcoder2Model(TransformerStack, Starcoder2PreTrainedModel):
 
     hf_twin = transformers.Starcoder2Model
     is_base_model = True
-    _oslo_context_parallel = True
+    capabilities = Capabilities(context_parallel=True)
 
     def __init__(self, config, *, parallel_context=None, submodule: bool = False):
         super().__init__(config, parallel_context=parallel_context)
