@@ -13,7 +13,8 @@ the labels on the whole sequence first, as for the native families). Three publi
   attention function as the keyword ``oslo_context_parallel`` (``transformers``' decoders pass their keyword
   arguments down to the attention interface), no 2D ``attention_mask`` (the cp mask replaces it) and no cache;
 - the loss: ``transformers``' own, on ``shift_labels`` (the loader's), divided by ``num_items_in_batch``: each rank
-  returns its chunk's share, and the gradient average over ``dp x cp`` sums the shares (``training/global_batch.py``).
+  returns its chunk's share, and the gradient average over ``dp x cp`` sums the shares (``training/global_batch.py``);
+  an MoE's load-balancing loss (``output_router_logits``) is made the replica's (``router_loss.py``).
 
 Checked at load by one dummy forward at cp (every cp rank): every decoder layer must attend through the interface
 and pass the keyword on (a state-space / linear-attention layer, or attention code of its own, would see only its
@@ -25,15 +26,18 @@ from __future__ import annotations
 
 from torch import nn
 
+from . import router_loss
+
 ATTENTION_NAME = "oslo_context_parallel"
 KEYWORD = "oslo_context_parallel"
 
 
 class ContextParallelCall:
-    """What the hook hands each attention call: the batch's ``ContextParallelMask`` and a count of the calls."""
+    """What the hook hands each attention call: the batch's ``ContextParallelMask``, a count of the calls, and the
+    chunk's padding mask ``[b, s_chunk]`` (or ``None``; read by ``router_loss.py``)."""
 
-    def __init__(self, mask):
-        self.mask, self.calls = mask, 0
+    def __init__(self, mask, padding=None):
+        self.mask, self.calls, self.padding = mask, 0, padding
 
 
 def context_parallel_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -79,8 +83,8 @@ def _before(model, context):
             index = token_index(seq_local, context.cp_rank, context.cp_size, context.config.context_parallel_mode,
                                 device=shape_like.device)
             kwargs["position_ids"] = index.unsqueeze(0).expand(batch, -1)
+        kwargs[KEYWORD] = ContextParallelCall(mask, kwargs.get("attention_mask"))
         kwargs["attention_mask"] = None
-        kwargs[KEYWORD] = ContextParallelCall(mask)
         kwargs["use_cache"] = False
         return args, kwargs
 
@@ -117,3 +121,4 @@ def install(model: nn.Module, context) -> None:
             f"{type(model).__name__} attend through transformers' attention interface; the others (state-space or "
             f"linear-attention layers, or attention code of their own) would see only this rank's chunk of the "
             f"sequence")
+    router_loss.install(model, context, KEYWORD)  # an MoE's load-balancing loss over the replica's tokens
