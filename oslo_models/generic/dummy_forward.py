@@ -40,6 +40,10 @@ def dummy_forward(model: nn.Module, context, *, grad: bool):
     try:
         model.eval()
         with torch.random.fork_rng(devices=devices), (torch.enable_grad() if grad else torch.no_grad()):
+            if getattr(model, "pipeline_layout", None) is not None:  # cut into stages: each local stage runs alone
+                from .pipeline_stage import local_stage_outputs
+
+                return local_stage_outputs(model, inputs["input_ids"])
             return model(**inputs)
     finally:
         model.train(was_training)

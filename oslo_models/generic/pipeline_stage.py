@@ -161,6 +161,37 @@ def _check_first_layer(model, received, module, args, kwargs):
                                   f"{why}, so a stage cannot start from the previous stage's activations alone")
 
 
+def local_stage_outputs(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each of this rank's stages run alone on ``input_ids`` ``[b, s]`` (a stage after the first starts from zeros
+    ``[b, s, h]`` instead of received activations): its outputs, the last stage's logits whole (gathered over tp).
+    What the load-time checks of a tensor-parallel plan (``dummy_forward.py``) run on a pipelined model; no
+    point-to-point communication, the layers' own tp collectives only."""
+    from types import SimpleNamespace
+
+    adapter, layout = model.__dict__["_oslo_pipeline_adapter"], model.pipeline_layout
+    outputs = []
+    for index in layout.local_stages:
+        stage = SimpleNamespace(owner=model, stage_index=index, layout=layout, is_first=index == 0,
+                                is_last=index == layout.num_stages - 1)
+        x = input_ids if stage.is_first else torch.zeros((*input_ids.shape, adapter.pieces.hidden_size),
+                                                        dtype=adapter._dtype(model), device=input_ids.device)
+        out = adapter.stage_forward(stage, x, token_ids=input_ids)
+        if stage.is_last and getattr(model, "_oslo_vocab_parallel_loss", False):
+            out = _gather_vocabulary(model, out)
+        outputs.append(out)
+    return tuple(outputs)
+
+
+def _gather_vocabulary(model, logits: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    vocab = model.get_output_embeddings().out_features
+    shape = (*logits.shape[:-1], vocab)
+    split = DTensor.from_local(logits, model.parallel_context.mesh["tp"], [Shard(logits.dim() - 1)], run_check=False,
+                               shape=shape, stride=torch.empty(shape, device="meta").stride())
+    return split.redistribute(placements=[Replicate()]).to_local()
+
+
 def _refuse_forward(model, args, kwargs):
     raise RuntimeError(f"{type(model).__name__} is split into pipeline stages (pipeline_parallel_size="
                        f"{model.parallel_context.pp_size}): each rank holds only its stages' layers, so forward() and "

@@ -356,7 +356,9 @@ class PipelineRunner:
             self.tied.sum_gradients()
         if self.context.dp_cp_size > 1 and getattr(self.model, "_oslo_stage_modules", None) is None:
             experts = self._expert_parameters()  # cp x ep is refused: experts are reduced over edp only
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None and id(p) not in experts]
+            # a DTensor parameter (the generic path's tensor-parallel plan): its local shard's gradient
+            grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                     for p in self.model.parameters() if p.grad is not None and id(p) not in experts]
             for param in experts.values():  # split over ep: summed over edp, then / dp (expert_parallel.py)
                 if param.grad is not None:
                     if self.context.edp_group is not None:

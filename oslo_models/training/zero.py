@@ -168,6 +168,12 @@ def _pipeline_data_parallel(model, optimizer, context, stage: int, ddp_kwargs: d
         raise ValueError(f"DDP options {sorted(ddp_kwargs)} do not apply with pipeline_parallel_size > 1 (the "
                          f"pipeline runner synchronizes gradients itself)")
     if stage == 1 and optimizer is not None:
+        from .dtensor_data_parallel import has_dtensor_parameters
+
+        if has_dtensor_parameters(model):  # before any collective: torch's optimizer broadcasts whole tensors
+            raise NotImplementedError("zero_stage=1 with pipeline parallelism is not implemented for DTensor "
+                                      "parameters (a tensor-parallel transformers plan): ZeroRedundancyOptimizer "
+                                      "cannot broadcast them; use zero_stage 0, 2 or 3")
         optimizer = _zero_redundancy(optimizer, context)
     model._oslo_zero_stage = stage
     mark_gradients_reduced(model, "pipeline")

@@ -16,8 +16,12 @@ batch's):
   for the last two): the same;
 - negative control: Cohere 2 with the tied embedding's gradient left unsummed across its two stages trains away from
   the reference;
-- ``forward`` / ``generate`` of a pipelined model raise with the way out; pp x tp, a router loss, a non-causal-LM
-  class and a decoder loop that changes the hidden states between layers are refused before any process group.
+- ``forward`` / ``generate`` of a pipelined model raise with the way out; pp x tp with ZeRO-1 or sequence
+  parallelism, pp x cp, a router loss, a non-causal-LM class and a decoder loop that changes the hidden states
+  between layers are refused before any process group.
+
+A second group of 8 processes runs pp 2 x tp 2 x dp 2 (``test_generic_pipeline_tensor_parallel``): Cohere 2 at
+ZeRO-3, Llama 4 at ZeRO-0, Granite at ZeRO-2, equal ``transformers`` the same way.
 """
 from __future__ import annotations
 
@@ -110,13 +114,44 @@ def test_generic_pipeline(tmp_path):
     run_distributed(_worker, 4, paths, deep_path, timeout=900)
 
 
+TENSOR_PARALLEL = {"cohere2": 3, "llama4_text": 0, "granite": 2}  # name: ZeRO stage, at pp 2 x tp 2 x dp 2
+
+
+def _tensor_parallel_worker(paths):
+    rows = sft_rows(101, 48)
+    for name, zero_stage in TENSOR_PARALLEL.items():
+        breadcrumb(f"{name} pp2 x tp2 x dp2 zero{zero_stage}")
+        parallel = om.ParallelConfig(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=2,
+                                     num_microbatches=2, zero_stage=zero_stage)
+        model = om.AutoModelForCausalLM.from_pretrained(paths[name], parallel=parallel).train()
+        _assert_own_stage_only(model, name)
+        model, logged = prepared_steps(model, rows, batch=BATCH, zero_stage=zero_stage)
+        reference_class = type(transformers.AutoModelForCausalLM.from_config(model.config))
+        reference, expected = reference_steps(reference_class.from_pretrained(paths[name]).train(), rows, BATCH * 2)
+        torch.testing.assert_close(torch.tensor(logged), torch.tensor(expected), atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"{name} pp2 x tp2 logged losses: {m}")
+        assert_same_parameters(model, reference)
+
+
+@pytest.mark.slow
+def test_generic_pipeline_tensor_parallel(tmp_path):
+    """pp 2 x tp 2 x dp 2 (8 processes): Cohere 2 (tied embedding split by vocabulary on both stages), Llama 4 (the
+    shared expert's in-place add), Granite; the load-time checks of the plan run each local stage alone."""
+    run_distributed(_tensor_parallel_worker, 8, save(tmp_path / "models", TENSOR_PARALLEL), timeout=900)
+
+
 def test_generic_pipeline_refusals():
     """Before any process group: what the generic pipeline cannot run, with the reason."""
     granite = CONFIGS["granite"]()
     causal_lm = transformers.GraniteForCausalLM
-    assert support.refusals(granite, om.ParallelConfig(pipeline_parallel_size=2), causal_lm) == []
-    tp = support.refusals(granite, om.ParallelConfig(pipeline_parallel_size=2, tensor_parallel_size=2), causal_lm)
-    assert any("tensor_parallel_size=2 is not implemented" in reason for reason in tp)
+    def refusals(**parallel):
+        return support.refusals(granite, om.ParallelConfig(pipeline_parallel_size=2, **parallel), causal_lm)
+
+    assert refusals() == [] and refusals(tensor_parallel_size=2) == []
+    for extra, message in ((dict(zero_stage=1), "zero_stage=1 is not implemented"),
+                           (dict(sequence_parallel=True), "sequence_parallel=True is not implemented")):
+        assert any(message in reason for reason in refusals(tensor_parallel_size=2, **extra))
+    assert refusals(context_parallel_size=2)
     routed = CONFIGS["qwen3_next"]()
     routed.output_router_logits = True
     assert any("output_router_logits=True" in reason for reason in support.refusals(
