@@ -55,8 +55,9 @@ from ...parallel_layers.plan import Colwise, ParallelPlan, VocabEmbedding
 from ..common.cache_names import MASK_CACHE_KEYWORD, cache_field, output_cache, seq2seq_fields
 from ..common.causal_masks import FULL
 from ..common.cross_attention import self_attention_cache
+from ..common.head_rules import SEQ2SEQ_LM
 from ..common.layer_norm import LayerNorm
-from ..common.lm_loss import full_logits, token_loss
+from ..common.lm_loss import full_logits
 from ..common.outputs import capture_parallel_outputs
 from ..common.parallel_rules import check_rules
 from ..common.positions import LearnedPositionalEmbedding, LearnedPositions
@@ -396,7 +397,7 @@ class BartForConditionalGeneration(BartPreTrainedModel, GenerationMixin):
         local_logits = self.head_logits(outputs.last_hidden_state)
         loss = None
         if labels is not None:  # on the vocab-split logits, no shift (transformers' CrossEntropyLoss)
-            loss = token_loss(local_logits, labels, self.lm_head, num_items_in_batch=num_items_in_batch)
+            loss = SEQ2SEQ_LM.loss(self, local_logits, labels, num_items_in_batch)
         logits = None if skip_logits else full_logits(local_logits, self.lm_head, gather_logits)
         return Seq2SeqLMOutput(loss=loss, logits=logits, **seq2seq_fields(outputs))
 

@@ -1,7 +1,7 @@
 """One rule per task head, read by the model's ``forward`` and by a pipeline's last stage alike.
 
 A rule (one instance per task: :data:`MASKED_LM`, :data:`SEQUENCE_CLASSIFICATION`, :data:`TOKEN_CLASSIFICATION`,
-:data:`QUESTION_ANSWERING`, :data:`MULTIPLE_CHOICE`) says for its task:
+:data:`QUESTION_ANSWERING`, :data:`MULTIPLE_CHOICE`, :data:`SEQ2SEQ_LM`) says for its task:
 
 - ``modules(model_class)``: the head's modules as ``{attribute: module path in the model}``; a pipeline's last
   stage holds them under those attributes, and :class:`HeadParts` shows the model's own under the same names;
@@ -236,8 +236,24 @@ class MultipleChoiceRule(PooledRule):
         return F.cross_entropy(logits.view(labels.shape[0], -1), labels, reduction="sum") / num_items_in_batch
 
 
+class Seq2SeqLMRule(HeadRule):
+    """An encoder-decoder's LM head ``lm_head`` on the decoder output -> local logits ``[b, s_dec, V_padded/tp]``; the
+    loss on the split vocabulary, labels not shifted (the decoder inputs are), ``-100`` ignored: the summed token
+    losses over ``num_items_in_batch`` (BART's ``forward`` and the pipeline's last stage)."""
+
+    def task_modules(self, model_class):
+        return {"lm_head": "lm_head"}
+
+    def output_shape(self, model, mb, seq_len):
+        return mb, seq_len, model.lm_head.weight.shape[0]
+
+    def loss(self, model, local_logits, labels, num_items_in_batch):
+        return token_loss(local_logits, labels, model.lm_head, num_items_in_batch=num_items_in_batch)
+
+
 MASKED_LM = MaskedLMRule()
 SEQUENCE_CLASSIFICATION = SequenceClassificationRule()
 TOKEN_CLASSIFICATION = TokenClassificationRule()
 QUESTION_ANSWERING = QuestionAnsweringRule()
 MULTIPLE_CHOICE = MultipleChoiceRule()
+SEQ2SEQ_LM = Seq2SeqLMRule()

@@ -22,26 +22,26 @@ later layers, T5's relative position bias ``[1, n/tp, s, s]``, none for BART):
 ``decoder_attention_mask`` are keywords to every stage; each stage rebuilds its masks from them with the stacks' own
 phases (``stack_inputs``, ``run_stack`` with ``first``/``last`` and the stage's layers), so a stage computes exactly
 what the same layers compute inside ``forward``. The last stage's output and loss are the head's: the vocab-split
-logits ``[mb, s_dec, V_padded/tp]`` and ``token_loss`` for the LM head, the task rule's otherwise
-(``common/head_rules.py``).
+logits ``[mb, s_dec, V_padded/tp]`` and ``token_loss`` for the LM head (``SEQ2SEQ_LM``), another head's task rule
+otherwise (``common/head_rules.py``).
 """
 from __future__ import annotations
 
 import torch
 
 from ...pipeline.adapter import PipelineAdapter
-from .lm_loss import token_loss
+from .head_rules import SEQ2SEQ_LM
 from .sequence_parallel import use_sequence_parallel
 
 
 class EncoderDecoderPipelineAdapter(PipelineAdapter):
     """Family hooks: ``prefix`` (the stacks' parent, ``"model."`` for BART), ``layer_counts``,
     ``layer_parameter_counts``, ``stage_modules``, ``head_tied``, ``shift``, ``bias_shape``, ``embed``,
-    ``decoder_inputs`` and ``run``. ``rule``: the task rule of a head other than the LM head."""
+    ``decoder_inputs`` and ``run``. ``rule``: the head's task rule."""
 
     prefix = ""
     batch_keys = ("input_ids", "labels", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
-    rule = None
+    rule = SEQ2SEQ_LM
 
     def optional_modules(self, model, layout) -> set[str]:
         return super().optional_modules(model, layout) | set(self._aliases())
@@ -91,10 +91,10 @@ class EncoderDecoderPipelineAdapter(PipelineAdapter):
     # ------------------------------------------------------------------ batches and shapes
     def prepare_batch(self, model, batch):
         if "decoder_input_ids" not in batch:  # the family's shift of the labels (the heads': of input_ids)
-            batch["decoder_input_ids"] = self.shift(model, batch["labels" if self.rule is None else "input_ids"])
+            batch["decoder_input_ids"] = self.shift(model, batch["labels" if self.rule is SEQ2SEQ_LM else "input_ids"])
         if "attention_mask" not in batch:  # every stage reads the encoder length from it
             batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-        return batch if self.rule is None else self.rule.prepare_batch(model, batch, span_key="decoder_input_ids")
+        return self.rule.prepare_batch(model, batch, span_key="decoder_input_ids")
 
     def use_sequence_parallel(self, model, batch) -> bool:
         """Whether either stack runs sequence-parallel (each decides on its own length, as unpipelined)."""
@@ -128,8 +128,7 @@ class EncoderDecoderPipelineAdapter(PipelineAdapter):
         inputs = (microbatch["input_ids"],) if stage == 0 else boundary(layers.start)
         if stage < layout.num_stages - 1:
             return inputs, boundary(layers.stop)
-        head = self.rule.output_shape(model, mb, dec_len) if self.rule else (mb, dec_len, model.lm_head.weight.shape[0])
-        return inputs, (meta(*head),)
+        return inputs, (meta(*self.rule.output_shape(model, mb, dec_len)),)
 
     # ------------------------------------------------------------------ compute
     def stage_forward(self, stage, *inputs, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
@@ -184,15 +183,13 @@ class EncoderDecoderPipelineAdapter(PipelineAdapter):
         return self.head_forward(stage, hidden, **head_inputs)
 
     def num_loss_items(self, labels: torch.Tensor) -> int:
-        return super().num_loss_items(labels) if self.rule is None else self.rule.num_loss_items(labels)
+        return self.rule.num_loss_items(labels)
 
     def loss_items(self, model, labels: torch.Tensor) -> int:
-        return self.num_loss_items(labels) if self.rule is None else self.rule.loss_items(model, labels)
+        return self.rule.loss_items(model, labels)
 
     def loss(self, model, outputs, labels, num_items_in_batch):
-        if self.rule is not None:
-            return self.rule.loss(model, outputs, labels, num_items_in_batch)
-        return token_loss(outputs, labels, model.lm_head, num_items_in_batch=num_items_in_batch)
+        return self.rule.loss(model, outputs, labels, num_items_in_batch)
 
 
 def _stack_sequence_parallel(sequence_parallel: bool, tp: int, enc_len: int, dec_len: int) -> tuple[bool, bool]:
