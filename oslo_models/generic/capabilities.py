@@ -140,8 +140,10 @@ def _generic(model_type: str, config, model_class) -> Capabilities:
                "sequence_parallel": "layers on sequence slices around the plan's regions (each layer checked at "
                                     "load: generic/sequence_parallel.py)",
                "context_parallel": "ring / all-to-all through transformers' attention interface (every layer "
-                                   "checked at load: generic/context_parallel.py)",
-               "expert_parallel": "transformers' base_model_ep_plan over the ep part of dp (ZeRO 0/2/3)",
+                                   "checked at load: generic/context_parallel.py; an MoE's load-balancing loss "
+                                   "over the replica's tokens: generic/router_loss.py)",
+               "expert_parallel": "transformers' base_model_ep_plan over the ep part of dp, with tp / SP and ZeRO "
+                                  "0-3 (the experts leave the tp plan; every tp rank routes its replica's batch)",
                "pipeline_parallel": "decoder layers cut into stages (base_model_pp_plan, or the _no_split_modules "
                                     "blocks), every schedule, with dp and ZeRO 0-3 (the module tree checked at "
                                     "load: generic/pipeline_cut.py)"}
