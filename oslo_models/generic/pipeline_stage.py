@@ -196,7 +196,8 @@ def _refuse_forward(model, args, kwargs):
     raise RuntimeError(f"{type(model).__name__} is split into pipeline stages (pipeline_parallel_size="
                        f"{model.parallel_context.pp_size}): each rank holds only its stages' layers, so forward() and "
                        f"generate() cannot run here. Train with model.train_step(batch), evaluate with "
-                       f"model.eval_step(batch); for inference, save_pretrained() and load without pipelining.")
+                       f"model.eval_step(batch); for inference, model.save_pretrained(folder) (every rank) and load "
+                       f"it without pipelining.")
 
 
 def _runner(model):
@@ -218,9 +219,24 @@ def _eval_step(model, batch, *, labels=None, attention_mask=None):
     return _runner(model).eval_step(batch, labels=labels, attention_mask=attention_mask)
 
 
+def _save_pretrained(model, save_directory, *, max_shard_size="5GB", **kwargs):
+    """``model.save_pretrained`` of a pipelined generic model: the distributed Hub export every rank joins
+    (``om.training.save_pretrained``), not ``transformers``' own, which would write this rank's stages only."""
+    unsupported = sorted(key for key, value in kwargs.items()
+                         if key not in ("is_main_process", "safe_serialization") and value not in (None, False))
+    if unsupported:
+        raise ValueError(f"save_pretrained of a pipelined {type(model).__name__} writes the whole model from every "
+                         f"rank (om.training.save_pretrained); options {unsupported} are not supported there")
+    from ..training.export import save_pretrained
+
+    return save_pretrained(model, save_directory, max_shard_size=max_shard_size)
+
+
 def attach(model) -> None:
     """Give a pipelined generic model the native models' step API on the instance (``train_step``, ``eval_step``;
-    the runner is built on first use, collectively) and refuse its plain forward / ``generate``."""
+    the runner is built on first use, collectively), route its ``save_pretrained`` to the every-rank Hub export and
+    refuse its plain forward / ``generate``."""
+    model.__dict__["save_pretrained"] = functools.partial(_save_pretrained, model)
     model.__dict__["train_step"] = functools.partial(_train_step, model)
     model.__dict__["eval_step"] = functools.partial(_eval_step, model)
     model.__dict__["_pipeline_runner"] = functools.partial(_runner, model)

@@ -11,7 +11,8 @@ batch's):
   EXAONE 4, SmolLM3, OLMo 3), Granite, and three types without a ``base_model_pp_plan``, cut at their
   ``_no_split_modules`` blocks: XGLM (tied, sinusoidal positions), MPT (ALiBi, blocks returning tuples), Mamba (a
   state space model); ZeRO 0-3 spread over them: the logged loss of each of 3 AdamW steps and every parameter after
-  them equal ``transformers`` (fp32, 1e-5); each rank holds only its stage's parameters;
+  them equal ``transformers`` (fp32, 1e-5); each rank holds only its stage's parameters; ``model.save_pretrained``
+  of the trained Cohere 2 (tied) and Granite writes the whole model (plain ``transformers`` reads it back);
 - GPipe (ZeRO-0), interleaved 1F1B (ZeRO-3) and zero-bubble (ZeRO-2) on a 4-layer Qwen3-Next (4 stages on 2 ranks
   for the last two): the same;
 - negative control: Cohere 2 with the tied embedding's gradient left unsummed across its two stages trains away from
@@ -79,23 +80,37 @@ def _train_and_compare(name, path, rows, *, schedule="1f1b", zero_stage=0, break
                                           BATCH * model.parallel_context.dp_size)
     if break_tied:
         assert parameters_differ(model, reference), f"{name}: the unsummed tied gradient matched"
-        return model
+        return model, reference
     torch.testing.assert_close(torch.tensor(logged), torch.tensor(expected), atol=1e-5, rtol=1e-5,
                                msg=lambda m: f"{name} {schedule} logged losses: {m}")
     assert_same_parameters(model, reference)
-    return model
+    return model, reference
 
 
-def _worker(paths, deep_path):
+def _assert_saved(model, reference, folder):
+    """``model.save_pretrained`` (every rank) writes the whole model: plain ``transformers`` reads the trained
+    parameters back."""
+    model.save_pretrained(folder)
+    if torch.distributed.get_rank() == 0:
+        saved = type(reference).from_pretrained(folder).state_dict()
+        expected = reference.state_dict()
+        assert set(saved) == set(expected)
+        for key, value in expected.items():
+            torch.testing.assert_close(saved[key], value, atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def _worker(paths, deep_path, out):
     rows = sft_rows(101, 48)
     for name, zero_stage in CASES.items():
         breadcrumb(f"{name} 1f1b zero{zero_stage}")
-        _train_and_compare(name, paths[name], rows, zero_stage=zero_stage)
+        model, reference = _train_and_compare(name, paths[name], rows, zero_stage=zero_stage)
+        if name in ("cohere2", "granite"):  # tied (ZeRO-2) and untied (ZeRO-2 too: index 14)
+            _assert_saved(model, reference, f"{out}/{name}")
     for schedule, zero_stage in SCHEDULES.items():
         breadcrumb(f"qwen3_next x4 {schedule}")
         _train_and_compare("qwen3_next", deep_path, rows, schedule=schedule, zero_stage=zero_stage)
     breadcrumb("negative control")
-    model = _train_and_compare("cohere2", paths["cohere2"], rows, zero_stage=1, break_tied=True)
+    model, _ = _train_and_compare("cohere2", paths["cohere2"], rows, zero_stage=1, break_tied=True)
     ids = torch.tensor([[5, 6, 7, 8]])
     with pytest.raises(RuntimeError, match="split into pipeline stages"):
         model(input_ids=ids)
@@ -111,7 +126,7 @@ def test_generic_pipeline(tmp_path):
     torch.manual_seed(0)
     deep_path = str(tmp_path / "qwen3_next_4")
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(deep_path)
-    run_distributed(_worker, 4, paths, deep_path, timeout=900)
+    run_distributed(_worker, 4, paths, deep_path, str(tmp_path / "saved"), timeout=900)
 
 
 TENSOR_PARALLEL = {"cohere2": 3, "llama4_text": 0, "granite": 2}  # name: ZeRO stage, at pp 2 x tp 2 x dp 2
