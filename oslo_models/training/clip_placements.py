@@ -5,7 +5,8 @@ Such a model has no plan: its gradients say how they are laid out. A DTensor gra
 parallel over ``tp``, FSDP2 over ``dp``, or both) is split along the mesh dimensions where its placement is
 ``Shard`` (or ``_StridedShard``) and held whole along the others; a plain tensor is held whole by every rank (DDP /
 ZeRO-1 replicas, and the parameters a tensor-parallel plan leaves alone, whose gradients are equal on all tp ranks).
-Every element of the full gradient therefore lives on ``world / (product of its sharded mesh sizes)`` ranks. Each rank
+Every element of the full gradient therefore lives on ``world / pp / (product of its sharded mesh sizes)`` ranks (the
+ranks of its pipeline stage; a tied copy on a later stage is skipped, ``pipeline.stage.tied_duplicates``). Each rank
 adds up ``|g|^p`` over its local elements divided by that count, and one all-reduce (sum) over the world gives the
 total; for ``p = inf`` it takes the maximum (copies do not matter). ``Partial`` gradients (a sum still pending) are
 reduced to ``Replicate`` first.
@@ -46,8 +47,16 @@ def grad_norm(model: nn.Module, context, norm_type: float = 2.0) -> torch.Tensor
     """The norm of the whole model's gradient, equal on every rank (fp32 scalar). Collective: every rank calls."""
     is_inf = math.isinf(norm_type)
     total = torch.zeros((), dtype=torch.float32, device=context.device)
-    for param in model.parameters():  # each tied parameter once
-        if param.grad is None:
+    # pipeline stages hold different parameters: an element lives on the ranks of its own stage only (world / pp),
+    # and a tied tensor with copies on several stages (their gradients summed alike) counts on the lowest one
+    stage_ranks = context.world_size // context.pp_size
+    skip = set()
+    if context.pp_size > 1:
+        from ..pipeline.stage import tied_duplicates
+
+        skip = tied_duplicates(model)
+    for name, param in model.named_parameters():  # each tied parameter once
+        if param.grad is None or name in skip:
             continue
         grad = _settled(param.grad)
         local = grad._local_tensor if hasattr(grad, "_local_tensor") else grad
@@ -55,7 +64,7 @@ def grad_norm(model: nn.Module, context, norm_type: float = 2.0) -> torch.Tensor
             continue
         value = torch.linalg.vector_norm(local.detach().float(), norm_type).to(total.device)
         total = torch.maximum(total, value) if is_inf else \
-            total + value.pow(norm_type) / _holders(grad, context.world_size)
+            total + value.pow(norm_type) / _holders(grad, stage_ranks)
     if context.world_size > 1:
         dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM)
     return total if is_inf else total.pow(1.0 / norm_type)

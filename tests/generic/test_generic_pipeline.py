@@ -12,7 +12,9 @@ batch's):
   ``_no_split_modules`` blocks: XGLM (tied, sinusoidal positions), MPT (ALiBi, blocks returning tuples), Mamba (a
   state space model); ZeRO 0-3 spread over them: the logged loss of each of 3 AdamW steps and every parameter after
   them equal ``transformers`` (fp32, 1e-5); each rank holds only its stage's parameters; ``model.save_pretrained``
-  of the trained Cohere 2 (tied) and Granite writes the whole model (plain ``transformers`` reads it back);
+  of the trained Cohere 2 (tied) and Granite writes the whole model (plain ``transformers`` reads it back); the
+  global gradient norm (``training.clip_grad_norm_``) of a step equals ``transformers``' (Cohere 2 at ZeRO-0: the
+  tied copy counted once; Granite at ZeRO-3);
 - GPipe (ZeRO-0), interleaved 1F1B (ZeRO-3) and zero-bubble (ZeRO-2) on a 4-layer Qwen3-Next (4 stages on 2 ranks
   for the last two): the same;
 - negative control: Cohere 2 with the tied embedding's gradient left unsummed across its two stages trains away from
@@ -31,10 +33,13 @@ import torch
 import transformers
 
 import oslo_models as om
+from oslo_models import training
 from oslo_models.generic import support
 from tests.generic.models import CONFIGS, save
 from tests.helpers.dist import breadcrumb, run_distributed
+from tests.helpers.global_loss import with_global_share
 from tests.training.test_global_batch_loss import (
+    _collate,
     assert_same_parameters,
     parameters_differ,
     prepared_steps,
@@ -99,6 +104,25 @@ def _assert_saved(model, reference, folder):
             torch.testing.assert_close(saved[key], value, atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
 
 
+def _assert_grad_norm(name, path, rows, zero_stage):
+    """The global gradient norm of one pipelined step (``training.clip_grad_norm_``: every element counted once, on
+    its own stage, a tied copy once) equals ``transformers``' on the global batch."""
+    from accelerate import Accelerator
+
+    model = _load(path, zero_stage=zero_stage)
+    context = model.parallel_context
+    batch = _collate(rows[:2 * BATCH])
+    local = with_global_share(model, {k: v[context.dp_rank::2] for k, v in batch.items()}, True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = training.prepare(Accelerator(cpu=True), model, optimizer, zero_stage=zero_stage)
+    model.train_step(local)
+    reference = type(transformers.AutoModelForCausalLM.from_config(model.config)).from_pretrained(path)
+    reference(**batch).loss.backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+    torch.testing.assert_close(training.clip_grad_norm_(model, 1e9), expected, atol=1e-5, rtol=1e-5,
+                               msg=lambda m: f"{name} gradient norm: {m}")
+
+
 def _worker(paths, deep_path, out):
     rows = sft_rows(101, 48)
     for name, zero_stage in CASES.items():
@@ -106,6 +130,9 @@ def _worker(paths, deep_path, out):
         model, reference = _train_and_compare(name, paths[name], rows, zero_stage=zero_stage)
         if name in ("cohere2", "granite"):  # tied (ZeRO-2) and untied (ZeRO-2 too: index 14)
             _assert_saved(model, reference, f"{out}/{name}")
+    for name, zero_stage in (("cohere2", 0), ("granite", 3)):
+        breadcrumb(f"{name} gradient norm zero{zero_stage}")
+        _assert_grad_norm(name, paths[name], rows, zero_stage)
     for schedule, zero_stage in SCHEDULES.items():
         breadcrumb(f"qwen3_next x4 {schedule}")
         _train_and_compare("qwen3_next", deep_path, rows, schedule=schedule, zero_stage=zero_stage)
