@@ -17,8 +17,8 @@ from tests.helpers import zoo
 def test_records_merge_along_the_mro():
     # context parallelism from ForCausalLM, the MoE fields from MixtralPreTrainedModel
     assert capabilities_of(MixtralForCausalLM) == Capabilities(True, True, True, True)
-    # DeepSeek-V3 refines two MoE fields and keeps the rest
-    assert capabilities_of(DeepseekV3ForCausalLM) == Capabilities(context_parallel=True, moe_context_parallel=False,
+    # DeepSeek-V3 refines one MoE field and keeps the rest
+    assert capabilities_of(DeepseekV3ForCausalLM) == Capabilities(context_parallel=True, moe_context_parallel=True,
                                                                   moe_sequence_parallel=True, moe_grid=False)
     assert capabilities_of(BertForMaskedLM).context_parallel
     assert not capabilities_of(BertForSequenceClassification).context_parallel  # pools one token: no cp

@@ -13,10 +13,10 @@ step for OPT's post-norm):
   key/value head replicated within the group at tp 2), one shared norm and ALiBi.
 
 Also: every head class against ``transformers`` (keys and outputs); ``save_pretrained`` at tp 2 -> plain
-``transformers`` ``from_pretrained`` gives the same logits; context parallelism for the rotary Falcon and OPT, and its
-refusal for ALiBi; the head-count errors before any process group. Negative controls: the slopes of the wrong rank,
-a naive column split of a fused ``query_key_value``, a residual taken before the norm, OPT positions that ignore
-the padding: each fails to match.
+``transformers`` ``from_pretrained`` gives the same logits; context parallelism for the rotary Falcon and OPT (ALiBi
+under cp: ``tests/parallel_layers/test_context_parallel_score_mods.py``); the head-count errors before any process
+group. Negative controls: the slopes of the wrong rank, a naive column split of a fused ``query_key_value``, a
+residual taken before the norm, OPT positions that ignore the padding: each fails to match.
 """
 from __future__ import annotations
 
@@ -242,10 +242,6 @@ def test_head_rules_and_refusals_before_any_process_group():
         om.BloomForCausalLM.from_config(zoo.tiny_config("bloom"), parallel=om.ParallelConfig(tensor_parallel_size=8))
     with pytest.raises(ValueError, match="needs parallel_attn=True"):
         om.FalconForCausalLM.from_config(zoo.tiny_config("falcon", parallel_attn=False))
-    for model_type, overrides in (("bloom", {}), ("falcon", dict(alibi=True))):
-        with pytest.raises(NotImplementedError, match="ALiBi adds a per-head bias"):
-            _classes(model_type)[0].from_config(zoo.tiny_config(model_type, **overrides),
-                                                parallel=om.ParallelConfig(context_parallel_size=2))
 
 
 # ------------------------------------------------------------------ tp = 2 (+ sequence parallelism), one group

@@ -65,10 +65,9 @@ TOY = FamilyRecord(model_type=TOY_TYPE, package=__name__, config="ToyConfig",
 # must run and match transformers.
 # The MoE decoders run every layout (sequence parallelism, pp x tp, cp with the load-balancing statistics summed
 # over cp), and so does Gemma 2 (the cp cores soft-cap inside each block): no entry.
-# DeepSeek-V3's MLA and gpt-oss's attention sinks refuse context parallelism themselves (their components' rules)
-_MLA = {"cp2 ring x dp2 zero1": "multi-head latent attention under context parallelism"}
-_SINKS = {"cp2 ring x dp2 zero1": "attention sinks under context parallelism"}
-REFUSED = {"deepseek_v3": _MLA, "gpt_oss": _SINKS, "bloom": {"cp2 ring x dp2 zero1": "ALiBi"}}
+# DeepSeek-V3's MLA, gpt-oss's attention sinks and Bloom's ALiBi run under context parallelism too (the cores take
+# narrower values, the sink logit and the ALiBi bias: tests/parallel_layers/test_context_parallel_score_mods.py)
+REFUSED: dict[str, dict[str, str]] = {}
 
 
 def _causal_types() -> list[str]:

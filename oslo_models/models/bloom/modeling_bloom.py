@@ -12,9 +12,10 @@ What is particular to Bloom, and where it lives:
 - ``apply_residual_connection_post_layernorm``: the pre-norm template's ``residual_after_norm``;
 - the MLP's GELU is ``transformers``' own Bloom GELU function (its tanh constants and hand-written backward).
 
-Context parallelism is refused: its ring / all-to-all core runs plain softmax attention on blocks of the sequence
-and takes no additive per-head bias. ``pretraining_tp``/``slow_but_exact`` only change the summation order of
-``dense``; they are accepted and ignored, as the plain layers compute the same product.
+Under context parallelism the stack's mask is the ``ContextParallelMask`` and ``context_parallel_alibi`` gives it
+this rank's slopes: the ring / all-to-all cores add each key's bias from its position on the whole row
+(``parallel_layers/context_parallel/mask.AlibiBias``). ``pretraining_tp``/``slow_but_exact`` only change the
+summation order of ``dense``; they are accepted and ignored, as the plain layers compute the same product.
 
 Shapes: b batch, s sequence, k key length (cache included), h hidden, n heads (n/tp per rank), d head dim.
 """
@@ -34,7 +35,7 @@ from ..common.grouped_qkv_attention import GroupedQKVAttention
 from ..common.layer_norm import LayerNorm
 from ..common.mlp import DenseMLP
 from ..common.parallel_rules import Features
-from ..common.positions import alibi_attention_mask, local_alibi_slopes, refuse_alibi_under_context_parallel
+from ..common.positions import alibi_attention_mask, local_alibi_slopes
 from ..common.stack import StackSpec, TransformerStack
 from ..heads import (
     ForCausalLM,
@@ -100,7 +101,6 @@ class BloomPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(f"Bloom hidden_size={config.hidden_size} is not divisible by n_head="
                              f"{config.num_attention_heads}")
-        refuse_alibi_under_context_parallel("Bloom", parallel)
 
 
 class BloomModel(TransformerStack, BloomPreTrainedModel):
@@ -123,6 +123,11 @@ class BloomModel(TransformerStack, BloomPreTrainedModel):
         self.post_init()
         if not submodule:
             self.finish_init()
+
+    def context_parallel_alibi(self, device):
+        """``(slopes [n/tp], 1.0)``: this rank's ALiBi slopes for the context-parallel mask (unscaled, fp32)."""
+        context = self.parallel_context
+        return local_alibi_slopes(self.num_heads, context.tp_rank, context.tp_size, device), 1.0
 
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
         """``{"full_attention": [b, n/tp, s, k]}``: the causal padding mask with this rank's ALiBi bias in it."""

@@ -5,7 +5,8 @@ own (a family's ``StackSpec`` names the class, and the plan is read from it):
   column and is dropped after it (``transformers``' gpt-oss ``eager_attention_forward`` reads ``module.sinks``;
   the flash/flex kernels take it as ``s_aux=``). Under TP the parameter is split by query heads exactly like
   ``q_proj``'s output (``HeadParameters``: rank ``r`` holds ``sinks[r*n/tp:(r+1)*n/tp]``); each head's sink is used
-  only on its rank, so it needs no collective in either direction.
+  only on its rank, so it needs no collective in either direction. Under context parallelism the ring /
+  all-to-all cores take it as ``s_aux`` and add it to each row's denominator once, at the final merge.
 - ``FullWidthQKNormAttention`` (OLMo 2): RMS norms over the whole ``q_proj``/``k_proj`` output (``n*d`` and
   ``n_kv*d`` wide), before the heads are split and before rotary; under TP their statistic is all-reduced
   (``full_width_norm.py``).
@@ -23,11 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ...parallel_layers.context_parallel import ContextParallelMask
 from ...parallel_layers.kv_heads import PackedHeadsLinear, PackedKVHeadColwise
 from ...parallel_layers.layers import Linear
 from ...parallel_layers.plan import Rowwise, Style, TPDropout, refuse_grid_mode
 from ...parallel_layers.sharding import EvenSplit
-from .attention import GroupedQueryAttention, refuse_context_parallel, split_heads
+from .attention import GroupedQueryAttention, split_heads
 from .full_width_norm import FullWidthRMSNorm, FullWidthRMSNormStyle
 
 
@@ -57,7 +59,7 @@ class HeadParameters(Style):
 class SinkAttention(GroupedQueryAttention):
     """``GroupedQueryAttention`` with gpt-oss's learned attention sinks ``sinks [n]`` (``[n/tp]`` on a TP rank). The
     eager kernel is ``transformers``' gpt-oss one; SDPA cannot take sinks (``transformers`` drops ``s_aux`` there),
-    so it is refused; context parallelism too."""
+    so it is refused; the context-parallel cores take the sinks (``parallel_layers/context_parallel``)."""
 
     tp_plan = {**GroupedQueryAttention.tp_plan, "": HeadParameters(names=("sinks",))}
 
@@ -69,17 +71,8 @@ class SinkAttention(GroupedQueryAttention):
         super().__init__(config, layer_idx, **options)
         self.sinks = nn.Parameter(torch.zeros(config.num_attention_heads))
 
-    @classmethod
-    def parallel_rules(cls, config) -> list:
-        from .parallel_rules import RefusedAxis
-
-        return [*super().parallel_rules(config),
-                RefusedAxis("context_parallel_size", 0, reason="attention sinks under context parallelism: the ring / "
-                            "all-to-all core merges plain softmax blocks and has no place for the sink logit")]
-
     def kernel_kwargs(self, attention_mask) -> dict:
-        refuse_context_parallel(attention_mask, "attention sinks")
-        if self.config._attn_implementation == "sdpa":
+        if self.config._attn_implementation == "sdpa" and not isinstance(attention_mask, ContextParallelMask):
             raise ValueError("attention sinks need the eager, flex or flash attention kernels; SDPA would drop them "
                              "(set attn_implementation='eager')")
         return {**super().kernel_kwargs(attention_mask), "s_aux": self.sinks}

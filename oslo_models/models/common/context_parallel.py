@@ -4,7 +4,8 @@ Each rank holds its chunk(s) of every sequence (``data/collators/context_paralle
 change in a forward, all of them here so the families call the same code:
 
 - the attention mask: a ``ContextParallelMask`` (global token positions, gathered padding) in place of the
-  ``[b, 1, s, s]`` mask, which routes every attention layer to the context-parallel core;
+  ``[b, 1, s, s]`` mask, which routes every attention layer to the context-parallel core; an ALiBi family (Bloom,
+  Falcon with ``alibi``) says its slopes through ``context_parallel_alibi()`` and the mask carries the bias;
 - default ``position_ids``: the *global* positions of this rank's tokens (learned position embeddings, rotary);
 - the loss: targets are pre-shifted (``shift_labels``) for causal LMs, since a chunk cannot see the next chunk's
   first token, and the mean runs over the labelled tokens of the whole sequence (``context_parallel/loss.py``);
@@ -30,6 +31,7 @@ from ...parallel_layers.context_parallel import (
     split_sequence,
     sum_over_context,
     token_index,
+    with_alibi,
 )
 from .capabilities import capabilities_of
 
@@ -38,7 +40,10 @@ def context_parallel_inputs(model, inputs_embeds: torch.Tensor, attention_mask, 
                             *, causal: bool, default_positions: bool = True):
     """``(mask, position_ids)``: ``(None, position_ids)`` at cp=1; else the ``ContextParallelMask`` of this
     forward (one all-gather over cp) and ``position_ids`` (given, or this rank's global positions ``[1, s_local]``
-    when ``default_positions``; otherwise a missing ``position_ids`` is a ``ValueError``)."""
+    when ``default_positions``; otherwise a missing ``position_ids`` is a ``ValueError``). A model with a
+    ``context_parallel_alibi(device)`` method returning ``(slopes [n/tp], divisor)`` (or ``None``) gets the mask
+    with that ALiBi bias (``parallel_layers/context_parallel/mask.with_alibi``: key positions from what the mask
+    gathered, no further collective)."""
     context = model.parallel_context
     if context.cp_size == 1:
         return None, position_ids
@@ -50,6 +55,10 @@ def context_parallel_inputs(model, inputs_embeds: torch.Tensor, attention_mask, 
     # transformers looks for packed documents in position_ids only without a padding mask and a cache
     packed = position_ids if causal and past_key_values is None else None
     mask = build_context_parallel_mask(context, attention_mask, inputs_embeds, causal=causal, position_ids=packed)
+    alibi = getattr(model, "context_parallel_alibi", None)
+    slopes = alibi(inputs_embeds.device) if alibi is not None else None
+    if slopes is not None:  # (this tp rank's head slopes [n/tp], divisor)
+        mask = with_alibi(mask, *slopes, batch=inputs_embeds.shape[0])
     if position_ids is None:
         position_ids = mask.token_index[context.cp_rank][None]
     return mask, position_ids

@@ -22,8 +22,14 @@ row-parallel (its all-reduce is the forward's only collective). The down project
 summed over TP: the latents reach ``q_b_proj``/``kv_b_proj``, whose column-parallel input all-reduces the gradient
 in backward, and the shared rotary key, which every rank uses for its own heads only, enters the head-parallel
 region through ``copy_to_tensor_parallel_region`` (identity forward, all-reduce backward). So every replicated
-weight ends a backward with the whole gradient on every rank. The 2D/2.5D/3D modes and context parallelism are
-refused (``parallel_rules`` / the style), with the reason.
+weight ends a backward with the whole gradient on every rank. The 2D/2.5D/3D modes are refused (the style), with
+the reason.
+
+Context parallelism: the latent and rotary key are computed per chunk, expanded to this rank's per-head keys
+``[b, n/tp, s/cp, d_nope + d_rope]`` and values ``[b, n/tp, s/cp, d_v]``, and those go through the ring (one
+``d_qk + d_v`` wide block per hop) or the all-to-all core, which take values narrower than keys. Rotary uses the
+chunk's global positions. (Passing the compressed latent around the ring instead, ``r_kv + d_rope`` wide, would
+send less but re-run ``kv_b_proj`` per block: not done.)
 
 Sequence parallelism: the replicated down projections need every token, so the module all-gathers its ``[b, s/tp,
 h]`` input once over tp and runs on the whole sequence as under plain tensor parallelism (the inner layers with the
@@ -47,8 +53,8 @@ from ...parallel_layers.mappings import (
 )
 from ...parallel_layers.plan import Colwise, Rowwise, Style, TPDropout, refuse_grid_mode
 from ...parallel_layers.sequence_parallel import SequenceParallelAware
-from .attention import AttentionModule, attend, refuse_context_parallel
-from .parallel_rules import Heads, RefusedAxis
+from .attention import AttentionModule, attend
+from .parallel_rules import Heads
 from .rms_norm import RMSNorm
 
 
@@ -73,9 +79,7 @@ class MultiHeadLatentAttention(SequenceParallelAware, AttentionModule):
 
     @classmethod
     def parallel_rules(cls, config) -> list:
-        return [Heads("num_attention_heads", config.num_attention_heads),
-                RefusedAxis("context_parallel_size", 0, reason="multi-head latent attention under context "
-                            "parallelism is not implemented (values narrower than queries/keys)")]
+        return [Heads("num_attention_heads", config.num_attention_heads)]
 
     def __init__(self, config, layer_idx: int, **unused):
         super().__init__()
@@ -129,7 +133,6 @@ class MultiHeadLatentAttention(SequenceParallelAware, AttentionModule):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask=None, past_key_values=None, **kwargs):
-        refuse_context_parallel(attention_mask, "multi-head latent attention")
         if not (self.sequence_parallel_active() and group_size(self.tp_group) > 1):
             out, weights = self.heads_attention(hidden_states, position_embeddings, attention_mask, past_key_values,
                                                 **kwargs)

@@ -151,14 +151,3 @@ def alibi_attention_mask(attention_mask, shape_like: torch.Tensor, past_key_valu
         visible = visible & (documents[:, :, None] == documents[:, None, :])
     hidden = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device)
     return torch.where(visible[:, None], bias, hidden)  # [b, n_local, s, k]
-
-
-def refuse_alibi_under_context_parallel(family: str, parallel) -> None:
-    """``NotImplementedError`` for ALiBi under context parallelism, raised while the config is validated (before any
-    process group exists): the context-parallel core (ring / all-to-all) runs plain softmax attention on blocks of
-    the sequence and takes no additive per-head bias, so the bias would be silently dropped."""
-    if parallel.context_parallel_size > 1:
-        raise NotImplementedError(f"{family} with ALiBi under context_parallel_size={parallel.context_parallel_size} "
-                                  "is not implemented: ALiBi adds a per-head bias to every attention score, and the "
-                                  "context-parallel core (ring / all-to-all) runs plain softmax attention on blocks "
-                                  "of the sequence with no bias; use context_parallel_size=1")

@@ -63,9 +63,9 @@ class DeepseekV3PreTrainedModel(mixtral.MixtralPreTrainedModel):
     _keep_in_fp32_modules_strict = ["gate"]
 
     # its MoE block routes like SparseMoeBlock (moe.route_tokens): sequence parallelism and pipeline x tp/ep run;
-    # context parallelism is refused by its attention's own rule
+    # context parallelism: MLA's keys/values go through the cores; no router loss to reduce (as transformers)
     # moe_grid: its router is not the grid-planned TopKRouter, the 2D grid is refused
-    capabilities = Capabilities(moe_sequence_parallel=True, moe_grid=False, moe_context_parallel=False)
+    capabilities = Capabilities(moe_sequence_parallel=True, moe_grid=False, moe_context_parallel=True)
 
     @classmethod
     def expert_intermediate_size(cls, config) -> int:

@@ -15,7 +15,8 @@ Its switches, and where each is decided:
 - positions: rotary (``rotary_emb``), or with ``alibi=True`` an ALiBi bias in the mask built by the stack's
   ``layer_masks`` hook, for this rank's heads, with ``transformers``' Falcon arithmetic: slopes rounded to bfloat16,
   bias divided by ``sqrt(head_dim)`` (the SDPA path, ``transformers``' default for Falcon; its eager path adds the
-  bias twice, which this model does not reproduce). ALiBi under context parallelism is refused.
+  bias twice, which this model does not reproduce). Under context parallelism ``context_parallel_alibi`` gives
+  the context-parallel mask the same slopes and divisor.
 
 Dropouts follow ``transformers``: attention-probability dropout only with ALiBi; sequential blocks drop the attention
 output with ``attention_dropout`` and the MLP output with ``hidden_dropout``; parallel blocks drop the sum of both
@@ -40,7 +41,7 @@ from ..common.causal_masks import FULL, packed_documents
 from ..common.grouped_qkv_attention import GroupedQKVAttention
 from ..common.layer_norm import LayerNorm
 from ..common.mlp import DenseMLP
-from ..common.positions import alibi_attention_mask, alibi_slopes, refuse_alibi_under_context_parallel
+from ..common.positions import alibi_attention_mask, alibi_slopes
 from ..common.rotary import RotaryEmbedding
 from ..common.stack import StackSpec, TransformerStack
 from ..heads import (
@@ -145,8 +146,6 @@ class FalconPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
             raise NotImplementedError(f"Falcon's parallel block drops the sum of attention and MLP outputs "
                                       f"(hidden_dropout={config.hidden_dropout}); that dropout is not implemented: "
                                       "load the model with hidden_dropout=0")
-        if config.alibi:
-            refuse_alibi_under_context_parallel("Falcon", parallel)
 
 
 class FalconModel(TransformerStack, FalconPreTrainedModel):
@@ -156,7 +155,6 @@ class FalconModel(TransformerStack, FalconPreTrainedModel):
     hf_twin = transformers.FalconModel
     is_base_model = True
     output_class = BaseModelOutputWithPastAndCrossAttentions
-    # the rotary model; the ALiBi one is refused by validate_parallel_config
     capabilities = Capabilities(context_parallel=True)
 
     def __init__(self, config: FalconConfig, *, parallel_context=None, submodule: bool = False):
@@ -172,15 +170,25 @@ class FalconModel(TransformerStack, FalconPreTrainedModel):
         if not submodule:
             self.finish_init()
 
+    def _local_slopes(self, device):
+        """This tensor-parallel rank's ALiBi slopes, rounded to bfloat16 as ``transformers``' Falcon does."""
+        context = self.parallel_context
+        per_rank = self.num_heads // context.tp_size
+        first = context.tp_rank * per_rank
+        return alibi_slopes(self.num_heads, device).bfloat16()[first:first + per_rank]
+
+    def context_parallel_alibi(self, device):
+        """ALiBi: ``(bfloat16 slopes [n/tp], sqrt(head_dim))`` for the context-parallel mask; rotary: ``None``."""
+        if not self.config.alibi:
+            return None
+        return self._local_slopes(device), math.sqrt(self.embed_dim // self.num_heads)
+
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
         """Rotary: the causal masks of ``transformers``. ALiBi: ``{"full_attention": [b, n/tp, s, k]}``, the causal
         padding mask with the bias of this rank's heads in it (bfloat16 slopes, divided by ``sqrt(head_dim)``)."""
         if not self.config.alibi:
             return super().layer_masks(shape_like, attention_mask, past_key_values, position_ids, kinds)
-        context = self.parallel_context
-        per_rank = self.num_heads // context.tp_size
-        slopes = alibi_slopes(self.num_heads, shape_like.device).bfloat16()
-        slopes = slopes[context.tp_rank * per_rank:(context.tp_rank + 1) * per_rank]
+        slopes = self._local_slopes(shape_like.device)
         documents = packed_documents(shape_like, attention_mask, past_key_values, position_ids)
         return {FULL: alibi_attention_mask(attention_mask, shape_like, past_key_values, slopes,
                                            divisor=math.sqrt(self.embed_dim // self.num_heads), documents=documents)}

@@ -74,9 +74,9 @@ class GptOssPreTrainedModel(mixtral.MixtralPreTrainedModel):
                            "router_logits": OutputRecorder(BiasedTopKRouter, index=0)}
 
     # its MoE block routes like SparseMoeBlock (moe.route_tokens): sequence parallelism and pipeline x tp/ep run;
-    # context parallelism is refused by its attention's own rule
+    # context parallelism: the cores take the sinks, the router loss is Mixtral's (statistics summed over cp)
     # moe_grid: its router is not the grid-planned TopKRouter, the 2D grid is refused
-    capabilities = Capabilities(moe_sequence_parallel=True, moe_grid=False, moe_context_parallel=False)
+    capabilities = Capabilities(moe_sequence_parallel=True, moe_grid=False, moe_context_parallel=True)
 
     @classmethod
     def expert_intermediate_size(cls, config) -> int:

@@ -11,10 +11,11 @@ from .attention import attention_function, context_parallel_attention
 from .chunking import check_sequence_length, merge_sequence, split_sequence, token_index
 from .dropout import AttentionDropout, keep_mask
 from .loss import context_num_items, sum_over_context, sum_over_replica_tokens, token_groups
-from .mask import ContextParallelMask, build_context_parallel_mask
+from .mask import AlibiBias, ContextParallelMask, build_context_parallel_mask, with_alibi
 from .ring import ring_attention
 
-__all__ = ["AttentionDropout", "ContextParallelMask", "keep_mask", "all_to_all_attention", "attention_function",
+__all__ = ["AlibiBias", "AttentionDropout", "ContextParallelMask", "with_alibi", "keep_mask", "all_to_all_attention",
+           "attention_function",
            "build_context_parallel_mask", "check_sequence_length", "context_num_items", "context_parallel_attention",
            "heads_to_sequence", "merge_sequence", "ring_attention", "sequence_to_heads", "split_sequence",
            "sum_over_context", "sum_over_replica_tokens", "token_groups", "token_index"]

@@ -55,13 +55,16 @@ def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
 
 def all_to_all_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: ContextParallelMask, *,
                          scaling: float, window: int | None = None, dropout: AttentionDropout | None = None,
-                         softcap: float | None = None, uniform_dead_rows: bool = False) -> torch.Tensor:
-    """Attention of ``query [b, n, s/cp, d]`` over ``key, value [b, n_kv, s/cp, d]`` of the whole cp group;
-    returns ``[b, n, s/cp, d]``. Collectives: forward 4 all-to-alls (q, k, v, output), backward 4. ``dropout``:
-    attention-probability dropout with the keep bits of ``dropout.py`` (this rank's heads are ``cp_rank * n/cp ..``
-    of the tensor-parallel rank's, as the ring numbers them), on explicit ``[b, n/cp, s, s]`` probabilities;
-    ``softcap`` (Gemma 2's ``c * tanh(scores / c)`` before the mask) on the same explicit scores. A query that sees
-    no key gets zeros, or with ``uniform_dead_rows`` the mean of all values (``ring.py``)."""
+                         softcap: float | None = None, uniform_dead_rows: bool = False,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``query [b, n, s/cp, d]`` over ``key [b, n_kv, s/cp, d]``, ``value [b, n_kv, s/cp, d_v]`` of the
+    whole cp group; returns ``[b, n, s/cp, d_v]``. Collectives: forward 4 all-to-alls (q, k, v, output), backward 4.
+    ``dropout``: attention-probability dropout with the keep bits of ``dropout.py`` (this rank's heads are
+    ``cp_rank * n/cp ..`` of the tensor-parallel rank's, as the ring numbers them), on explicit ``[b, n/cp, s, s]``
+    probabilities; ``softcap`` (Gemma 2's ``c * tanh(scores / c)`` before the mask), ALiBi (``mask.alibi``: each
+    key's bias from its position on the whole row, this rank's heads' slopes) and ``sinks [n]`` (gpt-oss: one extra
+    softmax column per head, dropped after it; this rank's ``n/cp`` of them) on the same explicit scores. A query
+    that sees no key gets zeros, or with ``uniform_dead_rows`` the mean of all values (``ring.py``)."""
     size, heads = mask.size, query.shape[1]
     if heads % size:
         raise ValueError(f"context_parallel_mode='all_to_all' needs the attention heads on each tensor-parallel "
@@ -74,21 +77,31 @@ def all_to_all_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     valid, document = ((None if t is None else t.permute(1, 0, 2).reshape(q.shape[0], -1))  # [b, s]
                        for t in (mask.key_valid, mask.document))
     plain = mask.causal and window is None and valid is None and document is None  # no query sees no key
-    explicit = dropout is not None or softcap is not None
+    heads = slice(mask.rank * q.shape[1], (mask.rank + 1) * q.shape[1])  # this rank's heads of the tp rank's
+    alibi = None
+    if mask.alibi is not None:  # [b, n/cp, 1, s]: the gathered keys' bias
+        alibi = mask.alibi.key_bias(mask.alibi.positions.permute(1, 0, 2).reshape(q.shape[0], -1), heads)
+    explicit = dropout is not None or softcap is not None or alibi is not None or sinks is not None
     allowed = None if plain and not explicit else mask.allowed(index, index, valid, window, document, document)
     dead = not plain and uniform_dead_rows and allowed is not None and not bool(allowed.any(-1).all())
     if explicit or dead:
         scores = (torch.matmul(q, k.transpose(-1, -2)) * scaling).float()
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
+        if alibi is not None:
+            scores = scores + alibi
         if allowed is not None:  # a finite fill, then zeros: a row that sees no key gets zeros (as the ring), no NaN
             scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # one more column per head, dropped after the softmax
+            sink = sinks[heads].float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         if allowed is not None:  # uniform_dead_rows: a row that sees no key keeps its uniform softmax (eager's)
             probs = probs.masked_fill(~allowed & allowed.any(-1, keepdim=True) if uniform_dead_rows else ~allowed, 0.0)
         if dropout is not None:
-            heads = mask.rank * q.shape[1] + torch.arange(q.shape[1], device=q.device)
-            probs = probs * dropout.keep_scale(q.shape[0], heads, index, index)
+            ids = mask.rank * q.shape[1] + torch.arange(q.shape[1], device=q.device)
+            probs = probs * dropout.keep_scale(q.shape[0], ids, index, index)
         out = torch.matmul(probs.to(v.dtype), v)
     elif plain:  # the gathered tokens are in global order: plain causal attention, no s x s mask (flash kernels)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)

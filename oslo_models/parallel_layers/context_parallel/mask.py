@@ -10,16 +10,39 @@ context-parallel core (``attention.py``) instead of their local kernel. It holds
   (one small all-gather) so that the ring never has to pass it along with key/value blocks;
 - ``document [cp, b, s_local]`` or ``None``: for packed samples (``position_ids`` that restart at document
   boundaries, no padding mask) the document of every token, found on the whole sequence exactly as
-  ``transformers``' ``find_packed_sequence_indices`` does; tokens attend within their document only.
+  ``transformers``' ``find_packed_sequence_indices`` does; tokens attend within their document only;
+- ``alibi`` (an ``AlibiBias``) or ``None``: the ALiBi slopes of this rank's heads and the position of every key of
+  every rank, counted as ``transformers``' ALiBi decoders count them on the *whole* row (over the unmasked keys,
+  restarting per packed document), so each tile of the ring / all-to-all adds exactly the single-process bias.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from .chunking import RING, merge_sequence, split_sequence, token_index
+
+
+@dataclass(frozen=True, eq=False)
+class AlibiBias:
+    """ALiBi under context parallelism. ``slopes [n_local]`` (this tensor-parallel rank's heads, in the dtype whose
+    product the family rounds to: Falcon's bfloat16), ``divisor`` (Falcon: ``sqrt(head_dim)``; Bloom: 1),
+    ``positions [cp, b, s_local]`` (long): each key's position over the unmasked keys of its whole row / document,
+    per cp rank. The bias of key ``k`` for head ``h`` is ``slopes[h] * positions[k] / divisor`` for every query:
+    ``transformers``' ``build_alibi_tensor`` values; it differs from ``slope * (k_global - q_global)`` by a
+    constant per query row (the query's own position, and the padding before it), which softmax ignores."""
+
+    slopes: torch.Tensor
+    divisor: float
+    positions: torch.Tensor
+
+    def key_bias(self, positions: torch.Tensor, heads: slice = slice(None)) -> torch.Tensor:
+        """``[b, n, 1, s_k]`` fp32 bias of the keys at ``positions [b, s_k]`` for the heads ``heads`` of
+        ``slopes``."""
+        bias = (self.slopes[heads].to(positions.device)[None, :, None, None] * positions[:, None, None, :]).float()
+        return bias / self.divisor if self.divisor != 1.0 else bias
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,6 +58,7 @@ class ContextParallelMask:
     token_index: torch.Tensor
     key_valid: torch.Tensor | None
     document: torch.Tensor | None = None
+    alibi: AlibiBias | None = None
 
     def keys_of(self, rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(positions [s], valid [b, s] or None, document [b, s] or None)`` of the tokens of cp rank ``rank``."""
@@ -83,6 +107,26 @@ def _documents(position_ids: torch.Tensor, context, batch: int) -> torch.Tensor 
     if bool((document[:, -1] == 0).all()):
         return None
     return torch.stack([split_sequence(document, r, size, mode) for r in range(size)])
+
+
+def with_alibi(mask: ContextParallelMask, slopes: torch.Tensor, divisor: float, batch: int) -> ContextParallelMask:
+    """``mask`` (of a ``batch``-row forward) with an ``AlibiBias`` of this rank's head ``slopes [n_local]``: the key
+    positions follow
+    ``transformers``' ALiBi decoders on the whole row (``(cumsum(valid) - 1) * valid``, or within each packed
+    document), computed from what the mask already gathered (no collective)."""
+    size = mask.size
+    shape = (size, batch, mask.token_index.shape[1])
+    valid = (torch.ones(shape, dtype=torch.long, device=mask.token_index.device) if mask.key_valid is None
+             else mask.key_valid.long())
+    whole = merge_sequence(list(valid), mask.mode)  # [b, S] in global order
+    if mask.document is not None:
+        from ...utils.documents import positions_in_documents
+
+        positions = positions_in_documents(merge_sequence(list(mask.document), mask.mode)) * whole
+    else:
+        positions = (whole.cumsum(-1) - 1) * whole
+    per_rank = torch.stack([split_sequence(positions, r, size, mask.mode) for r in range(size)])
+    return replace(mask, alibi=AlibiBias(slopes=slopes, divisor=float(divisor), positions=per_rank))
 
 
 def build_context_parallel_mask(context, attention_mask: torch.Tensor | None, inputs_embeds: torch.Tensor, *,

@@ -9,6 +9,12 @@ fully visible or plainly causal and runs through torch's CPU flash kernel (``_sc
 for_cpu``, which returns the log-sum-exp); otherwise (and on GPUs) the block runs as query tiles of masked scores,
 so no ``s x s`` score or mask matrix ever exists. Logit soft-capping (Gemma 2: ``c * tanh(scores / c)`` before the
 mask) acts on each tile's scores, which is all the cap needs: the merge by log-sum-exp is over capped scores.
+ALiBi (Bloom, Falcon: the mask's ``AlibiBias``) adds each key's bias, from its position on the *whole* row, to the
+tile's scores after the cap. Learned sinks (gpt-oss: one logit per head in every softmax's denominator) join once,
+at the end of the forward: the merged output is renormalised, ``out * exp(lse - logaddexp(lse, sink))``, and the
+saved log-sum-exp includes the sink, so the backward's probabilities are the sink-normalised ones and the sink's
+gradient is ``-sum(P_sink * rowsum(dO * O))``. Keys and values may differ in head dim (multi-head latent attention:
+``d_qk != d_v``): they travel as one ``[.., d_qk + d_v]`` block and the tiles compute with the split.
 
 A query that sees no key at all (a padding token whose window holds only padding) gets zeros, as SDPA gives; with
 ``uniform_dead_rows`` (the family's kernel is eager, whose additive minimum-filled mask makes such a row's softmax
@@ -85,15 +91,18 @@ class _Block:
         self.mask, self.window, self.src, self.softcap = mask, window, src, softcap
         self.q_index, _, self.q_document = mask.keys_of(mask.rank)
         self.k_index, self.k_valid, self.k_document = mask.keys_of(src)
+        # ALiBi: [b, n, 1, s_k] bias of the block's keys (their positions on the whole row), or None
+        self.alibi = None if mask.alibi is None else mask.alibi.key_bias(mask.alibi.positions[src])
 
-    def chunk_pairs(self, q: torch.Tensor):
+    def chunk_pairs(self, q: torch.Tensor, v: torch.Tensor):
         """``[(query rows, key rows, causal)]`` covering exactly what the queries see, when only the causal
         structure masks (no padding, window or documents) and torch's CPU flash kernel can run each pair; else
         ``None``. A (query chunk, key chunk) pair is fully visible (earlier key chunk), causal (the same chunk) or
         hidden (a later one): the load-balanced layout cuts no chunk."""
         mask = self.mask
         if q.device.type != "cpu" or self.window is not None or self.k_valid is not None or \
-                self.k_document is not None or self.softcap is not None:
+                self.k_document is not None or self.softcap is not None or self.alibi is not None or \
+                v.shape[-1] != q.shape[-1]:  # the CPU flash kernel needs one head dim for q, k and v
             return None
         if not mask.causal:
             return [(slice(None), slice(None), False)]
@@ -126,6 +135,8 @@ class _Block:
         if self.softcap is not None:
             capped = torch.tanh(scores / self.softcap)
             scores, slope = capped * self.softcap, 1 - capped * capped
+        if self.alibi is not None:  # additive: the backward needs no term of its own
+            scores = scores + self.alibi
         return (scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))), slope
 
 
@@ -133,7 +144,7 @@ def _block_forward(block: _Block, q, k, v, scaling, dropout=None):
     """``(out, lse)`` of the queries ``q`` over one block: chunk pairs through torch's CPU flash kernel where they
     cover the mask exactly, else tile by tile. ``dropout`` (an ``AttentionDropout``): the kept probabilities,
     scaled, times ``v`` (tiles only); ``lse`` is the undropped one, so the online merge stays exact."""
-    pairs = None if dropout is not None else block.chunk_pairs(q)
+    pairs = None if dropout is not None else block.chunk_pairs(q, v)
     if pairs is not None:
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
@@ -159,7 +170,7 @@ def _block_backward(block: _Block, q, k, v, dout, out, raw_lse, delta, lse, dq, 
     ``dropout`` the same keep bits as the forward: ``dV = (P*M)^T dO``, ``dS = P * ((dO V^T) * M - delta)`` (``M``
     the scaled keep mask; ``delta = rowsum(dO * O)`` holds with dropout too)."""
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    pairs = None if dropout is not None else block.chunk_pairs(q)
+    pairs = None if dropout is not None else block.chunk_pairs(q, v)
     if pairs is not None:
         for rows, cols, causal in pairs:
             grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -191,6 +202,11 @@ def _merge(out, lse, block_out, block_lse):
     return out * torch.exp(lse - safe)[..., None] + block_out * torch.exp(block_lse - safe)[..., None], new
 
 
+def _split(kv: torch.Tensor, key_dim: int, groups: int):
+    """``(k, v)`` fp32, expanded to the query heads, of a travelling ``[b, n_kv, s, d_k + d_v]`` block."""
+    return (_expand(t.float(), groups) for t in (kv[..., :key_dim], kv[..., key_dim:]))
+
+
 def _blocks(mask: ContextParallelMask, window, softcap=None):
     """``(step, block)`` for each ring step; the block of step ``j`` came from rank ``rank - j``."""
     for step in range(mask.size):
@@ -200,40 +216,43 @@ def _blocks(mask: ContextParallelMask, window, softcap=None):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, mask: ContextParallelMask, scaling: float, window, dropout, softcap,
-                uniform_dead_rows):
-        groups = query.shape[1] // key.shape[1]
+                uniform_dead_rows, sinks):
+        groups, key_dim = query.shape[1] // key.shape[1], key.shape[-1]
         q = query.float()
-        out = torch.zeros_like(q)
+        out = torch.zeros(*q.shape[:-1], value.shape[-1], dtype=torch.float32, device=q.device)  # [b, n, s, d_v]
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([key, value])
-        value_sum = torch.zeros(*q.shape[:2], q.shape[-1], dtype=torch.float32, device=q.device)  # [b, n, d]
+        kv = torch.cat([key, value.to(key.dtype)], dim=-1)  # one block travels: [b, n_kv, s, d_k + d_v]
+        value_sum = torch.zeros(*q.shape[:2], value.shape[-1], dtype=torch.float32, device=q.device)  # [b, n, d_v]
         for step, block in _blocks(mask, window, softcap):
             pending = _start_exchange(kv, mask) if step + 1 < mask.size else None
             if not block.hidden:
-                k, v = (_expand(t.float(), groups) for t in kv)
+                k, v = _split(kv, key_dim, groups)
                 out, lse = _merge(out, lse, *_block_forward(block, q, k, v, scaling, dropout))
             if uniform_dead_rows:
-                value_sum += _expand(kv[1].float(), groups).sum(2)
+                value_sum += _expand(kv[..., key_dim:].float(), groups).sum(2)
             if pending is not None:
                 kv = _finish(*pending)
         if uniform_dead_rows:  # rows that saw no key: the mean of every value (eager's uniform softmax)
             total = key.shape[2] * mask.size
             out = torch.where(torch.isinf(lse)[..., None], (value_sum / total)[:, :, None], out)
-        ctx.uniform_dead_rows = uniform_dead_rows
-        ctx.save_for_backward(query, key, value, out, lse)
+        if sinks is not None:  # once, after the merge: the sink's logit joins every row's denominator
+            final = torch.logaddexp(lse, sinks.float()[None, :, None])
+            out, lse = out * torch.exp(lse - final)[..., None], final
+        ctx.uniform_dead_rows, ctx.has_sinks = uniform_dead_rows, sinks is not None
+        ctx.save_for_backward(query, key, value, out, lse, sinks)
         ctx.mask, ctx.scaling, ctx.window, ctx.groups, ctx.dropout = mask, scaling, window, groups, dropout
         ctx.softcap = softcap
         return out.to(query.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, out, lse = ctx.saved_tensors
-        mask, scaling, groups = ctx.mask, ctx.scaling, ctx.groups
+        query, key, value, out, lse, sinks = ctx.saved_tensors
+        mask, scaling, groups, key_dim = ctx.mask, ctx.scaling, ctx.groups, key.shape[-1]
         q, dout = query.float(), grad_out.float()
         delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O): the softmax backward's correction
         raw_lse, lse = lse, _finite(lse)[..., None]
         dq = torch.zeros_like(q)
-        kv = torch.stack([key, value])
+        kv = torch.cat([key, value.to(key.dtype)], dim=-1)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with its block
         dead_grad = None
         if ctx.uniform_dead_rows:  # each dead row's output is the mean of all values: dV gets dout / total
@@ -242,26 +261,35 @@ class _RingAttention(torch.autograd.Function):
         for step, block in _blocks(mask, ctx.window, ctx.softcap):
             pending = _start_exchange(kv, mask) if step + 1 < mask.size else None
             if not block.hidden:
-                k, v = (_expand(t.float(), groups) for t in kv)
+                k, v = _split(kv, key_dim, groups)
                 dk, dv = _block_backward(block, q, k, v, dout, out, raw_lse, delta, lse, dq, scaling, ctx.dropout)
-                dkv += torch.stack([_fold(dk, groups), _fold(dv, groups)])
+                dkv += torch.cat([_fold(dk, groups), _fold(dv, groups)], dim=-1)
             if dead_grad is not None:
-                dkv[1] += dead_grad
+                dkv[..., key_dim:] += dead_grad
             if pending is not None:
                 kv = _finish(*pending)
             if mask.size > 1:  # the gradients follow their block; after the last step this hop brings them home
                 dkv = _finish(*_start_exchange(dkv, mask))
-        return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None, None, None
+        dsinks = None
+        if ctx.has_sinks:  # the sink column: dS = P_sink * (0 - delta), summed over batch and queries
+            dsinks = -(torch.exp(sinks.float()[None, :, None] - raw_lse) * delta[..., 0]).sum((0, 2)).to(sinks.dtype)
+        return (dq.to(query.dtype), dkv[..., :key_dim].to(key.dtype), dkv[..., key_dim:].to(value.dtype), None, None,
+                None, None, None, None, dsinks)
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: ContextParallelMask, *,
                    scaling: float, window: int | None = None, dropout: AttentionDropout | None = None,
-                   softcap: float | None = None, uniform_dead_rows: bool = False) -> torch.Tensor:
+                   softcap: float | None = None, uniform_dead_rows: bool = False,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this rank's ``query [b, n, s, d]`` over the keys/values of every rank of the cp group
-    (``key, value [b, n_kv, s, d]``, ``n`` a multiple of ``n_kv``); returns ``[b, n, s, d]``. ``softcap``: logits
-    soft-capped, ``c * tanh(scores / c)``, before the mask (Gemma 2); ``uniform_dead_rows``: a query that sees no
-    key gets the mean of all values (the eager kernels' convention) instead of zeros.
+    (``key [b, n_kv, s, d]``, ``value [b, n_kv, s, d_v]``, ``n`` a multiple of ``n_kv``); returns ``[b, n, s, d_v]``.
+    ``softcap``: logits soft-capped, ``c * tanh(scores / c)``, before the mask (Gemma 2); ALiBi comes with the mask
+    (``mask.alibi``); ``sinks [n]``: one learned logit per head in every row's softmax denominator (gpt-oss; its
+    gradient is returned); ``uniform_dead_rows``: a query that sees no key gets the mean of all values (the eager
+    kernels' convention) instead of zeros (not with ``sinks``, whose eager kernel gives such a row zeros).
 
     Forward: ``cp - 1`` ring hops of the key/value blocks. Backward: ``cp - 1`` hops of key/value and ``cp`` hops of
     their fp32 gradients. ``dropout``: attention-probability dropout (``dropout.py``). See the module docstring."""
-    return _RingAttention.apply(query, key, value, mask, scaling, window, dropout, softcap, uniform_dead_rows)
+    if sinks is not None and uniform_dead_rows:
+        raise ValueError("sinks give a row that sees no key zeros: uniform_dead_rows does not apply")
+    return _RingAttention.apply(query, key, value, mask, scaling, window, dropout, softcap, uniform_dead_rows, sinks)
