@@ -14,6 +14,10 @@ label counts (the loss is the global batch's; no load-balancing loss):
   at ZeRO-3 (the experts leave the tp plan; attention, shared experts and head stay split over tp);
 - each rank holds half of the experts, and the logged loss of each of 3 AdamW steps and every parameter after them
   equal single-process ``transformers`` (fp32, 1e-5);
+- with the load-balancing loss on (``output_router_logits=True``, coefficient 0.5): ernie4_5_moe at ep 2 x tp 2
+  ZeRO-3 and at tp 2 + SP x dp 2 ZeRO-3 (no ep), minimax_m2 at ep 2 in dp 4 ZeRO-0 equal ``transformers`` on each
+  step's replicas (the global batch's token loss plus each replica's own router term, computed at every tp rank on
+  the replica's whole batch);
 - negative controls: with the expert units' gradient scale taken off (FSDP2's own mean over edp instead of the sum
   over edp divided by dp) the first step's expert gradients are twice the reference's, at ep 2 in dp 4 (dots1,
   minimax_m2) and at ep 2 x tp 2 (glm4_moe); a ZeRO-1 optimizer whose expert owners broadcast over the whole dp
@@ -43,6 +47,9 @@ EP_DP4 = dict(data_parallel_size=4, expert_parallel_size=2)
 EP_TP = dict(tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=2)
 LAYOUTS = [("dots1", EP_DP4, 1), ("glm4_moe", EP_TP, 3), ("glm4_moe", EP_TP, 1), ("ernie4_5_moe", EP_TP, 0),
            ("glm4_moe", {**EP_TP, "sequence_parallel": True}, 3)]  # (name, layout, zero stage)
+ROUTER_LAYOUTS = [("ernie4_5_moe", EP_TP, 3), ("ernie4_5_moe", dict(tensor_parallel_size=2, sequence_parallel=True,
+                                                                  data_parallel_size=2), 3),
+                  ("minimax_m2", EP_DP4, 0)]
 NEGATIVE = [("dots1", EP_DP4), ("minimax_m2", EP_DP4), ("glm4_moe", EP_TP)]
 BATCH, EXPERTS = 4, 4
 
@@ -92,6 +99,22 @@ def _train(paths, name, layout, stage, rows):
     assert_same_parameters(model, reference)
 
 
+def _train_with_router_loss(path, layout, stage, rows):
+    import transformers
+
+    from tests.generic.test_generic_context_parallel import ROUTER, _replica_reference_steps
+
+    breadcrumb(f"{path} {layout} zero {stage} with the router loss")
+    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=om.ParallelConfig(**layout), **ROUTER).train()
+    dp = model.parallel_context.dp_size
+    model, logged = prepared_steps(model, rows, batch=BATCH, zero_stage=stage)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, **ROUTER).train()
+    reference, expected = _replica_reference_steps(reference, rows, dp)
+    torch.testing.assert_close(torch.tensor(logged), torch.tensor(expected), atol=1e-5, rtol=1e-5,
+                               msg=lambda m: f"{path} {layout} router loss: {m}")
+    assert_same_parameters(model, reference)
+
+
 def _worker(paths, negative: bool):
     rows = sft_rows(101, 48)
     if not negative:
@@ -99,6 +122,8 @@ def _worker(paths, negative: bool):
             _train(paths, name, EP_DP4, stage, rows)
         for name, layout, stage in LAYOUTS:
             _train(paths, name, layout, stage, rows)
+        for name, layout, stage in ROUTER_LAYOUTS:
+            _train_with_router_loss(paths[name], layout, stage, rows)
         return
     for name, layout in NEGATIVE:  # the first step's expert gradients: right with the scale, off without it
         breadcrumb(f"negative {name} {layout}")
