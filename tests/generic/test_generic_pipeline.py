@@ -16,7 +16,7 @@ batch's):
   global gradient norm (``training.clip_grad_norm_``) of a step equals ``transformers``' (Cohere 2 at ZeRO-0: the
   tied copy counted once; Granite at ZeRO-3);
 - GPipe (ZeRO-0), interleaved 1F1B (ZeRO-3) and zero-bubble (ZeRO-2) on a 4-layer Qwen3-Next (4 stages on 2 ranks
-  for the last two): the same;
+  for the last two), and Cohere 2 with ``activation_checkpointing="full"`` (ZeRO-3): the same;
 - negative control: Cohere 2 with the tied embedding's gradient left unsummed across its two stages trains away from
   the reference;
 - ``forward`` / ``generate`` of a pipelined model raise with the way out; pp x tp with ZeRO-1 or sequence
@@ -55,10 +55,11 @@ SCHEDULES = {"gpipe": 0, "interleaved_1f1b": 3, "zero_bubble": 2}  # on the 4-la
 BATCH = 4  # rows per replica and step: 2 microbatches of 2
 
 
-def _load(path, schedule="1f1b", zero_stage=0):
+def _load(path, schedule="1f1b", zero_stage=0, **options):
     virtual = 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
     parallel = om.ParallelConfig(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2,
-                                 pipeline_schedule=schedule, virtual_pipeline_size=virtual, zero_stage=zero_stage)
+                                 pipeline_schedule=schedule, virtual_pipeline_size=virtual, zero_stage=zero_stage,
+                                 **options)
     return om.AutoModelForCausalLM.from_pretrained(path, parallel=parallel).train()
 
 
@@ -74,8 +75,8 @@ def _assert_own_stage_only(model, name):
     assert any(n.startswith(tuple(layers)) for n in names)
 
 
-def _train_and_compare(name, path, rows, *, schedule="1f1b", zero_stage=0, break_tied=False):
-    model = _load(path, schedule, zero_stage)
+def _train_and_compare(name, path, rows, *, schedule="1f1b", zero_stage=0, break_tied=False, **options):
+    model = _load(path, schedule, zero_stage, **options)
     _assert_own_stage_only(model, name)
     if break_tied:  # the negative control: each copy of the tied embedding steps on its own stage's gradient
         model._pipeline_runner().tied.groups = []
@@ -136,6 +137,8 @@ def _worker(paths, deep_path, out):
     for schedule, zero_stage in SCHEDULES.items():
         breadcrumb(f"qwen3_next x4 {schedule}")
         _train_and_compare("qwen3_next", deep_path, rows, schedule=schedule, zero_stage=zero_stage)
+    breadcrumb("cohere2 activation checkpointing")  # transformers' own, on the stages' layers
+    _train_and_compare("cohere2", paths["cohere2"], rows, zero_stage=3, activation_checkpointing="full")
     breadcrumb("negative control")
     model, _ = _train_and_compare("cohere2", paths["cohere2"], rows, zero_stage=1, break_tied=True)
     ids = torch.tensor([[5, 6, 7, 8]])
