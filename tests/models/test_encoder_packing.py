@@ -11,6 +11,7 @@ packed batch with the reason.
   buckets) and ModernBERT (rotary, local window 2 each side) at tp 2 + SP and at dp 2 (each replica half the
   packed rows, ``num_items_in_batch`` the global count over dp): loss and every gradient equal the single-process
   reference one document per row.
+- FlexAttention (forward, CPU: no Flex backward there): BERT and ModernBERT's logits equal the dense mask's.
 - Negative control: the same packed rows without their document marks (padding mask only) are far off, in the
   library itself; and with the per-document mask dropped from the encoders' mask hook (tried) every case fails.
 """
@@ -258,3 +259,20 @@ def test_encoder_as_decoder_packed(tmp_path, model_type):
     out.loss.backward()
     torch.testing.assert_close(out.loss, ref_loss, **TOL)
     assert assert_grads_match(model, ref, **TOL) == len(list(model.parameters()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["bert", "modernbert"])
+def test_flex_core_forward_equals_sdpa(tmp_path, model_type):
+    """The encoders' FlexAttention path (``DocumentMask(causal=False)``; ModernBERT's local layers with the symmetric
+    window) gives the dense per-document mask's logits on every real token (forward only: no Flex backward on
+    CPU)."""
+    path = save(tmp_path, model_type, "masked_lm")
+    model = family_record(model_type).model_class("masked_lm").from_pretrained(path, progress=False).eval()
+    batch = packed_batch(model.config)
+    with torch.no_grad():
+        expected = model(**batch).logits
+        model.set_attn_implementation("flex_attention")
+        got = model(**batch).logits
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[real], expected[real], **TOL)
