@@ -58,8 +58,10 @@ def support_matrix_markdown() -> str:
         lines.append(f"| `{row['model_type']}` | {classes} | {cells} |")
     generic = {column: "no" for column in AXES} | {"tp": "its `base_model_tp_plan`, if it has one",
                                                    "sp": "with tp, where every layer splits around the plan",
+                                                   "pp": "causal LMs: decoder layers cut into stages, with dp / "
+                                                         "ZeRO / tp",
                                                    "cp": "causal LMs attending through the attention interface",
-                                                   "ep": "its `base_model_ep_plan`, ep alone"}
+                                                   "ep": "its `base_model_ep_plan`, with tp / SP / ZeRO"}
     lines.append(f"| any other type: generic path | `transformers`' own | {' | '.join(generic.values())} |")
     return "\n".join(lines)
 
