@@ -14,7 +14,9 @@ On CUDA: each device -> host copy runs on a side stream (``torch.cuda.Stream``) 
 into a pinned buffer taken from a pool of freed buffers of the same size (pinning is slow; the pool keeps the
 buffers of one step for the next); the device tensor is kept alive (``record_stream``) until its copy is done, so
 the copies overlap the next layers' compute. The backward waits for that copy's event and copies back on the compute
-stream (``non_blocking`` from pinned memory); the buffer returns to the pool once that copy is done.
+stream (``non_blocking`` from pinned memory); the buffer returns to the pool when autograd frees the saved tensor,
+and is reused only after its last copy back has finished. (The copies back are not prefetched ahead of the
+backward: each waits for its layer. Untested on a GPU: none was lent when this was written.)
 
 On CPU there is no other memory to move to: the hooks copy each tensor into a fresh host buffer and back, which
 exercises the path exactly (bitwise: copies only) and saves nothing (peak RSS is the same or higher, by the copies
@@ -35,12 +37,19 @@ def _is_parameter(tensor: torch.Tensor) -> bool:
 
 
 class _Offloaded:
-    """A saved tensor on the host: ``host``, the ``device`` it came from, the side-stream ``event`` of its copy."""
+    """A saved tensor on the host: ``host``, the ``device`` it came from, the side-stream ``event`` of its copy.
+    On CUDA its pinned buffer returns to ``pool`` when autograd frees the saved tensor (after the backward that
+    used it, or with the graph), behind the event of its last host -> device copy: a graph kept with
+    ``retain_graph=True`` can unpack it again."""
 
-    __slots__ = ("host", "device", "event")
+    __slots__ = ("host", "device", "event", "pool", "last_read")
 
-    def __init__(self, host, device, event):
-        self.host, self.device, self.event = host, device, event
+    def __init__(self, host, device, event, pool=None):
+        self.host, self.device, self.event, self.pool, self.last_read = host, device, event, pool, event
+
+    def __del__(self):
+        if self.pool is not None:
+            self.pool[(tuple(self.host.shape), self.host.dtype)].append((self.host, self.last_read))
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
@@ -74,8 +83,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         compute = torch.cuda.current_stream(packed.device)
         compute.wait_event(packed.event)  # the device -> host copy is done
         restored = packed.host.to(packed.device, non_blocking=True)
-        done = compute.record_event()
-        self._pool[(tuple(packed.host.shape), packed.host.dtype)].append((packed.host, done))
+        packed.last_read = compute.record_event()  # the buffer is reused only after this copy has read it
         return restored
 
     # ------------------------------------------------------------------ CUDA
@@ -88,7 +96,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             host.copy_(tensor, non_blocking=True)
             event = self._stream.record_event()
         tensor.record_stream(self._stream)  # its memory is not reused before the copy has read it
-        return _Offloaded(host, tensor.device, event)
+        return _Offloaded(host, tensor.device, event, self._pool)
 
     def _buffer(self, tensor: torch.Tensor) -> torch.Tensor:
         free = self._pool.get((tuple(tensor.shape), tensor.dtype))
