@@ -9,7 +9,8 @@ as the plain run, and the tiling removes the ``[b, s, ffn]`` / ``[b, s, vocab]``
   ``[b, s, V]`` fp32 logits less. Negative controls: one tile saves nothing; ``tiled_mlp`` without the parameters
   as inputs of its node leaves the MLP weights without gradients; an offload whose unpack returns zeros changes
   the gradients.
-- One world of 2 gloo processes (75 s): Llama at tp 2 + SP and at dp 2 ZeRO-3 with tiled MLP + offload: 3 AdamW steps
+- One world of 2 gloo processes: Llama at tp 2 + SP, at dp 2 ZeRO-3 and at pp 2 (1F1B, 2 microbatches,
+  ``train_step``) with tiled MLP + offload: 3 AdamW steps
   equal single-process ``transformers`` on the global batch (losses, logits, gradients, parameters; 1e-5,
   ``train_matches``); with tiled MLP + offload + the tiled loss, 3 AdamW steps' losses and parameters equal the
   plain run of the same layout (1e-5). Breakage tried: the tiles' recompute outside the forward's sequence-
@@ -29,7 +30,7 @@ from tests.helpers.decoders import save_tiny
 from tests.helpers.dist import breadcrumb, run_distributed
 from tests.helpers.layouts import train_matches
 from tests.helpers.models import assert_grads_match, padded_batch
-from tests.helpers.pipeline import ADAMW
+from tests.helpers.pipeline import ADAMW, assert_pipeline_matches
 
 HEADS = {"gpt2": "LMHeadModel"}
 TYPES = ("llama", "gpt2", "gemma2", "phi", "gpt_neox")
@@ -218,6 +219,10 @@ def _worker(path):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for got, want in zip(params, plain_params):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    breadcrumb("pp2: tiled MLP + offload through the pipeline schedule against transformers")
+    model = _model(path, pipeline_parallel_size=2, num_microbatches=2, tiled_mlp=3, activation_offload=0)
+    assert_pipeline_matches(model, reference_class.from_pretrained(path).train(), batch)
+    assert model.activation_offload.moved_bytes > 0  # the stage's blocks ran through the hooks
 
 
 @pytest.mark.slow
