@@ -55,9 +55,10 @@ class ParallelConfig:
             do not divide), ``"parameters"`` (balanced parameter counts, embeddings and head included) or a tuple
             of layers per stage (``pipeline_parallel_size * virtual_pipeline_size`` entries).
         expert_parallel_size: ranks that split the experts of a mixture-of-experts layer, carved out of the
-            data-parallel ranks (it must divide ``data_parallel_size``; the model checks that it divides the number
-            of experts). Expert weights are averaged over the ``data_parallel_size / expert_parallel_size``
-            expert-data-parallel ranks, everything else over all data-parallel ranks.
+            data-parallel x context-parallel ranks (it must divide ``data_parallel_size * context_parallel_size``;
+            the model checks that it divides the number of experts). Expert gradients are summed over the
+            ``dp * cp / expert_parallel_size`` expert-data-parallel ranks and divided by ``dp * cp``, everything
+            else averaged over dp x cp.
         expert_tensor_parallel_size: ranks that split each expert's feed-forward (Megatron-Core's
             ``expert_tensor_parallel_size``): gate/up column-parallel, down row-parallel, partial outputs summed
             over the ``k`` ranks. The expert mesh, over the same ranks as ``pp * dp * cp * tp``, is
@@ -164,9 +165,9 @@ class ParallelConfig:
             # The RNG tracker derives per-rank seeds by adding small offsets; torch takes seeds below 2**64.
             raise ValueError(f"ParallelConfig.seed must be an int in [0, 2**63 - 1], got {self.seed!r}")
         if (self.data_parallel_size is not None and self.expert_parallel_size > 1
-                and self.data_parallel_size % self.expert_parallel_size):
-            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must divide "
-                             f"data_parallel_size={self.data_parallel_size}")
+                and self.data_parallel_size * self.context_parallel_size % self.expert_parallel_size):
+            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must divide data_parallel_size="
+                             f"{self.data_parallel_size} x context_parallel_size={self.context_parallel_size}")
         timeout = self.collective_timeout
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not 0 < timeout < float("inf")):
@@ -220,15 +221,13 @@ class ParallelConfig:
         if self.tensor_parallel_mode not in _IMPLEMENTED_TENSOR_PARALLEL_MODES:
             raise NotImplementedError(f"tensor_parallel_mode={self.tensor_parallel_mode!r} is not implemented yet; "
                                       f"available: {_IMPLEMENTED_TENSOR_PARALLEL_MODES}")
-        # pipeline stages and the 2D / 2.5D / 3D grids run on the local chunk like the 1D layers do; experts not yet
-        if self.context_parallel_size > 1 and self.expert_parallel_size > 1:
+        # pipeline stages and the 2D / 2.5D / 3D grids run on the local chunk like the 1D layers do; experts are
+        # carved out of dp x cp (distributed/context.py), their gradients summed over edp and divided by dp x cp
+        if self.context_parallel_size > 1 and self.expert_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise NotImplementedError(
-                f"context_parallel_size > 1 with expert_parallel_size={self.expert_parallel_size} is not implemented "
-                f"yet: the expert groups are carved out of dp only (ep and edp would have to be built per cp rank, "
-                f"and expert gradients reduced over edp x cp where they are now reduced over edp), and the router's "
-                f"load-balancing loss (output_router_logits=True) is a product of token means over the whole "
-                f"sequence, not a sum of per-chunk terms (it needs an all-reduce over cp); use expert_parallel_size=1 "
-                f"(experts replicated) with context parallelism")
+                f"context_parallel_size > 1 with expert_parallel_size={self.expert_parallel_size} and "
+                f"pipeline_parallel_size > 1 is not implemented: the pipeline runner reduces expert gradients over "
+                f"edp and divides them by dp, not dp x cp; use pipeline_parallel_size=1 or expert_parallel_size=1")
 
     # ------------------------------------------------------------------ HSDP (data_parallel_shard_size)
     def _check_hybrid_sharding(self) -> None:
@@ -354,10 +353,11 @@ class ParallelConfig:
         if self.data_parallel_shard_size is not None and dp % self.data_parallel_shard_size:
             raise ValueError(f"data_parallel_shard_size={self.data_parallel_shard_size} must divide data_parallel_size="
                              f"{dp} (world {world_size} / (tensor x pipeline x context = {self.model_parallel_size}))")
-        if dp % self.expert_parallel_size:
+        if dp * self.context_parallel_size % self.expert_parallel_size:
             raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must divide data_parallel_size={dp} "
-                             f"(expert parallelism is carved out of the data-parallel ranks: world {world_size} / "
-                             f"(tensor x pipeline = {self.model_parallel_size})); launch a multiple of "
+                             f"x context_parallel_size={self.context_parallel_size} (expert parallelism is carved out "
+                             f"of the data- and context-parallel ranks: world {world_size} / (tensor x pipeline x "
+                             f"context = {self.model_parallel_size})); launch a multiple of "
                              f"{self.model_parallel_size * self.expert_parallel_size} processes or lower it")
         return dp
 

@@ -17,8 +17,9 @@ last), and ``tp`` is their flattening (same ranks, same order):
 - 2.5D ``(d, q, q)``: ``("tp_dep", "tp_col", "tp_row")``: ``d`` stacked 2D grids (Tesseract's depth).
 - 3D ``(q, q, q)``: the same names, ``(z, y, x)`` of the cube (see ``parallel_layers/tensor_parallel_3d.py``).
 
-Expert parallelism is carved out of ``dp``: data-parallel index ``d = e_dp * ep + e`` (``e`` the expert-parallel
-rank, adjacent data-parallel ranks first), so each ``dp`` group is cut into ``dp/ep`` expert-parallel groups
+Expert parallelism is carved out of ``dp`` (``dp x cp`` flattened, index ``d * cp + c``, under context parallelism:
+cp ranks hold the same weights): data-parallel index ``d = e_dp * ep + e`` (``e`` the expert-parallel rank, adjacent
+data-parallel ranks first), so each ``dp`` group is cut into ``dp/ep`` expert-parallel groups
 (``ep``: the ranks that hold different experts and exchange tokens all-to-all) and ``ep`` expert-data-parallel
 groups (``edp``: the ranks that hold the *same* experts, over which expert gradients are reduced). Both are extra
 axes of ``ParallelContext`` (``axis("ep")``, ``axis("edp")``), built with every rank of the world taking part.
@@ -384,7 +385,7 @@ class ParallelContext:
 
 
 def _expert_axes(mesh: torch.Tensor, rank: int, ep: int, dp_axis: AxisInfo) -> dict[str, AxisInfo]:
-    """The ``ep`` and ``edp`` axes of ``rank`` in the ``[pp, dp, tp]`` rank grid ``mesh``.
+    """The ``ep`` and ``edp`` axes of ``rank`` in the ``[pp, dp x cp, tp]`` rank grid ``mesh``.
 
     At ``ep == 1`` no group is created: ``ep`` is trivial and ``edp`` is the ``dp`` axis. Otherwise every rank
     creates every group in the same order (``dist.new_group`` is collective over the world).

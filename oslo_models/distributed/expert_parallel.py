@@ -1,7 +1,9 @@
 """Which group reduces which gradient when experts are split over an expert-parallel group.
 
 Expert parallelism (``ParallelConfig.expert_parallel_size = ep``) is carved out of the data-parallel ranks: the
-``dp`` ranks of one replica group are cut into ``dp/ep`` expert-parallel groups. Every rank still sees its own
+``dp`` ranks of one replica group are cut into ``dp/ep`` expert-parallel groups (under context parallelism the
+``dp x cp`` ranks, which hold the same weights, are: an ep group may hold chunks of one sequence, and ``dp`` below
+reads ``dp x cp``). Every rank still sees its own
 batch; the stacked expert weights (layout axis ``"ep"`` in the model's parallel plan, the one place that
 says it) are split over ``ep``, everything else is replicated over ``dp`` as before. So:
 
@@ -43,7 +45,7 @@ def register_expert_gradient_reduction(model: nn.Module, ddp: nn.Module | None =
     Collective per hook: one all-reduce over ``edp`` (none when ``edp`` has one rank).
     """
     context = model.parallel_context
-    group, dp_size = context.edp_group, context.dp_size
+    group, dp_size = context.edp_group, context.dp_cp_size  # dense gradients are averaged over dp x cp
     params = dict(model.named_parameters())
 
     def reduce(param: torch.Tensor) -> None:
@@ -99,7 +101,7 @@ def split_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, build) -
             if params:
                 out.append({**group, "params": params})
                 idx.append(i)
-    inner = [(build(dense_groups, context.dp_group), dense_idx)] if dense_groups else []
+    inner = [(build(dense_groups, context.dp_cp_group), dense_idx)] if dense_groups else []
     if expert_groups:
         inner.append((build(expert_groups, context.edp_group), expert_idx))
     return SplitOptimizer(inner, optimizer.param_groups, optimizer.defaults)

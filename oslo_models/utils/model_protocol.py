@@ -64,7 +64,8 @@ class ModelProtocol:
         it)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        sizes = (context.pp_size, context.dp_size // context.ep_size, context.ep_size, context.tp_size)
+        # ep is the inner part of dp x cp (cp ranks hold the same weights; the flattened index is d * cp + c)
+        sizes = (context.pp_size, context.dp_cp_size // context.ep_size, context.ep_size, context.tp_size)
         mesh = init_device_mesh(context.device.type, sizes, mesh_dim_names=("pp", "edp", "ep", "tp"))
         return mesh["edp"]
 
