@@ -142,8 +142,9 @@ def _generic(model_type: str, config, model_class) -> Capabilities:
                "context_parallel": "ring / all-to-all through transformers' attention interface (every layer "
                                    "checked at load: generic/context_parallel.py; an MoE's load-balancing loss "
                                    "over the replica's tokens: generic/router_loss.py)",
-               "expert_parallel": "transformers' base_model_ep_plan over the ep part of dp, with tp / SP and ZeRO "
-                                  "0-3 (the experts leave the tp plan; every tp rank routes its replica's batch)",
+               "expert_parallel": "transformers' base_model_ep_plan over the ep part of dp x cp, with tp / SP, cp "
+                                  "and ZeRO 0-3 (the experts leave the tp plan; every tp rank routes its "
+                                  "replica's batch)",
                "pipeline_parallel": "decoder layers cut into stages (base_model_pp_plan, or the _no_split_modules "
                                     "blocks), every schedule, with dp and ZeRO 0-3 (the module tree checked at "
                                     "load: generic/pipeline_cut.py)"}

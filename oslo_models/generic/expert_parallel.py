@@ -16,10 +16,8 @@ innermost), so every rank keeps its own tokens and the experts of one ``ep`` gro
   ``one`` dimension: ``transformers`` would otherwise slice the tokens over tp and the experts' gradients would be
   partial over tp). The routed work is so repeated on the tp ranks, and each expert's gradient is whole on every tp
   rank.
-- **with context parallelism** a rank's chunk of every sequence would be routed like any other tokens (the ep and
-  ``edp`` groups span dp and cp, and the gradient divisors below are ``dp x cp``), but ``ParallelConfig`` refuses
-  ``expert_parallel_size`` with ``context_parallel_size`` for every model (``config.py``: the native families' expert
-  groups and router loss do not handle cp), so the combination does not run yet.
+- **with context parallelism** a rank's chunk of every sequence is routed like any other tokens; the ep and ``edp``
+  groups span dp and cp (an ep group may be a replica's cp ranks), and the gradient divisors below are ``dp x cp``.
 
 Gradients (the native rule, ``distributed/expert_parallel.py``): an expert's gradient already sums the tokens of every
 ``ep`` rank (the all-to-all backward); it is summed over ``edp`` (the ranks holding the same experts) and divided by

@@ -20,8 +20,7 @@ class supports is read from ``transformers`` itself, never from a table kept her
 - context parallelism: causal LMs whose layers attend through ``transformers``' attention interface
   (``context_parallel.py``, checked at load with the reason).
 - expert parallelism: ``transformers``' own ``base_model_ep_plan`` over the ``ep`` part of ``dp x cp``
-  (``expert_parallel.py``), with tensor (and sequence) parallelism and ZeRO 0-3 (``ParallelConfig`` refuses it
-  with context parallelism for every model: ``config.py``).
+  (``expert_parallel.py``), with tensor (and sequence) parallelism, context parallelism and ZeRO 0-3.
 - the 2D / 2.5D / 3D tensor modes need the native layers: refused.
 
 :func:`check_parallel` raises before any process group exists, so a request the path cannot honour is a clear

@@ -11,11 +11,11 @@ unequal label counts (the loss is the global batch's):
   its experts split over tp (the MoE region: router on the gathered sequence, the output cut to the slice);
 - glm4_moe at tp 2 + SP x dp 4 ZeRO-3 with ep 2 inside dp (two ep groups of 2 per tp rank, each expert on the 2 ranks
   of its edp group, FSDP2 units of the experts over edp);
+- glm4_moe at tp 2 + SP x cp 2 (ring) x dp 2 ZeRO-3 with ep 2 inside dp x cp (the experts leave the tp plan; each ep
+  group is the two cp ranks of a replica's tp rank, each expert on the 2 dp ranks of its edp group);
 - each: the logged loss of each of 3 AdamW steps and every parameter after them equal single-process
   ``transformers`` on the global batch (fp32, 1e-5). Negative control (each layout): the per-replica mean
   (``average_tokens_across_devices=False``) trains away from it.
-
-Expert parallelism with context parallelism is not among them: ``ParallelConfig`` refuses it for every model.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ LAYOUTS = [  # (name, layout)
     ("granite", dict(TP_SP, context_parallel_size=2, data_parallel_size=2)),
     ("glm4_moe", dict(TP_SP, context_parallel_size=2, data_parallel_size=2, context_parallel_mode="all_to_all")),
     ("glm4_moe", dict(TP_SP, data_parallel_size=4, expert_parallel_size=2)),
+    ("glm4_moe", dict(TP_SP, context_parallel_size=2, data_parallel_size=2, expert_parallel_size=2)),
 ]
 
 

@@ -12,6 +12,8 @@ label counts (the loss is the global batch's; no load-balancing loss):
   hybrid) at ZeRO-0; dots1 again at ZeRO-1 (each expert's optimizer state on one rank of its edp group);
 - ep 2 x tp 2 (dp 2): glm4_moe at ZeRO-3 and ZeRO-1, ernie4_5_moe at ZeRO-0, glm4_moe with sequence parallelism
   at ZeRO-3 (the experts leave the tp plan; attention, shared experts and head stay split over tp);
+- ep 2 x cp 2 (dp 2; ep carved out of dp x cp, each expert on the 2 ranks of its edp group): glm4_moe ring ZeRO-3,
+  dots1 ring ZeRO-1, ernie4_5_moe all-to-all ZeRO-0 (the loader splits whole sequences into the cp chunks);
 - each rank holds half of the experts, and the logged loss of each of 3 AdamW steps and every parameter after them
   equal single-process ``transformers`` (fp32, 1e-5);
 - with the load-balancing loss on (``output_router_logits=True``, coefficient 0.5): ernie4_5_moe at ep 2 x tp 2
@@ -19,10 +21,10 @@ label counts (the loss is the global batch's; no load-balancing loss):
   step's replicas (the global batch's token loss plus each replica's own router term, computed at every tp rank on
   the replica's whole batch);
 - negative controls: with the expert units' gradient scale taken off (FSDP2's own mean over edp instead of the sum
-  over edp divided by dp) the first step's expert gradients are twice the reference's, at ep 2 in dp 4 (dots1,
-  minimax_m2) and at ep 2 x tp 2 (glm4_moe); a ZeRO-1 optimizer whose expert owners broadcast over the whole dp
-  group (as for the dense parameters) overwrites each rank's experts with another ep rank's (after one step the two
-  ranks of an ep group hold the same tensor; with the edp group they hold different experts).
+  over edp divided by dp x cp) the first step's expert gradients are twice the reference's, at ep 2 in dp 4 (dots1,
+  minimax_m2), at ep 2 x tp 2 and at ep 2 x cp 2 (glm4_moe); a ZeRO-1 optimizer whose expert owners broadcast over
+  the whole dp group (as for the dense parameters) overwrites each rank's experts with another ep rank's (after one
+  step the two ranks of an ep group hold the same tensor; with the edp group they hold different experts).
 """
 from __future__ import annotations
 
@@ -45,12 +47,14 @@ CASES = {"dots1": 3, "minimax_m2": 3, "hunyuan_v1_moe": 0, "glm4_moe": 3, "grani
          "lfm2_moe": 0}  # name: zero stage, at ep 2 inside dp 4
 EP_DP4 = dict(data_parallel_size=4, expert_parallel_size=2)
 EP_TP = dict(tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=2)
+EP_CP = dict(context_parallel_size=2, data_parallel_size=2, expert_parallel_size=2)  # ep carved out of dp x cp
 LAYOUTS = [("dots1", EP_DP4, 1), ("glm4_moe", EP_TP, 3), ("glm4_moe", EP_TP, 1), ("ernie4_5_moe", EP_TP, 0),
-           ("glm4_moe", {**EP_TP, "sequence_parallel": True}, 3)]  # (name, layout, zero stage)
+           ("glm4_moe", {**EP_TP, "sequence_parallel": True}, 3), ("glm4_moe", EP_CP, 3), ("dots1", EP_CP, 1),
+           ("ernie4_5_moe", {**EP_CP, "context_parallel_mode": "all_to_all"}, 0)]  # (name, layout, zero stage)
 ROUTER_LAYOUTS = [("ernie4_5_moe", EP_TP, 3), ("ernie4_5_moe", dict(tensor_parallel_size=2, sequence_parallel=True,
                                                                   data_parallel_size=2), 3),
                   ("minimax_m2", EP_DP4, 0)]
-NEGATIVE = [("dots1", EP_DP4), ("minimax_m2", EP_DP4), ("glm4_moe", EP_TP)]
+NEGATIVE = [("dots1", EP_DP4), ("minimax_m2", EP_DP4), ("glm4_moe", EP_TP), ("glm4_moe", EP_CP)]
 BATCH, EXPERTS = 4, 4
 
 
@@ -69,6 +73,10 @@ def _first_gradients(model, rows, scaled: bool) -> dict:
                 if isinstance(hook, GradientScale):
                     del unit._forward_pre_hooks[key]
     batch = _collate(rows[context.dp_rank * BATCH:(context.dp_rank + 1) * BATCH])
+    if context.cp_size > 1:  # this rank's chunks, the targets shifted on the whole sequence first
+        from oslo_models.data import ContextParallelSplitter
+
+        batch = ContextParallelSplitter(context, shift_labels=True)(batch)
     local = training.count_label_tokens([batch], shifts_labels=True)
     model(**batch, num_items_in_batch=training.global_share(local, context)).loss.backward()
     return {n: p.grad.full_tensor() for n, p in model.named_parameters() if ".experts." in n}
@@ -136,7 +144,7 @@ def _worker(paths, negative: bool):
             torch.testing.assert_close(grad, expected[n], atol=1e-6, rtol=1e-4)
         unscaled = _first_gradients(_load(paths[name], layout), rows, scaled=False)
         ratio = [float(grad.norm() / expected[n].norm()) for n, grad in unscaled.items()]
-        assert all(abs(r - 2.0) < 1e-3 for r in ratio), ratio  # dp / edp = 2: twice the gradient
+        assert all(abs(r - 2.0) < 1e-3 for r in ratio), ratio  # dp x cp / edp = 2: twice the gradient
     breadcrumb("negative: ZeRO-1 broadcasting experts over dp")
     for group in ("edp", "dp"):
         assert _zero1_experts_differ_over_ep(_load(paths["dots1"], EP_DP4), rows, group) == (group == "edp")
