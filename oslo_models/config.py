@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 TENSOR_PARALLEL_MODES = ("1d", "2d", "2.5d", "3d")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-CONTEXT_PARALLEL_MODES = ("ring", "all_to_all")
+CONTEXT_PARALLEL_MODES = ("ring", "all_to_all", "hybrid")
 OFFLOAD_TIERS = (None, "cpu", "nvme")
 
 _ZERO_STAGES = (0, 1, 2, 3)
@@ -74,7 +74,11 @@ class ParallelConfig:
             rank holds the mirrored chunks ``i`` and ``2cp-1-i`` so causal work is balanced: sequence length
             divisible by ``2 * cp``) or ``"all_to_all"`` (Ulysses: heads <-> sequence exchange around the attention
             core; each rank holds one contiguous chunk, sequence length divisible by ``cp``, heads per tensor-
-            parallel rank divisible by ``cp``).
+            parallel rank divisible by ``cp``) or ``"hybrid"`` (all-to-all inside groups of
+            ``context_parallel_all_to_all_size`` consecutive cp ranks, e.g. a node, ring across the groups; the ring's
+            chunk layout, heads per tensor-parallel rank divisible by the group size).
+        context_parallel_all_to_all_size: the all-to-all group of ``context_parallel_mode="hybrid"`` (a divisor of
+            ``context_parallel_size``, 1 < it < cp); ``None`` for the other modes.
         data_parallel_size: model replicas; ``None`` infers it from the world size.
         data_parallel_shard_size: HSDP (hybrid sharding): ZeRO-2/3 shards over groups of this many adjacent
             data-parallel ranks and replicates across the groups (FSDP2 on a 2D ``(replicate, shard)`` dp mesh:
@@ -123,6 +127,7 @@ class ParallelConfig:
     expert_tensor_parallel_size: int = 1
     context_parallel_size: int = 1
     context_parallel_mode: str = "ring"
+    context_parallel_all_to_all_size: int | None = None
     data_parallel_size: int | None = None
     data_parallel_shard_size: int | None = None
     zero_stage: int = 0
@@ -156,6 +161,7 @@ class ParallelConfig:
         if self.context_parallel_mode not in CONTEXT_PARALLEL_MODES:
             raise ValueError(f"ParallelConfig.context_parallel_mode={self.context_parallel_mode!r} is unknown; "
                              f"choose one of {CONTEXT_PARALLEL_MODES}")
+        self._check_hybrid_context_parallel()
         self._check_pipeline()
         self._check_tensor_parallel_mode()
         stage = self.zero_stage
@@ -216,6 +222,19 @@ class ParallelConfig:
         if self.offload != "nvme" and path is not None:
             raise ValueError(f"ParallelConfig.offload_path={path!r} is only used by offload='nvme', got "
                              f"offload={self.offload!r}")
+
+    def _check_hybrid_context_parallel(self) -> None:
+        """``context_parallel_mode="hybrid"`` needs ``context_parallel_all_to_all_size``: a proper divisor > 1 of cp."""
+        size, cp = self.context_parallel_all_to_all_size, self.context_parallel_size
+        if self.context_parallel_mode != "hybrid":
+            if size is not None:
+                raise ValueError(f"ParallelConfig.context_parallel_all_to_all_size={size} is only used by "
+                                 f"context_parallel_mode='hybrid', got {self.context_parallel_mode!r}")
+            return
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 < size < cp or cp % size:
+            raise ValueError(f"context_parallel_mode='hybrid' needs context_parallel_all_to_all_size, a divisor of "
+                             f"context_parallel_size={cp} between 2 and {cp // 2} (all-to-all inside groups of that "
+                             f"many cp ranks, ring across the groups), got {size!r}")
 
     def _check_implemented(self) -> None:
         if self.tensor_parallel_mode not in _IMPLEMENTED_TENSOR_PARALLEL_MODES:

@@ -199,6 +199,9 @@ class ParallelContext:
             axes["dp_cp"] = axes["dp"]
         grid = mesh.mesh.reshape(sizes["pp"], sizes["dp"] * sizes["cp"], sizes["tp"])  # tp sub-axes flattened
         axes.update(_expert_axes(grid, rank, config.expert_parallel_size, axes["dp"]))
+        if config.context_parallel_mode == "hybrid" and sizes["cp"] > 1:
+            axes.update(_hybrid_context_axes(mesh.mesh.reshape(sizes["pp"], sizes["dp"], sizes["cp"], -1), rank,
+                                             config.context_parallel_all_to_all_size))
         context = cls(config, world_size=world_size, rank=rank, device=device, mesh=mesh, axes=axes)
         etp = config.expert_tensor_parallel_size
         start = axes["tp"].rank // etp * etp
@@ -382,6 +385,25 @@ class ParallelContext:
                 f"ep={self.ep_rank}/{self.ep_size}, "
                 f"pp={self.pp_rank}/{self.pp_size}, "
                 f"sequence_parallel={self.sequence_parallel}, device={self.device})")
+
+
+def _hybrid_context_axes(mesh: torch.Tensor, rank: int, inner: int) -> dict[str, AxisInfo]:
+    """``context_parallel_mode="hybrid"``: the ``cp_a2a`` axis (``inner`` consecutive cp ranks: the all-to-all
+    group) and the ``cp_ring`` axis (the ranks at the same place of every such group: the ring) of ``rank`` in the
+    ``[pp, dp, cp, tp]`` rank grid ``mesh``. Every rank creates every group in the same order (collective)."""
+    pp_size, dp_size, cp_size, tp_size = mesh.shape
+    found = {}
+    for axis, blocks in (("cp_a2a", [list(range(g * inner, (g + 1) * inner)) for g in range(cp_size // inner)]),
+                         ("cp_ring", [list(range(i, cp_size, inner)) for i in range(inner)])):
+        for pp in range(pp_size):
+            for dp in range(dp_size):
+                for tp in range(tp_size):
+                    for members in blocks:
+                        ranks = tuple(int(mesh[pp, dp, c, tp]) for c in members)
+                        group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+                        if rank in ranks:
+                            found[axis] = AxisInfo(group, len(ranks), ranks.index(rank), ranks)
+    return found
 
 
 def _expert_axes(mesh: torch.Tensor, rank: int, ep: int, dp_axis: AxisInfo) -> dict[str, AxisInfo]:

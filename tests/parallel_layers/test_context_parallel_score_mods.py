@@ -27,14 +27,8 @@ import torch
 import oslo_models as om
 from oslo_models import training
 from oslo_models.data import ContextParallelSplitter
-from oslo_models.parallel_layers.context_parallel import (
-    all_to_all_attention,
-    build_context_parallel_mask,
-    ring_attention,
-    split_sequence,
-    with_alibi,
-)
 from tests.helpers.decoders import hf_class, save_tiny
+from tests.helpers.dense_attention import check_core
 from tests.helpers.dist import breadcrumb, run_distributed
 from tests.helpers.layouts import train_matches
 from tests.helpers.models import assert_grads_match, padded_batch
@@ -44,67 +38,18 @@ FAMILIES = {"bloom": {}, "falcon": dict(alibi=True), "gpt_oss": {}, "deepseek_v3
 
 
 # ------------------------------------------------------------------ the cores alone
-def _dense(q, k, v, valid, documents, slopes, window, softcap, sinks, scaling):
-    """Single-process reference on the whole sequence: ``q, k [b, n, S, d]``, ``v [b, n, S, d_v]``."""
-    seq = q.shape[2]
-    pos = torch.arange(seq)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
-    scores = torch.tanh(scores / softcap) * softcap
-    within = torch.stack([torch.cat([torch.arange(int((row == d).sum())) for d in row.unique()]) for row in documents])
-    scores = scores + slopes[None, :, None, None] * (within * valid)[:, None, None, :]
-    allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
-    allowed = allowed[None, None] & valid[:, None, None, :].bool() \
-        & (documents[:, None, :, None] == documents[:, None, None, :])
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    sink = sinks[None, :, None, None].expand(*scores.shape[:-1], 1)
-    probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
-    return torch.matmul(probs, v)
+def _local_positions(core, mask, sink, cp):
+    """Negative control: ALiBi from each chunk's own positions, not the row's."""
+    local = torch.arange(mask.token_index.shape[1]).expand(cp, mask.alibi.positions.shape[1], -1)
+    return core, replace(mask, alibi=replace(mask.alibi, positions=local)), sink
 
 
-def _core_case(context, mode: str) -> None:
-    """ALiBi + soft-cap + sinks + window + padding + documents + d_v != d_qk through one core."""
-    torch.manual_seed(3)
-    b, n, seq, d, dv, scaling, window, softcap = 2, 4, 16, 8, 6, 0.35, 5, 2.0
-    q, k = torch.randn(b, n, seq, d), torch.randn(b, n, seq, d)
-    v, weight = torch.randn(b, n, seq, dv), torch.randn(b, n, seq, dv)
-    slopes, sinks = torch.rand(n), torch.randn(n)
-    valid = torch.ones(b, seq, dtype=torch.long)
-    valid[1, 11:] = 0
-    documents = torch.zeros(b, seq, dtype=torch.long)
-    documents[0, 6:] = 1  # row 0: two documents (6 + 10), row 1: one, padded
-    cp, rank = context.cp_size, context.cp_rank
-    local = (lambda t, dim=2: split_sequence(t, rank, cp, mode, dim=dim))
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    expected = _dense(*leaves[:3], valid, documents, slopes, window, softcap, leaves[3], scaling)
-    (expected * weight).sum().backward()
+def _sink_per_block(core, mask, sink, cp):
+    """Negative control: the sink in each block's denominator (``cp`` times: ``sink + log cp``)."""
+    return core, mask, sink + math.log(cp)
 
-    def run(control: str | None = None):
-        parts = [local(t.detach()).requires_grad_() for t in (q, k, v)]
-        sink = sinks.clone().requires_grad_()
-        # the row with documents has no padding mask in transformers' packed sense: build each row's mask alone
-        mask = build_context_parallel_mask(context, local(valid, 1), parts[0].transpose(1, 2), causal=True)
-        mask = replace(mask, document=torch.stack([split_sequence(documents, r, cp, mode) for r in range(cp)]))
-        mask = with_alibi(mask, slopes, 1.0, batch=b)
-        if control == "local positions":  # ALiBi from each chunk's own positions, not the row's
-            mask = replace(mask, alibi=replace(mask.alibi, positions=torch.arange(seq // cp).expand(cp, b, -1)))
-        used = sink + math.log(cp) if control == "sink per block" else sink
-        core = ring_attention if mode == "ring" else all_to_all_attention
-        out = core(*parts, mask, scaling=scaling, window=window, softcap=softcap, sinks=used)
-        return out, parts, sink
 
-    out, parts, sink = run()
-    torch.testing.assert_close(out, local(expected.detach()), **TOL)
-    (out * local(weight)).sum().backward()
-    for name, got, leaf in zip("qkv", parts, leaves):
-        torch.testing.assert_close(got.grad, local(leaf.grad), **TOL, msg=lambda m, x=name: f"{mode} d{x}: {m}")
-    torch.distributed.all_reduce(sink.grad, group=context.cp_group)  # each rank holds its queries' (heads') share
-    torch.testing.assert_close(sink.grad, leaves[3].grad, **TOL)
-    for control in ("local positions", "sink per block"):
-        wrong, _, _ = run(control)
-        gap = (wrong - local(expected.detach())).abs().max()
-        gap = gap.reshape(1)
-        torch.distributed.all_reduce(gap, op=torch.distributed.ReduceOp.MAX, group=context.cp_group)
-        assert gap > 1e-3, (mode, control, gap)
+CONTROLS = {"local positions": _local_positions, "sink per block": _sink_per_block}
 
 
 # ------------------------------------------------------------------ the models
@@ -160,7 +105,7 @@ def _worker(paths: dict) -> None:
             breadcrumb(f"{family} packed {mode}")
             _packed_matches_documents(family, path, mode)
         breadcrumb(f"cores {mode}")
-        _core_case(model.parallel_context, mode)
+        check_core(model.parallel_context, mode, CONTROLS)
 
 
 def test_alibi_sinks_and_latent_attention_train_at_cp2(tmp_path):

@@ -177,15 +177,18 @@ def check_context_parallel(model_class, config, parallel) -> None:
         raise NotImplementedError(f"{model_class.__name__} under context_parallel_size={cp} is not implemented; "
                                   f"the base models and LM heads of GPT-2, BERT and the stack decoders are, and "
                                   f"the stack decoders' sequence/token classification and question answering heads")
-    if parallel.context_parallel_mode == "all_to_all":
+    if parallel.context_parallel_mode in ("all_to_all", "hybrid"):
         # the heads follow the tensor-parallel split: tp blocks at 1D, the grid's q hidden blocks at 2D/2.5D/3D
         split, name = ((parallel.tensor_parallel_size, "tensor_parallel_size") if parallel.tensor_parallel_mode == "1d"
                        else (parallel.grid_shape[-1], f"the grid's q ({parallel.tensor_parallel_mode})"))
         heads = config.num_attention_heads // split
-        if heads % cp:
-            raise ValueError(f"context_parallel_mode='all_to_all' needs the attention heads per tensor-parallel rank "
+        mode = parallel.context_parallel_mode
+        group, group_name = ((cp, "context_parallel_size") if mode == "all_to_all"
+                             else (parallel.context_parallel_all_to_all_size, "context_parallel_all_to_all_size"))
+        if heads % group:
+            raise ValueError(f"context_parallel_mode={mode!r} needs the attention heads per tensor-parallel rank "
                              f"({config.num_attention_heads} / {name}={split} = {heads}) divisible by "
-                             f"context_parallel_size={cp}; use context_parallel_mode='ring'")
+                             f"{group_name}={group}; use context_parallel_mode='ring'")
 
 
 def causal_lm_head_outputs(model, hidden_states: torch.Tensor, labels=None, *, logits_to_keep=0,

@@ -1,5 +1,6 @@
 """Context parallelism: every sequence split over ``context_parallel_size`` ranks, attention across the chunks by
-ring (``ring.py``) or all-to-all (``all_to_all.py``), one core for every family (``attention.py``).
+ring (``ring.py``), all-to-all (``all_to_all.py``) or both (``hybrid.py``: all-to-all inside groups, ring across),
+one core for every family (``attention.py``).
 
 - ``chunking.py``: which tokens each rank holds (mirrored chunks for the ring), split/merge of a batch;
 - ``mask.py``: ``ContextParallelMask``, built once per forward, carried in place of the attention mask;

@@ -13,8 +13,9 @@ import torch
 
 from ..document_attention import DocumentMask, document_attention
 from .all_to_all import all_to_all_attention
-from .chunking import RING
+from .chunking import ALL_TO_ALL, RING
 from .dropout import AttentionDropout
+from .hybrid import hybrid_attention
 from .mask import ContextParallelMask
 from .ring import ring_attention
 
@@ -24,8 +25,9 @@ def context_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, v
                                sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """``query [b, n, s_local, d]``, ``key [b, n_kv, s_local, d]``, ``value [b, n_kv, s_local, d_v]`` (``d_v != d``:
     multi-head latent attention) -> ``([b, s_local, n, d_v], None)``: attention over the whole sequence of the cp
-    group, by ring or all-to-all as the mask says. ``dropout``: the attention-probability dropout, with keep bits
-    that follow the global coordinates (``dropout.py``; one seed drawn per call from the current generator);
+    group, by ring, all-to-all or both (hybrid) as the mask says. ``dropout``: the attention-probability dropout,
+    with keep bits that follow the global coordinates (``dropout.py``; one seed drawn per call from the current
+    generator);
     ``softcap`` (Gemma 2) caps the scores inside each block; ALiBi rides on the mask (``mask.alibi``, Bloom /
     Falcon); ``s_aux [n]`` (gpt-oss's sinks) joins every row's denominator once; a query that sees no key follows
     the module's kernel (eager: the mean of all values, zeros with sinks; else zeros). Additive position biases (T5)
@@ -33,7 +35,7 @@ def context_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, v
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("an additive position bias (T5) under context parallelism is not implemented")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    core = ring_attention if attention_mask.mode == RING else all_to_all_attention
+    core = {RING: ring_attention, ALL_TO_ALL: all_to_all_attention}.get(attention_mask.mode, hybrid_attention)
     sinks = kwargs.get("s_aux")  # gpt-oss's learned sinks [n] of this rank's heads
     eager = getattr(getattr(module, "config", None), "_attn_implementation", None) == "eager"
     out = core(query, key, value, attention_mask, scaling=scaling, window=sliding_window,

@@ -8,6 +8,8 @@ Two layouts, one per ``ParallelConfig.context_parallel_mode``:
   ``context_parallel``. Needs the sequence length divisible by ``2 * cp``.
 - ``"all_to_all"``: rank ``r`` holds the contiguous chunk ``r`` of ``cp``; the all-to-all gathers the whole
   sequence for ``heads/cp`` heads, so balancing is not needed. Needs the length divisible by ``cp``.
+- ``"hybrid"``: the ring's layout (the all-to-all inside a group gathers its members' mirrored chunks, the ring
+  across the groups is balanced as the plain ring is).
 
 Everything here is local (no collective).
 """
@@ -15,21 +17,22 @@ from __future__ import annotations
 
 import torch
 
-RING, ALL_TO_ALL = "ring", "all_to_all"
+RING, ALL_TO_ALL, HYBRID = "ring", "all_to_all", "hybrid"
+MIRRORED = (RING, HYBRID)  # the layouts of two mirrored chunks per rank
 
 
 def num_chunks(cp_size: int, mode: str) -> int:
-    """Equal chunks the sequence is cut into: ``2 * cp`` for the ring, ``cp`` for all-to-all."""
-    if mode not in (RING, ALL_TO_ALL):
-        raise ValueError(f"context_parallel_mode={mode!r} is unknown; choose 'ring' or 'all_to_all'")
-    return 2 * cp_size if mode == RING and cp_size > 1 else cp_size
+    """Equal chunks the sequence is cut into: ``2 * cp`` for the ring (and hybrid), ``cp`` for all-to-all."""
+    if mode not in (RING, ALL_TO_ALL, HYBRID):
+        raise ValueError(f"context_parallel_mode={mode!r} is unknown; choose 'ring', 'all_to_all' or 'hybrid'")
+    return 2 * cp_size if mode in MIRRORED and cp_size > 1 else cp_size
 
 
 def check_sequence_length(seq_len: int, cp_size: int, mode: str) -> None:
     """``ValueError`` unless ``seq_len`` (the full sequence) splits into the layout's equal chunks."""
     chunks = num_chunks(cp_size, mode)
     if seq_len % chunks:
-        why = " (two mirrored chunks per rank for causal load balancing)" if mode == RING else ""
+        why = " (two mirrored chunks per rank for causal load balancing)" if mode in MIRRORED else ""
         raise ValueError(f"context parallelism ({mode}, context_parallel_size={cp_size}) needs the sequence length "
                          f"divisible by {chunks}{why}, got {seq_len}; pad to a multiple (pad_to_multiple_of="
                          f"{chunks})")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from .chunking import RING, merge_sequence, split_sequence, token_index
+from .chunking import HYBRID, MIRRORED, merge_sequence, split_sequence, token_index
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,6 +46,17 @@ class AlibiBias:
 
 
 @dataclass(frozen=True, eq=False)
+class HybridGroups:
+    """``context_parallel_mode="hybrid"``: the all-to-all group (``inner_size`` consecutive cp ranks) and the ring
+    across the groups (``outer_ranks``: global ranks, in ring order, of this rank's position in every group)."""
+
+    inner_group: dist.ProcessGroup
+    inner_size: int
+    outer_group: dist.ProcessGroup
+    outer_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
 class ContextParallelMask:
     """See the module docstring. ``ranks``: global ranks of the cp group in cp-rank order (ring neighbours)."""
 
@@ -59,6 +70,23 @@ class ContextParallelMask:
     key_valid: torch.Tensor | None
     document: torch.Tensor | None = None
     alibi: AlibiBias | None = None
+    hybrid: HybridGroups | None = None
+
+    def ring_view(self, heads: slice) -> "ContextParallelMask":
+        """Hybrid mode, after the all-to-all inside the group: the mask of the ring across the groups, each group's
+        tokens (its members' chunks, in member order) one ring block, ALiBi slopes of this rank's ``heads``."""
+        inner, size = self.hybrid.inner_size, self.size // self.hybrid.inner_size
+
+        def grouped(t):  # [cp, b, s] -> [cp / inner, b, inner * s]
+            if t is None:
+                return None
+            return t.view(size, inner, *t.shape[1:]).movedim(1, -2).reshape(size, *t.shape[1:-1], -1)
+
+        alibi = None if self.alibi is None else AlibiBias(self.alibi.slopes[heads], self.alibi.divisor,
+                                                          grouped(self.alibi.positions))
+        return replace(self, group=self.hybrid.outer_group, size=size, rank=self.rank // inner,
+                       ranks=self.hybrid.outer_ranks, token_index=self.token_index.reshape(size, -1),
+                       key_valid=grouped(self.key_valid), document=grouped(self.document), alibi=alibi, hybrid=None)
 
     def keys_of(self, rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(positions [s], valid [b, s] or None, document [b, s] or None)`` of the tokens of cp rank ``rank``."""
@@ -138,8 +166,8 @@ def build_context_parallel_mask(context, attention_mask: torch.Tensor | None, in
     whatever its own chunk holds), one of ``position_ids`` when given without a padding mask."""
     batch, seq_local = inputs_embeds.shape[:2]
     mode, size, rank = context.config.context_parallel_mode, context.cp_size, context.cp_rank
-    if mode == RING and seq_local % 2:
-        raise ValueError(f"context_parallel_mode='ring' holds two mirrored chunks per rank: the local sequence "
+    if mode in MIRRORED and seq_local % 2:
+        raise ValueError(f"context_parallel_mode={mode!r} holds two mirrored chunks per rank: the local sequence "
                          f"length must be even (the full length divisible by {2 * size}), got {seq_local}")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"context parallelism takes a 2D padding attention_mask [batch, seq_local], got shape "
@@ -155,6 +183,11 @@ def build_context_parallel_mask(context, attention_mask: torch.Tensor | None, in
     if attention_mask is None and position_ids is not None:
         document = _documents(position_ids.to(device), context, batch)
     index = torch.stack([token_index(seq_local, r, size, mode, device=device) for r in range(size)])
+    hybrid = None
+    if mode == HYBRID:
+        inner, outer = context.axis("cp_a2a"), context.axis("cp_ring")
+        hybrid = HybridGroups(inner.group, inner.size, outer.group, outer.ranks)
     return ContextParallelMask(group=context.cp_group, size=size, rank=rank, ranks=context.axis("cp").ranks,
                                mode=mode, causal=causal, token_index=index,
-                               key_valid=None if bool(key_valid.all()) else key_valid, document=document)
+                               key_valid=None if bool(key_valid.all()) else key_valid, document=document,
+                               hybrid=hybrid)

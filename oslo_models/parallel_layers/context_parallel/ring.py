@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .chunking import chunk_ids
+from .chunking import RING, chunk_ids
 from .dropout import AttentionDropout
 from .mask import ContextParallelMask
 
@@ -100,7 +100,7 @@ class _Block:
         ``None``. A (query chunk, key chunk) pair is fully visible (earlier key chunk), causal (the same chunk) or
         hidden (a later one): the load-balanced layout cuts no chunk."""
         mask = self.mask
-        if q.device.type != "cpu" or self.window is not None or self.k_valid is not None or \
+        if q.device.type != "cpu" or mask.mode != RING or self.window is not None or self.k_valid is not None or \
                 self.k_document is not None or self.softcap is not None or self.alibi is not None or \
                 v.shape[-1] != q.shape[-1]:  # the CPU flash kernel needs one head dim for q, k and v
             return None
