@@ -13,6 +13,12 @@ holding several equal blocks (gate|up) block by block (``_StridedShard(dim, spli
 the rank's piece is ``Shard(dim + 1)``, a box again (no communication; the same trick as the native plan's packed
 q|k|v), and a checkpoint of it has the same entries at tp 1 and tp 2.
 
+Pipeline stages (``pipeline_stage.py``) hold disjoint parameters, so their entries are disjoint and carry the Hub
+names a pp = 1 model has; a tied pair held by two stages (the first stage's embedding, the last stage's head) is
+written once, under the name of the copy the lowest pipeline rank holds (the embedding's: the name a pp = 1 model
+keeps, ``named_parameters`` listing a tied tensor once), and a stage whose copy has another name reads it and its
+optimizer state from there (``aliases``). So pp 2 x dp 2 resumes at dp 4 and back, at any ZeRO stage or tp.
+
 Optimizer state is saved by the ranks that hold it (all of them, or under ZeRO-1 the owner of each parameter) and
 restored into the state of this layout's holders, created at the parameter's layout.
 """
@@ -100,9 +106,13 @@ def _holder_of(optimizer, param):
 
 
 def state_to_save(model: nn.Module, optimizer) -> dict:
-    """The DCP state dict of ``model`` and this rank's part of ``optimizer``'s state."""
+    """The DCP state dict of ``model`` and this rank's part of ``optimizer``'s state. Copies of a tied tensor on
+    higher pipeline ranks are left out (the lowest rank's copy stands for them)."""
+    from ..pipeline.stage import tied_duplicates
+
     state, packed = {}, packed_parameters(model)
-    params = dict(model.named_parameters())
+    duplicates = tied_duplicates(model)
+    params = {name: param for name, param in model.named_parameters() if name not in duplicates}
     for name, param in params.items():
         state[f"model/{name}"] = dcp_value(param.detach(), packed.get(name))
     all_param_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -128,13 +138,16 @@ def _check_shape(key: str, metadata, expected) -> None:
                          "model config")
 
 
-def load_targets(path: str, model: nn.Module, optimizer, metadata) -> tuple[dict, list]:
+def load_targets(path: str, model: nn.Module, optimizer, metadata, aliases: dict | None = None) -> tuple[dict, list]:
     """``(state, pending)`` for ``training.load_checkpoint``: DCP loads the parameters and buffers in place; each
-    pending entry's ``apply`` installs a loaded optimizer-state tensor in its holder."""
+    pending entry's ``apply`` installs a loaded optimizer-state tensor in its holder. ``aliases``: ``{parameter
+    name: stored name}`` of this rank's tied copies stored under another name of their group (a last stage's head
+    read from the embedding's entry)."""
     state, pending, packed = {}, [], packed_parameters(model)
+    aliases = aliases or {}
     params = dict(model.named_parameters())
     for name, param in params.items():
-        key = f"model/{name}"
+        key = f"model/{aliases.get(name, name)}"
         state[key] = target = dcp_value(param.detach(), packed.get(name))
         _check_shape(key, metadata, target.shape)
     all_param_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -145,7 +158,7 @@ def load_targets(path: str, model: nn.Module, optimizer, metadata) -> tuple[dict
         holder = _holder_of(optimizer, param)
         if holder is None:  # ZeRO-1: another dp rank holds this parameter's state
             continue
-        prefix = f"optim/{name}/"
+        prefix = f"optim/{aliases.get(name, name)}/"
         for key in (k for k in metadata if k.startswith(prefix)):
             entry = metadata[key]
             if len(entry.size) == 0:

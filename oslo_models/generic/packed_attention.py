@@ -149,6 +149,13 @@ def _before(module, args, kwargs):
     return call.done()
 
 
+def per_document_inputs(model, kwargs: dict) -> dict:
+    """The keyword arguments of ``model``'s forward with the packing rule above applied (what the pre-hook of
+    :func:`install` passes on): for a pipeline stage, which calls the class's forward directly
+    (``pipeline_stage.py``). ``kwargs`` holds no positional ``args``; the packing keys are consumed."""
+    return _before(model, (), dict(kwargs))[1]
+
+
 def install(model) -> None:
     """Make ``model`` (a ``transformers`` decoder on the generic path) attend per document in packed batches;
     idempotent."""

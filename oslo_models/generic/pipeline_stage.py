@@ -39,7 +39,7 @@ from .pipeline_cut import EmbeddingStandIn, LayerProbe, StageDone, StagePieces, 
 class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
     """A ``transformers`` causal LM cut at its decoder layers (one instance per model: ``for_model``)."""
 
-    batch_keys = ("input_ids", "labels", "attention_mask")
+    batch_keys = ("input_ids", "labels", "attention_mask", "position_ids", "seq_idx", "cu_seqlens")
 
     def __init__(self, pieces: StagePieces, layer_costs: list[float], first_extra: float, last_extra: float):
         self.pieces = pieces
@@ -80,8 +80,21 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
     # ------------------------------------------------------------------ batches and shapes
     def prepare_batch(self, model, batch):
         """Every stage recomputes positions and masks from the tokens: ``input_ids`` also go to every stage (as the
-        keyword ``token_ids``)."""
+        keyword ``token_ids``). Packed documents (restarting ``position_ids`` ``[b, s]``, ``seq_idx`` ``[b, s]``, or
+        ``cu_seqlens`` ``[n + 1]`` over the flattened batch, turned here into the per-row ``seq_idx`` so that it
+        splits into microbatches by rows) go to every stage too, which attends per document
+        (``packed_attention``)."""
         batch["token_ids"] = batch["input_ids"]
+        cu_seqlens = batch.pop("cu_seqlens", None)
+        if cu_seqlens is not None:
+            from ..utils.documents import from_cu_seqlens
+
+            batch["seq_idx"] = from_cu_seqlens(cu_seqlens, *batch["input_ids"].shape).to(batch["input_ids"].device)
+        if "position_ids" in batch or "seq_idx" in batch:
+            # the refusals of packed_attention (layers that are not attention, flash over several rows) here, on
+            # every rank before the schedule's first send, not inside one stage's forward
+            _per_document(model, {key: batch.get(key) for key in ("input_ids", "attention_mask")},
+                          batch.get("position_ids"), batch.get("seq_idx"))
         return batch
 
     def use_sequence_parallel(self, model, batch) -> bool:
@@ -105,9 +118,12 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
             self._views[index] = stage_view(model, self.pieces, stage.layout.ranges[index])
         return self._views[index]
 
-    def stage_forward(self, stage, x, attention_mask=None, token_ids=None):
+    def stage_forward(self, stage, x, attention_mask=None, token_ids=None, position_ids=None, seq_idx=None):
         """``x``: ``input_ids [mb, s]`` on the first stage, else the previous stage's hidden states ``[mb, s, h]``;
-        returns hidden states ``[mb, s, h]``, or the logits on the last stage."""
+        returns hidden states ``[mb, s, h]``, or the logits on the last stage. ``position_ids`` / ``seq_idx``
+        ``[mb, s]``: a packed microbatch, whose per-document masks (one per layer type) and positions every stage
+        builds as the unpipelined model's pre-hook does (``packed_attention.per_document_inputs``; layers that are not
+        attention are refused there, before the forward)."""
         model = stage.owner
         view = self._view(model, stage)
         first_layer = stage.layout.ranges[stage.stage_index].start
@@ -118,10 +134,12 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
         if not stage.is_first and stage.stage_index not in self._checked:
             check = view[first_layer].register_forward_pre_hook(
                 functools.partial(_check_first_layer, model, x), with_kwargs=True, prepend=True)
+        inputs = dict(input_ids=x if stage.is_first else token_ids, attention_mask=attention_mask)
+        if position_ids is not None or seq_idx is not None:
+            inputs = _per_document(model, inputs, position_ids, seq_idx)
         try:
             with viewing(model, self.pieces, view, stage.is_first, stand_in):
-                output = type(model).forward(model, input_ids=x if stage.is_first else token_ids,
-                                             attention_mask=attention_mask, use_cache=False, return_dict=True)
+                output = type(model).forward(model, **inputs, use_cache=False, return_dict=True)
         except StageDone as done:
             return done.hidden
         finally:
@@ -146,6 +164,19 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
         from ..parallel_layers.cross_entropy import causal_lm_loss
 
         return causal_lm_loss(logits, labels, group=None, vocab_start=0, num_items_in_batch=num_items_in_batch)
+
+
+def _per_document(model, inputs: dict, position_ids, seq_idx) -> dict:
+    """The forward's keyword arguments for a packed microbatch: what the unpipelined model's packed-attention
+    pre-hook passes (per-document masks, positions restarting per document). The stage calls the class's forward
+    directly (the model's own pre-hooks refuse a pipelined forward), so it applies the same function here."""
+    from .packed_attention import per_document_inputs
+
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids
+    if seq_idx is not None:
+        inputs["seq_idx"] = seq_idx
+    return per_document_inputs(model, inputs)
 
 
 def _check_first_layer(model, received, module, args, kwargs):

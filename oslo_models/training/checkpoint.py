@@ -496,7 +496,8 @@ def _load_targets(path, inner, optimizer, context, plan):
     if protocol_of(inner).layout == "placements":  # its DTensors go to DCP as they are
         from ..generic.checkpoint import load_targets
 
-        return (*load_targets(path, inner, unwrap_optimizer(optimizer), metadata), {}, trainer_state)
+        return (*load_targets(path, inner, unwrap_optimizer(optimizer), metadata, _tied_aliases(inner, metadata)), {},
+                trainer_state)
 
     state, pending = {}, []  # pending: (key, tp-local buffer, canonical view, cut(), apply(buffer))
     params = dict(inner.named_parameters())
