@@ -242,8 +242,7 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     cpu_offload = cpu_offload or context.config.offload == "cpu"
     check_training_layout(context.config, zero_stage=stage, cpu_offload=cpu_offload)
     if stage != context.config.zero_stage and context.pp_size > 1:  # the model's rules at this stage (ALBERT x pp)
-        inner = unwrap_model(model)
-        type(inner).validate_parallel_config(inner.config, dataclasses.replace(context.config, zero_stage=stage))
+        protocol_of(model).check_layout(unwrap_model(model), dataclasses.replace(context.config, zero_stage=stage))
     if context.config.offload != "nvme" or optimizer is None:
         return _shard_data_parallel(model, optimizer, context, stage, cpu_offload, ddp_kwargs)
     from ..distributed.agreement import all_or_none
@@ -340,6 +339,9 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
         wrapped._oslo_zero_stage = stage
         return wrapped, optimizer
 
+    refusal = protocol_of(model).pipeline_sharding_refusal(model) if context.pp_size > 1 else None
+    if refusal:
+        raise NotImplementedError(refusal)
     if context.mesh is None:
         raise ValueError("zero_stage 2/3, cpu_offload and offload_params need torch.distributed (launch with "
                          "torchrun or accelerate launch)")

@@ -39,6 +39,15 @@ class ModelProtocol:
                 if module is not model and type(module).__name__ in block_types
                 and not shares_parameters_outside(prefix, module, model)]
 
+    def check_layout(self, model: nn.Module, parallel) -> None:
+        """Raise (before any collective) if ``model`` cannot run at the ``ParallelConfig`` ``parallel`` (e.g. another
+        ZeRO stage than it was built for): the family's ``validate_parallel_config``."""
+        type(model).validate_parallel_config(model.config, parallel)
+
+    def pipeline_sharding_refusal(self, model: nn.Module) -> str | None:
+        """Why ZeRO-2/3 (FSDP2 over each stage) cannot wrap this pipelined ``model``, or ``None`` when it can."""
+        return None
+
     def pipeline_adapter(self, model: nn.Module):
         """The ``pipeline.PipelineAdapter`` that cuts ``model`` into stages (its class's ``pipeline_adapter``);
         ``NotImplementedError`` naming the class when it has none."""

@@ -93,6 +93,15 @@ def _worker(paths, root):
             _assert_adapters({n: p.detach() for n, p in saved.named_parameters() if "lora_" in n}, reference)
             assert len([n for n, _ in saved.named_parameters() if "lora_" in n]) == 2 * len(loaded)
         dist.barrier()
+    # ZeRO-3 over the pipelined stages inside a peft wrapper: refused on every rank before FSDP2 runs
+    base, adapter = paths["granite"]
+    parallel = om.ParallelConfig(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, zero_stage=3)
+    model = adapters.load_adapter(om.AutoModelForCausalLM.from_pretrained(base, parallel=parallel).train(), adapter,
+                                  is_trainable=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
+    with pytest.raises(NotImplementedError, match="zero_stage 2/3 is not implemented"):
+        training.prepare(Accelerator(cpu=True), model, optimizer, zero_stage=3)
+    dist.barrier()
 
 
 @pytest.mark.slow
