@@ -138,7 +138,12 @@ def _attach(model, context, plan: dict[str, str]):
     if context.pp_size > 1:  # train_step / eval_step run the schedule; a plain forward is refused
         pipeline_stage.attach(model)
     if context.config.activation_checkpointing == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5.23 names it activation_checkpointing_enable (the old name warns); 5.17 has the old only
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
