@@ -227,8 +227,15 @@ class TiedCopies:
         for param, group in self.groups:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            # ZeRO-2/3: every copy is sharded alike over dp (same shape, same dp mesh): sum the local shards
-            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            grad = param.grad
+            if hasattr(grad, "to_local"):
+                if grad.placements != param.placements:
+                    # a DTensor gradient may come back laid out otherwise than its parameter (the generic path's
+                    # vocabulary-split tied embedding: replicated or partial over tp); the copies' local pieces
+                    # must be alike: the parameter's layout (collective over the gradient's mesh)
+                    grad = param.grad = grad.redistribute(grad.device_mesh, param.placements)
+                # ZeRO-2/3: every copy is sharded alike over dp (same shape, same dp mesh): sum the local shards
+                grad = grad.to_local()
             dist.all_reduce(grad, group=group)
 
 
