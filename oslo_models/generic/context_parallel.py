@@ -18,7 +18,8 @@ the labels on the whole sequence first, as for the native families). Three publi
 
 Checked at load by one dummy forward at cp (every cp rank): every decoder layer must attend through the interface
 and pass the keyword on (a state-space / linear-attention layer, or attention code of its own, would see only its
-chunk); soft-capping and attention sinks are refused (the cores have neither). Refusals are ``NotImplementedError``
+chunk). Soft-capping (scores capped inside each block) and attention sinks (joined once at the final merge) run in
+the cores. Refusals are ``NotImplementedError``
 naming the reason. Collectives per forward: the mask's all-gathers, and the cores' (ring: ``cp - 1`` key/value
 exchanges per layer; all-to-all: two per layer).
 """
@@ -50,14 +51,10 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
         raise NotImplementedError(f"{type(module).__name__} called the context-parallel attention without the "
                                   f"context-parallel mask: the model does not pass its keyword arguments on to "
                                   f"its attention, so its chunks cannot attend across the cp group")
-    if softcap is not None:
-        raise NotImplementedError(f"{type(module).__name__}: attention logit soft-capping under context parallelism "
-                                  f"is not implemented (the ring / all-to-all cores have no soft-cap)")
-    if s_aux is not None:
-        raise NotImplementedError(f"{type(module).__name__}: attention sinks under context parallelism are not "
-                                  f"implemented")
     call.calls += 1
-    return core(module, query, key, value, call.mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window)
+    # soft-capping inside each block; sinks [n] of this rank's heads joined once at the final merge
+    return core(module, query, key, value, call.mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window,
+                softcap=softcap, s_aux=s_aux)
 
 
 def register() -> None:

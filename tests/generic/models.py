@@ -24,6 +24,8 @@ Hidden 64, 2 layers, vocabulary 101, no dropout. Each exercises something of its
   shared expert.
 - minimax_m2 (2025): MoE in every layer, sigmoid router with a score-correction bias, no shared expert.
 - hunyuan_v1_moe (2025): MoE with a softmax top-k router and a shared MLP, QK norm.
+- vaultgemma (2025): Gemma 2's attention logit soft-capping (cap 2, so it bites) on sliding and full layers.
+- granite_swa (2026): a learned attention sink per head in every layer, sliding-window layers.
 - granitemoehybrid (2025, Granite 4): hybrid decoder, a Mamba-2 layer before an attention layer, MoE (softmax top-k
   router) plus a shared MLP in every layer; no ``base_model_pp_plan``; its plan names only the experts.
 - lfm2_moe (2025, LFM2-MoE): hybrid decoder, a gated short-convolution layer before an attention layer, a dense
@@ -125,6 +127,15 @@ CONFIGS = {
         vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, no_rope_layer_interval=2, max_position_embeddings=64, **_IDS),
     "olmo3": lambda: transformers.Olmo3Config(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=64, **_IDS),
+    "vaultgemma": lambda: transformers.VaultGemmaConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+        max_position_embeddings=64, **_IDS),
+    "granite_swa": lambda: transformers.GraniteSWAConfig(
         vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
         max_position_embeddings=64, **_IDS),

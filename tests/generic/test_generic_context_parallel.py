@@ -40,7 +40,8 @@ from tests.training.test_global_batch_loss import (
 )
 
 CASES = {"granite": ("ring", 3), "cohere2": ("all_to_all", 1), "exaone4": ("all_to_all", 3), "smollm3": ("ring", 0),
-         "olmo3": ("ring", 3), "glm4_moe": ("all_to_all", 3)}  # name: (context_parallel_mode, zero stage)
+         "olmo3": ("ring", 3), "glm4_moe": ("all_to_all", 3), "vaultgemma": ("ring", 0),  # soft-capping
+         "granite_swa": ("all_to_all", 0)}  # sinks. name: (context_parallel_mode, zero stage)
 HYBRIDS = ("qwen3_next", "granitemoehybrid", "lfm2_moe")
 BATCH = 4
 
