@@ -48,7 +48,8 @@ from tests.training.test_global_batch_loss import (
 )
 
 RECENT = ("apertus", "llama4_text", "cohere2", "qwen3_next", "dots1", "minimax_m2", "hunyuan_v1_moe",
-          "granitemoehybrid", "lfm2_moe", "glm4_moe", "ernie4_5_moe", "exaone4", "smollm3", "olmo3")
+          "granitemoehybrid", "lfm2_moe", "glm4_moe", "ernie4_5_moe", "exaone4", "smollm3", "olmo3", "vaultgemma",
+          "granite_swa")
 # name: ZeRO stage; xglm, mpt and mamba have no base_model_pp_plan (mpt's blocks return tuples, mamba is an SSM)
 CASES = {name: index % 4 for index, name in enumerate((*RECENT, "granite", "xglm", "mpt", "mamba"))}
 SCHEDULES = {"gpipe": 0, "interleaved_1f1b": 3, "zero_bubble": 2}  # on the 4-layer qwen3_next
