@@ -55,6 +55,8 @@ def _consolidate(args) -> int:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"{args.output}: {stats['total_bytes']} bytes ({', '.join(stats['dtypes'])}) from {args.checkpoint}; "
                   f"bytes written per process: {[s['bytes'] for s in everyone]}")
+        if started:
+            dist.barrier()  # no rank tears its gloo pairs down while a peer still talks to it (success path only)
     finally:
         if started:
             dist.destroy_process_group()
