@@ -257,3 +257,19 @@ TOKEN_CLASSIFICATION = TokenClassificationRule()
 QUESTION_ANSWERING = QuestionAnsweringRule()
 MULTIPLE_CHOICE = MultipleChoiceRule()
 SEQ2SEQ_LM = Seq2SeqLMRule()
+
+
+class RuleLoss:
+    """A pipeline adapter's last-stage loss read from its task's ``rule`` (a ``HeadRule``): the adapters of every
+    family (encoder, encoder-decoder) share these three answers."""
+
+    rule: HeadRule
+
+    def num_loss_items(self, labels):
+        return self.rule.num_loss_items(labels)
+
+    def loss_items(self, model, labels):
+        return self.rule.loss_items(model, labels)
+
+    def loss(self, model, outputs, labels, num_items_in_batch):
+        return self.rule.loss(model, outputs, labels, num_items_in_batch)

@@ -20,13 +20,14 @@ import torch
 
 from ...distributed.context import ParallelContext
 from ...pipeline.adapter import PipelineAdapter
+from .head_rules import RuleLoss
 from .pipeline_stack import run_stage_stack
 from .sequence_parallel import use_sequence_parallel
 
 EMBEDDING_PARTS = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "dropout")
 
 
-class EncoderPipelineAdapter(PipelineAdapter):
+class EncoderPipelineAdapter(RuleLoss, PipelineAdapter):
     model_class: type = None  # the head model class (``of``)
     rule = None  # its ``head_rule``
     base = "bert"  # the encoder's ``base_model_prefix``
@@ -111,15 +112,6 @@ class EncoderPipelineAdapter(PipelineAdapter):
         mb, seq_len = microbatch["input_ids"].shape
         return self.hidden_state_io(model, layout, stage, microbatch, sequence_parallel,
                                     lambda: self.rule.output_shape(model, mb, seq_len))
-
-    def num_loss_items(self, labels: torch.Tensor) -> int:
-        return self.rule.num_loss_items(labels)
-
-    def loss_items(self, model, labels: torch.Tensor) -> int:
-        return self.rule.loss_items(model, labels)
-
-    def loss(self, model, outputs, labels, num_items_in_batch):
-        return self.rule.loss(model, outputs, labels, num_items_in_batch)
 
     # ------------------------------------------------------------------ compute
     def stage_forward(self, stage, x, attention_mask=None, token_type_ids=None, position_ids=None):

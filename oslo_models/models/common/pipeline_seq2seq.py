@@ -30,11 +30,11 @@ from __future__ import annotations
 import torch
 
 from ...pipeline.adapter import PipelineAdapter
-from .head_rules import SEQ2SEQ_LM
+from .head_rules import SEQ2SEQ_LM, RuleLoss
 from .sequence_parallel import use_sequence_parallel
 
 
-class EncoderDecoderPipelineAdapter(PipelineAdapter):
+class EncoderDecoderPipelineAdapter(RuleLoss, PipelineAdapter):
     """Family hooks: ``prefix`` (the stacks' parent, ``"model."`` for BART), ``layer_counts``,
     ``layer_parameter_counts``, ``stage_modules``, ``head_tied``, ``shift``, ``bias_shape``, ``embed``,
     ``decoder_inputs`` and ``run``. ``rule``: the head's task rule."""
@@ -181,15 +181,6 @@ class EncoderDecoderPipelineAdapter(PipelineAdapter):
         if not stage.is_last:
             return _activations(hidden, *((bias,) if carries else ()), encoder_output)
         return self.head_forward(stage, hidden, **head_inputs)
-
-    def num_loss_items(self, labels: torch.Tensor) -> int:
-        return self.rule.num_loss_items(labels)
-
-    def loss_items(self, model, labels: torch.Tensor) -> int:
-        return self.rule.loss_items(model, labels)
-
-    def loss(self, model, outputs, labels, num_items_in_batch):
-        return self.rule.loss(model, outputs, labels, num_items_in_batch)
 
 
 def _stack_sequence_parallel(sequence_parallel: bool, tp: int, enc_len: int, dec_len: int) -> tuple[bool, bool]:
