@@ -124,4 +124,23 @@ def push_hub_folder(model, repo_id: str, *, private=None, token=None, commit_mes
         return run_on_main_process(context, upload, what=f"push_to_hub({repo_id!r})")  # the others wait
     finally:
         if context.rank == 0:
-            shutil.rmtree(root, ignore_errors=True)
+            _remove_staging(root)
+
+
+def _remove_staging(root: str, attempts: int = 3) -> None:
+    """Remove the push's staging folder; retried (a file system under load may report a folder that is still
+    being emptied as not empty), then a warning naming what is left: never a silent leftover."""
+    import time
+    import warnings
+
+    for attempt in range(attempts):
+        try:
+            shutil.rmtree(root)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as caught:
+            failure = caught
+            time.sleep(0.05 * (attempt + 1))
+    warnings.warn(f"push_to_hub could not remove its staging folder {root!r}: {failure}", RuntimeWarning,
+                  stacklevel=3)
