@@ -66,3 +66,11 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 def interpreter_enabled() -> bool:
     """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def bias_grad(dx: torch.Tensor, bias_dtype: torch.dtype | None) -> torch.Tensor | None:
+    """The gradient of a bias added over ``dx``'s last dimension: rows summed in fp32, in the bias's dtype;
+    ``None`` where there is no bias."""
+    if bias_dtype is None:
+        return None
+    return dx.reshape(-1, dx.shape[-1]).sum(0, dtype=torch.float32).to(bias_dtype)

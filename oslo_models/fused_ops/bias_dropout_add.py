@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from oslo_models.fused_ops._utils import ELEMENTWISE_BLOCK, tl, triton
+from oslo_models.fused_ops._utils import ELEMENTWISE_BLOCK, bias_grad, tl, triton
 from oslo_models.fused_ops.dispatch import use_triton
 
 
@@ -100,32 +100,19 @@ def _(dy, seed, p):
     return torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
 
 
-class BiasDropoutAddFunction(torch.autograd.Function):
-    """Autograd rule of ``oslo_models::bias_dropout_add``; also registered on the op. Saves only the seed."""
-
-    @staticmethod
-    def forward(x, bias, residual, seed, p):
-        return torch.ops.oslo_models.bias_dropout_add(x, bias, residual, seed, p)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, bias, residual, seed, p = inputs
-        ctx.save_for_backward(seed)
-        ctx.p = p
-        ctx.bias_dtype = None if bias is None else bias.dtype
-
-    @staticmethod
-    def backward(ctx, dy):
-        (seed,) = ctx.saved_tensors
-        dx = torch.ops.oslo_models.bias_dropout_add_backward(dy, seed, ctx.p)
-        dbias = None
-        if ctx.bias_dtype is not None:
-            dbias = dx.reshape(-1, dx.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dbias, dy, None, None
+def _save_for_backward(ctx, inputs, output):
+    """Saves only the seed: the mask is regenerated in the backward."""
+    x, bias, residual, seed, ctx.p = inputs
+    ctx.save_for_backward(seed)
+    ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-torch.library.register_autograd("oslo_models::bias_dropout_add", BiasDropoutAddFunction.backward,
-                                setup_context=BiasDropoutAddFunction.setup_context)
+def _backward(ctx, dy):
+    dx = torch.ops.oslo_models.bias_dropout_add_backward(dy, *ctx.saved_tensors, ctx.p)
+    return dx, bias_grad(dx, ctx.bias_dtype), dy, None, None
+
+
+torch.library.register_autograd("oslo_models::bias_dropout_add", _backward, setup_context=_save_for_backward)
 
 
 def bias_dropout_add_reference(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,

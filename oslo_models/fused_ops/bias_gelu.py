@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from oslo_models.fused_ops._utils import ELEMENTWISE_BLOCK, tl, triton
+from oslo_models.fused_ops._utils import ELEMENTWISE_BLOCK, bias_grad, tl, triton
 from oslo_models.fused_ops.dispatch import use_triton
 
 _APPROXIMATIONS = ("tanh", "none")
@@ -109,31 +109,18 @@ def _(dy, x, bias, approximate):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-class BiasGeluFunction(torch.autograd.Function):
-    """Autograd rule of ``oslo_models::bias_gelu``; also registered on the op."""
-
-    @staticmethod
-    def forward(x, bias, approximate):
-        return torch.ops.oslo_models.bias_gelu(x, bias, approximate)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, bias, approximate = inputs
-        ctx.save_for_backward(x, bias)
-        ctx.approximate = approximate
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, bias = ctx.saved_tensors
-        dx = torch.ops.oslo_models.bias_gelu_backward(dy, x, bias, ctx.approximate)
-        dbias = None
-        if bias is not None:
-            dbias = dx.reshape(-1, dx.shape[-1]).sum(0, dtype=torch.float32).to(bias.dtype)
-        return dx, dbias, None
+def _save_for_backward(ctx, inputs, output):
+    x, bias, ctx.approximate = inputs
+    ctx.save_for_backward(x, bias)
 
 
-torch.library.register_autograd("oslo_models::bias_gelu", BiasGeluFunction.backward,
-                                setup_context=BiasGeluFunction.setup_context)
+def _backward(ctx, dy):
+    x, bias = ctx.saved_tensors
+    dx = torch.ops.oslo_models.bias_gelu_backward(dy, x, bias, ctx.approximate)
+    return dx, bias_grad(dx, None if bias is None else bias.dtype), None
+
+
+torch.library.register_autograd("oslo_models::bias_gelu", _backward, setup_context=_save_for_backward)
 
 
 def bias_gelu_reference(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "tanh") -> torch.Tensor:

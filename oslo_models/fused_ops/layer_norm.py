@@ -123,29 +123,18 @@ def _(dy, x, weight, eps):
             torch.empty_like(weight))
 
 
-class LayerNormFunction(torch.autograd.Function):
-    """Autograd rule of ``oslo_models::layer_norm``; also registered on the op with ``register_autograd``."""
-
-    @staticmethod
-    def forward(x, weight, bias, eps):
-        return torch.ops.oslo_models.layer_norm(x, weight, bias, eps)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, bias, eps = inputs
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        ctx.has_bias = bias is not None
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx, dw, db = torch.ops.oslo_models.layer_norm_backward(dy, x, weight, ctx.eps)
-        return dx, dw, (db if ctx.has_bias else None), None
+def _save_for_backward(ctx, inputs, output):
+    x, weight, bias, ctx.eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
 
 
-torch.library.register_autograd("oslo_models::layer_norm", LayerNormFunction.backward,
-                                setup_context=LayerNormFunction.setup_context)
+def _backward(ctx, dy):
+    dx, dw, db = torch.ops.oslo_models.layer_norm_backward(dy, *ctx.saved_tensors, ctx.eps)
+    return dx, dw, (db if ctx.has_bias else None), None
+
+
+torch.library.register_autograd("oslo_models::layer_norm", _backward, setup_context=_save_for_backward)
 
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

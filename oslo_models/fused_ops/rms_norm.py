@@ -103,28 +103,17 @@ def _(dy, x, weight, eps):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty_like(weight)
 
 
-class RMSNormFunction(torch.autograd.Function):
-    """Autograd rule of ``oslo_models::rms_norm``; also registered on the op with ``register_autograd``."""
-
-    @staticmethod
-    def forward(x, weight, eps):
-        return torch.ops.oslo_models.rms_norm(x, weight, eps)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, eps = inputs
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx, dw = torch.ops.oslo_models.rms_norm_backward(dy, x, weight, ctx.eps)
-        return dx, dw, None
+def _save_for_backward(ctx, inputs, output):
+    x, weight, ctx.eps = inputs
+    ctx.save_for_backward(x, weight)
 
 
-torch.library.register_autograd("oslo_models::rms_norm", RMSNormFunction.backward,
-                                setup_context=RMSNormFunction.setup_context)
+def _backward(ctx, dy):
+    dx, dw = torch.ops.oslo_models.rms_norm_backward(dy, *ctx.saved_tensors, ctx.eps)
+    return dx, dw, None
+
+
+torch.library.register_autograd("oslo_models::rms_norm", _backward, setup_context=_save_for_backward)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -95,27 +95,17 @@ def _(x, cos, sin, conj):
     return None
 
 
-class RotaryFunction(torch.autograd.Function):
-    """Autograd rule of ``oslo_models::rotary_embedding`` (registered on the op): backward is the conj rotation."""
-
-    @staticmethod
-    def forward(x, cos, sin, conj):
-        return torch.ops.oslo_models.rotary_embedding(x, cos, sin, conj)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, cos, sin, conj = inputs
-        ctx.save_for_backward(cos, sin)
-        ctx.conj = conj
-
-    @staticmethod
-    def backward(ctx, dy):
-        cos, sin = ctx.saved_tensors
-        return torch.ops.oslo_models.rotary_embedding(dy, cos, sin, not ctx.conj), None, None, None
+def _save_for_backward(ctx, inputs, output):
+    x, cos, sin, ctx.conj = inputs
+    ctx.save_for_backward(cos, sin)
 
 
-torch.library.register_autograd("oslo_models::rotary_embedding", RotaryFunction.backward,
-                                setup_context=RotaryFunction.setup_context)
+def _backward(ctx, dy):
+    """The conjugate rotation."""
+    return torch.ops.oslo_models.rotary_embedding(dy, *ctx.saved_tensors, not ctx.conj), None, None, None
+
+
+torch.library.register_autograd("oslo_models::rotary_embedding", _backward, setup_context=_save_for_backward)
 
 
 class RotaryInplaceFunction(torch.autograd.Function):

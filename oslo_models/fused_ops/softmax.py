@@ -125,26 +125,16 @@ def _(dy, y, scale):
     return torch.empty(y.shape, dtype=y.dtype, device=y.device)
 
 
-class SoftmaxFunction(torch.autograd.Function):
-    """Autograd rule of ``oslo_models::masked_softmax``; also registered on the op."""
-
-    @staticmethod
-    def forward(scores, mask, scale, causal):
-        return torch.ops.oslo_models.masked_softmax(scores, mask, scale, causal)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(output)
-        ctx.scale = inputs[2]
-
-    @staticmethod
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        return torch.ops.oslo_models.masked_softmax_backward(dy, y, ctx.scale), None, None, None
+def _save_for_backward(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.scale = inputs[2]
 
 
-torch.library.register_autograd("oslo_models::masked_softmax", SoftmaxFunction.backward,
-                                setup_context=SoftmaxFunction.setup_context)
+def _backward(ctx, dy):
+    return torch.ops.oslo_models.masked_softmax_backward(dy, *ctx.saved_tensors, ctx.scale), None, None, None
+
+
+torch.library.register_autograd("oslo_models::masked_softmax", _backward, setup_context=_save_for_backward)
 
 
 def softmax_reference(scores: torch.Tensor, scale: float = 1.0, causal: bool = False,
