@@ -150,11 +150,37 @@ class _DerivedTiedKeys:
 
 
 class StackFamilyModel:
-    """Mixin of a stack family's ``PreTrainedModel``: the plan derived from ``stack_spec``. The family declares
-    ``stack_spec`` and, once its base model class exists, ``base_model_class``."""
+    """Mixin of a stack family's ``PreTrainedModel``: the plan and the class flags derived from ``stack_spec``. The
+    family declares ``stack_spec`` and, once its base model class exists, ``base_model_class``.
+
+    A class that sets ``stack_spec`` gets ``_no_split_modules = [block name]`` and ``_can_record_outputs`` (the
+    block's outputs as ``hidden_states``, the attention component's as ``attentions``) unless it sets them itself
+    (GPT-2 records through ``OutputRecorder``s; the MoE decoders add their routers with ``record_outputs``)."""
 
     parallel_plan = _DerivedPlan()
     head_styles: dict = {}
+    #: recorders added to the derived ``_can_record_outputs`` (the MoE decoders' ``router_logits``)
+    record_outputs: dict = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        if "stack_spec" not in own and "record_outputs" not in own:
+            return
+        spec = cls.stack_spec
+        if not spec.parts:  # a family that builds its own modules (the encoders) states its flags
+            return
+        if "_no_split_modules" not in own:
+            cls._no_split_modules = [spec.block.__name__]
+        if "_can_record_outputs" not in own:
+            cls._can_record_outputs = {"hidden_states": spec.block, "attentions": spec.components["attn"],
+                                       **cls.record_outputs}
+
+    @classmethod
+    def stack_options(cls, config):
+        """The frozen options of ``config`` every part and layer of the base model is built with (``None``: the
+        family has no switches beyond its config; the Llama-shaped decoders: ``DecoderOptions``)."""
+        return None
 
     @classmethod
     def head_hidden_size(cls, config) -> int:

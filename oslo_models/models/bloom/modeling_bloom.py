@@ -22,13 +22,11 @@ Shapes: b batch, s sequence, k key length (cache included), h hidden, n heads (n
 from __future__ import annotations
 
 import transformers
-from torch import nn
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
 from transformers.models.bloom.modeling_bloom import GeLUFunction
 
 from ...config import ParallelConfig
-from ...parallel_layers.layers import Embedding
 from ..common.blocks import PreNormBlock
 from ..common.causal_masks import FULL, packed_documents
 from ..common.grouped_qkv_attention import GroupedQKVAttention
@@ -37,6 +35,7 @@ from ..common.mlp import DenseMLP
 from ..common.parallel_rules import Features
 from ..common.positions import alibi_attention_mask, local_alibi_slopes
 from ..common.stack import StackSpec, TransformerStack
+from ..common.stack_parts import EmbeddingNorm, FinalNorm, Layers, TokenEmbedding, layer_norm
 from ..heads import (
     ForCausalLM,
     ForQuestionAnswering,
@@ -79,8 +78,9 @@ class BloomBlock(PreNormBlock):
 
 BLOOM_SPEC = StackSpec(block=BloomBlock,
                        components=dict(attn_norm=LayerNorm, attn=BloomAttention, mlp_norm=LayerNorm, mlp=BloomMLP),
-                       embed_tokens="word_embeddings", embedding_norm="word_embeddings_layernorm", layers="h",
-                       final_norm="ln_f")
+                       parts=(TokenEmbedding("word_embeddings", padding=False),
+                              EmbeddingNorm("word_embeddings_layernorm", layer_norm("layer_norm_epsilon")), Layers("h"),
+                              FinalNorm("ln_f", layer_norm("layer_norm_epsilon"))))
 
 
 class BloomPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
@@ -89,11 +89,9 @@ class BloomPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "transformer"
     stack_spec = BLOOM_SPEC
     supports_gradient_checkpointing = True
-    _no_split_modules = ["BloomBlock"]
     # eager, as transformers' Bloom: SDPA takes the ALiBi mask as well and gives the same outputs, but its backward
     # through a query that sees no key (a left-padded position) differs from eager autograd's
     _supports_sdpa = False
-    _can_record_outputs = {"hidden_states": BloomBlock, "attentions": BloomAttention}
 
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
@@ -111,28 +109,16 @@ class BloomModel(TransformerStack, BloomPreTrainedModel):
     is_base_model = True
     output_class = BaseModelOutputWithPastAndCrossAttentions
 
-    def __init__(self, config: BloomConfig, *, parallel_context=None, submodule: bool = False):
-        super().__init__(config, parallel_context=parallel_context)
-        fused = self.parallel_context.config.fused_ops
-        self.embed_dim, self.num_heads = config.hidden_size, config.num_attention_heads
-        self.word_embeddings = Embedding(config.vocab_size, self.embed_dim)
-        self.word_embeddings_layernorm = LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
-        self.h = nn.ModuleList([BloomBlock(config, i, fused=fused) for i in range(config.num_hidden_layers)])
-        self.ln_f = LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
-        self.gradient_checkpointing = False
-        self.post_init()
-        if not submodule:
-            self.finish_init()
-
     def context_parallel_alibi(self, device):
         """``(slopes [n/tp], 1.0)``: this rank's ALiBi slopes for the context-parallel mask (unscaled, fp32)."""
         context = self.parallel_context
-        return local_alibi_slopes(self.num_heads, context.tp_rank, context.tp_size, device), 1.0
+        return local_alibi_slopes(self.config.num_attention_heads, context.tp_rank, context.tp_size, device), 1.0
 
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
         """``{"full_attention": [b, n/tp, s, k]}``: the causal padding mask with this rank's ALiBi bias in it."""
         context = self.parallel_context
-        slopes = local_alibi_slopes(self.num_heads, context.tp_rank, context.tp_size, shape_like.device)
+        heads = self.config.num_attention_heads
+        slopes = local_alibi_slopes(heads, context.tp_rank, context.tp_size, shape_like.device)
         documents = packed_documents(shape_like, attention_mask, past_key_values, position_ids)
         return {FULL: alibi_attention_mask(attention_mask, shape_like, past_key_values, slopes, documents=documents)}
 

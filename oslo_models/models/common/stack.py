@@ -13,9 +13,13 @@ phases that the model's ``forward`` and every pipeline stage both call, so there
 - ``forward``: the ``transformers`` signature around the two, with ``output_hidden_states`` /
   ``output_attentions`` recorded by ``transformers``' own hooks (``common/outputs.py``).
 
-A family's base model subclasses ``TransformerStack``, builds its modules in ``__init__`` with ``transformers``'
-names, and declares a ``StackSpec`` (which attribute is what, the block template and its components); its parallel
-plan and its divisibility checks are derived from the spec (``stack_plan``, ``components.check_components``).
+A family's base model subclasses ``TransformerStack`` and declares a ``StackSpec``: its ``parts`` are the builders of
+the base model's modules under ``transformers``' names, in ``transformers``' registration order (``stack_parts.py``:
+``TokenEmbedding("embed_tokens")``, ``Layers("layers")``, ``FinalNorm("norm", build)``, ``Rotary("rotary_emb",
+RotaryEmbedding)``, ...), so ``TransformerStack.__init__`` builds the model from the spec and the family writes no
+``__init__``; the roles the phases read (``embed_tokens``, ``layers``, ...) are the parts' names. The parallel plan,
+the divisibility checks and the class flags (``_no_split_modules``, ``_can_record_outputs``) are derived from the
+spec too (``StackSpec.plan``, ``components.check_components``, ``heads.StackFamilyModel``).
 
 Shapes: b batch, s sequence (this rank's chunk under cp), h hidden.
 """
@@ -36,6 +40,7 @@ from .causal_masks import FULL, SLIDING, causal_masks
 from .context_parallel import context_parallel_inputs, rotary_embeddings
 from .outputs import capture_parallel_outputs
 from .sequence_parallel import enter_sequence_parallel, leave_sequence_parallel, use_sequence_parallel
+from .stack_parts import ROLES, Part
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,11 @@ class StackSpec:
     Optional parts run by the embedding and final phases: ``input_projection`` (token embeddings -> hidden, before
     the learned positions are added: OPT's ``project_in``), ``embedding_norm`` (after the embeddings, on this
     rank's tokens: Bloom's ``word_embeddings_layernorm``), ``output_projection`` (after the final norm, on the
-    gathered ``[b, s, h]``: OPT's ``project_out``)."""
+    gathered ``[b, s, h]``: OPT's ``project_out``).
+
+    ``parts``: the builders of the base model's modules (``stack_parts.py``), in ``transformers``' registration
+    order; each fills its role's attribute name above (given here, a role's name is not given again). A spec
+    without parts names the attributes directly and its base model builds them itself (the encoders)."""
 
     block: type
     components: Mapping[str, Any]
@@ -68,6 +77,12 @@ class StackSpec:
     input_projection: str | None = None
     embedding_norm: str | None = None
     output_projection: str | None = None
+    parts: tuple[Part, ...] = ()
+
+    def __post_init__(self):
+        for part in self.parts:  # the roles the phases read are the parts' names
+            if part.role in ROLES:
+                object.__setattr__(self, part.role, part.name)
 
     @property
     def final_norm_component(self):
@@ -115,13 +130,36 @@ class StackInputs:
 
 
 class TransformerStack:
-    """Mixin of a base model (with ``OsloPreTrainedModel``): the shared forward. See the module docstring."""
+    """Mixin of a base model (with ``OsloPreTrainedModel``): built from ``stack_spec.parts`` and run by the shared
+    forward. See the module docstring."""
 
     stack_spec: ClassVar[StackSpec]
     #: masks are causal (decoders); an encoder overrides ``layer_masks``
     causal: ClassVar[bool] = True
     #: ``transformers``' output class of the base model (GPT-2: ``BaseModelOutputWithPastAndCrossAttentions``)
     output_class: ClassVar[type] = BaseModelOutputWithPast
+
+    def __init__(self, config, *, parallel_context=None, submodule: bool = False):
+        """Builds ``stack_spec.parts`` in order with the family's options of ``config`` (``stack_options``, built
+        once here), then ``post_init``; ``finish_init`` (the parallel plan, the weights' placement) unless the
+        model is a head's ``submodule``. A spec without parts (the encoders) builds in its own ``__init__``."""
+        super().__init__(config, parallel_context=parallel_context)
+        if not self.stack_spec.parts:
+            return
+        options = self.stack_options(config)
+        fused = self.parallel_context.config.fused_ops
+        for part in self.stack_spec.parts:
+            owner, _, name = part.name.rpartition(".")
+            setattr(self.part(owner) if owner else self, name, part.build(self, config, options, fused))
+        self.gradient_checkpointing = False
+        self.post_init()
+        if not submodule:
+            self.finish_init()
+
+    def build_layer(self, config, layer_idx: int, options, fused: bool) -> nn.Module:
+        """Layer ``layer_idx`` (the ``Layers`` part): the spec's block built from the config (a family whose block
+        takes its options or other arguments overrides this)."""
+        return self.stack_spec.block(config, layer_idx, fused=fused)
 
     # ------------------------------------------------------------------ hooks
     def part(self, name: str | None) -> nn.Module | None:

@@ -56,8 +56,7 @@ class DeepseekV3PreTrainedModel(mixtral.MixtralPreTrainedModel):
     config_class = DeepseekV3Config
     stack_spec = DEEPSEEK_V3_SPEC
     expert_key_layout = ExpertKeyLayout()  # mlp.experts.N.gate_proj/up_proj/down_proj
-    _can_record_outputs = {"hidden_states": mixtral.MoeDecoderLayer, "attentions": MultiHeadLatentAttention,
-                           "router_logits": OutputRecorder(GroupLimitedRouter, index=0)}
+    record_outputs = {"router_logits": OutputRecorder(GroupLimitedRouter, index=0)}
     # the router (its weight and correction bias) stays fp32 in half-precision models, as transformers'
     # ["e_score_correction_bias", "gate.weight"] keeps it; here the patterns name modules
     _keep_in_fp32_modules_strict = ["gate"]
@@ -72,11 +71,11 @@ class DeepseekV3PreTrainedModel(mixtral.MixtralPreTrainedModel):
         return config.moe_intermediate_size
 
     @classmethod
-    def decoder_options(cls, config) -> dict:
-        return dict(attention=MultiHeadLatentAttention, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+    def decoder_options(cls, config) -> mixtral.MoeOptions:
+        return cls.switches()
 
     @classmethod
-    def build_mlp(cls, config, layer_idx: int):
+    def build_mlp(cls, config, layer_idx: int, options=None):
         if layer_idx < config.first_k_dense_replace:
             return GatedMLP(config.hidden_size, config.intermediate_size, act=config.hidden_act)
         return SharedExpertsMoe(config.hidden_size, num_experts=cls.num_experts(config),

@@ -29,12 +29,10 @@ from __future__ import annotations
 import math
 
 import transformers
-from torch import nn
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
 
 from ...config import ParallelConfig
-from ...parallel_layers.layers import Embedding
 from ..common.blocks import ParallelResidualBlock, PreNormBlock
 from ..common.capabilities import Capabilities
 from ..common.causal_masks import FULL, packed_documents
@@ -44,6 +42,7 @@ from ..common.mlp import DenseMLP
 from ..common.positions import alibi_attention_mask, alibi_slopes
 from ..common.rotary import RotaryEmbedding
 from ..common.stack import StackSpec, TransformerStack
+from ..common.stack_parts import FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
 from ..heads import (
     ForCausalLM,
     ForQuestionAnswering,
@@ -113,7 +112,9 @@ class FalconDecoderLayer(ParallelResidualBlock):
 # The block's class-level names are the sequential ones; the new architecture's two norms are planned here too.
 FALCON_SPEC = StackSpec(block=FalconDecoderLayer,
                         components=dict(attn_norm=LayerNorm, attn=FalconAttention, mlp_norm=LayerNorm, mlp=FalconMLP),
-                        embed_tokens="word_embeddings", layers="h", final_norm="ln_f", rotary="rotary_emb",
+                        parts=(TokenEmbedding("word_embeddings", padding=False), Layers("h"),
+                               FinalNorm("ln_f", layer_norm("layer_norm_epsilon")),
+                               Rotary("rotary_emb", RotaryEmbedding)),
                         extra_plan={f"h.*.{name}": style for name in ("ln_attn", "ln_mlp")
                                     for style in LayerNorm.tp_plan.values()})
 
@@ -124,11 +125,9 @@ class FalconPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "transformer"
     stack_spec = FALCON_SPEC
     supports_gradient_checkpointing = True
-    _no_split_modules = ["FalconDecoderLayer"]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_attention_backend = True
-    _can_record_outputs = {"hidden_states": FalconDecoderLayer, "attentions": FalconAttention}
 
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
@@ -157,31 +156,23 @@ class FalconModel(TransformerStack, FalconPreTrainedModel):
     output_class = BaseModelOutputWithPastAndCrossAttentions
     capabilities = Capabilities(context_parallel=True)
 
-    def __init__(self, config: FalconConfig, *, parallel_context=None, submodule: bool = False):
-        super().__init__(config, parallel_context=parallel_context)
-        fused = self.parallel_context.config.fused_ops
-        self.embed_dim, self.num_heads = config.hidden_size, config.num_attention_heads
-        self.word_embeddings = Embedding(config.vocab_size, self.embed_dim)
-        self.h = nn.ModuleList([FalconDecoderLayer(config, i, fused=fused) for i in range(config.num_hidden_layers)])
-        self.ln_f = LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
-        self.rotary_emb = RotaryEmbedding(config)
-        self.gradient_checkpointing = False
-        self.post_init()
-        if not submodule:
-            self.finish_init()
-
     def _local_slopes(self, device):
         """This tensor-parallel rank's ALiBi slopes, rounded to bfloat16 as ``transformers``' Falcon does."""
         context = self.parallel_context
-        per_rank = self.num_heads // context.tp_size
+        heads = self.config.num_attention_heads
+        per_rank = heads // context.tp_size
         first = context.tp_rank * per_rank
-        return alibi_slopes(self.num_heads, device).bfloat16()[first:first + per_rank]
+        return alibi_slopes(heads, device).bfloat16()[first:first + per_rank]
+
+    def _alibi_divisor(self) -> float:
+        """``sqrt(head_dim)``, which ``transformers``' Falcon divides the ALiBi bias by."""
+        return math.sqrt(self.config.hidden_size // self.config.num_attention_heads)
 
     def context_parallel_alibi(self, device):
         """ALiBi: ``(bfloat16 slopes [n/tp], sqrt(head_dim))`` for the context-parallel mask; rotary: ``None``."""
         if not self.config.alibi:
             return None
-        return self._local_slopes(device), math.sqrt(self.embed_dim // self.num_heads)
+        return self._local_slopes(device), self._alibi_divisor()
 
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
         """Rotary: the causal masks of ``transformers``. ALiBi: ``{"full_attention": [b, n/tp, s, k]}``, the causal
@@ -191,7 +182,7 @@ class FalconModel(TransformerStack, FalconPreTrainedModel):
         slopes = self._local_slopes(shape_like.device)
         documents = packed_documents(shape_like, attention_mask, past_key_values, position_ids)
         return {FULL: alibi_attention_mask(attention_mask, shape_like, past_key_values, slopes,
-                                           divisor=math.sqrt(self.embed_dim // self.num_heads), documents=documents)}
+                                           divisor=self._alibi_divisor(), documents=documents)}
 
 
 FalconPreTrainedModel.base_model_class = FalconModel

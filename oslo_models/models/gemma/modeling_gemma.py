@@ -43,12 +43,12 @@ class GemmaPreTrainedModel(llama.LlamaPreTrainedModel):
         super().validate_parallel_config(config, parallel)
 
     @classmethod
-    def decoder_options(cls, config) -> dict:
+    def decoder_options(cls, config) -> llama.DecoderOptions:
         bias = bool(config.attention_bias)
-        return dict(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=False, norm_formula="gemma")
+        return cls.switches(qkv_bias=bias, o_bias=bias, norm_formula="gemma")
 
     @classmethod
-    def build_mlp(cls, config, layer_idx: int):
+    def build_mlp(cls, config, layer_idx: int, options=None):
         return GatedMLP(config.hidden_size, config.intermediate_size, act=getattr(config, cls.activation_attr))
 
 

@@ -46,15 +46,12 @@ class Gemma2PreTrainedModel(gemma.GemmaPreTrainedModel):
     config_class = Gemma2Config
     stack_spec = GEMMA2_SPEC
     activation_attr = "hidden_activation"
-    decoder_layer_class = Gemma2DecoderLayer
-    _no_split_modules = ["Gemma2DecoderLayer"]
     _supports_sdpa = False  # SDPA cannot soft-cap the attention logits (transformers' Gemma 2 says the same)
-    _can_record_outputs = {"hidden_states": Gemma2DecoderLayer, "attentions": GroupedQueryAttention}
 
     @classmethod
-    def decoder_options(cls, config) -> dict:
-        return dict(super().decoder_options(config), scaling=config.query_pre_attn_scalar ** -0.5,
-                    softcap=config.attn_logit_softcapping)
+    def decoder_options(cls, config) -> llama.DecoderOptions:
+        return dataclasses.replace(super().decoder_options(config), scaling=config.query_pre_attn_scalar ** -0.5,
+                                   softcap=config.attn_logit_softcapping)
 
 
 class Gemma2Model(Gemma2PreTrainedModel, gemma.GemmaModel):

@@ -25,6 +25,7 @@ import transformers
 from transformers.models.gemma3 import modeling_gemma3 as hf_gemma3
 
 from ..common import PerLayerTypeRotary
+from ..common.stack_parts import Rotary
 from ..gemma.configuration_gemma import Gemma3TextConfig
 from ..gemma2 import modeling_gemma2 as gemma2
 
@@ -39,24 +40,19 @@ class Gemma3DecoderLayer(gemma2.Gemma2DecoderLayer):
     pass
 
 
-GEMMA3_SPEC = dataclasses.replace(gemma2.GEMMA2_SPEC, block=Gemma3DecoderLayer)
+GEMMA3_SPEC = dataclasses.replace(
+    gemma2.GEMMA2_SPEC, block=Gemma3DecoderLayer,
+    parts=(*gemma2.GEMMA2_SPEC.parts[:-1], Rotary("rotary_emb", Gemma3RotaryEmbedding)))
 
 
 class Gemma3PreTrainedModel(gemma2.Gemma2PreTrainedModel):
     config_class = Gemma3TextConfig
     stack_spec = GEMMA3_SPEC
-    decoder_layer_class = Gemma3DecoderLayer
-    _no_split_modules = ["Gemma3DecoderLayer"]
     _supports_sdpa = True
-    _can_record_outputs = {"hidden_states": Gemma3DecoderLayer, "attentions": gemma2.GroupedQueryAttention}
 
     @classmethod
-    def decoder_options(cls, config) -> dict:
-        return dict(super().decoder_options(config), qk_norm="gemma")
-
-    @classmethod
-    def build_rotary(cls, config) -> Gemma3RotaryEmbedding:
-        return Gemma3RotaryEmbedding(config)
+    def decoder_options(cls, config):
+        return dataclasses.replace(super().decoder_options(config), qk_norm="gemma")
 
 
 class Gemma3TextModel(Gemma3PreTrainedModel, gemma2.Gemma2Model):

@@ -20,7 +20,7 @@ from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 from transformers.utils.output_capturing import OutputRecorder
 
 from ...config import ParallelConfig
-from ...parallel_layers.layers import Dropout, Embedding, Linear
+from ...parallel_layers.layers import Dropout, Linear
 from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
 from ..common.attention import AttentionModule, attend
 from ..common.bias_act import fused_gelu_approximation, linear_act
@@ -29,6 +29,7 @@ from ..common.capabilities import Capabilities
 from ..common.layer_norm import LayerNorm
 from ..common.parallel_rules import Features, Heads
 from ..common.stack import StackSpec, TransformerStack
+from ..common.stack_parts import EmbeddingDropout, FinalNorm, Layers, PositionEmbedding, TokenEmbedding, layer_norm
 from ..heads import (
     ForCausalLM,
     ForQuestionAnswering,
@@ -112,7 +113,7 @@ class GPT2MLP(nn.Module):
 class GPT2Block(PreNormBlock):
     names = dict(attn_norm="ln_1", attn="attn", mlp_norm="ln_2", mlp="mlp")
 
-    def __init__(self, config: GPT2Config, layer_idx: int):
+    def __init__(self, config: GPT2Config, layer_idx: int, *, fused: bool = False):  # fused: configure_fused_ops
         super().__init__(attn_norm=LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon),
                          attn=GPT2Attention(config, layer_idx),
                          mlp_norm=LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon),
@@ -121,8 +122,9 @@ class GPT2Block(PreNormBlock):
 
 GPT2_SPEC = StackSpec(block=GPT2Block,
                       components=dict(attn_norm=LayerNorm, attn=GPT2Attention, mlp_norm=LayerNorm, mlp=GPT2MLP),
-                      embed_tokens="wte", position_embedding="wpe", embedding_dropout="drop", layers="h",
-                      final_norm="ln_f", token_types_through_tokens=True)
+                      parts=(TokenEmbedding("wte", padding=False), PositionEmbedding("wpe"), EmbeddingDropout("drop"),
+                             Layers("h"), FinalNorm("ln_f", layer_norm("layer_norm_epsilon"))),
+                      token_types_through_tokens=True)
 
 
 class GPT2PreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
@@ -131,7 +133,6 @@ class GPT2PreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "transformer"
     stack_spec = GPT2_SPEC
     supports_gradient_checkpointing = True
-    _no_split_modules = ["GPT2Block"]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_attention_backend = True
@@ -160,18 +161,6 @@ class GPT2Model(TransformerStack, GPT2PreTrainedModel):
     output_class = BaseModelOutputWithPastAndCrossAttentions
     capabilities = Capabilities(context_parallel=True)
 
-    def __init__(self, config: GPT2Config, *, parallel_context=None, submodule: bool = False):
-        super().__init__(config, parallel_context=parallel_context)
-        self.embed_dim = config.hidden_size
-        self.wte = Embedding(config.vocab_size, self.embed_dim)
-        self.wpe = Embedding(config.max_position_embeddings, self.embed_dim)
-        self.drop = Dropout(config.embd_pdrop)
-        self.h = nn.ModuleList([GPT2Block(config, layer_idx=i) for i in range(config.num_hidden_layers)])
-        self.ln_f = LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
-        self.gradient_checkpointing = False
-        self.post_init()
-        if not submodule:
-            self.finish_init()
 
 
 GPT2PreTrainedModel.base_model_class = GPT2Model

@@ -21,10 +21,9 @@ Shapes: b batch, s sequence, h hidden, n heads (n/tp per rank), d head dim, V vo
 from __future__ import annotations
 
 import transformers
-from torch import nn
 from transformers.generation import GenerationMixin
 
-from ...parallel_layers.layers import Dropout, Embedding
+from ...parallel_layers.layers import Dropout
 from ...parallel_layers.plan import TPDropout
 from ..common.blocks import ParallelResidualBlock, PreNormBlock
 from ..common.capabilities import Capabilities
@@ -34,6 +33,7 @@ from ..common.packed_attention import HeadPackedAttention
 from ..common.renamed_keys import RenamedHubKeys
 from ..common.rotary import PartialRotaryEmbedding
 from ..common.stack import StackSpec, TransformerStack
+from ..common.stack_parts import EmbeddingDropout, FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
 from ..heads import (
     ForCausalLM,
     ForQuestionAnswering,
@@ -96,8 +96,10 @@ class GPTNeoXLayer(ParallelResidualBlock):
 GPT_NEOX_SPEC = StackSpec(block=GPTNeoXLayer,
                           components=dict(attn_norm=LayerNorm, attn=GPTNeoXAttention, mlp_norm=LayerNorm,
                                           mlp=GPTNeoXMLP),
-                          embed_tokens="embed_in", embedding_dropout="emb_dropout", layers="layers",
-                          final_norm="final_layer_norm", rotary="rotary_emb")
+                          parts=(TokenEmbedding("embed_in", padding=False),
+                                 EmbeddingDropout("emb_dropout", "hidden_dropout"), Layers("layers"),
+                                 FinalNorm("final_layer_norm", layer_norm("layer_norm_eps")),
+                                 Rotary("rotary_emb", PartialRotaryEmbedding)))
 
 
 class GPTNeoXPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
@@ -106,7 +108,6 @@ class GPTNeoXPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "gpt_neox"
     stack_spec = GPT_NEOX_SPEC
     supports_gradient_checkpointing = True
-    _no_split_modules = ["GPTNeoXLayer"]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = True
@@ -115,7 +116,6 @@ class GPTNeoXPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     _keys_to_ignore_on_load_unexpected = ["attention.bias", "attention.masked_bias", "rotary_emb.inv_freq"]
     # 3D tensor parallelism: position ids feed only the rotary attention, which runs in the inner layout
     grid_inner_inputs = ("attention_mask", "position_ids")
-    _can_record_outputs = {"hidden_states": GPTNeoXLayer, "attentions": GPTNeoXAttention}
 
 
 class GPTNeoXModel(TransformerStack, GPTNeoXPreTrainedModel):
@@ -126,18 +126,6 @@ class GPTNeoXModel(TransformerStack, GPTNeoXPreTrainedModel):
     is_base_model = True
     capabilities = Capabilities(context_parallel=True)
 
-    def __init__(self, config: GPTNeoXConfig, *, parallel_context=None, submodule: bool = False):
-        super().__init__(config, parallel_context=parallel_context)
-        fused = self.parallel_context.config.fused_ops
-        self.embed_in = Embedding(config.vocab_size, config.hidden_size)
-        self.emb_dropout = Dropout(config.hidden_dropout)
-        self.layers = nn.ModuleList([GPTNeoXLayer(config, i, fused=fused) for i in range(config.num_hidden_layers)])
-        self.final_layer_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.rotary_emb = PartialRotaryEmbedding(config)
-        self.gradient_checkpointing = False
-        self.post_init()
-        if not submodule:
-            self.finish_init()
 
 
 GPTNeoXPreTrainedModel.base_model_class = GPTNeoXModel

@@ -70,8 +70,7 @@ class GptOssPreTrainedModel(mixtral.MixtralPreTrainedModel):
     stack_spec = GPT_OSS_SPEC
     expert_key_layout = ExpertKeyLayout(stacked=())  # stacked on the Hub too: keys pass through unchanged
     _supports_sdpa = False  # sinks: eager / flex / flash only, as transformers
-    _can_record_outputs = {"hidden_states": mixtral.MoeDecoderLayer, "attentions": SinkAttention,
-                           "router_logits": OutputRecorder(BiasedTopKRouter, index=0)}
+    record_outputs = {"router_logits": OutputRecorder(BiasedTopKRouter, index=0)}
 
     # its MoE block routes like SparseMoeBlock (moe.route_tokens): sequence parallelism and pipeline x tp/ep run;
     # context parallelism: the cores take the sinks, the router loss is Mixtral's (statistics summed over cp)
@@ -83,13 +82,12 @@ class GptOssPreTrainedModel(mixtral.MixtralPreTrainedModel):
         return config.intermediate_size
 
     @classmethod
-    def decoder_options(cls, config) -> dict:
+    def decoder_options(cls, config) -> mixtral.MoeOptions:
         bias = bool(config.attention_bias)
-        return dict(attention=SinkAttention, qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=False,
-                    norm_formula="olmo2")
+        return cls.switches(qkv_bias=bias, o_bias=bias, norm_formula="olmo2")
 
     @classmethod
-    def build_mlp(cls, config, layer_idx: int):
+    def build_mlp(cls, config, layer_idx: int, options=None):
         alpha, limit = swiglu_constants(config)
         return ClampedSwigluMoe(config.hidden_size, num_experts=config.num_local_experts,
                                 top_k=config.num_experts_per_tok, intermediate_size=config.intermediate_size,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 import transformers
-from torch import nn
 from transformers.generation import GenerationMixin
 
 try:
@@ -39,7 +38,7 @@ except ImportError:  # transformers < 5.2x (e.g. 5.17) computes GPT-J's eager at
         return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 from ...parallel_layers.kv_heads import KVHeadColwise
-from ...parallel_layers.layers import Dropout, Embedding
+from ...parallel_layers.layers import Dropout
 from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
 from ..common.attention import GroupedQueryAttention
 from ..common.blocks import ParallelResidualBlock
@@ -48,6 +47,7 @@ from ..common.layer_norm import LayerNorm
 from ..common.mlp import DenseMLP
 from ..common.rotary import InterleavedRotaryEmbedding
 from ..common.stack import StackSpec, TransformerStack
+from ..common.stack_parts import EmbeddingDropout, FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
 from ..heads import ForCausalLM, ForQuestionAnswering, ForSequenceClassification, StackFamilyModel
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_gptj import GPTJConfig
@@ -93,8 +93,10 @@ class GPTJBlock(ParallelResidualBlock):
 
 
 GPTJ_SPEC = StackSpec(block=GPTJBlock, components=dict(attn_norm=LayerNorm, attn=GPTJAttention, mlp=GPTJMLP),
-                      embed_tokens="wte", embedding_dropout="drop", layers="h", final_norm="ln_f",
-                      rotary="rotary_emb", token_types_through_tokens=True)
+                      parts=(TokenEmbedding("wte", padding=False), EmbeddingDropout("drop"), Layers("h"),
+                             FinalNorm("ln_f", layer_norm("layer_norm_epsilon")),
+                             Rotary("rotary_emb", InterleavedRotaryEmbedding)),
+                      token_types_through_tokens=True)
 
 
 class GPTJPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
@@ -103,7 +105,6 @@ class GPTJPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "transformer"
     stack_spec = GPTJ_SPEC
     supports_gradient_checkpointing = True
-    _no_split_modules = ["GPTJBlock"]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = True
@@ -111,7 +112,6 @@ class GPTJPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     _keys_to_ignore_on_load_unexpected = ["attn.bias", "attn.masked_bias"]  # old causal-mask buffers
     # 3D tensor parallelism: position ids feed only the rotary attention, which runs in the inner layout
     grid_inner_inputs = ("attention_mask", "position_ids")
-    _can_record_outputs = {"hidden_states": GPTJBlock, "attentions": GPTJAttention}
 
 
 class GPTJModel(TransformerStack, GPTJPreTrainedModel):
@@ -122,19 +122,6 @@ class GPTJModel(TransformerStack, GPTJPreTrainedModel):
     is_base_model = True
     capabilities = Capabilities(context_parallel=True)
 
-    def __init__(self, config: GPTJConfig, *, parallel_context=None, submodule: bool = False):
-        super().__init__(config, parallel_context=parallel_context)
-        fused = self.parallel_context.config.fused_ops
-        self.embed_dim, self.vocab_size = config.n_embd, config.vocab_size
-        self.wte = Embedding(config.vocab_size, self.embed_dim)
-        self.drop = Dropout(config.embd_pdrop)
-        self.h = nn.ModuleList([GPTJBlock(config, i, fused=fused) for i in range(config.n_layer)])
-        self.ln_f = LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
-        self.rotary_emb = InterleavedRotaryEmbedding(config)
-        self.gradient_checkpointing = False
-        self.post_init()
-        if not submodule:
-            self.finish_init()
 
 
 GPTJPreTrainedModel.base_model_class = GPTJModel

@@ -5,34 +5,38 @@ their own class names (``models/mistral``, ``models/qwen2``, ``models/qwen3``).
 What differs between the four, and where it is decided:
 
 - attention biases (Llama ``attention_bias``/``mlp_bias``, Qwen2 q/k/v biases, Qwen3 ``attention_bias``) and
-  Qwen3's q/k RMS norms: ``decoder_options(config)``, a class method each family overrides;
+  Qwen3's q/k RMS norms: ``decoder_options(config)``, the frozen ``DecoderOptions`` of a config (a class method each
+  family overrides), built once per model and handed to every part and layer;
 - sliding-window attention (Mistral ``sliding_window``, Qwen2/Qwen3 ``use_sliding_window``/``max_window_layers``,
   or ``layer_types``): ``attention_types(config)`` (``common.causal_masks.layer_types``; Mistral overrides it);
 - the feed-forward: ``build_mlp(config, layer_idx)`` (SwiGLU here; the hook mixture-of-experts decoders override);
 - tied or untied embeddings: ``config.tie_word_embeddings``.
 
 Gemma 1/2/3 and OLMo 2 (their own folders) use the same hooks further: ``decoder_options`` also picks the norm
-formula, the attention class, the score scale and the logit soft-cap; ``decoder_layer_class`` a sandwich-norm layer
-(``SandwichDecoderLayer``); ``build_rotary`` the rotary module.
+formula, the score scale and the logit soft-cap; their spec names a sandwich-norm layer (``SandwichDecoderLayer``),
+the attention component (read into the options: named once, in the spec) and the rotary module.
 
-The layer is the pre-norm block template (``common/blocks.py``) under Llama's names; the forward is the shared stack
-(``common/stack.py``: embeddings, layers, final norm, with the sequence-parallel region opened once per forward);
-the parallel plan and the divisibility checks are derived from ``LLAMA_SPEC``'s components; the heads are the
-generic ones (``models/heads.py``). Parallelism enters only through the layers the plan swaps in.
+The layer is the pre-norm block template (``common/blocks.py``) under Llama's names; the base model is built from
+``LLAMA_SPEC``'s parts (``common/stack_parts.py``) and its forward is the shared stack (``common/stack.py``:
+embeddings, layers, final norm, with the sequence-parallel region opened once per forward); the parallel plan, the
+divisibility checks and the class flags are derived from the spec; the heads are the generic ones
+(``models/heads.py``). Parallelism enters only through the layers the plan swaps in.
 
 Shapes: b batch, s sequence, h hidden, n query heads (n/tp per rank), n_kv key/value heads, d head dim, V vocab.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import transformers
 from torch import nn
 from transformers.generation import GenerationMixin
 
-from ...parallel_layers.layers import Embedding
 from ..common import GatedMLP, GroupedQueryAttention, RMSNorm, RotaryEmbedding, layer_types
 from ..common.blocks import PreNormBlock, SandwichNormBlock
 from ..common.capabilities import Capabilities
 from ..common.stack import StackSpec, TransformerStack
+from ..common.stack_parts import FinalNorm, Layers, Rotary, TokenEmbedding
 from ..heads import (
     ForCausalLM,
     ForQuestionAnswering,
@@ -44,6 +48,23 @@ from ..modeling_utils import OsloPreTrainedModel
 from .configuration_llama import LlamaConfig
 
 
+@dataclass(frozen=True)
+class DecoderOptions:
+    """The switches of a Llama-shaped decoder for one config (``decoder_options(config)``), read by the layers and
+    the final norm: ``attention`` (the spec's attention component, read from the spec, not named again), biases on
+    q/k/v, o and the MLP, q/k norms (``False``, ``True`` or a norm formula), the residual norms' ``norm_formula``
+    (``common/rms_norm.py``), and, when set, the score ``scaling`` and ``softcap`` (Gemma 2/3)."""
+
+    attention: type = GroupedQueryAttention
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool | str = False
+    norm_formula: str = "llama"
+    scaling: float | None = None
+    softcap: float | None = None
+
+
 class LlamaDecoderLayer(PreNormBlock):
     """Pre-norm block: ``x + self_attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``.
     ``attention_type`` (full or sliding) picks this layer's mask from the stack's ``{type: mask}``; ``mlp`` is the
@@ -52,7 +73,7 @@ class LlamaDecoderLayer(PreNormBlock):
 
     names = dict(attn_norm="input_layernorm", attn="self_attn", mlp_norm="post_attention_layernorm", mlp="mlp")
 
-    def __init__(self, config, layer_idx: int, *, options: dict, attention_type: str, mlp: nn.Module,
+    def __init__(self, config, layer_idx: int, *, options: DecoderOptions, attention_type: str, mlp: nn.Module,
                  fused: bool = False):
         attention = decoder_attention(config, layer_idx, options, attention_type, fused=fused)
         # registered in transformers' order (self_attn, mlp, input_layernorm, post_attention_layernorm)
@@ -69,7 +90,7 @@ class SandwichDecoderLayer(SandwichNormBlock):
     two post norms. Registered as ``transformers`` registers them: ``self_attn``, ``mlp``, then the norms in block
     order."""
 
-    def __init__(self, config, layer_idx: int, *, options: dict, attention_type: str, mlp: nn.Module,
+    def __init__(self, config, layer_idx: int, *, options: DecoderOptions, attention_type: str, mlp: nn.Module,
                  fused: bool = False):
         norms = {role: decoder_norm(config, options, fused=fused)
                  for role in self.roles if role.endswith("norm") and role in self.names}
@@ -78,28 +99,30 @@ class SandwichDecoderLayer(SandwichNormBlock):
         self.attention_type = attention_type
 
 
-def decoder_attention(config, layer_idx: int, options: dict, attention_type: str, *, fused: bool = False):
-    """Layer ``layer_idx``'s attention from the family's ``decoder_options``: ``attention`` (the class, default
-    ``GroupedQueryAttention``), the biases and q/k norms, and, when present, ``scaling`` / ``softcap`` (Gemma 2/3);
-    the config's ``sliding_window`` on ``"sliding_attention"`` layers."""
+def decoder_attention(config, layer_idx: int, options: DecoderOptions, attention_type: str, *, fused: bool = False):
+    """Layer ``layer_idx``'s attention from the family's ``DecoderOptions``: its ``attention`` class, the biases and
+    q/k norms, and, when set, ``scaling`` / ``softcap`` (Gemma 2/3); the config's ``sliding_window`` on
+    ``"sliding_attention"`` layers."""
     window = config.sliding_window if attention_type == "sliding_attention" else None
-    extra = {key: options[key] for key in ("scaling", "softcap") if options.get(key) is not None}
-    attention_class = options.get("attention", GroupedQueryAttention)
-    return attention_class(config, layer_idx, qkv_bias=options["qkv_bias"], o_bias=options["o_bias"],
-                           qk_norm=options["qk_norm"], sliding_window=window, fused=fused, **extra)
+    extra = {key: value for key, value in (("scaling", options.scaling), ("softcap", options.softcap))
+             if value is not None}
+    return options.attention(config, layer_idx, qkv_bias=options.qkv_bias, o_bias=options.o_bias,
+                             qk_norm=options.qk_norm, sliding_window=window, fused=fused, **extra)
 
 
-def decoder_norm(config, options: dict, *, fused: bool = False) -> RMSNorm:
-    """A residual-stream RMS norm of the family's ``norm_formula`` (``decoder_options``; default ``"llama"``, Gemma:
-    ``"gemma"``, OLMo 2: ``"olmo2"``; see ``common/rms_norm.py``)."""
-    return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula=options.get("norm_formula", "llama"),
-                   fused=fused)
+def decoder_norm(config, options: DecoderOptions, fused: bool = False) -> RMSNorm:
+    """A residual-stream RMS norm of the family's ``norm_formula`` (``DecoderOptions``; Llama ``"llama"``, Gemma:
+    ``"gemma"``, OLMo 2: ``"olmo2"``; see ``common/rms_norm.py``); also the final norm's builder."""
+    return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula=options.norm_formula, fused=fused)
 
 
+#: the Llama-shaped base model's parts, in transformers' registration order (Gemma 3 and Phi-3 swap the rotary)
+DECODER_PARTS = (TokenEmbedding("embed_tokens"), Layers("layers"), FinalNorm("norm", decoder_norm),
+                 Rotary("rotary_emb", RotaryEmbedding))
 LLAMA_SPEC = StackSpec(block=LlamaDecoderLayer,
                        components=dict(attn=GroupedQueryAttention, mlp=GatedMLP, attn_norm=RMSNorm,
                                        mlp_norm=RMSNorm),
-                       embed_tokens="embed_tokens", layers="layers", final_norm="norm", rotary="rotary_emb")
+                       parts=DECODER_PARTS)
 
 
 class LlamaPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
@@ -108,7 +131,6 @@ class LlamaPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "model"
     stack_spec = LLAMA_SPEC
     supports_gradient_checkpointing = True
-    _no_split_modules = ["LlamaDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
     _supports_flash_attn = True
@@ -117,15 +139,24 @@ class LlamaPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     _keys_to_ignore_on_load_unexpected = ["rotary_emb.inv_freq"]  # persisted by some old Llama conversions
     # 3D tensor parallelism: position ids feed only the rotary attention, which runs in the inner layout
     grid_inner_inputs = ("attention_mask", "position_ids")
-    _can_record_outputs = {"hidden_states": LlamaDecoderLayer, "attentions": GroupedQueryAttention}
+    #: the frozen class of ``decoder_options`` (the MoE decoders' adds their sparse blocks' switches)
+    options_class = DecoderOptions
 
     @classmethod
-    def decoder_options(cls, config) -> dict:
-        """The switches of this family's decoder (Llama: ``attention_bias`` on q/k/v/o, ``mlp_bias``). Optional keys
-        other families set (``decoder_attention``, ``decoder_norm``): ``attention`` (the attention class),
-        ``scaling``, ``softcap``, ``norm_formula``."""
+    def switches(cls, **values) -> DecoderOptions:
+        """``options_class`` with ``values`` and the spec's attention component."""
+        return cls.options_class(attention=cls.stack_spec.components["attn"], **values)
+
+    @classmethod
+    def decoder_options(cls, config) -> DecoderOptions:
+        """The switches of this family's decoder for ``config`` (Llama: ``attention_bias`` on q/k/v/o,
+        ``mlp_bias``); a family overrides it with its own (``switches(...)``)."""
         bias = bool(getattr(config, "attention_bias", False))
-        return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)), qk_norm=False)
+        return cls.switches(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
+
+    @classmethod
+    def stack_options(cls, config) -> DecoderOptions:
+        return cls.decoder_options(config)
 
     @classmethod
     def attention_types(cls, config) -> list[str]:
@@ -133,46 +164,26 @@ class LlamaPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
         return layer_types(config)
 
     @classmethod
-    def build_mlp(cls, config, layer_idx: int) -> nn.Module:
-        """Layer ``layer_idx``'s feed-forward, registered as ``mlp`` (the hook the MoE decoders override)."""
-        return GatedMLP(config.hidden_size, config.intermediate_size, act=config.hidden_act,
-                        bias=cls.decoder_options(config)["mlp_bias"])
+    def build_mlp(cls, config, layer_idx: int, options: DecoderOptions | None = None) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward, registered as ``mlp`` (the hook the MoE decoders override);
+        ``options``: the config's ``decoder_options`` (built when not given)."""
+        options = cls.decoder_options(config) if options is None else options
+        return GatedMLP(config.hidden_size, config.intermediate_size, act=config.hidden_act, bias=options.mlp_bias)
 
 
 class LlamaModel(TransformerStack, LlamaPreTrainedModel):
-    """Embeddings, ``num_hidden_layers`` decoder layers, the final norm and the rotary embedding; the forward is the
-    shared stack's. Output ``last_hidden_state``: ``[b, s, h]``."""
+    """Built from the spec's parts: embeddings, ``num_hidden_layers`` decoder layers, the final norm and the rotary
+    embedding; the forward is the shared stack's. Output ``last_hidden_state``: ``[b, s, h]``."""
 
     hf_twin = transformers.LlamaModel
     is_base_model = True
     capabilities = Capabilities(context_parallel=True)
-    decoder_layer_class = LlamaDecoderLayer  # the MoE decoders (models/mixtral, qwen2_moe) swap in theirs
 
-    def __init__(self, config, *, parallel_context=None, submodule: bool = False):
-        super().__init__(config, parallel_context=parallel_context)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-        fused = self.parallel_context.config.fused_ops
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList([self.build_layer(config, i, fused=fused)
-                                     for i in range(config.num_hidden_layers)])
-        self.norm = decoder_norm(config, self.decoder_options(config), fused=fused)
-        self.rotary_emb = self.build_rotary(config)
-        self.gradient_checkpointing = False
-        self.post_init()
-        if not submodule:
-            self.finish_init()
-
-    @classmethod
-    def build_layer(cls, config, layer_idx: int, *, fused: bool = False) -> LlamaDecoderLayer:
-        return cls.decoder_layer_class(config, layer_idx, options=cls.decoder_options(config),
-                                       attention_type=cls.attention_types(config)[layer_idx],
-                                       mlp=cls.build_mlp(config, layer_idx), fused=fused)
-
-    @classmethod
-    def build_rotary(cls, config) -> nn.Module:
-        """The rotary module (``rotary_emb``): ``transformers``' Llama one here; Gemma 3 has one per layer type."""
-        return RotaryEmbedding(config)
+    def build_layer(self, config, layer_idx: int, options: DecoderOptions, fused: bool) -> nn.Module:
+        """The spec's block with the layer's attention type and feed-forward (``build_mlp``)."""
+        return self.stack_spec.block(config, layer_idx, options=options,
+                                     attention_type=self.attention_types(config)[layer_idx],
+                                     mlp=self.build_mlp(config, layer_idx, options), fused=fused)
 
 
 LlamaPreTrainedModel.base_model_class = LlamaModel

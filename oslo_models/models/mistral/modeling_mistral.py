@@ -14,8 +14,8 @@ class MistralPreTrainedModel(llama.LlamaPreTrainedModel):
     config_class = MistralConfig
 
     @classmethod
-    def decoder_options(cls, config) -> dict:
-        return dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+    def decoder_options(cls, config) -> llama.DecoderOptions:
+        return cls.switches()
 
     @classmethod
     def attention_types(cls, config) -> list[str]:

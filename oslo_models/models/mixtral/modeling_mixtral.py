@@ -24,6 +24,9 @@ The base model returns ``MoeModelOutputWithPast`` with the router logits when as
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 import transformers
@@ -65,37 +68,50 @@ MOE_SPEC = dataclasses.replace(llama.LLAMA_SPEC, block=MoeDecoderLayer,
                                components={**llama.LLAMA_SPEC.components, "mlp": (SparseMoeBlock, GatedMLP)})
 
 
+@dataclass(frozen=True)
+class MoeOptions(llama.DecoderOptions):
+    """``DecoderOptions`` plus the feed-forwards': ``moe`` (the ``SparseMoeBlock`` keyword arguments),
+    ``sparse_layers`` (the layers with a sparse block) and ``dense_intermediate_size`` (the other layers' MLP)."""
+
+    moe: Mapping = field(default_factory=dict)
+    sparse_layers: frozenset = frozenset()
+    dense_intermediate_size: int | None = None
+
+
+def moe_switches(**moe) -> Mapping:
+    """A read-only ``moe`` mapping of ``MoeOptions``."""
+    return MappingProxyType(moe)
+
+
 class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
     """Checkpoints: read and written in the per-expert Hub layout (``expert_key_layout``, see
     ``common/expert_keys.py``), as ``transformers`` saves them; stacked-layout checkpoints load too."""
 
     config_class = MixtralConfig
     stack_spec = MOE_SPEC
-    _no_split_modules = ["MoeDecoderLayer"]
+    options_class = MoeOptions
     # the load-balancing statistics are summed over cp (forward below); SparseMoeBlock runs sequence-parallel, under
     # pipeline x tp/ep and on the 2D / 2.5D grid (experts replicated: common/moe.py): a family with another MoE block
     # says what it does not run
     capabilities = Capabilities(moe_context_parallel=True, moe_sequence_parallel=True, moe_grid=True)
     # the base model returns each sparse layer's router logits [b*s, E] with output_router_logits, as transformers'
     # (recorded by its hooks on the routers; the tokens are whole on every TP rank: nothing to gather)
-    _can_record_outputs = {**llama.LlamaPreTrainedModel._can_record_outputs,
-                           "router_logits": OutputRecorder(TopKRouter, index=0)}
+    record_outputs = {"router_logits": OutputRecorder(TopKRouter, index=0)}
     expert_key_layout = ExpertKeyLayout(gate="w1", up="w3", down="w2", hub_block="block_sparse_moe")
 
     @classmethod
-    def decoder_options(cls, config) -> dict:
-        moe = dict(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
-                   intermediate_size=config.intermediate_size, act=config.hidden_act, normalize=True,
-                   jitter_noise=config.router_jitter_noise)
-        return dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, moe=moe,
-                    sparse_layers=set(range(config.num_hidden_layers)), dense_intermediate_size=None)
+    def decoder_options(cls, config) -> MoeOptions:
+        moe = moe_switches(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+                           intermediate_size=config.intermediate_size, act=config.hidden_act, normalize=True,
+                           jitter_noise=config.router_jitter_noise)
+        return cls.switches(moe=moe, sparse_layers=frozenset(range(config.num_hidden_layers)))
 
     @classmethod
-    def build_mlp(cls, config, layer_idx: int):
-        options = cls.decoder_options(config)
-        if layer_idx in options["sparse_layers"]:
-            return SparseMoeBlock(config.hidden_size, **options["moe"])
-        return GatedMLP(config.hidden_size, options["dense_intermediate_size"], act=config.hidden_act)
+    def build_mlp(cls, config, layer_idx: int, options: MoeOptions | None = None):
+        options = cls.decoder_options(config) if options is None else options
+        if layer_idx in options.sparse_layers:
+            return SparseMoeBlock(config.hidden_size, **options.moe)
+        return GatedMLP(config.hidden_size, options.dense_intermediate_size, act=config.hidden_act)
 
     @classmethod
     def num_experts(cls, config) -> int:
@@ -103,7 +119,7 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
 
     @classmethod
     def expert_intermediate_size(cls, config) -> int:
-        return cls.decoder_options(config)["moe"]["intermediate_size"]
+        return cls.decoder_options(config).moe["intermediate_size"]
 
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
@@ -127,7 +143,6 @@ class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
 
 class MixtralModel(MixtralPreTrainedModel, llama.LlamaModel):
     hf_twin = transformers.MixtralModel
-    decoder_layer_class = MoeDecoderLayer
     output_class = MoeModelOutputWithPast
 
 

@@ -1,5 +1,5 @@
-"""OLMo 2: the Llama decoder (``models/llama``) with post-norms only and full-width q/k norms, declared from a config
-class and a ``StackSpec`` (``declare_stack_family``).
+"""OLMo 2: the Llama decoder (``models/llama``) with post-norms only and full-width q/k norms: its spec and its
+switches; the classes are one line each, as ``transformers``' generated files write them.
 
 What differs from Llama, and where:
 
@@ -19,7 +19,6 @@ import dataclasses
 import transformers
 
 from ..common import FullWidthQKNormAttention, GatedMLP, RMSNorm
-from ..declare import declare_stack_family
 from ..llama import modeling_llama as llama
 from .configuration_olmo2 import Olmo2Config
 
@@ -34,16 +33,27 @@ OLMO2_SPEC = dataclasses.replace(
     components=dict(attn=FullWidthQKNormAttention, mlp=GatedMLP, post_attn_norm=RMSNorm, post_mlp_norm=RMSNorm))
 
 
-def _decoder_options(cls, config) -> dict:
-    bias = bool(config.attention_bias)
-    return dict(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=False, attention=FullWidthQKNormAttention,
-                norm_formula="olmo2")
+class Olmo2PreTrainedModel(llama.LlamaPreTrainedModel):
+    config_class = Olmo2Config
+    stack_spec = OLMO2_SPEC
+
+    @classmethod
+    def decoder_options(cls, config) -> llama.DecoderOptions:
+        bias = bool(config.attention_bias)
+        return cls.switches(qkv_bias=bias, o_bias=bias, norm_formula="olmo2")
 
 
-globals().update(declare_stack_family(
-    "Olmo2", Olmo2Config, OLMO2_SPEC, like=llama.LlamaPreTrainedModel, module=__name__,
-    hf_twins={"base": transformers.Olmo2Model, "causal_lm": transformers.Olmo2ForCausalLM,
-              "sequence_classification": transformers.Olmo2ForSequenceClassification},
-    decoder_options=classmethod(_decoder_options), decoder_layer_class=Olmo2DecoderLayer,
-    _no_split_modules=["Olmo2DecoderLayer"],
-    _can_record_outputs={"hidden_states": Olmo2DecoderLayer, "attentions": FullWidthQKNormAttention}))
+class Olmo2Model(Olmo2PreTrainedModel, llama.LlamaModel):
+    hf_twin = transformers.Olmo2Model
+
+
+Olmo2PreTrainedModel.base_model_class = Olmo2Model
+
+
+class Olmo2ForCausalLM(Olmo2PreTrainedModel, llama.LlamaForCausalLM):
+    hf_twin = transformers.Olmo2ForCausalLM
+    pipeline_grid_modes = False  # its pipeline stages are not tested on the 2D / 2.5D / 3D grid: refused there
+
+
+class Olmo2ForSequenceClassification(Olmo2PreTrainedModel, llama.LlamaForSequenceClassification):
+    hf_twin = transformers.Olmo2ForSequenceClassification

@@ -40,6 +40,7 @@ from ..common.mlp import DenseMLP
 from ..common.parallel_rules import Heads
 from ..common.positions import LearnedPositionalEmbedding, LearnedPositions
 from ..common.stack import StackSpec, TransformerStack
+from ..common.stack_parts import Built
 from ..heads import ForCausalLM, ForQuestionAnswering, ForSequenceClassification, StackFamilyModel
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_opt import OPTConfig
@@ -125,6 +126,7 @@ class OPTDecoderLayer(PreNormBlock):
 
 OPT_SPEC = StackSpec(block=OPTDecoderLayer,
                      components=dict(attn_norm=LayerNorm, attn=OPTAttention, mlp_norm=LayerNorm, mlp=OPTFeedForward),
+                     parts=(Built("decoder", lambda config, options, fused: OPTDecoder(config)),),
                      embed_tokens="decoder.embed_tokens", position_embedding="decoder.embed_positions",
                      input_projection="decoder.project_in", layers="decoder.layers",
                      final_norm="decoder.final_layer_norm", output_projection="decoder.project_out",
@@ -163,12 +165,10 @@ class OPTPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "model"
     stack_spec = OPT_SPEC
     supports_gradient_checkpointing = True
-    _no_split_modules = ["OPTDecoderLayer"]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _can_record_outputs = {"hidden_states": OPTDecoderLayer, "attentions": OPTAttention}
 
     @classmethod
     def head_hidden_size(cls, config) -> int:
@@ -186,20 +186,12 @@ class OPTPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
 
 
 class OPTModel(TransformerStack, OPTPreTrainedModel):
-    """``decoder`` (``OPTDecoder``) run by the shared stack, with positions from the attention mask. Output
-    ``last_hidden_state``: ``[b, s, e]`` (after ``project_out``)."""
+    """``decoder`` (``OPTDecoder``, the spec's one part) run by the shared stack, with positions from the attention
+    mask. Output ``last_hidden_state``: ``[b, s, e]`` (after ``project_out``)."""
 
     hf_twin = transformers.OPTModel
     is_base_model = True
     capabilities = Capabilities(context_parallel=True)
-
-    def __init__(self, config: OPTConfig, *, parallel_context=None, submodule: bool = False):
-        super().__init__(config, parallel_context=parallel_context)
-        self.decoder = OPTDecoder(config)
-        self.gradient_checkpointing = False
-        self.post_init()
-        if not submodule:
-            self.finish_init()
 
     def stack_inputs(self, shape_like, attention_mask=None, position_ids=None, past_key_values=None, **options):
         """Position ids from a 2D padding mask ``[b, past + s]`` when none are given (``cumsum(mask) * mask - 1``

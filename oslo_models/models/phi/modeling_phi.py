@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import torch
 import transformers
-from torch import nn
 from transformers.generation import GenerationMixin
 
 from ...parallel_layers.kv_heads import KVHeadColwise
-from ...parallel_layers.layers import Dropout, Embedding
+from ...parallel_layers.layers import Dropout
 from ...parallel_layers.layers import LayerNorm as PlainLayerNorm
 from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
 from ..common.attention import GroupedQueryAttention
@@ -34,6 +33,7 @@ from ..common.layer_norm import HeadLayerNormStyle, LayerNorm
 from ..common.mlp import DenseMLP
 from ..common.rotary import PartialRotaryEmbedding
 from ..common.stack import StackSpec, TransformerStack
+from ..common.stack_parts import EmbeddingDropout, FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
 from ..heads import ForCausalLM, ForSequenceClassification, ForTokenClassification, StackFamilyModel
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_phi import PhiConfig
@@ -92,8 +92,9 @@ class PhiDecoderLayer(ParallelResidualBlock):
 
 
 PHI_SPEC = StackSpec(block=PhiDecoderLayer, components=dict(attn=PhiAttention, mlp=PhiMLP, attn_norm=LayerNorm),
-                     embed_tokens="embed_tokens", embedding_dropout="embed_dropout", layers="layers",
-                     final_norm="final_layernorm", rotary="rotary_emb")
+                     parts=(TokenEmbedding("embed_tokens"), Layers("layers"),
+                            Rotary("rotary_emb", PartialRotaryEmbedding), EmbeddingDropout("embed_dropout"),
+                            FinalNorm("final_layernorm", layer_norm("layer_norm_eps"))))
 
 
 class PhiPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
@@ -102,14 +103,12 @@ class PhiPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "model"
     stack_spec = PHI_SPEC
     supports_gradient_checkpointing = True
-    _no_split_modules = ["PhiDecoderLayer"]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
     # 3D tensor parallelism: position ids feed only the rotary attention, which runs in the inner layout
     grid_inner_inputs = ("attention_mask", "position_ids")
-    _can_record_outputs = {"hidden_states": PhiDecoderLayer, "attentions": PhiAttention}
 
 
 class PhiModel(TransformerStack, PhiPreTrainedModel):
@@ -120,20 +119,6 @@ class PhiModel(TransformerStack, PhiPreTrainedModel):
     is_base_model = True
     capabilities = Capabilities(context_parallel=True)
 
-    def __init__(self, config: PhiConfig, *, parallel_context=None, submodule: bool = False):
-        super().__init__(config, parallel_context=parallel_context)
-        fused = self.parallel_context.config.fused_ops
-        self.padding_idx, self.vocab_size = config.pad_token_id, config.vocab_size
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList([PhiDecoderLayer(config, i, fused=fused)
-                                     for i in range(config.num_hidden_layers)])
-        self.rotary_emb = PartialRotaryEmbedding(config)
-        self.embed_dropout = Dropout(config.embd_pdrop)
-        self.final_layernorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.gradient_checkpointing = False
-        self.post_init()
-        if not submodule:
-            self.finish_init()
 
 
 PhiPreTrainedModel.base_model_class = PhiModel

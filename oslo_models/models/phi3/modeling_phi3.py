@@ -24,6 +24,7 @@ from ..common import PackedGatedMLP, PackedQKVAttention, PartialRotaryEmbedding,
 from ..common.blocks import PreNormBlock, ResidualDropout
 from ..common.causal_masks import FULL, SLIDING
 from ..common.stack import StackSpec
+from ..common.stack_parts import Rotary
 from ..llama import modeling_llama as llama
 from .configuration_phi3 import Phi3Config
 
@@ -53,19 +54,17 @@ class Phi3DecoderLayer(PreNormBlock):
 PHI3_SPEC = StackSpec(block=Phi3DecoderLayer,
                       components=dict(attn=PackedQKVAttention, mlp=PackedGatedMLP, attn_norm=RMSNorm,
                                       mlp_norm=RMSNorm, attn_dropout=ResidualDropout, mlp_dropout=ResidualDropout),
-                      rotary="rotary_emb")
+                      parts=(*llama.DECODER_PARTS[:-1], Rotary("rotary_emb", PartialRotaryEmbedding)))
 
 
 class Phi3PreTrainedModel(llama.LlamaPreTrainedModel):
     config_class = Phi3Config
     config: Phi3Config
     stack_spec = PHI3_SPEC
-    _no_split_modules = ["Phi3DecoderLayer"]
-    _can_record_outputs = {"hidden_states": Phi3DecoderLayer, "attentions": PackedQKVAttention}
 
     @classmethod
-    def decoder_options(cls, config) -> dict:
-        return dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+    def decoder_options(cls, config) -> llama.DecoderOptions:
+        return cls.switches()
 
     @classmethod
     def attention_types(cls, config) -> list[str]:
@@ -73,17 +72,12 @@ class Phi3PreTrainedModel(llama.LlamaPreTrainedModel):
         return [SLIDING if config.sliding_window is not None else FULL] * config.num_hidden_layers
 
     @classmethod
-    def build_mlp(cls, config, layer_idx: int) -> nn.Module:
+    def build_mlp(cls, config, layer_idx: int, options=None) -> nn.Module:
         return PackedGatedMLP(config.hidden_size, config.intermediate_size, act=config.hidden_act)
 
 
 class Phi3Model(Phi3PreTrainedModel, llama.LlamaModel):
     hf_twin = transformers.Phi3Model
-    decoder_layer_class = Phi3DecoderLayer
-
-    @classmethod
-    def build_rotary(cls, config) -> nn.Module:
-        return PartialRotaryEmbedding(config)
 
 
 Phi3PreTrainedModel.base_model_class = Phi3Model

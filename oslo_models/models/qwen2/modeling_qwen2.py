@@ -14,8 +14,8 @@ class Qwen2PreTrainedModel(llama.LlamaPreTrainedModel):
     config_class = Qwen2Config
 
     @classmethod
-    def decoder_options(cls, config) -> dict:
-        return dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
+    def decoder_options(cls, config) -> llama.DecoderOptions:
+        return cls.switches(qkv_bias=True)
 
 
 class Qwen2Model(Qwen2PreTrainedModel, llama.LlamaModel):

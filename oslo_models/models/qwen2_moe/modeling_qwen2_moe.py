@@ -16,21 +16,20 @@ class Qwen2MoePreTrainedModel(mixtral.MixtralPreTrainedModel):
     expert_key_layout = ExpertKeyLayout()  # mlp.experts.N.gate_proj/up_proj/down_proj
 
     @classmethod
-    def decoder_options(cls, config) -> dict:
-        moe = dict(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
-                   intermediate_size=config.moe_intermediate_size, act=config.hidden_act,
-                   normalize=config.norm_topk_prob, weights_in_logits_dtype=True,
-                   shared_expert_intermediate_size=config.shared_expert_intermediate_size)
-        bias = bool(getattr(config, "qkv_bias", True))
-        return dict(qkv_bias=bias, o_bias=False, mlp_bias=False, qk_norm=False, moe=moe,
-                    sparse_layers=cls.sparse_layers(config), dense_intermediate_size=config.intermediate_size)
+    def decoder_options(cls, config) -> mixtral.MoeOptions:
+        moe = mixtral.moe_switches(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+                                   intermediate_size=config.moe_intermediate_size, act=config.hidden_act,
+                                   normalize=config.norm_topk_prob, weights_in_logits_dtype=True,
+                                   shared_expert_intermediate_size=config.shared_expert_intermediate_size)
+        return cls.switches(qkv_bias=bool(getattr(config, "qkv_bias", True)), moe=moe,
+                            sparse_layers=cls.sparse_layers(config), dense_intermediate_size=config.intermediate_size)
 
     @classmethod
-    def sparse_layers(cls, config) -> set[int]:
+    def sparse_layers(cls, config) -> frozenset[int]:
         """The layers with a sparse block (the others a dense MLP): not in ``mlp_only_layers``, and every
         ``decoder_sparse_step``-th (``transformers``' Qwen2-MoE / Qwen3-MoE rule)."""
-        return {i for i in range(config.num_hidden_layers) if i not in config.mlp_only_layers
-                and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0}
+        return frozenset(i for i in range(config.num_hidden_layers) if i not in config.mlp_only_layers
+                         and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0)
 
     @classmethod
     def num_experts(cls, config) -> int:

@@ -14,9 +14,9 @@ class Qwen3PreTrainedModel(llama.LlamaPreTrainedModel):
     config_class = Qwen3Config
 
     @classmethod
-    def decoder_options(cls, config) -> dict:
+    def decoder_options(cls, config) -> llama.DecoderOptions:
         bias = bool(config.attention_bias)
-        return dict(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
+        return cls.switches(qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
 class Qwen3Model(Qwen3PreTrainedModel, llama.LlamaModel):

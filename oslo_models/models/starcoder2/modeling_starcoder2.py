@@ -19,12 +19,11 @@ from __future__ import annotations
 import transformers
 from torch import nn
 
-from ...parallel_layers.layers import Dropout, Embedding
 from ..common import DenseMLP, GroupedQueryAttention, LayerNorm, RotaryEmbedding
 from ..common.blocks import PreNormBlock, ResidualDropout
-from ..common.capabilities import Capabilities
 from ..common.causal_masks import FULL, SLIDING
-from ..common.stack import StackSpec, TransformerStack
+from ..common.stack import StackSpec
+from ..common.stack_parts import EmbeddingDropout, FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
 from ..llama import modeling_llama as llama
 from .configuration_starcoder2 import Starcoder2Config
 
@@ -40,12 +39,9 @@ class Starcoder2DecoderLayer(PreNormBlock):
     names = dict(attn_norm="input_layernorm", attn="self_attn", mlp_norm="post_attention_layernorm", mlp="mlp",
                  attn_dropout="attn_residual_dropout")
 
-    def __init__(self, config, layer_idx: int, *, attention_type: str, fused: bool = False):
-        window = config.sliding_window if attention_type == SLIDING else None
-        attention = GroupedQueryAttention(config, layer_idx, qkv_bias=config.use_bias, o_bias=config.use_bias,
-                                          sliding_window=window, fused=fused)
-        mlp = Starcoder2MLP(config.hidden_size, config.intermediate_size, act=config.hidden_act,
-                            bias=config.use_bias, dropout=config.residual_dropout)
+    def __init__(self, config, layer_idx: int, *, options: llama.DecoderOptions, attention_type: str,
+                 mlp: nn.Module, fused: bool = False):
+        attention = llama.decoder_attention(config, layer_idx, options, attention_type, fused=fused)
         super().__init__(attn=attention, mlp=mlp, attn_norm=LayerNorm(config.hidden_size, eps=config.norm_epsilon),
                          mlp_norm=LayerNorm(config.hidden_size, eps=config.norm_epsilon),
                          attn_dropout=ResidualDropout(config.residual_dropout),
@@ -56,15 +52,24 @@ class Starcoder2DecoderLayer(PreNormBlock):
 STARCODER2_SPEC = StackSpec(block=Starcoder2DecoderLayer,
                             components=dict(attn=GroupedQueryAttention, mlp=Starcoder2MLP, attn_norm=LayerNorm,
                                             mlp_norm=LayerNorm, attn_dropout=ResidualDropout),
-                            embedding_dropout="embedding_dropout", rotary="rotary_emb")
+                            parts=(TokenEmbedding("embed_tokens"), Layers("layers"),
+                                   FinalNorm("norm", layer_norm("norm_epsilon")), Rotary("rotary_emb", RotaryEmbedding),
+                                   EmbeddingDropout("embedding_dropout", "embedding_dropout")))
 
 
 class Starcoder2PreTrainedModel(llama.LlamaPreTrainedModel):
     config_class = Starcoder2Config
     config: Starcoder2Config
     stack_spec = STARCODER2_SPEC
-    _no_split_modules = ["Starcoder2DecoderLayer"]
-    _can_record_outputs = {"hidden_states": Starcoder2DecoderLayer, "attentions": GroupedQueryAttention}
+
+    @classmethod
+    def decoder_options(cls, config) -> llama.DecoderOptions:
+        return cls.switches(qkv_bias=config.use_bias, o_bias=config.use_bias, mlp_bias=config.use_bias)
+
+    @classmethod
+    def build_mlp(cls, config, layer_idx: int, options=None) -> nn.Module:
+        return Starcoder2MLP(config.hidden_size, config.intermediate_size, act=config.hidden_act,
+                             bias=config.use_bias, dropout=config.residual_dropout)
 
     @classmethod
     def attention_types(cls, config) -> list[str]:
@@ -72,35 +77,12 @@ class Starcoder2PreTrainedModel(llama.LlamaPreTrainedModel):
         return [SLIDING if config.sliding_window is not None else FULL] * config.num_hidden_layers
 
 
-class Starcoder2Model(TransformerStack, Starcoder2PreTrainedModel):
-    """Embeddings (with ``embedding_dropout``), the decoder layers, the final ``LayerNorm`` and the rotary
-    embedding; the forward is the shared stack's. Output ``last_hidden_state``: ``[b, s, h]``."""
+class Starcoder2Model(Starcoder2PreTrainedModel, llama.LlamaModel):
+    """Built from ``STARCODER2_SPEC``'s parts: embeddings (with ``embedding_dropout``), the decoder layers, the final
+    ``LayerNorm`` and the rotary embedding; the forward is the shared stack's. Output ``last_hidden_state``:
+    ``[b, s, h]``."""
 
     hf_twin = transformers.Starcoder2Model
-    is_base_model = True
-    capabilities = Capabilities(context_parallel=True)
-
-    def __init__(self, config, *, parallel_context=None, submodule: bool = False):
-        super().__init__(config, parallel_context=parallel_context)
-        self.padding_idx, self.vocab_size = config.pad_token_id, config.vocab_size
-        fused = self.parallel_context.config.fused_ops
-        types = self.attention_types(config)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList([Starcoder2DecoderLayer(config, i, attention_type=types[i], fused=fused)
-                                     for i in range(config.num_hidden_layers)])
-        self.norm = LayerNorm(config.hidden_size, eps=config.norm_epsilon)
-        self.rotary_emb = RotaryEmbedding(config)
-        self.embedding_dropout = Dropout(config.embedding_dropout)
-        self.gradient_checkpointing = False
-        self.post_init()
-        if not submodule:
-            self.finish_init()
-
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
 
 
 Starcoder2PreTrainedModel.base_model_class = Starcoder2Model

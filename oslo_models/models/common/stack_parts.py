@@ -1,0 +1,132 @@
+"""The entries of a ``StackSpec``'s ``parts``: each is one module of a base model, under its ``transformers`` name,
+with the rule that builds it (the shape of torchtitan's ``Config.build()``). ``TransformerStack.__init__`` builds
+the parts in the order given (``transformers``' registration order, so the module tree and the state-dict keys are
+``transformers``'), each with ``(model, config, options, fused)``: the base model (for its ``build_layer`` hook),
+the config, the family's frozen options of that config (``stack_options``, built once per model) and whether the
+fused kernels are on (``ParallelConfig.fused_ops``).
+
+A part with a ``role`` also tells the stack's phases which attribute plays it (``StackSpec.embed_tokens``,
+``layers``, ``final_norm``, ...): the name is written once, in the part.
+
+    LLAMA_SPEC = StackSpec(block=LlamaDecoderLayer, components=..., parts=(
+        TokenEmbedding("embed_tokens"), Layers("layers"), FinalNorm("norm", decoder_norm),
+        Rotary("rotary_emb", RotaryEmbedding)))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+from torch import nn
+
+from ...parallel_layers.layers import Dropout, Embedding
+from .layer_norm import LayerNorm
+
+#: the spec's role attributes a part can fill (``StackSpec``'s fields of the same names)
+ROLES = ("embed_tokens", "position_embedding", "embedding_dropout", "layers", "final_norm", "rotary",
+         "input_projection", "embedding_norm", "output_projection")
+
+#: ``(config, options, fused) -> nn.Module``: how a norm or another single module is made
+Builder = Callable[[Any, Any, bool], nn.Module]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One module of the base model: ``name`` is ``transformers``' attribute (dotted under a submodule)."""
+
+    name: str
+    role: ClassVar[str | None] = None
+
+    def build(self, model, config, options, fused: bool) -> nn.Module | None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class TokenEmbedding(Part):
+    """``Embedding(vocab_size, width)`` (vocab-parallel under the plan), with ``padding_idx=pad_token_id`` when
+    ``padding`` (``transformers``' Llama-shaped decoders; GPT-2 and its kin have none). ``width``: the config
+    attribute of the embedding width."""
+
+    padding: bool = True
+    width: str = "hidden_size"
+    role: ClassVar[str] = "embed_tokens"
+
+    def build(self, model, config, options, fused: bool) -> nn.Module:
+        return Embedding(config.vocab_size, getattr(config, self.width),
+                         config.pad_token_id if self.padding else None)
+
+
+@dataclass(frozen=True)
+class PositionEmbedding(Part):
+    """Learned positions ``Embedding(config.<size>, hidden_size)`` (GPT-2's ``wpe``)."""
+
+    size: str = "max_position_embeddings"
+    role: ClassVar[str] = "position_embedding"
+
+    def build(self, model, config, options, fused: bool) -> nn.Module:
+        return Embedding(getattr(config, self.size), config.hidden_size)
+
+
+@dataclass(frozen=True)
+class EmbeddingDropout(Part):
+    """``Dropout(config.<rate>)`` on the embeddings (after the sequence-parallel scatter)."""
+
+    rate: str = "embd_pdrop"
+    role: ClassVar[str] = "embedding_dropout"
+
+    def build(self, model, config, options, fused: bool) -> nn.Module:
+        return Dropout(getattr(config, self.rate))
+
+
+@dataclass(frozen=True)
+class Layers(Part):
+    """``ModuleList`` of ``config.<count>`` layers, each from the base model's ``build_layer(config, i, options,
+    fused)`` (by default the spec's ``block``)."""
+
+    count: str = "num_hidden_layers"
+    role: ClassVar[str] = "layers"
+
+    def build(self, model, config, options, fused: bool) -> nn.Module:
+        return nn.ModuleList([model.build_layer(config, i, options, fused) for i in range(getattr(config, self.count))])
+
+
+@dataclass(frozen=True)
+class Built(Part):
+    """A module from a ``build(config, options, fused)`` function."""
+
+    make: Builder = None
+
+    def build(self, model, config, options, fused: bool) -> nn.Module:
+        return self.make(config, options, fused)
+
+
+@dataclass(frozen=True)
+class FinalNorm(Built):
+    """The norm after the last layer: ``make(config, options, fused)``."""
+
+    role: ClassVar[str] = "final_norm"
+
+
+@dataclass(frozen=True)
+class EmbeddingNorm(Built):
+    """The norm after the embeddings (Bloom's ``word_embeddings_layernorm``): ``make(config, options, fused)``."""
+
+    role: ClassVar[str] = "embedding_norm"
+
+
+@dataclass(frozen=True)
+class Rotary(Part):
+    """The rotary module ``module(config)`` (its ``(cos, sin)`` computed once per forward by the stack)."""
+
+    module: type = None
+    role: ClassVar[str] = "rotary"
+
+    def build(self, model, config, options, fused: bool) -> nn.Module:
+        return self.module(config)
+
+
+def layer_norm(eps: str, width: str = "hidden_size") -> Builder:
+    """A builder of ``LayerNorm(config.<width>, eps=config.<eps>)`` (the LayerNorm families' norms)."""
+    def make(config, options=None, fused: bool = False) -> LayerNorm:
+        return LayerNorm(getattr(config, width), eps=getattr(config, eps))
+    return make
