@@ -36,10 +36,11 @@ def dense_attention(q, k, v, valid, documents, slopes, window, softcap, sinks, s
     return torch.matmul(probs, v)
 
 
-def check_core(context, mode: str, controls: dict) -> None:
+def check_core(context, mode: str, controls: dict, impl: str = "tiles") -> None:
     """ALiBi + soft-cap + sinks + window + padding + documents + ``d_v != d_qk`` through the core of ``mode``
-    against ``dense_attention`` (output; q, k, v and sink gradients, 1e-5); each of ``controls`` (name ->
-    ``f(core, mask, sinks, cp) -> (core, mask, sinks)``, a broken variant) must be > 1e-3 off."""
+    (its per-block kernel ``impl``: "tiles" or "flex") against ``dense_attention`` (output; q, k, v and sink
+    gradients, 1e-5); each of ``controls`` (name -> ``f(core, mask, sinks, cp) -> (core, mask, sinks)``, a broken
+    variant) must be > 1e-3 off."""
     torch.manual_seed(3)
     b, n, seq, d, dv, scaling, window, softcap = 2, 4, 16, 8, 6, 0.35, 5, 2.0
     q, k = torch.randn(b, n, seq, d), torch.randn(b, n, seq, d)
@@ -65,7 +66,7 @@ def check_core(context, mode: str, controls: dict) -> None:
         core, used = CORES[mode], sink
         if control is not None:
             core, mask, used = controls[control](core, mask, sink, cp)
-        out = core(*parts, mask, scaling=scaling, window=window, softcap=softcap, sinks=used)
+        out = core(*parts, mask, scaling=scaling, window=window, softcap=softcap, sinks=used, impl=impl)
         return out, parts, sink
 
     out, parts, sink = run()

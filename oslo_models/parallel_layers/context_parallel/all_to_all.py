@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .dropout import AttentionDropout
 from .mask import ContextParallelMask
-from .ring import _expand
+from .ring import FLEX, TILES, _expand, check_impl, ring_attention
 
 
 def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
@@ -56,7 +56,7 @@ def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
 def all_to_all_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: ContextParallelMask, *,
                          scaling: float, window: int | None = None, dropout: AttentionDropout | None = None,
                          softcap: float | None = None, uniform_dead_rows: bool = False,
-                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         sinks: torch.Tensor | None = None, impl: str = TILES) -> torch.Tensor:
     """Attention of ``query [b, n, s/cp, d]`` over ``key [b, n_kv, s/cp, d]``, ``value [b, n_kv, s/cp, d_v]`` of the
     whole cp group; returns ``[b, n, s/cp, d_v]``. Collectives: forward 4 all-to-alls (q, k, v, output), backward 4.
     ``dropout``: attention-probability dropout with the keep bits of ``dropout.py`` (this rank's heads are
@@ -64,7 +64,10 @@ def all_to_all_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     probabilities; ``softcap`` (Gemma 2's ``c * tanh(scores / c)`` before the mask), ALiBi (``mask.alibi``: each
     key's bias from its position on the whole row, this rank's heads' slopes) and ``sinks [n]`` (gpt-oss: one extra
     softmax column per head, dropped after it; this rank's ``n/cp`` of them) on the same explicit scores. A query
-    that sees no key gets zeros, or with ``uniform_dead_rows`` the mean of all values (``ring.py``)."""
+    that sees no key gets zeros, or with ``uniform_dead_rows`` the mean of all values (``ring.py``). ``impl="flex"``:
+    the local attention through the ring's FlexAttention blocks over the gathered sequence
+    (``ContextParallelMask.gathered_view``: one block, its block mask from the summaries, no ``[s, s]`` mask)."""
+    check_impl(impl, dropout)
     size, heads = mask.size, query.shape[1]
     if heads % size:
         raise ValueError(f"context_parallel_mode='all_to_all' needs the attention heads on each tensor-parallel "
@@ -72,6 +75,12 @@ def all_to_all_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if key.shape[1] % size:  # too few key/value heads to split: give every query head its own copy
         key, value = (_expand(t, heads // key.shape[1]) for t in (key, value))
     q, k, v = (sequence_to_heads(t, mask.group) for t in (query, key, value))
+    if impl == FLEX:
+        mine = slice(mask.rank * q.shape[1], (mask.rank + 1) * q.shape[1])  # this rank's heads of the tp rank's
+        out = ring_attention(q, k, v, mask.gathered_view(mine), scaling=scaling, window=window, softcap=softcap,
+                             uniform_dead_rows=uniform_dead_rows, sinks=None if sinks is None else sinks[mine],
+                             impl=FLEX)
+        return heads_to_sequence(out, mask.group)
     index = mask.token_index.reshape(-1)  # global position of each gathered token
     k, v = (_expand(t, q.shape[1] // t.shape[1]) for t in (k, v))
     valid, document = ((None if t is None else t.permute(1, 0, 2).reshape(q.shape[0], -1))  # [b, s]

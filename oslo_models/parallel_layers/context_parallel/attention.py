@@ -11,13 +11,34 @@ from __future__ import annotations
 
 import torch
 
-from ..document_attention import DocumentMask, document_attention
+from ..document_attention import DocumentMask, document_attention, flex_available
 from .all_to_all import all_to_all_attention
 from .chunking import ALL_TO_ALL, RING
 from .dropout import AttentionDropout
 from .hybrid import hybrid_attention
 from .mask import ContextParallelMask
-from .ring import ring_attention
+from .ring import FLEX, TILES, ring_attention
+
+
+def choose_impl(implementation: str | None, device: torch.device, dropout: float = 0.0) -> str:
+    """The per-block kernel of the context-parallel cores, one way per device: ``"flex"`` (FlexAttention blocks,
+    ``flex_blocks.py``) when asked for (``attn_implementation="flex_attention"``), or by default (``"sdpa"`` or any
+    other non-eager name) on CUDA with no attention dropout, where its compiled kernel and backward run; else
+    ``"tiles"`` (the fp32 masked tiles, torch's CPU flash kernel for purely causal pairs): the default on CPU, where
+    Flex is uncompiled (no log-sum-exp from the compiled CPU kernel) and has no backward, and the only one for
+    ``"eager"`` (its dead-row convention) and with dropout. Flex asked for with dropout, or on a torch without Flex,
+    is a ``ValueError``."""
+    if implementation == "flex_attention":
+        if not flex_available():
+            raise ValueError("attn_implementation='flex_attention' under context parallelism needs FlexAttention "
+                             "block masks (torch >= 2.5)")
+        if dropout:
+            raise ValueError("FlexAttention has no attention-probability dropout: under context parallelism use "
+                             "attn_implementation='sdpa' or 'eager', or turn the attention dropout off")
+        return FLEX
+    if implementation == "eager" or dropout or device.type != "cuda" or not flex_available():
+        return TILES
+    return FLEX
 
 
 def context_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -31,16 +52,17 @@ def context_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, v
     ``softcap`` (Gemma 2) caps the scores inside each block; ALiBi rides on the mask (``mask.alibi``, Bloom /
     Falcon); ``s_aux [n]`` (gpt-oss's sinks) joins every row's denominator once; a query that sees no key follows
     the module's kernel (eager: the mean of all values, zeros with sinks; else zeros). Additive position biases (T5)
-    are not supported."""
+    are not supported. The per-block kernel: :func:`choose_impl` of the module's ``attn_implementation``."""
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("an additive position bias (T5) under context parallelism is not implemented")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     core = {RING: ring_attention, ALL_TO_ALL: all_to_all_attention}.get(attention_mask.mode, hybrid_attention)
     sinks = kwargs.get("s_aux")  # gpt-oss's learned sinks [n] of this rank's heads
-    eager = getattr(getattr(module, "config", None), "_attn_implementation", None) == "eager"
+    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
     out = core(query, key, value, attention_mask, scaling=scaling, window=sliding_window,
                dropout=AttentionDropout.draw(dropout, query.device), softcap=kwargs.get("softcap"),
-               uniform_dead_rows=eager and sinks is None, sinks=sinks)
+               uniform_dead_rows=implementation == "eager" and sinks is None, sinks=sinks,
+               impl=choose_impl(implementation, query.device, dropout))
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -19,16 +19,17 @@ import torch
 from .all_to_all import heads_to_sequence, sequence_to_heads
 from .dropout import AttentionDropout
 from .mask import ContextParallelMask
-from .ring import _expand, ring_attention
+from .ring import TILES, _expand, ring_attention
 
 
 def hybrid_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: ContextParallelMask, *,
                      scaling: float, window: int | None = None, dropout: AttentionDropout | None = None,
                      softcap: float | None = None, uniform_dead_rows: bool = False,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, impl: str = TILES) -> torch.Tensor:
     """Attention of ``query [b, n, s_local, d]`` over ``key [b, n_kv, s_local, d]``, ``value [b, n_kv, s_local,
     d_v]`` of the whole cp group; returns ``[b, n, s_local, d_v]``. Collectives: forward 4 all-to-alls inside the
-    group and the ring's ``cp/a - 1`` hops across; backward the same plus the ring's gradient hops."""
+    group and the ring's ``cp/a - 1`` hops across; backward the same plus the ring's gradient hops. ``impl``: the
+    ring's per-block kernel (``ring.py``)."""
     if dropout is not None:
         raise NotImplementedError("attention dropout under context_parallel_mode='hybrid' is not implemented; use "
                                   "'ring' or 'all_to_all', or turn the attention dropout off")
@@ -42,5 +43,5 @@ def hybrid_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     inner_rank = mask.rank % groups.inner_size
     mine = slice(inner_rank * q.shape[1], (inner_rank + 1) * q.shape[1])
     out = ring_attention(q, k, v, mask.ring_view(mine), scaling=scaling, window=window, softcap=softcap,
-                         uniform_dead_rows=uniform_dead_rows, sinks=None if sinks is None else sinks[mine])
+                         uniform_dead_rows=uniform_dead_rows, sinks=None if sinks is None else sinks[mine], impl=impl)
     return heads_to_sequence(out, groups.inner_group)

@@ -88,6 +88,19 @@ class ContextParallelMask:
                        ranks=self.hybrid.outer_ranks, token_index=self.token_index.reshape(size, -1),
                        key_valid=grouped(self.key_valid), document=grouped(self.document), alibi=alibi, hybrid=None)
 
+    def gathered_view(self, heads: slice) -> "ContextParallelMask":
+        """All-to-all mode, after the all-to-all: the whole gathered sequence as one block of a cp group of one
+        (positions, padding, documents and ALiBi positions ``[1, b, s]``, this rank's ``heads``' slopes), so the
+        ring's per-block kernels (``ring_attention`` with ``impl="flex"``) run the local attention."""
+        def whole(t):  # [cp, b, s_local] -> [1, b, cp * s_local], the gathered order (cp-rank order)
+            return None if t is None else t.permute(1, 0, 2).reshape(1, t.shape[1], -1)
+
+        alibi = None if self.alibi is None else AlibiBias(self.alibi.slopes[heads], self.alibi.divisor,
+                                                          whole(self.alibi.positions))
+        return replace(self, size=1, rank=0, ranks=(self.ranks[self.rank],),
+                       token_index=self.token_index.reshape(1, -1), key_valid=whole(self.key_valid),
+                       document=whole(self.document), alibi=alibi, hybrid=None)
+
     def keys_of(self, rank: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(positions [s], valid [b, s] or None, document [b, s] or None)`` of the tokens of cp rank ``rank``."""
         pick = (lambda t: None if t is None else t[rank])

@@ -25,6 +25,12 @@ Backward (recompute, flash-attention style): the same ring again; per block the 
 saved log-sum-exp, ``dQ`` accumulates locally and ``dK``/``dV`` accumulators travel *with* their block, so after
 ``cp`` hops (one more than the key/value blocks make) every rank holds the full gradient of its own key/value.
 
+FlexAttention blocks (``impl="flex"``, ``flex_blocks.py``): each (query rows, key/value block) pair of a step runs
+``flex_attention`` with a ``BlockMask`` built from that pair's documents, causality, window and padding and a
+``score_mod`` for the cap and ALiBi, returning its log-sum-exp; the merge, the sinks, the dead rows and the ring's
+exchanges are the same. The backward on CUDA is autograd through the recomputed Flex block (``block_vjp``); on CPU,
+where Flex has no backward, the tile recompute above from the saved log-sum-exp. ``attention.choose_impl`` picks.
+
 Communication per layer and rank (``b`` batch, ``n_kv`` key/value heads on this rank, ``s`` local length, ``d``
 head dim, ``e`` bytes per element): forward ``(cp-1) * 2*b*n_kv*s*d*e``; backward the same for key/value plus
 ``cp * 2*b*n_kv*s*d*4`` for the fp32 gradients. Arithmetic in fp32 whatever the input dtype.
@@ -36,7 +42,10 @@ import torch.distributed as dist
 
 from .chunking import RING, chunk_ids
 from .dropout import AttentionDropout
+from .flex_blocks import block_vjp, flex_with_lse, pair_block_mask, score_mod_for
 from .mask import ContextParallelMask
+
+TILES, FLEX = "tiles", "flex"  # the per-block kernels: fp32 masked tiles (the fallback), FlexAttention blocks
 
 
 def _start_exchange(tensor: torch.Tensor, mask: ContextParallelMask):
@@ -139,6 +148,53 @@ class _Block:
             scores = scores + self.alibi
         return (scores if allowed is None else scores.masked_fill(~allowed, float("-inf"))), slope
 
+    def flex(self, rows: slice, scaling: float):
+        """``run(q_rows, k, v) -> (out, lse)``: FlexAttention of the query rows ``rows`` over the block, with the
+        pair's block mask (documents, causality, window, padding: ``flex_blocks.pair_block_mask``) and the cap /
+        ALiBi as ``score_mod``; compiled on CUDA, the uncompiled kernel on CPU (``flex_blocks.py``)."""
+        doc = None if self.q_document is None else self.q_document[:, rows]
+        block_mask = pair_block_mask(self.q_index[rows], self.k_index, causal=self.mask.causal, window=self.window,
+                                     q_document=doc, k_document=self.k_document, k_valid=self.k_valid)
+        score_mod = score_mod_for(self.softcap, None if self.alibi is None else self.alibi[:, :, 0])
+
+        def run(q, k, v):
+            return flex_with_lse(q, k, v, block_mask=block_mask, score_mod=score_mod, scale=scaling,
+                                 compiled=q.device.type != "cpu")
+
+        return run
+
+
+def _flex_tiles(q: torch.Tensor, k: torch.Tensor):
+    """The query-row slices of the Flex path: the whole block in one compiled call on CUDA; on CPU (the uncompiled
+    kernel materialises its scores) tiles of ``_TILE_ELEMENTS`` scores, as the fp32 tile path."""
+    if q.device.type != "cpu":
+        return [slice(0, q.shape[2])]
+    return list(_row_tiles(q.shape[2], q.shape[0] * q.shape[1] * k.shape[2]))
+
+
+def _flex_block_forward(block: _Block, q, k, v, scaling):
+    """``(out, lse)`` of the queries ``q`` over one block through FlexAttention (``flex_blocks.py``)."""
+    outs, lses = [], []
+    q, k, v = q.detach(), k.detach(), v.detach()  # the ring's own backward: Flex is called without autograd here
+    for rows in _flex_tiles(q, k):
+        out, lse = block.flex(rows, scaling)(q[:, :, rows], k, v)
+        outs.append(out.float())
+        lses.append(lse.float())
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _flex_block_backward(block: _Block, q, k, v, dout, out, raw_lse, delta, dq, scaling):
+    """CUDA: this block's ``(dk, dv)`` (and ``dq`` added in place) by autograd through the recomputed Flex block
+    (``flex_blocks.block_vjp``; ``raw_lse`` the merged, sink-including log-sum-exp, ``delta [b, n, s, 1]``)."""
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for rows in _flex_tiles(q, k):
+        grads = block_vjp(block.flex(rows, scaling), q[:, :, rows], k, v, dout[:, :, rows], out[:, :, rows],
+                          raw_lse[:, :, rows], delta[:, :, rows, 0])
+        dq[:, :, rows] += grads[0]
+        dk += grads[1]
+        dv += grads[2]
+    return dk, dv
+
 
 def _block_forward(block: _Block, q, k, v, scaling, dropout=None):
     """``(out, lse)`` of the queries ``q`` over one block: chunk pairs through torch's CPU flash kernel where they
@@ -216,7 +272,7 @@ def _blocks(mask: ContextParallelMask, window, softcap=None):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, mask: ContextParallelMask, scaling: float, window, dropout, softcap,
-                uniform_dead_rows, sinks):
+                uniform_dead_rows, sinks, impl):
         groups, key_dim = query.shape[1] // key.shape[1], key.shape[-1]
         q = query.float()
         out = torch.zeros(*q.shape[:-1], value.shape[-1], dtype=torch.float32, device=q.device)  # [b, n, s, d_v]
@@ -227,7 +283,9 @@ class _RingAttention(torch.autograd.Function):
             pending = _start_exchange(kv, mask) if step + 1 < mask.size else None
             if not block.hidden:
                 k, v = _split(kv, key_dim, groups)
-                out, lse = _merge(out, lse, *_block_forward(block, q, k, v, scaling, dropout))
+                part = _flex_block_forward(block, q, k, v, scaling) if impl == FLEX else \
+                    _block_forward(block, q, k, v, scaling, dropout)
+                out, lse = _merge(out, lse, *part)
             if uniform_dead_rows:
                 value_sum += _expand(kv[..., key_dim:].float(), groups).sum(2)
             if pending is not None:
@@ -241,7 +299,7 @@ class _RingAttention(torch.autograd.Function):
         ctx.uniform_dead_rows, ctx.has_sinks = uniform_dead_rows, sinks is not None
         ctx.save_for_backward(query, key, value, out, lse, sinks)
         ctx.mask, ctx.scaling, ctx.window, ctx.groups, ctx.dropout = mask, scaling, window, groups, dropout
-        ctx.softcap = softcap
+        ctx.softcap, ctx.impl = softcap, impl
         return out.to(query.dtype)
 
     @staticmethod
@@ -262,7 +320,11 @@ class _RingAttention(torch.autograd.Function):
             pending = _start_exchange(kv, mask) if step + 1 < mask.size else None
             if not block.hidden:
                 k, v = _split(kv, key_dim, groups)
-                dk, dv = _block_backward(block, q, k, v, dout, out, raw_lse, delta, lse, dq, scaling, ctx.dropout)
+                if ctx.impl == FLEX and q.device.type != "cpu":  # Flex's own backward (none on CPU: the tiles)
+                    dk, dv = _flex_block_backward(block, q, k, v, dout, out, raw_lse, delta, dq, scaling)
+                else:
+                    dk, dv = _block_backward(block, q, k, v, dout, out, raw_lse, delta, lse, dq, scaling,
+                                             ctx.dropout)
                 dkv += torch.cat([_fold(dk, groups), _fold(dv, groups)], dim=-1)
             if dead_grad is not None:
                 dkv[..., key_dim:] += dead_grad
@@ -274,13 +336,13 @@ class _RingAttention(torch.autograd.Function):
         if ctx.has_sinks:  # the sink column: dS = P_sink * (0 - delta), summed over batch and queries
             dsinks = -(torch.exp(sinks.float()[None, :, None] - raw_lse) * delta[..., 0]).sum((0, 2)).to(sinks.dtype)
         return (dq.to(query.dtype), dkv[..., :key_dim].to(key.dtype), dkv[..., key_dim:].to(value.dtype), None, None,
-                None, None, None, None, dsinks)
+                None, None, None, None, dsinks, None)
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: ContextParallelMask, *,
                    scaling: float, window: int | None = None, dropout: AttentionDropout | None = None,
                    softcap: float | None = None, uniform_dead_rows: bool = False,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, impl: str = TILES) -> torch.Tensor:
     """Attention of this rank's ``query [b, n, s, d]`` over the keys/values of every rank of the cp group
     (``key [b, n_kv, s, d]``, ``value [b, n_kv, s, d_v]``, ``n`` a multiple of ``n_kv``); returns ``[b, n, s, d_v]``.
     ``softcap``: logits soft-capped, ``c * tanh(scores / c)``, before the mask (Gemma 2); ALiBi comes with the mask
@@ -289,7 +351,20 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     kernels' convention) instead of zeros (not with ``sinks``, whose eager kernel gives such a row zeros).
 
     Forward: ``cp - 1`` ring hops of the key/value blocks. Backward: ``cp - 1`` hops of key/value and ``cp`` hops of
-    their fp32 gradients. ``dropout``: attention-probability dropout (``dropout.py``). See the module docstring."""
+    their fp32 gradients. ``dropout``: attention-probability dropout (``dropout.py``). ``impl``: ``"tiles"`` (fp32
+    masked tiles, torch's CPU flash kernel where only causality masks) or ``"flex"`` (FlexAttention blocks,
+    ``flex_blocks.py``; no dropout). See the module docstring."""
     if sinks is not None and uniform_dead_rows:
         raise ValueError("sinks give a row that sees no key zeros: uniform_dead_rows does not apply")
-    return _RingAttention.apply(query, key, value, mask, scaling, window, dropout, softcap, uniform_dead_rows, sinks)
+    check_impl(impl, dropout)
+    return _RingAttention.apply(query, key, value, mask, scaling, window, dropout, softcap, uniform_dead_rows, sinks,
+                                impl)
+
+
+def check_impl(impl: str, dropout) -> None:
+    """``ValueError`` for an unknown ``impl`` or Flex with attention-probability dropout (Flex has none)."""
+    if impl not in (TILES, FLEX):
+        raise ValueError(f"context-parallel attention impl={impl!r} is unknown; choose {TILES!r} or {FLEX!r}")
+    if impl == FLEX and dropout is not None:
+        raise ValueError("FlexAttention has no attention-probability dropout: under context parallelism use "
+                         "attn_implementation='sdpa' or 'eager' (the fp32 tile cores), or turn the dropout off")
