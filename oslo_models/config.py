@@ -111,7 +111,12 @@ class ParallelConfig:
         activation_offload: long sequences: what every block saves for its backward lives in host memory (side-
             stream copies into pinned buffers on CUDA; on CPU a copy that saves nothing); ``True`` or the smallest
             tensor in bytes to move (``training/activation_offload.py``). Not with ``activation_checkpointing``
-            (``"offload"`` is its checkpointed form). The tiled loss is the heads' ``skip_logits=True``.
+            (``"offload"`` is its checkpointed form).
+        tiled_loss: long sequences: a causal LM's loss in training (labels given, ``model.training``) runs the LM
+            head and the cross-entropy fused, in row chunks (``skip_logits=True`` on every such forward:
+            ``fused_ops/fused_linear_cross_entropy.py``), so no ``[b, s, vocab]`` logits exist; the output's
+            ``logits`` are then ``None`` (evaluation and generation keep them). Not with pipeline parallelism (the
+            last stage's loss reads its logits).
     """
 
     tensor_parallel_size: int = 1
@@ -141,6 +146,7 @@ class ParallelConfig:
     offload_params: bool = False
     tiled_mlp: int | str | None = None
     activation_offload: bool | int = False
+    tiled_loss: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "tensor_parallel_depth", "pipeline_parallel_size",
@@ -197,6 +203,12 @@ class ParallelConfig:
         from .training.activation_offload import check_setting
 
         check_tiles_setting(self.tiled_mlp)
+        if not isinstance(self.tiled_loss, bool):
+            raise ValueError(f"ParallelConfig.tiled_loss must be a bool, got {self.tiled_loss!r}")
+        if self.tiled_loss and self.pipeline_parallel_size > 1:
+            raise NotImplementedError("ParallelConfig.tiled_loss with pipeline_parallel_size > 1 is not implemented: "
+                                      "the last pipeline stage computes its loss from whole logits; use "
+                                      "tiled_loss=False there")
         if check_setting(self.activation_offload) is not None and self.activation_checkpointing is not None:
             raise ValueError(f"ParallelConfig.activation_offload with activation_checkpointing="
                              f"{self.activation_checkpointing!r}: a checkpointed block saves only its input; "

@@ -203,6 +203,7 @@ def _activation_parts(facts: ModelFacts, parallel: ParallelConfig, *, micro_batc
     tp, cp, pp = parallel.tensor_parallel_size, parallel.context_parallel_size, parallel.pipeline_parallel_size
     sp = parallel.sequence_parallel and tp > 1
     size = element_size or facts.parameters()[0].element_size
+    tiled_loss = tiled_loss or parallel.tiled_loss  # the argument, or ParallelConfig.tiled_loss
     tokens = micro_batch * seq_len // cp
     per_layer = facts.activation_bytes_per_token_per_layer(seq_len // cp, tp=tp, sequence_parallel=sp,
                                                            element_size=size) * tokens

@@ -201,6 +201,8 @@ def causal_lm_head_outputs(model, hidden_states: torch.Tensor, labels=None, *, l
     token's logits before the loss (so it holds under tp, sp, cp and pp alike)."""
     from .lm_loss import lm_head_loss_and_logits
 
+    # ParallelConfig.tiled_loss: the training loss chunked, no [b, s, vocab] logits (logits None)
+    skip_logits = skip_logits or (labels is not None and model.training and model.parallel_context.config.tiled_loss)
     if labels is not None:
         num_items_in_batch = context_parallel_loss_items(model, labels, num_items_in_batch,
                                                          shift_labels=shift_labels, causal=True)
