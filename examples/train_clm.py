@@ -12,6 +12,7 @@ tensor parallelism, ZeRO over data parallelism and Accelerate.
     ... examples/train_clm.py --model-type mamba --zero 2   # a small new model of any type (here a state space model)
     ... examples/train_clm.py --plan auto --global-batch-size 64   # the planner picks the layout for this world
     ... examples/train_clm.py --pack --seq-len 256 --batch-size 16   # whole documents packed first-fit per row
+    ... examples/train_clm.py --seq-len 4096 --tiled-mlp auto --tiled-loss --activation-offload   # long sequences
     python examples/train_clm.py --config run.yaml          # any option below as a YAML key (dashes or underscores)
 
 ``--model`` takes any causal LM (a Hub id or a local folder with its tokenizer): the native class when the type has a
@@ -31,6 +32,7 @@ file unless ``--mixed-precision`` (``--bf16``) overrides it.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -53,7 +55,44 @@ def make_parser():
                         help="whole documents packed first-fit into rows of --seq-len tokens (positions restarting "
                              "per document; attention within each document) instead of fixed windows across "
                              "documents; --batch-size counts documents")
+    parser.add_argument("--tiled-mlp", metavar="N", default=None,
+                        help="long sequences: every decoder block's feed-forward in N sequence slices recomputed in "
+                             "the backward, or 'auto' (ceil(seq / hidden)); ParallelConfig.tiled_mlp")
+    parser.add_argument("--tiled-loss", action="store_true",
+                        help="long sequences: the training loss fused with the LM head in row chunks, no [seq, "
+                             "vocab] logits; ParallelConfig.tiled_loss")
+    parser.add_argument("--activation-offload", metavar="BYTES", nargs="?", const=True, default=False,
+                        help="long sequences: what each block saves for its backward lives in host memory (a "
+                             "tensor of at least BYTES moves; without a value the default threshold); "
+                             "ParallelConfig.activation_offload")
     return parser
+
+
+def with_long_sequence_options(args, cfg: om.ParallelConfig) -> om.ParallelConfig:
+    """``cfg`` with ``--tiled-mlp``, ``--tiled-loss`` and ``--activation-offload``; a value ``ParallelConfig``
+    refuses is a ``UsageError``."""
+    tiles = args.tiled_mlp
+    if tiles is not None and tiles != "auto":
+        try:
+            tiles = int(tiles)
+        except ValueError:
+            raise UsageError(f"--tiled-mlp takes a number of slices or 'auto', got {tiles!r}") from None
+    offload = args.activation_offload
+    if isinstance(offload, str):
+        try:
+            offload = int(offload)
+        except ValueError:
+            raise UsageError(f"--activation-offload takes a byte threshold (an int), got {offload!r}") from None
+    if (tiles is not None or args.tiled_loss or offload is not False) and (args.model or args.model_type):
+        config = (transformers.AutoConfig.from_pretrained(args.model) if args.model
+                  else small_config(args, args.vocab_size))
+        if not hasattr(om.AutoModelForCausalLM.model_class_for(config), "parallel_plan"):
+            raise UsageError(f"--tiled-mlp / --tiled-loss / --activation-offload apply to the native families; "
+                             f"{config.model_type!r} runs on the generic path, which does not take them")
+    try:
+        return dataclasses.replace(cfg, tiled_mlp=tiles, tiled_loss=args.tiled_loss, activation_offload=offload)
+    except (ValueError, NotImplementedError) as error:
+        raise UsageError(str(error)) from None
 
 
 def parse_args(argv=None):
@@ -115,7 +154,7 @@ def main(argv=None) -> None:
         raise UsageError("--pack with --pp: a packed batch has as many rows as its documents need, and a pipeline "
                          "splits a fixed number of rows into microbatches; pack with --pp 1")
     # before any process group or model: one clean error per job (and --plan auto's layout)
-    cfg = check_launch(args, om.AutoModelForCausalLM, gpt2_config)
+    cfg = with_long_sequence_options(args, check_launch(args, om.AutoModelForCausalLM, gpt2_config))
     accelerator, context = make_accelerator(args, cfg)
     prefix, eval_prefix, tokenizer = prepare_data(args, context)
     model = build_model(args, tokenizer, context)
