@@ -114,6 +114,9 @@ def _before(module, args, kwargs):
         return call.done()
     batch, seq = shape_like.shape[:2]
     mask, position_ids = call.get("attention_mask"), call.get("position_ids")
+    if position_ids is not None and position_ids.dim() == 3:  # multimodal rotary (Qwen-VL's M-RoPE): [3 | 4, b, s]
+        # transformers' 4-row form carries the text positions in row 0; the 3 rotary axes alone name no documents
+        position_ids = position_ids[0] if position_ids.shape[0] == 4 else None
     cu_seqlens = packing.get("cu_seqlens", packing.get("cu_seq_lens_q"))
     if "cu_seq_lens_k" in packing and cu_seqlens is not None and \
             not torch.equal(torch.as_tensor(packing["cu_seq_lens_k"]), torch.as_tensor(cu_seqlens)):
