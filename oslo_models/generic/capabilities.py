@@ -146,8 +146,8 @@ def _generic(model_type: str, config, model_class) -> Capabilities:
                                   "and ZeRO 0-3 (the experts leave the tp plan; every tp rank routes its "
                                   "replica's batch)",
                "pipeline_parallel": "decoder layers cut into stages (base_model_pp_plan, or the _no_split_modules "
-                                    "blocks), every schedule, with dp and ZeRO 0-3 (the module tree checked at "
-                                    "load: generic/pipeline_cut.py)"}
+                                    "blocks), every schedule, with dp, ZeRO 0-3, tp (+ SP), cp and ep (the module "
+                                    "tree checked at load: generic/pipeline_cut.py)"}
         features.append(Feature(name, not reasons, "; ".join(reasons) or how.get(name, "generic path")))
     features.append(Feature("fused_ops", False, "transformers' own modules run as they are (no fused kernels)"))
     return Capabilities(model_type, "generic", tuple(features))

@@ -64,28 +64,50 @@ def register() -> None:
     AttentionInterface.register(ATTENTION_NAME, context_parallel_attention)
 
 
-def _before(model, context):
+def chunk_inputs(context, kwargs: dict, shape_like) -> dict:
+    """The forward's keyword arguments for this rank's chunk(s) ``shape_like`` ``[b, s_chunk(, h)]``: global
+    ``position_ids`` (kept when given: packed documents), the batch's ``ContextParallelMask`` under ``KEYWORD`` (one
+    all-gather of the padding mask over cp, one of the positions for packed rows), no ``attention_mask``, no cache.
+    What the model's pre-hook applies, and what a pipeline stage (which calls the class's forward directly,
+    ``pipeline_stage.py``) applies itself."""
     from ..parallel_layers.context_parallel.chunking import token_index
     from ..parallel_layers.context_parallel.mask import build_context_parallel_mask
 
+    kwargs = dict(kwargs)
+    batch, seq_local = shape_like.shape[:2]
+    position_ids = kwargs.get("position_ids")
+    mask = build_context_parallel_mask(context, kwargs.get("attention_mask"), shape_like, causal=True,
+                                       position_ids=position_ids)
+    if position_ids is None:
+        index = token_index(seq_local, context.cp_rank, context.cp_size, context.config.context_parallel_mode,
+                            device=shape_like.device)
+        kwargs["position_ids"] = index.unsqueeze(0).expand(batch, -1)
+    kwargs[KEYWORD] = ContextParallelCall(mask, kwargs.get("attention_mask"))
+    kwargs["attention_mask"] = None
+    kwargs["use_cache"] = False
+    return kwargs
+
+
+def _before(model, context):
     def hook(module, args, kwargs):
-        kwargs = dict(kwargs)
         ids = args[0] if args else kwargs.get("input_ids")
-        shape_like = ids if ids is not None else kwargs["inputs_embeds"]
-        batch, seq_local = shape_like.shape[:2]
-        position_ids = kwargs.get("position_ids")
-        mask = build_context_parallel_mask(context, kwargs.get("attention_mask"), shape_like, causal=True,
-                                           position_ids=position_ids)
-        if position_ids is None:
-            index = token_index(seq_local, context.cp_rank, context.cp_size, context.config.context_parallel_mode,
-                                device=shape_like.device)
-            kwargs["position_ids"] = index.unsqueeze(0).expand(batch, -1)
-        kwargs[KEYWORD] = ContextParallelCall(mask, kwargs.get("attention_mask"))
-        kwargs["attention_mask"] = None
-        kwargs["use_cache"] = False
-        return args, kwargs
+        return args, chunk_inputs(context, kwargs, ids if ids is not None else kwargs["inputs_embeds"])
 
     return hook
+
+
+def _pipelined_calls(model, context) -> tuple[int, int]:
+    """``(attention calls, layers)`` of this rank's pipeline stages run once on the dummy tokens (each stage
+    applies :func:`chunk_inputs` itself; ``pipeline_stage.py``)."""
+    from .dummy_forward import dummy_forward
+
+    calls = []
+    model.__dict__["_oslo_cp_calls"] = calls  # the stages append each ContextParallelCall they make
+    try:
+        dummy_forward(model, context, grad=False)
+    finally:
+        model.__dict__.pop("_oslo_cp_calls", None)
+    return sum(call.calls for call in calls), len(model.pipeline_layout.local_layers())
 
 
 def install(model: nn.Module, context) -> None:
@@ -99,6 +121,16 @@ def install(model: nn.Module, context) -> None:
                                   f"of causal LMs; {type(model).__name__} is not one")
     register()
     model.set_attn_implementation(ATTENTION_NAME)
+    if getattr(model, "pipeline_layout", None) is not None:  # each stage applies chunk_inputs in its own forward
+        calls, layers = _pipelined_calls(model, context)
+        if calls < layers:
+            raise NotImplementedError(
+                f"context_parallel_size={context.cp_size}: {calls} of the {layers} layers of this rank's pipeline "
+                f"stages of {type(model).__name__} attend through transformers' attention interface; the others "
+                f"(state-space or linear-attention layers, or attention code of their own) would see only this "
+                f"rank's chunk of the sequence")
+        router_loss.check(model, context)  # under pp the router loss is refused before any collective (support.py)
+        return
     handle = model.register_forward_pre_hook(_before(model, context), with_kwargs=True)
     seen = []
     probe = model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs[KEYWORD]),

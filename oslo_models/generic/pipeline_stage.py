@@ -39,7 +39,7 @@ from .pipeline_cut import EmbeddingStandIn, LayerProbe, StageDone, StagePieces, 
 class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
     """A ``transformers`` causal LM cut at its decoder layers (one instance per model: ``for_model``)."""
 
-    batch_keys = ("input_ids", "labels", "attention_mask", "position_ids", "seq_idx", "cu_seqlens")
+    batch_keys = ("input_ids", "labels", "attention_mask", "position_ids", "seq_idx", "cu_seqlens", "shift_labels")
 
     def __init__(self, pieces: StagePieces, layer_costs: list[float], first_extra: float, last_extra: float):
         self.pieces = pieces
@@ -83,9 +83,24 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
         keyword ``token_ids``). Packed documents (restarting ``position_ids`` ``[b, s]``, ``seq_idx`` ``[b, s]``, or
         ``cu_seqlens`` ``[n + 1]`` over the flattened batch, turned here into the per-row ``seq_idx`` so that it
         splits into microbatches by rows) go to every stage too, which attends per document
-        (``packed_attention``)."""
+        (``packed_attention``). Under context parallelism the batch holds this rank's chunk(s) and the targets
+        shifted on the whole sequence (``shift_labels``, which replace ``labels``); packed documents are read from
+        the chunk's restarting ``position_ids`` by the context-parallel mask. Every refusal is raised here, on
+        every rank, before the schedule's first send."""
+        context = model.parallel_context
+        batch = super().prepare_batch(model, batch)  # cp: labels <- shift_labels
         batch["token_ids"] = batch["input_ids"]
+        seq = batch["input_ids"].shape[1]
+        if getattr(model, "_oslo_sequence_parallel", None) and seq % context.tp_size:
+            raise ValueError(f"sequence_parallel=True needs this rank's sequence length divisible by "
+                             f"tensor_parallel_size={context.tp_size}; got {seq}")
         cu_seqlens = batch.pop("cu_seqlens", None)
+        if context.cp_size > 1:
+            if cu_seqlens is not None or "seq_idx" in batch:
+                raise NotImplementedError("a pipelined generic model under context parallelism reads packed "
+                                          "documents from restarting position_ids (split like input_ids); pass "
+                                          "those instead of cu_seqlens / seq_idx")
+            return batch
         if cu_seqlens is not None:
             from ..utils.documents import from_cu_seqlens
 
@@ -98,7 +113,9 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
         return batch
 
     def use_sequence_parallel(self, model, batch) -> bool:
-        return False
+        """Under sequence parallelism the stages exchange the sequence slices ``[mb, s/tp, h]``: the first stage
+        cuts at the model's first layer, the last gathers after its last (``sequence_parallel.install``)."""
+        return bool(getattr(model, "_oslo_sequence_parallel", None))
 
     def stage_io(self, model, layout, stage, microbatch, sequence_parallel):
         mb, seq_len = microbatch["input_ids"].shape
@@ -109,7 +126,7 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
             rows = weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0]
             return (mb, seq_len, rows)
 
-        return self.hidden_state_io(model, layout, stage, microbatch, False, head_shape)
+        return self.hidden_state_io(model, layout, stage, microbatch, sequence_parallel, head_shape)
 
     # ------------------------------------------------------------------ compute
     def _view(self, model, stage) -> torch.nn.ModuleList:
@@ -135,11 +152,19 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
             check = view[first_layer].register_forward_pre_hook(
                 functools.partial(_check_first_layer, model, x), with_kwargs=True, prepend=True)
         inputs = dict(input_ids=x if stage.is_first else token_ids, attention_mask=attention_mask)
-        if position_ids is not None or seq_idx is not None:
+        context = model.parallel_context
+        if context.cp_size > 1:  # this rank's chunk(s): global positions, the cp mask (context_parallel.py)
+            from .context_parallel import KEYWORD, chunk_inputs
+
+            inputs = chunk_inputs(context, {**inputs, "position_ids": position_ids}, inputs["input_ids"])
+            calls = model.__dict__.get("_oslo_cp_calls")
+            if calls is not None:  # the load-time check counts the attention calls (context_parallel.install)
+                calls.append(inputs[KEYWORD])
+        elif position_ids is not None or seq_idx is not None:
             inputs = _per_document(model, inputs, position_ids, seq_idx)
         try:
             with viewing(model, self.pieces, view, stage.is_first, stand_in):
-                output = type(model).forward(model, **inputs, use_cache=False, return_dict=True)
+                output = type(model).forward(model, **{**inputs, "use_cache": False}, return_dict=True)
         except StageDone as done:
             return done.hidden
         finally:
@@ -158,12 +183,16 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
 
     def loss(self, model, logits, labels, num_items_in_batch):
         """``transformers``' causal-LM loss (labels shifted left) on the logits, or on this rank's vocabulary slice
-        of them (``vocab_parallel_loss.py``): summed token losses / ``num_items_in_batch``."""
+        of them (``vocab_parallel_loss.py``): summed token losses / ``num_items_in_batch``. Under context
+        parallelism ``labels`` are the chunk's targets already shifted on the whole sequence (``prepare_batch``):
+        the result is the chunk's share (``runner._LossFn`` sums it over cp)."""
+        shifted = labels if model.parallel_context.cp_size > 1 else None
         if getattr(model, "_oslo_vocab_parallel_loss", False):
-            return model.loss_function(logits, labels, num_items_in_batch=num_items_in_batch)
+            return model.loss_function(logits, labels, num_items_in_batch=num_items_in_batch, shift_labels=shifted)
         from ..parallel_layers.cross_entropy import causal_lm_loss
 
-        return causal_lm_loss(logits, labels, group=None, vocab_start=0, num_items_in_batch=num_items_in_batch)
+        return causal_lm_loss(logits, labels, group=None, vocab_start=0, num_items_in_batch=num_items_in_batch,
+                              shift_labels=shifted)
 
 
 def _per_document(model, inputs: dict, position_ids, seq_idx) -> dict:
@@ -204,13 +233,27 @@ def local_stage_outputs(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, .
     for index in layout.local_stages:
         stage = SimpleNamespace(owner=model, stage_index=index, layout=layout, is_first=index == 0,
                                 is_last=index == layout.num_stages - 1)
-        x = input_ids if stage.is_first else torch.zeros((*input_ids.shape, adapter.pieces.hidden_size),
-                                                        dtype=adapter._dtype(model), device=input_ids.device)
+        x = input_ids if stage.is_first else _received(model, input_ids, adapter)
         out = adapter.stage_forward(stage, x, token_ids=input_ids)
         if stage.is_last and getattr(model, "_oslo_vocab_parallel_loss", False):
             out = _gather_vocabulary(model, out)
         outputs.append(out)
     return tuple(outputs)
+
+
+def _received(model, input_ids: torch.Tensor, adapter) -> torch.Tensor:
+    """What a later stage's dummy run starts from: zeros ``[b, s, h]``; under sequence parallelism this rank's
+    slice ``[b, s/tp, h]`` of them, cut as the first layer's hook cuts (``Replicate -> Shard(1)``, requiring grad), so
+    the graph rule of ``partial_gradients.py`` sees the stage's activations as split over tp, as they are."""
+    zeros = torch.zeros((*input_ids.shape, adapter.pieces.hidden_size), dtype=adapter._dtype(model),
+                        device=input_ids.device)
+    if not adapter.use_sequence_parallel(model, {}):
+        return zeros
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    whole = DTensor.from_local(zeros.requires_grad_(torch.is_grad_enabled()), model.parallel_context.mesh["tp"],
+                               [Replicate()], run_check=False)
+    return whole.redistribute(placements=[Shard(1)]).to_local()
 
 
 def _gather_vocabulary(model, logits: torch.Tensor) -> torch.Tensor:

@@ -181,12 +181,20 @@ def install(model: nn.Module, context, layer_names: list[str], region_names: lis
     def local_inputs(module, args, kwargs):
         return tuple(_to_local(a) for a in args), {key: _to_local(v) for key, v in kwargs.items()}
 
-    model.get_submodule(layer_names[0]).register_forward_pre_hook(
-        lambda module, args, kwargs: _replace_hidden(args, kwargs, cut), with_kwargs=True)
-    model.get_submodule(layer_names[-1]).register_forward_hook(gathered_output)
+    # under pipeline parallelism (``pipeline_cut.py``) a rank holds some layers only (the others are parameter-free
+    # probes): the first stage cuts at the model's first layer, the last gathers after its last, and the stages
+    # exchange the slices ``[mb, s/tp, h]`` in between (``pipeline_stage.py``)
+    held = [name for name in layer_names if not _is_probe(model.get_submodule(name))]
+    if layer_names[0] in held:
+        model.get_submodule(layer_names[0]).register_forward_pre_hook(
+            lambda module, args, kwargs: _replace_hidden(args, kwargs, cut), with_kwargs=True)
+    if layer_names[-1] in held:
+        model.get_submodule(layer_names[-1]).register_forward_hook(gathered_output)
     plan = getattr(model, "_oslo_generic_tp_plan", None) or {}
     moe = moe_regions(model, plan, region_names)
     for name in region_names:
+        if not any(name.startswith(layer + ".") for layer in held):
+            continue  # a region of a layer another pipeline rank holds
         region = model.get_submodule(name)
         region.register_forward_pre_hook(
             lambda module, args, kwargs: _replace_hidden(args, kwargs, gather), with_kwargs=True)
@@ -194,6 +202,12 @@ def install(model: nn.Module, context, layer_names: list[str], region_names: lis
             region.register_forward_hook(cut_output)
             for module in _local_modules(region, name, plan):  # the router sees the gathered tokens, whole
                 module.register_forward_pre_hook(local_inputs, with_kwargs=True)
+
+
+def _is_probe(module: nn.Module) -> bool:
+    from .pipeline_cut import LayerProbe
+
+    return isinstance(module, LayerProbe)
 
 
 def apply_plan(model: nn.Module, mesh, plan: dict[str, str], overrides: dict) -> None:

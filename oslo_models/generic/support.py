@@ -8,10 +8,9 @@ class supports is read from ``transformers`` itself, never from a table kept her
   data parallel only.
 - pipeline parallelism: causal LMs, cut at the decoder's layers (``base_model_pp_plan``'s, or the repeated
   ``_no_split_modules`` blocks of a type without one) and run by the native models' schedules
-  (``pipeline_cut.py``, ``pipeline_stage.py``), with data parallelism, ZeRO 0-3 and tensor parallelism (ZeRO 0, 2,
-  3 there). Refused with the reason: other tasks, and pipelines combined with sequence, context or expert
-  parallelism, or with a router loss (``output_router_logits``, which sums statistics of layers on different
-  stages).
+  (``pipeline_cut.py``, ``pipeline_stage.py``), with data parallelism, ZeRO 0-3, tensor and sequence parallelism,
+  context parallelism and expert parallelism. Refused with the reason: other tasks, and a router loss
+  (``output_router_logits``, which sums statistics of layers on different stages).
 - data parallelism, ZeRO 1/2/3, CPU offload, mixed precision, gradient clipping and resumable checkpoints need
   nothing from the model and always apply; activation checkpointing is ``transformers``' own
   (``gradient_checkpointing_enable``), i.e. ``activation_checkpointing="full"``.
@@ -35,6 +34,7 @@ AUTO_CLASS_OF_TASK = {
     "seq2seq_lm": "AutoModelForSeq2SeqLM", "token_classification": "AutoModelForTokenClassification",
     "question_answering": "AutoModelForQuestionAnswering", "text_encoding": "AutoModelForTextEncoding",
     "multiple_choice": "AutoModelForMultipleChoice", "next_sentence_prediction": "AutoModelForNextSentencePrediction",
+    "image_text_to_text": "AutoModelForImageTextToText",
 }
 # projections whose colwise split cuts attention heads (transformers' names across its models)
 _HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "query", "key", "value")
@@ -142,20 +142,6 @@ def pipeline_refusals(config, parallel, model_class: type | None = None) -> list
         return [head + f"the generic path pipelines causal LMs (a decoder's layers cut into stages); "
                        f"{model_class.__name__} is not one"]
     reasons = []
-    if parallel.sequence_parallel:
-        reasons.append(head + "with sequence_parallel=True is not implemented on the generic path (the stages "
-                              "exchange whole sequences); use tensor parallelism without it")
-    if parallel.tensor_parallel_size > 1 and parallel.zero_stage == 1:
-        reasons.append(head + "with tensor_parallel_size > 1 and zero_stage=1 is not implemented (ZeRO-1's optimizer "
-                              "broadcasts whole tensors; the plan's parameters are DTensors); use zero_stage 0, 2 "
-                              "or 3")
-    others = {"context_parallel_size": parallel.context_parallel_size,
-              "expert_parallel_size": parallel.expert_parallel_size}
-    for name, size in others.items():
-        if size > 1:
-            reasons.append(head + f"with {name}={size} is not implemented on the generic path (its hooks and "
-                                  f"load-time checks are written for the whole model's forward); use pipeline, "
-                                  f"tensor and data parallelism, or {name} without a pipeline")
     if getattr(text_config(config), "output_router_logits", False):
         reasons.append(head + f"{config.model_type!r} has output_router_logits=True: its load-balancing loss sums "
                               f"the router statistics of every layer, which sit on different stages; set "

@@ -340,13 +340,19 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ gradients
     def _expert_parameters(self) -> dict:
-        """This stage's parameters split over the expert-parallel group (none at ep 1), by id."""
+        """This stage's parameters split over the expert-parallel group (none at ep 1), by id: those the model
+        protocol's expert units hold (a native family's stacked experts; on the generic path the DTensors split
+        over the ``ep`` mesh dimension)."""
         if self.context.ep_size == 1:
             return {}
-        from ..distributed.expert_parallel import expert_parameter_names
+        from ..utils.model_protocol import protocol_of
 
-        params = dict(self.model.named_parameters())
-        return {id(params[name]): params[name] for name in expert_parameter_names(self.model)}
+        def split(param) -> bool:  # a DTensor held by an expert unit beside its experts (none split over ep)
+            mesh = getattr(param, "device_mesh", None)
+            return mesh is None or "ep" in (mesh.mesh_dim_names or ())
+
+        units = protocol_of(self.model).expert_units(self.model)
+        return {id(param): param for unit in units for param in unit.parameters(recurse=False) if split(param)}
 
     def sync_gradients(self) -> None:
         """Sum the tied embedding's gradient over its two copies; average every gradient over data parallel (dp x
@@ -355,15 +361,16 @@ class PipelineRunner:
         if self.tied is not None:
             self.tied.sum_gradients()
         if self.context.dp_cp_size > 1 and getattr(self.model, "_oslo_stage_modules", None) is None:
-            experts = self._expert_parameters()  # cp x ep is refused: experts are reduced over edp only
+            experts = self._expert_parameters()
             # a DTensor parameter (the generic path's tensor-parallel plan): its local shard's gradient
             grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                      for p in self.model.parameters() if p.grad is not None and id(p) not in experts]
-            for param in experts.values():  # split over ep: summed over edp, then / dp (expert_parallel.py)
-                if param.grad is not None:
-                    if self.context.edp_group is not None:
-                        dist.all_reduce(param.grad, group=self.context.edp_group)
-                    param.grad.div_(self.context.dp_size)
+            for param in experts.values():  # split over ep: summed over edp (the ranks of dp x cp holding the same
+                if param.grad is not None:  # experts), then / (dp x cp) like the dense mean (expert_parallel.py)
+                    grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+                    if self.context.edp_group is not None and self.context.edp_size > 1:
+                        dist.all_reduce(grad, group=self.context.edp_group)
+                    grad.div_(self.context.dp_cp_size)
             if grads:
                 flat = torch._utils._flatten_dense_tensors(grads)
                 dist.all_reduce(flat, group=self.context.dp_cp_group)

@@ -168,13 +168,14 @@ def _pipeline_data_parallel(model, optimizer, context, stage: int, ddp_kwargs: d
         raise ValueError(f"DDP options {sorted(ddp_kwargs)} do not apply with pipeline_parallel_size > 1 (the "
                          f"pipeline runner synchronizes gradients itself)")
     if stage == 1 and optimizer is not None:
-        from .dtensor_data_parallel import has_dtensor_parameters
+        from .dtensor_data_parallel import ShardedStateOptimizer, _expert_group, has_dtensor_parameters
 
-        if has_dtensor_parameters(model):  # before any collective: torch's optimizer broadcasts whole tensors
-            raise NotImplementedError("zero_stage=1 with pipeline parallelism is not implemented for DTensor "
-                                      "parameters (a tensor-parallel transformers plan): ZeroRedundancyOptimizer "
-                                      "cannot broadcast them; use zero_stage 0, 2 or 3")
-        optimizer = _zero_redundancy(optimizer, context)
+        if has_dtensor_parameters(model):  # torch's ZeroRedundancyOptimizer cannot broadcast DTensors: the
+            # unpipelined DTensor ZeRO-1 (each parameter's state on one dp rank, its local tensor broadcast)
+            optimizer = ShardedStateOptimizer(optimizer, context, _constructor_defaults(optimizer),
+                                              expert_group=_expert_group(model, context))
+        else:
+            optimizer = _zero_redundancy(optimizer, context)
     model._oslo_zero_stage = stage
     mark_gradients_reduced(model, "pipeline")
     return model, optimizer

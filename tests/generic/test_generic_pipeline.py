@@ -19,9 +19,9 @@ batch's):
   for the last two), and Cohere 2 with ``activation_checkpointing="full"`` (ZeRO-3): the same;
 - negative control: Cohere 2 with the tied embedding's gradient left unsummed across its two stages trains away from
   the reference;
-- ``forward`` / ``generate`` of a pipelined model raise with the way out; pp x tp with ZeRO-1 or sequence
-  parallelism, pp x cp, a router loss, a non-causal-LM class and a decoder loop that changes the hidden states
-  between layers are refused before any process group.
+- ``forward`` / ``generate`` of a pipelined model raise with the way out; a router loss, a non-causal-LM class and a
+  decoder loop that changes the hidden states between layers are refused before any process group (pp x tp at
+  ZeRO-1, pp x SP and pp x cp are not: ``test_generic_pipeline_axes.py``).
 
 A second group of 8 processes runs pp 2 x tp 2 x dp 2 (``test_generic_pipeline_tensor_parallel``): Cohere 2 at
 ZeRO-3, Llama 4 at ZeRO-0, Granite at ZeRO-2, equal ``transformers`` the same way.
@@ -194,10 +194,8 @@ def test_generic_pipeline_refusals():
         return support.refusals(granite, om.ParallelConfig(pipeline_parallel_size=2, **parallel), causal_lm)
 
     assert refusals() == [] and refusals(tensor_parallel_size=2) == []
-    for extra, message in ((dict(zero_stage=1), "zero_stage=1 is not implemented"),
-                           (dict(sequence_parallel=True), "sequence_parallel=True is not implemented")):
-        assert any(message in reason for reason in refusals(tensor_parallel_size=2, **extra))
-    assert refusals(context_parallel_size=2)
+    # pp x tp at ZeRO-1, pp x SP, pp x cp run (test_generic_pipeline_axes.py, test_generic_pipeline_eight.py)
+    assert refusals(tensor_parallel_size=2, zero_stage=1, sequence_parallel=True, context_parallel_size=2) == []
     routed = CONFIGS["qwen3_next"]()
     routed.output_router_logits = True
     assert any("output_router_logits=True" in reason for reason in support.refusals(

@@ -59,8 +59,8 @@ def launched_world(monkeypatch):
     ("mamba", dict(tensor_parallel_size=2), r"'mamba' runs on the generic path .*MambaForCausalLM.*"
      r"tensor_parallel_size=2: 'mamba' has no native family .* no tensor-parallel plan .*It supports: data "
      r"parallelism"),
-    ("granite", dict(pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True, num_microbatches=2),
-     "pipeline_parallel_size=2: with sequence_parallel=True is not implemented on the generic path"),
+    ("megatron-bert", dict(pipeline_parallel_size=2, num_microbatches=2),
+     "pipeline_parallel_size=2: the generic path pipelines causal LMs .*MegatronBertForMaskedLM is not one"),
     ("mamba", dict(sequence_parallel=True), "sequence_parallel=True: sequence parallelism splits the sequence between "
      "the tensor-parallel regions"),
     ("mamba", dict(context_parallel_size=2), "context_parallel_size=2: 'mamba' has no attention heads"),
