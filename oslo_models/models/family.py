@@ -7,7 +7,7 @@ A family folder (``models/llama``, ``models/roberta``, ...) declares its model t
                      classes={"base": "LlamaModel", "causal_lm": "LlamaForCausalLM", ...},
                      tiny_config=dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, ...)),
     )
-    __getattr__, __dir__ = lazy_exports(__name__, {".modeling_llama": [...], ".configuration_llama": [...]})
+    __getattr__, __dir__, __all__ = family_exports(__name__, {".configuration_llama": [...], ".modeling_llama": [...]})
 
 The record names classes by string and the package exports them lazily (PEP 562), so collecting the records
 (``models.registry``) imports no model code and no torch; the classes are imported when first asked for. Adding a
@@ -106,3 +106,12 @@ def lazy_exports(package: str, table: Mapping[str, list[str]]) -> tuple[Callable
         return sorted(set(namespace) | set(where))
 
     return __getattr__, __dir__
+
+
+def family_exports(package: str, table: Mapping[str, list[str]]) -> tuple[Callable, Callable, list[str]]:
+    """``(__getattr__, __dir__, __all__)`` of a family folder's ``__init__``: :func:`lazy_exports` of ``table`` and
+    every name it lists, in order. One line per family::
+
+        __getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+    """
+    return (*lazy_exports(package, table), [name for names in table.values() for name in names])

@@ -16,8 +16,9 @@ For each model type (its tiny model from the record, ``tests/helpers/zoo.py``), 
 A layout the validation code refuses (before any process group) must be one ``REFUSED`` lists for the type, with
 its reason; every other layout must run and match.
 
-The throwaway family ``oslo_toy_llama`` is a config class, a ``StackSpec`` and a ``FamilyRecord``, nothing else (the
-classes are declared from them: ``oslo_models/models/declare.py``): the cost of a new Llama-shaped family.
+The throwaway family ``oslo_toy_llama`` is added in this one file as ``docs/adding-a-model.md`` says: a config class,
+a ``StackSpec``, one explicit line per class (as ``transformers``' generated files write them) and a
+``FamilyRecord``: the cost of a new Llama-shaped family.
 """
 from __future__ import annotations
 
@@ -31,11 +32,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 import oslo_models as om
 from oslo_models.models.common.cache_names import cache_kwargs
 from oslo_models.models.common.context_parallel import check_context_parallel
-from oslo_models.models.declare import declare_stack_family
 from oslo_models.models.family import FamilyRecord
 from oslo_models.models.heads import ForCausalLM
 from oslo_models.models.llama import TINY_DECODER
-from oslo_models.models.llama.modeling_llama import LLAMA_SPEC, LlamaPreTrainedModel
+from oslo_models.models.llama.modeling_llama import LLAMA_SPEC, LlamaForCausalLM, LlamaModel, LlamaPreTrainedModel
 from oslo_models.models.registry import families, register_family, unregister_family
 from tests.helpers.checkpointing import enable_checkpointing
 from tests.helpers.dist import run_distributed
@@ -44,7 +44,7 @@ from tests.helpers.models import assert_grads_match, padded_batch
 from tests.helpers.pipeline import assert_pipeline_matches
 from tests.helpers.zoo import tiny_config
 
-# ------------------------------------------------------------------ the throwaway family: record + spec
+# ------------------------------------------------------------------ the throwaway family: spec + classes + record
 TOY_TYPE = "oslo_toy_llama"
 
 
@@ -52,10 +52,24 @@ class ToyConfig(transformers.LlamaConfig):
     model_type = TOY_TYPE
 
 
-TOY_SPEC = dataclasses.replace(LLAMA_SPEC)
-globals().update(declare_stack_family(
-    "Toy", ToyConfig, TOY_SPEC, like=LlamaPreTrainedModel, module=__name__,
-    hf_twins={"base": transformers.LlamaModel, "causal_lm": transformers.LlamaForCausalLM}))
+TOY_SPEC = dataclasses.replace(LLAMA_SPEC)  # other block, parts or components here
+
+
+class ToyPreTrainedModel(LlamaPreTrainedModel):
+    config_class, stack_spec = ToyConfig, TOY_SPEC
+
+
+class ToyModel(ToyPreTrainedModel, LlamaModel):
+    hf_twin = transformers.LlamaModel
+
+
+ToyPreTrainedModel.base_model_class = ToyModel
+
+
+class ToyForCausalLM(ToyPreTrainedModel, LlamaForCausalLM):
+    hf_twin = transformers.LlamaForCausalLM
+
+
 TOY = FamilyRecord(model_type=TOY_TYPE, package=__name__, config="ToyConfig",
                    classes={"base": "ToyModel", "causal_lm": "ToyForCausalLM"},
                    tiny_config={**TINY_DECODER, "attention_bias": True}, spec="TOY_SPEC")

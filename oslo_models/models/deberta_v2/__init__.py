@@ -3,7 +3,7 @@ position-to-content terms over shared relative embeddings in log buckets), heads
 
 Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
 ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, lazy_exports
+from ..family import FamilyRecord, family_exports
 
 _EXPORTS = {
     ".configuration_deberta_v2": ["DebertaV2Config"],
@@ -31,5 +31,4 @@ FAMILIES = (
                           "multiple_choice": "DebertaV2ForMultipleChoice"}, spec="DEBERTA_V2_SPEC"),
 )
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [name for names in _EXPORTS.values() for name in names]
+__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

@@ -1,7 +1,7 @@
 """DeepSeek-V3: multi-head latent attention and a grouped-top-k MoE with shared experts on the Mixtral code
 (``modeling_deepseek_v3.py``). Names are imported on first use (PEP 562): importing this package, as
 ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, lazy_exports
+from ..family import FamilyRecord, family_exports
 
 _EXPORTS = {
     ".configuration_deepseek_v3": ["DeepseekV3Config"],
@@ -28,5 +28,4 @@ FAMILIES = (
                  tiny_config=TINY_DEEPSEEK_V3, spec="DEEPSEEK_V3_SPEC"),
 )
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [name for names in _EXPORTS.values() for name in names]
+__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

@@ -5,7 +5,7 @@
 Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
 ``FAMILIES``, imports no model code."""
 from ..bert import TINY_ENCODER
-from ..family import FamilyRecord, lazy_exports
+from ..family import FamilyRecord, family_exports
 
 _EXPORTS = {
     ".configuration_electra": ["ElectraConfig"],
@@ -25,5 +25,4 @@ FAMILIES = (
                      "multiple_choice": "ElectraForMultipleChoice"}, spec="ELECTRA_SPEC"),
 )
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [name for names in _EXPORTS.values() for name in names]
+__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

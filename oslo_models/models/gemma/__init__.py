@@ -1,7 +1,7 @@
 """Gemma (1): thin classes over the Llama code (``models/llama``); the config classes of Gemma 1/2/3 live in
 ``configuration_gemma.py``. Names are imported on first use (PEP 562): importing this package, as
 ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, lazy_exports
+from ..family import FamilyRecord, family_exports
 from ..llama import TINY_DECODER
 
 _EXPORTS = {
@@ -19,5 +19,4 @@ FAMILIES = (FamilyRecord(model_type="gemma", package=__name__, config="GemmaConf
                                   "token_classification": "GemmaForTokenClassification"},
                          tiny_config={**TINY_GEMMA, "hidden_act": "gelu_pytorch_tanh"}, spec="GEMMA_SPEC"),)
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [name for names in _EXPORTS.values() for name in names]
+__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

@@ -1,7 +1,7 @@
 """Gemma 2: thin classes over the Gemma code (``models/gemma``); its config class lives in
 ``gemma/configuration_gemma.py``. Names are imported on first use (PEP 562): importing this package, as
 ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, lazy_exports
+from ..family import FamilyRecord, family_exports
 from ..gemma import TINY_GEMMA
 
 _EXPORTS = {
@@ -21,5 +21,4 @@ FAMILIES = (FamilyRecord(model_type="gemma2", package=__name__, config="Gemma2Co
                                   "token_classification": "Gemma2ForTokenClassification"},
                          tiny_config=TINY_GEMMA2, spec="GEMMA2_SPEC"),)
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [name for names in _EXPORTS.values() for name in names]
+__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

@@ -1,7 +1,7 @@
 """Gemma 3 (text): thin classes over the Gemma 2 code (``models/gemma2``); its config class lives in
 ``gemma/configuration_gemma.py``. Names are imported on first use (PEP 562): importing this package, as
 ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, lazy_exports
+from ..family import FamilyRecord, family_exports
 from ..gemma import TINY_GEMMA
 
 _EXPORTS = {
@@ -23,5 +23,4 @@ FAMILIES = (FamilyRecord(model_type="gemma3_text", package=__name__, config="Gem
                                   "sequence_classification": "Gemma3TextForSequenceClassification"},
                          tiny_config=TINY_GEMMA3, spec="GEMMA3_SPEC"),)
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [name for names in _EXPORTS.values() for name in names]
+__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

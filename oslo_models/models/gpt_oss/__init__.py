@@ -1,7 +1,7 @@
 """gpt-oss: attention sinks, alternating sliding/full layers and a biased, clamped-SwiGLU MoE on the Mixtral code
 (``modeling_gpt_oss.py``). Names are imported on first use (PEP 562): importing this package, as
 ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, lazy_exports
+from ..family import FamilyRecord, family_exports
 
 _EXPORTS = {
     ".configuration_gpt_oss": ["GptOssConfig"],
@@ -27,5 +27,4 @@ FAMILIES = (
                  tiny_config=TINY_GPT_OSS, spec="GPT_OSS_SPEC"),
 )
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [name for names in _EXPORTS.values() for name in names]
+__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

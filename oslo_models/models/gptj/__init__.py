@@ -3,7 +3,7 @@ biases, a biased LM head, on the shared stack.
 
 Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
 ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, lazy_exports
+from ..family import FamilyRecord, family_exports
 
 _EXPORTS = {
     ".configuration_gptj": ["GPTJConfig"],
@@ -23,5 +23,4 @@ FAMILIES = (
         spec="GPTJ_SPEC"),
 )
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [name for names in _EXPORTS.values() for name in names]
+__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

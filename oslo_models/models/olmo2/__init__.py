@@ -1,7 +1,7 @@
 """OLMo 2: declared on the Llama code (``models/llama``) from its config class and ``OLMO2_SPEC``. Names are imported
 on first use (PEP 562): importing this package, as ``models.registry`` does to read ``FAMILIES``, imports no model
 code."""
-from ..family import FamilyRecord, lazy_exports
+from ..family import FamilyRecord, family_exports
 from ..llama import TINY_DECODER
 
 _EXPORTS = {
@@ -16,5 +16,4 @@ FAMILIES = (FamilyRecord(model_type="olmo2", package=__name__, config="Olmo2Conf
                                   "sequence_classification": "Olmo2ForSequenceClassification"},
                          tiny_config={**TINY_DECODER, "tie_word_embeddings": False}, spec="OLMO2_SPEC"),)
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [name for names in _EXPORTS.values() for name in names]
+__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

@@ -1,7 +1,7 @@
 """Phi-3: the Llama decoder with a fused grouped-query ``qkv_proj``, a fused ``gate_up_proj``, partial / longrope
 rotary and residual dropouts (``modeling_phi3.py``). Names are imported on first use (PEP 562): importing this
 package, as ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, lazy_exports
+from ..family import FamilyRecord, family_exports
 from ..llama import TINY_DECODER
 
 _EXPORTS = {
@@ -24,5 +24,4 @@ FAMILIES = (
                  spec="PHI3_SPEC"),
 )
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [name for names in _EXPORTS.values() for name in names]
+__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

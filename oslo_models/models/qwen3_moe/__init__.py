@@ -1,6 +1,6 @@
 """Qwen3-MoE: a thin class over the Mixtral / Qwen2-MoE code (``modeling_qwen3_moe.py``). Names are imported on first
 use (PEP 562): importing this package, as ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, lazy_exports
+from ..family import FamilyRecord, family_exports
 from ..mixtral import TINY_MOE
 
 _EXPORTS = {
@@ -25,5 +25,4 @@ FAMILIES = (
 )
 _EXPORTS["..mixtral.modeling_mixtral"] = ["MOE_SPEC"]
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [name for names in _EXPORTS.values() for name in names]
+__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

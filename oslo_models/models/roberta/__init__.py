@@ -4,29 +4,22 @@
 Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
 ``FAMILIES``, imports no model code."""
 from ..bert import TINY_ENCODER
-from ..family import FamilyRecord, lazy_exports
+from ..family import FamilyRecord, family_exports
 
-_VARIANT_HEADS = ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
-                  "ForQuestionAnswering")
 _EXPORTS = {
     ".configuration_roberta": ["RobertaConfig"],
     ".modeling_roberta": ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
                           "RobertaForTokenClassification", "RobertaForQuestionAnswering", "RobertaPreTrainedModel",
                           "RobertaForCausalLM", "RobertaForMultipleChoice"],
     "..bert.modeling_bert": ["BERT_SPEC"],
-    ".variants": [f"{prefix}{suffix}" for prefix in ("XLMRoberta", "Camembert")
-                  for suffix in ("Config", *_VARIANT_HEADS)],
+    ".variants": ["XLMRobertaConfig", "XLMRobertaModel", "XLMRobertaForMaskedLM",
+                  "XLMRobertaForSequenceClassification", "XLMRobertaForTokenClassification",
+                  "XLMRobertaForQuestionAnswering", "CamembertConfig", "CamembertModel", "CamembertForMaskedLM",
+                  "CamembertForSequenceClassification", "CamembertForTokenClassification",
+                  "CamembertForQuestionAnswering"],
 }
 # the tiny BERT with RoBERTa's special tokens (padding 1; positions start after it)
 _TINY = {**TINY_ENCODER, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
-_VARIANT_TASKS = ("base", "masked_lm", "sequence_classification", "token_classification", "question_answering")
-
-
-def _variant(model_type: str, prefix: str) -> FamilyRecord:
-    return FamilyRecord(model_type=model_type, package=__name__, config=f"{prefix}Config", tiny_config=_TINY,
-                        classes={task: prefix + suffix for task, suffix in zip(_VARIANT_TASKS, _VARIANT_HEADS)},
-                        spec="BERT_SPEC")
-
 
 FAMILIES = (
     FamilyRecord(model_type="roberta", package=__name__, config="RobertaConfig", tiny_config=_TINY, classes={
@@ -34,9 +27,16 @@ FAMILIES = (
         "sequence_classification": "RobertaForSequenceClassification",
         "token_classification": "RobertaForTokenClassification", "question_answering": "RobertaForQuestionAnswering",
         "causal_lm": "RobertaForCausalLM", "multiple_choice": "RobertaForMultipleChoice"}, spec="BERT_SPEC"),
-    _variant("xlm-roberta", "XLMRoberta"),
-    _variant("camembert", "Camembert"),
+    FamilyRecord(model_type="xlm-roberta", package=__name__, config="XLMRobertaConfig", tiny_config=_TINY, classes={
+        "base": "XLMRobertaModel", "masked_lm": "XLMRobertaForMaskedLM",
+        "sequence_classification": "XLMRobertaForSequenceClassification",
+        "token_classification": "XLMRobertaForTokenClassification",
+        "question_answering": "XLMRobertaForQuestionAnswering"}, spec="BERT_SPEC"),
+    FamilyRecord(model_type="camembert", package=__name__, config="CamembertConfig", tiny_config=_TINY, classes={
+        "base": "CamembertModel", "masked_lm": "CamembertForMaskedLM",
+        "sequence_classification": "CamembertForSequenceClassification",
+        "token_classification": "CamembertForTokenClassification",
+        "question_answering": "CamembertForQuestionAnswering"}, spec="BERT_SPEC"),
 )
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [name for names in _EXPORTS.values() for name in names]
+__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

@@ -1,7 +1,7 @@
 """StarCoder2: LayerNorms with biases, grouped-query attention with biases and a sliding window, a biased two-layer
 MLP, residual and embedding dropouts (``modeling_starcoder2.py``). Names are imported on first use (PEP 562):
 importing this package, as ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, lazy_exports
+from ..family import FamilyRecord, family_exports
 
 _EXPORTS = {
     ".configuration_starcoder2": ["Starcoder2Config"],
@@ -24,5 +24,4 @@ FAMILIES = (
                  spec="STARCODER2_SPEC"),
 )
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [name for names in _EXPORTS.values() for name in names]
+__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
