@@ -36,12 +36,12 @@ FAMILIES = ("llama", "gemma2", "gpt_oss", "bloom", "deepseek_v3")
 def _first_heads(core, mask, sinks, cp):
     """Negative control: the hybrid core with every rank of a group taking the group's first heads' ALiBi slopes
     and sinks (its heads' offset forgotten)."""
-    def forgetful(query, key, value, mask, *, scaling, window, softcap, sinks):
+    def forgetful(query, key, value, mask, *, scaling, window, softcap, sinks, impl):
         group = mask.hybrid.inner_group
         q, k, v = (sequence_to_heads(t, group) for t in (query, key, value))
         first = slice(0, q.shape[1])
         out = ring_attention(q, k, v, mask.ring_view(first), scaling=scaling, window=window, softcap=softcap,
-                             sinks=sinks[first])
+                             sinks=sinks[first], impl=impl)
         return heads_to_sequence(out, group)
 
     return forgetful, mask, sinks
