@@ -32,6 +32,7 @@ _LAZY = {
                      "AutoModelForNextSentencePrediction"],
     ".models.family": ["FamilyRecord"],
     ".models.registry": ["register_family"],
+    ".image_text": ["AutoModelForImageTextToText"],
     ".generic.capabilities": ["capabilities"],
     ".planner": ["planner", "plan"],
 }
