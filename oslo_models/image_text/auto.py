@@ -22,8 +22,11 @@ collectives: the plan's (all-reduces over tp in the decoder's rowwise projection
 ``freeze_vision=True``: the vision tower and projector get ``requires_grad=False`` at load (no gradient, no optimizer
 state); the language model (and LM head) train.
 
-Not on this path (refused before any process group, with the reason): pipeline and context parallelism
-(``generic/support.py``: the generic pipeline cuts causal LMs, context parallelism splits causal LMs' sequences).
+Not implemented, refused before any process group with the reason (:func:`refusals`): pipeline parallelism (the
+generic pipeline cuts a causal LM's decoder; the vision tower and the merge of its features on the first stage are
+not built), context parallelism (a chunk of the merged sequence would hold only part of an image's tokens, while
+``transformers`` merges the features of whole images by position, and Qwen's M-RoPE positions are computed from the
+whole sequence), expert parallelism and sequence parallelism (not tested for these classes).
 """
 from __future__ import annotations
 
@@ -50,17 +53,52 @@ class AutoModelForImageTextToText(_AutoModel):
         return found
 
     @classmethod
+    def check_parallel(cls, parallel) -> None:
+        """``NotImplementedError`` naming each axis of ``parallel`` (a ``ParallelConfig`` / ``ParallelContext`` /
+        ``None``) this class cannot run yet (:func:`refusals`); no collective."""
+        reasons = refusals(parallel)
+        if reasons:
+            raise NotImplementedError(f"{cls.__name__}: " + "; ".join(reasons))
+
+    @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *, parallel=None,
                         freeze_vision: bool = False, **kwargs):
         """As :meth:`oslo_models.AutoModelForCausalLM.from_pretrained` (``parallel``, ``dtype``, hub arguments,
         config overrides); ``freeze_vision``: see the module docstring. Collective: every rank calls it."""
+        cls.check_parallel(parallel)
         model = super().from_pretrained(pretrained_model_name_or_path, parallel=parallel, **kwargs)
         return _finish(model, freeze_vision)
 
     @classmethod
     def from_config(cls, config, *, parallel=None, freeze_vision: bool = False, **kwargs):
         """A randomly initialized model for ``config`` (seed every rank alike first), sliced for this rank."""
+        cls.check_parallel(parallel)
         return _finish(super().from_config(config, parallel=parallel, **kwargs), freeze_vision)
+
+
+def refusals(parallel) -> list[str]:
+    """One sentence per axis of ``parallel`` that image-text models do not run on yet (empty when all run)."""
+    config = getattr(parallel, "config", parallel)
+    if config is None:
+        return []
+    reasons = []
+    if config.pipeline_parallel_size > 1:
+        reasons.append(f"pipeline_parallel_size={config.pipeline_parallel_size} is not implemented for image-text "
+                       f"models: the generic pipeline cuts a causal LM's decoder layers, and placing the vision "
+                       f"tower and the merge of its features on the first stage is not built; use tensor and data "
+                       f"parallelism (ZeRO 0-3)")
+    if config.context_parallel_size > 1:
+        reasons.append(f"context_parallel_size={config.context_parallel_size} is not implemented for image-text "
+                       f"models: a chunk of the merged sequence would hold part of an image's tokens while "
+                       f"transformers merges whole images' features by position (and Qwen's M-RoPE positions are "
+                       f"computed over the whole sequence)")
+    if config.expert_parallel_size > 1:
+        reasons.append(f"expert_parallel_size={config.expert_parallel_size} is not implemented (untested) for "
+                       f"image-text models")
+    if config.sequence_parallel:
+        reasons.append("sequence_parallel=True is not implemented (untested) for image-text models: the image "
+                       "features are merged into whole sequences")
+    return reasons
 
 
 def _finish(model, freeze: bool):
