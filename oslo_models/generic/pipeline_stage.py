@@ -33,6 +33,7 @@ import functools
 import torch
 
 from ..pipeline.adapter import CausalLMPipelineAdapter
+from . import router_loss
 from .pipeline_cut import EmbeddingStandIn, LayerProbe, StageDone, StagePieces, stage_view, viewing
 
 
@@ -126,7 +127,11 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
             rows = weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0]
             return (mb, seq_len, rows)
 
-        return self.hidden_state_io(model, layout, stage, microbatch, sequence_parallel, head_shape)
+        inputs, outputs = self.hidden_state_io(model, layout, stage, microbatch, sequence_parallel, head_shape)
+        if not router_loss.pipeline_router_loss(model):
+            return inputs, outputs
+        statistics = torch.empty(2 * model.num_experts + 1, dtype=torch.float32, device="meta")  # router_loss.py
+        return (inputs if stage == 0 else (*inputs, statistics)), (*outputs, statistics)
 
     # ------------------------------------------------------------------ compute
     def _view(self, model, stage) -> torch.nn.ModuleList:
@@ -135,12 +140,24 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
             self._views[index] = stage_view(model, self.pieces, stage.layout.ranges[index])
         return self._views[index]
 
-    def stage_forward(self, stage, x, attention_mask=None, token_ids=None, position_ids=None, seq_idx=None):
+    def stage_forward(self, stage, x, statistics=None, attention_mask=None, token_ids=None, position_ids=None,
+                      seq_idx=None):
         """``x``: ``input_ids [mb, s]`` on the first stage, else the previous stage's hidden states ``[mb, s, h]``;
         returns hidden states ``[mb, s, h]``, or the logits on the last stage. ``position_ids`` / ``seq_idx``
         ``[mb, s]``: a packed microbatch, whose per-document masks (one per layer type) and positions every stage
         builds as the unpipelined model's pre-hook does (``packed_attention.per_document_inputs``; layers that are not
-        attention are refused there, before the forward)."""
+        attention are refused there, before the forward). With a load-balancing loss (``router_loss.py``)
+        ``statistics`` ``[2E + 1]`` come in beside ``x`` (after the first stage) and go out beside the result, this
+        stage's layers' routing statistics added."""
+        model = stage.owner
+        if router_loss.pipeline_router_loss(model):
+            layers = [model.get_submodule(self.pieces.layers)[i] for i in stage.layout.ranges[stage.stage_index]]
+            with router_loss.StageRouterLogits(model, layers) as routed:
+                out = self._run_stage(stage, x, attention_mask, token_ids, position_ids, seq_idx)
+            return out, router_loss.stage_statistics(model, routed.logits, attention_mask, statistics)
+        return self._run_stage(stage, x, attention_mask, token_ids, position_ids, seq_idx)
+
+    def _run_stage(self, stage, x, attention_mask, token_ids, position_ids, seq_idx):
         model = stage.owner
         view = self._view(model, stage)
         first_layer = stage.layout.ranges[stage.stage_index].start
@@ -180,6 +197,15 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
     @staticmethod
     def _dtype(model) -> torch.dtype:
         return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+    def microbatch_loss(self, model, outputs, labels, num_items_in_batch, num_microbatches: int):
+        """The token loss, plus ``router_aux_loss_coef * aux / M`` from the carried statistics when the model adds a
+        load-balancing loss (``router_loss.py``)."""
+        if not router_loss.pipeline_router_loss(model):
+            return self.loss(model, outputs, labels, num_items_in_batch)
+        logits, statistics = outputs
+        loss = self.loss(model, logits, labels, num_items_in_batch)
+        return loss + router_loss.microbatch_router_loss(model, statistics, num_microbatches).to(loss.dtype)
 
     def loss(self, model, logits, labels, num_items_in_batch):
         """``transformers``' causal-LM loss (labels shifted left) on the logits, or on this rank's vocabulary slice
@@ -235,6 +261,8 @@ def local_stage_outputs(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, .
                                 is_last=index == layout.num_stages - 1)
         x = input_ids if stage.is_first else _received(model, input_ids, adapter)
         out = adapter.stage_forward(stage, x, token_ids=input_ids)
+        if isinstance(out, tuple):  # (activations, routing statistics): the statistics are not the plan's concern
+            out = out[0]
         if stage.is_last and getattr(model, "_oslo_vocab_parallel_loss", False):
             out = _gather_vocabulary(model, out)
         outputs.append(out)
@@ -310,6 +338,7 @@ def attach(model) -> None:
     """Give a pipelined generic model the native models' step API on the instance (``train_step``, ``eval_step``;
     the runner is built on first use, collectively), route its ``save_pretrained`` to the every-rank Hub export and
     refuse its plain forward / ``generate``."""
+    router_loss.check_pipeline(model)  # a load-balancing loss the stages can carry, or NotImplementedError
     model.__dict__["save_pretrained"] = functools.partial(_save_pretrained, model)
     model.__dict__["train_step"] = functools.partial(_train_step, model)
     model.__dict__["eval_step"] = functools.partial(_eval_step, model)

@@ -118,3 +118,106 @@ def install(model: nn.Module, context, keyword: str) -> None:
     check(model, context)
     if applies(model):
         model.register_forward_hook(ReplicaRouterLoss(context, keyword, _loss_function(model)), with_kwargs=True)
+
+
+# ---------------------------------------------------------------------------------------------- pipeline stages
+# Under pipeline parallelism the MoE layers sit on different stages, and the load-balancing loss is a product of sums
+# over all of them (``E * sum_e f_e * P_e``), so no stage can add its share alone. As for the native MoE families
+# (``models/mixtral/pipeline_mixtral.py``, Megatron-Core's rule), each stage adds its layers' routing statistics
+# (``[2E + 1]`` fp32: top-k assignment counts, router probability sums, token rows, padding weighted) to the ones it
+# received and sends them on beside the hidden states; the last stage computes the loss from the totals. Gradients
+# flow back through the probability sums. Each microbatch's term is its own (``router_aux_loss_coef * aux / M`` per
+# microbatch of ``M``), as gradient accumulation over the microbatches computes it in ``transformers``.
+
+
+def pipeline_router_loss(model: nn.Module) -> bool:
+    """The pipelined model adds a load-balancing loss: ``output_router_logits`` set and a loss this module can carry
+    across stages (:func:`check_pipeline` ran at load)."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return bool(getattr(text, "output_router_logits", False)) and applies(model)
+
+
+def router_recorder(model: nn.Module):
+    """``transformers``' own record of where the router logits come from (``_can_record_outputs['router_logits']``
+    of the decoder: an ``OutputRecorder`` with the router class and the output index), or ``None``."""
+    for module in model.modules():
+        found = (getattr(type(module), "_can_record_outputs", None) or {}).get("router_logits")
+        if found is not None:
+            return found
+    return None
+
+
+def check_pipeline(model: nn.Module) -> None:
+    """At load, for a pipelined model with ``output_router_logits``: the router modules are known to
+    ``transformers``' output recorder, and the model's own ``load_balancing_loss_func`` equals the statistics rule on
+    random router logits and padding (else ``NotImplementedError`` with the reason). No collective."""
+    from ..models.mixtral.pipeline_mixtral import aux_loss_from_statistics, routing_statistics
+
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not getattr(text, "output_router_logits", False) or not applies(model):
+        return
+    name = type(model).__name__
+    recorder = router_recorder(model)
+    if recorder is None or getattr(recorder, "target_class", None) is None:
+        raise NotImplementedError(f"pipeline_parallel_size > 1: {name} adds a router loss (output_router_logits) but "
+                                  f"transformers records no router modules for it; set output_router_logits=False")
+    experts, top_k = model.num_experts, model.num_experts_per_tok
+    generator = torch.Generator().manual_seed(0)
+    logits = [torch.randn(12, experts, generator=generator) for _ in range(2)]
+    padding = (torch.rand(3, 4, generator=generator) > 0.3).long()
+    for mask in (padding, None):
+        own = _loss_function(model)(tuple(logits), experts, top_k, mask)
+        carried = aux_loss_from_statistics(routing_statistics(logits, experts, top_k, mask), experts)
+        if not torch.allclose(torch.as_tensor(own, dtype=torch.float32), carried, atol=1e-6, rtol=1e-5):
+            raise NotImplementedError(
+                f"pipeline_parallel_size > 1: {name}'s load_balancing_loss_func is not the product of summed routing "
+                f"statistics the pipeline carries across stages ({float(own)} vs {float(carried)} on a test "
+                f"input); set output_router_logits=False to pipeline it")
+
+
+class StageRouterLogits:
+    """Forward hooks on the router modules of some layers (``transformers``' recorded class), collecting the router
+    logits ``[tokens, E]`` of one stage's forward; a context manager."""
+
+    def __init__(self, model: nn.Module, layers):
+        recorder = router_recorder(model)
+        self.index = recorder.index
+        self.modules = [module for layer in layers for module in layer.modules()
+                        if isinstance(module, recorder.target_class)]
+        self.logits: list[torch.Tensor] = []
+        self.handles = []
+
+    def _hook(self, module, args, output):
+        value = output[self.index] if isinstance(output, (tuple, list)) else output
+        self.logits.append(value.to_local() if hasattr(value, "to_local") else value)
+
+    def __enter__(self):
+        self.handles = [module.register_forward_hook(self._hook) for module in self.modules]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        return False
+
+
+def stage_statistics(model: nn.Module, logits: list[torch.Tensor], attention_mask, received):
+    """The statistics after this stage: ``received`` (``[2E + 1]`` or ``None`` on the first stage) plus this stage's
+    layers' (``logits``: each ``[mb * s, E]``; ``attention_mask`` ``[mb, s]`` or ``None``)."""
+    from ..models.mixtral.pipeline_mixtral import routing_statistics
+
+    experts = model.num_experts
+    if not logits:
+        mine = torch.zeros(2 * experts + 1, dtype=torch.float32,
+                           device=received.device if received is not None else model.parallel_context.device)
+    else:
+        mine = routing_statistics([value.reshape(-1, experts) for value in logits], experts,
+                                  model.num_experts_per_tok, attention_mask)
+    return mine if received is None else received + mine
+
+
+def microbatch_router_loss(model: nn.Module, statistics: torch.Tensor, num_microbatches: int) -> torch.Tensor:
+    """``router_aux_loss_coef * aux / M``: this microbatch's term of the step's loss."""
+    from ..models.mixtral.pipeline_mixtral import aux_loss_from_statistics
+
+    return model.router_aux_loss_coef * aux_loss_from_statistics(statistics, model.num_experts) / num_microbatches
