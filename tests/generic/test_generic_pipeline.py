@@ -19,9 +19,9 @@ batch's):
   for the last two), and Cohere 2 with ``activation_checkpointing="full"`` (ZeRO-3): the same;
 - negative control: Cohere 2 with the tied embedding's gradient left unsummed across its two stages trains away from
   the reference;
-- ``forward`` / ``generate`` of a pipelined model raise with the way out; a router loss, a non-causal-LM class and a
-  decoder loop that changes the hidden states between layers are refused before any process group (pp x tp at
-  ZeRO-1, pp x SP and pp x cp are not: ``test_generic_pipeline_axes.py``).
+- ``forward`` / ``generate`` of a pipelined model raise with the way out; a router loss under cp, a non-causal-LM
+  class and a decoder loop that changes the hidden states between layers are refused before any process group
+  (pp x tp at ZeRO-1, pp x SP and pp x cp are not: ``test_generic_pipeline_axes.py``).
 
 A second group of 8 processes runs pp 2 x tp 2 x dp 2 (``test_generic_pipeline_tensor_parallel``): Cohere 2 at
 ZeRO-3, Llama 4 at ZeRO-0, Granite at ZeRO-2, equal ``transformers`` the same way.
@@ -198,8 +198,10 @@ def test_generic_pipeline_refusals():
     assert refusals(tensor_parallel_size=2, zero_stage=1, sequence_parallel=True, context_parallel_size=2) == []
     routed = CONFIGS["qwen3_next"]()
     routed.output_router_logits = True
-    assert any("output_router_logits=True" in reason for reason in support.refusals(
-        routed, om.ParallelConfig(pipeline_parallel_size=2), transformers.Qwen3NextForCausalLM))
+    assert not support.refusals(routed, om.ParallelConfig(pipeline_parallel_size=2), transformers.Qwen3NextForCausalLM)
+    assert any("output_router_logits=True with context_parallel_size=2" in reason for reason in support.refusals(
+        routed, om.ParallelConfig(pipeline_parallel_size=2, context_parallel_size=2),
+        transformers.Qwen3NextForCausalLM))  # the carried routing statistics would be the chunk's
     bert = CONFIGS["megatron-bert"]()
     with pytest.raises(ValueError, match="pipelines causal LMs"):
         support.check_parallel(bert, om.ParallelConfig(pipeline_parallel_size=2), transformers.MegatronBertForMaskedLM)
