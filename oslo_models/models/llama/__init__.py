@@ -17,12 +17,28 @@ TINY_DECODER = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, n
                     num_key_value_heads=2, vocab_size=101, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
                     eos_token_id=2, rms_norm_eps=1e-6)
 
+
+
+def decoder_classes(prefix: str) -> dict[str, str]:
+    """The task -> class names of a Llama-shaped decoder's record: ``{prefix}Model``, ``{prefix}ForCausalLM``,
+    ``{prefix}ForSequenceClassification``, ``{prefix}ForTokenClassification``, ``{prefix}ForQuestionAnswering`` (its
+    modeling file writes each class out)."""
+    return {"base": f"{prefix}Model", "causal_lm": f"{prefix}ForCausalLM",
+            "sequence_classification": f"{prefix}ForSequenceClassification",
+            "token_classification": f"{prefix}ForTokenClassification",
+            "question_answering": f"{prefix}ForQuestionAnswering"}
+
+
+def decoder_exports(model_type: str, prefix: str) -> dict[str, list[str]]:
+    """The export table of a thin Llama-shaped decoder folder (Mistral, Qwen2, Qwen3): its config class from
+    ``configuration_llama``, ``LLAMA_SPEC``, and its classes from ``modeling_<model_type>``."""
+    return {"..llama.configuration_llama": [f"{prefix}Config"], "..llama.modeling_llama": ["LLAMA_SPEC"],
+            f".modeling_{model_type}": [*decoder_classes(prefix).values(), f"{prefix}PreTrainedModel"]}
+
+
 # Llama's tiny model: biases on q/k/v/o and the MLP, untied embeddings
 FAMILIES = (FamilyRecord(model_type="llama", package=__name__, config="LlamaConfig", spec="LLAMA_SPEC",
-                         classes={"base": "LlamaModel", "causal_lm": "LlamaForCausalLM",
-                                  "sequence_classification": "LlamaForSequenceClassification",
-                                  "token_classification": "LlamaForTokenClassification",
-                                  "question_answering": "LlamaForQuestionAnswering"},
+                         classes=decoder_classes("Llama"),
                          tiny_config={**TINY_DECODER, "attention_bias": True, "mlp_bias": True}),)
 
 __getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
