@@ -13,6 +13,7 @@ from .blended import BlendedDataset, exact_counts
 from .collators import (
                         CausalLMCollator,
                         ContextParallelSplitter,
+                        ImageTextCollator,
                         MLMCollator,
                         Seq2SeqCollator,
                         SequenceParallelSplitter,
@@ -30,7 +31,8 @@ from .sampler import DistributedResumableSampler
 
 __all__ = [
     "BlendedDataset", "CausalLMCollator", "ContextParallelSplitter", "DistributedResumableSampler", "FORMAT_VERSION",
-    "MLMCollator", "MMapTokenDataset", "PackedCausalLMDataset", "ResumableDataLoader", "SFTCollator",
+    "ImageTextCollator", "MLMCollator", "MMapTokenDataset", "PackedCausalLMDataset", "ResumableDataLoader",
+    "SFTCollator",
     "Seq2SeqCollator", "SequenceParallelSplitter", "T5SpanCorruptionCollator", "build_dataloader",
     "check_token_ids", "exact_counts", "first_fit", "pack_documents", "preprocess", "t5_lengths",
     "tokenizer_identity", "write_token_file",

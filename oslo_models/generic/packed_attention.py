@@ -137,7 +137,7 @@ def _before(module, args, kwargs):
             raise ValueError("packed documents (cu_seqlens / seq_idx) with a cache (past_key_values): decode one "
                              "document per row")
         return call.done()
-    config = module.config
+    config = module.config.get_text_config(decoder=True)  # an image-text model's masks are its decoder's
     if "flash" in str(config._attn_implementation):
         if batch > 1:
             raise NotImplementedError(
