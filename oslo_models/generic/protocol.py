@@ -36,13 +36,6 @@ class GenericProtocol(ModelProtocol):
 
         check_parallel(model.config, parallel, type(model))
 
-    def pipeline_sharding_refusal(self, model: nn.Module) -> str | None:
-        if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):  # a peft wrapper around the stages
-            return (f"LoRA (peft) on a pipelined {type(model.get_base_model()).__name__} (generic path) with "
-                    "zero_stage 2/3 is not implemented: the stages are cut inside the peft wrapper, which FSDP2's "
-                    "per-stage roots do not reach; use zero_stage 0 (tested) with pipeline parallelism and LoRA")
-        return None
-
     def pipeline_adapter(self, model: nn.Module):
         from .pipeline_stage import GenericCausalLMPipelineAdapter
 

@@ -351,7 +351,10 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
     groups = _param_groups_by_name(model, optimizer) if optimizer is not None else None
     mesh, shard_group = _data_parallel_mesh(context)
     if context.pp_size > 1:
-        _pipeline_fully_shard(model, mesh, reshard_after_forward=stage == 3, cpu_offload=cpu_offload)
+        # the stages are cut in the model a peft wrapper holds (LoRA): its runner reads the FSDP2 roots from there
+        stages_owner = model.get_base_model() if hasattr(model, "peft_config") else model
+        _pipeline_fully_shard(stages_owner, mesh, reshard_after_forward=stage == 3, cpu_offload=cpu_offload)
+        stages_owner._oslo_zero_stage = stage
     elif plan is not None:  # per block: sharded or replicated (training/per_block.py)
         from .per_block import fully_shard_blocks
 

@@ -6,7 +6,9 @@ MLP's down projection) is loaded onto the pipelined model with ``adapters.load_a
 adapters of its own stage's layers only (the other layers are parameter-free probes). 3 AdamW steps on the adapters
 through ``training.prepare`` and ``model.train_step`` on rows with unequal label counts: the logged losses and every
 adapter equal plain ``peft`` trained on each step's global batch (fp32, 1e-5), for Granite (untied) and Cohere 2
-(tied embeddings frozen on both stages), both at ZeRO-0; every stage's adapters moved away from their loaded
+(tied embeddings frozen on both stages), both at ZeRO-0, and Granite at ZeRO-3, Cohere 2 at ZeRO-2 (each stage an
+FSDP2 root over dp inside the peft wrapper: frozen base weights and trainable adapters in the same units); every
+stage's adapters moved away from their loaded
 values (negative control: the comparison against the untrained adapter fails); ``adapters.save_adapter`` (every
 rank) writes the adapters of every stage, which plain ``peft`` opens with the reference's tensors.
 """
@@ -31,7 +33,7 @@ from tests.training.test_global_batch_loss import _collate, sft_rows  # noqa: E4
 
 ROWS = 8  # global batch of a step
 TARGETS = ["q_proj", "v_proj", "down_proj"]
-CASES = {"granite": 0, "cohere2": 0}  # name: ZeRO stage (ZeRO-2/3 with a peft model under pp: not yet)
+CASES = [("granite", 0), ("cohere2", 0), ("granite", 3), ("cohere2", 2)]  # (name, ZeRO stage)
 
 
 def _full(tensor):
@@ -54,7 +56,7 @@ def _worker(paths, root):
     from accelerate import Accelerator
 
     rows = sft_rows(101, 48)
-    for name, zero_stage in CASES.items():
+    for name, zero_stage in CASES:
         breadcrumb(f"{name} LoRA pp2 x dp2 zero{zero_stage}")
         base, adapter = paths[name]
         parallel = om.ParallelConfig(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2,
@@ -67,6 +69,9 @@ def _worker(paths, root):
         assert loaded and all(any(layer in key for layer in layers) for key in loaded), sorted(loaded)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
         wrapped, optimizer = training.prepare(Accelerator(cpu=True), model, optimizer, zero_stage=zero_stage)
+        if zero_stage >= 2:  # the runner's stages are FSDP2 roots, the adapters sharded over dp
+            assert getattr(inner, "_oslo_stage_modules", None), "no FSDP2 stage roots on the pipelined model"
+            assert all(hasattr(p, "placements") for n, p in model.named_parameters() if "lora_" in n)
         reference = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), adapter,
                                                    is_trainable=True).train()
         ref_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], **ADAMW)
@@ -86,29 +91,21 @@ def _worker(paths, root):
         _assert_adapters(trained, reference)
         for key, value in loaded.items():  # negative control: this stage's adapters were trained
             assert (trained[key] - value).abs().max() > 1e-4, key
-        folder = os.path.join(root, name)
+        folder = os.path.join(root, f"{name}_zero{zero_stage}")
         adapters.save_adapter(model, folder)
         if dist.get_rank() == 0:
             saved = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), folder)
             _assert_adapters({n: p.detach() for n, p in saved.named_parameters() if "lora_" in n}, reference)
             assert len([n for n, _ in saved.named_parameters() if "lora_" in n]) == 2 * len(loaded)
         dist.barrier()
-    # ZeRO-3 over the pipelined stages inside a peft wrapper: refused on every rank before FSDP2 runs
-    base, adapter = paths["granite"]
-    parallel = om.ParallelConfig(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, zero_stage=3)
-    model = adapters.load_adapter(om.AutoModelForCausalLM.from_pretrained(base, parallel=parallel).train(), adapter,
-                                  is_trainable=True)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
-    with pytest.raises(NotImplementedError, match="zero_stage 2/3 is not implemented"):
-        training.prepare(Accelerator(cpu=True), model, optimizer, zero_stage=3)
-    dist.barrier()
 
 
 @pytest.mark.slow
 def test_generic_pipeline_lora(tmp_path):
-    bases = save(tmp_path / "models", CASES)
+    names = sorted({name for name, _ in CASES})
+    bases = save(tmp_path / "models", names)
     paths = {}
-    for name in CASES:
+    for name in names:
         torch.manual_seed(1)
         reference = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(bases[name]),
                                         peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
