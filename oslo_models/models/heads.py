@@ -153,9 +153,10 @@ class StackFamilyModel:
     """Mixin of a stack family's ``PreTrainedModel``: the plan and the class flags derived from ``stack_spec``. The
     family declares ``stack_spec`` and, once its base model class exists, ``base_model_class``.
 
-    A class that sets ``stack_spec`` gets ``_no_split_modules = [block name]`` and ``_can_record_outputs`` (the
-    block's outputs as ``hidden_states``, the attention component's as ``attentions``) unless it sets them itself
-    (GPT-2 records through ``OutputRecorder``s; the MoE decoders add their routers with ``record_outputs``)."""
+    A class that sets a ``stack_spec`` with parts gets ``_no_split_modules = [block name]``, ``_can_record_outputs``
+    (the block's outputs as ``hidden_states``, the attention component's as ``attentions``) and the
+    ``_supports_<kernel>`` flags (``StackSpec.attention_kernels``) unless it sets them itself (GPT-2 records through
+    ``OutputRecorder``s; the MoE decoders add their routers with ``record_outputs``)."""
 
     parallel_plan = _DerivedPlan()
     head_styles: dict = {}
@@ -175,6 +176,9 @@ class StackFamilyModel:
         if "_can_record_outputs" not in own:
             cls._can_record_outputs = {"hidden_states": spec.block, "attentions": spec.components["attn"],
                                        **cls.record_outputs}
+        for kernel in ("sdpa", "flash_attn", "flex_attn", "attention_backend"):
+            if f"_supports_{kernel}" not in own:
+                setattr(cls, f"_supports_{kernel}", kernel in spec.attention_kernels)
 
     @classmethod
     def stack_options(cls, config):

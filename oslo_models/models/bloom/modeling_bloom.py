@@ -48,7 +48,10 @@ from .configuration_bloom import BloomConfig
 
 
 class BloomAttention(GroupedQKVAttention):
-    """``query_key_value`` ``[n x (q, k, v)]`` (one group per head), ``dense``; positions come from the ALiBi mask."""
+    """``query_key_value`` ``[n x (q, k, v)]`` (one group per head), ``dense``; positions come from the ALiBi mask
+    (the eager kernel only, as ``transformers``' Bloom)."""
+
+    kernels = frozenset()
 
 
 class BloomMLP(DenseMLP):
@@ -91,7 +94,6 @@ class BloomPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     supports_gradient_checkpointing = True
     # eager, as transformers' Bloom: SDPA takes the ALiBi mask as well and gives the same outputs, but its backward
     # through a query that sees no key (a left-padded position) differs from eager autograd's
-    _supports_sdpa = False
 
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:

@@ -74,6 +74,10 @@ class AttentionModule(nn.Module):
     the attention core keeps its activations)."""
 
     core_checkpoint = None
+    #: the kernels this attention runs, as ``transformers``' class flags name them (``_supports_<kernel>``); the
+    #: classes of a family built from a spec take their flags from its attention component (``heads.
+    #: StackFamilyModel``; a spec's ``kernels`` overrides it where a switch rules a kernel out: Gemma 2's soft-cap)
+    kernels = frozenset({"sdpa", "flash_attn", "flex_attn", "attention_backend"})
 
 
 class GroupedQueryAttention(AttentionModule):

@@ -61,6 +61,8 @@ class SinkAttention(GroupedQueryAttention):
     eager kernel is ``transformers``' gpt-oss one; SDPA cannot take sinks (``transformers`` drops ``s_aux`` there),
     so it is refused; the context-parallel cores take the sinks (``parallel_layers/context_parallel``)."""
 
+    kernels = frozenset({"flash_attn", "flex_attn", "attention_backend"})
+
     tp_plan = {**GroupedQueryAttention.tp_plan, "": HeadParameters(names=("sinks",))}
 
     def __init__(self, config, layer_idx: int, **options):

@@ -78,11 +78,18 @@ class StackSpec:
     embedding_norm: str | None = None
     output_projection: str | None = None
     parts: tuple[Part, ...] = ()
+    #: the attention kernels the family runs (``None``: its attention component's ``kernels``)
+    kernels: frozenset[str] | None = None
 
     def __post_init__(self):
         for part in self.parts:  # the roles the phases read are the parts' names
             if part.role in ROLES:
                 object.__setattr__(self, part.role, part.name)
+
+    @property
+    def attention_kernels(self) -> frozenset[str]:
+        """``kernels``, or the attention component's: what the classes' ``_supports_<kernel>`` flags say."""
+        return self.kernels if self.kernels is not None else self.components["attn"].kernels
 
     @property
     def final_norm_component(self):

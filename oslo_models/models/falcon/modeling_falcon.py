@@ -67,6 +67,8 @@ def two_norms(config) -> bool:
 class FalconAttention(GroupedQKVAttention):
     """``query_key_value`` of ``qkv_groups`` groups, ``dense``; rotary, or ALiBi through the mask."""
 
+    kernels = frozenset({"sdpa", "flash_attn", "attention_backend"})  # as transformers' Falcon: no flex
+
     @classmethod
     def qkv_groups(cls, config) -> int:
         if config.new_decoder_architecture:
@@ -125,9 +127,6 @@ class FalconPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "transformer"
     stack_spec = FALCON_SPEC
     supports_gradient_checkpointing = True
-    _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_attention_backend = True
 
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:

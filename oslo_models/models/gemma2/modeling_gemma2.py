@@ -39,14 +39,15 @@ class Gemma2DecoderLayer(llama.SandwichDecoderLayer):
 GEMMA2_SPEC = dataclasses.replace(
     llama.LLAMA_SPEC, block=Gemma2DecoderLayer,
     components=dict(attn=GroupedQueryAttention, mlp=GatedMLP, attn_norm=RMSNorm, post_attn_norm=RMSNorm,
-                    mlp_norm=RMSNorm, post_mlp_norm=RMSNorm))
+                    mlp_norm=RMSNorm, post_mlp_norm=RMSNorm),
+    # SDPA cannot soft-cap the attention logits (transformers' Gemma 2 says the same)
+    kernels=GroupedQueryAttention.kernels - {"sdpa"})
 
 
 class Gemma2PreTrainedModel(gemma.GemmaPreTrainedModel):
     config_class = Gemma2Config
     stack_spec = GEMMA2_SPEC
     activation_attr = "hidden_activation"
-    _supports_sdpa = False  # SDPA cannot soft-cap the attention logits (transformers' Gemma 2 says the same)
 
     @classmethod
     def decoder_options(cls, config) -> llama.DecoderOptions:

@@ -41,14 +41,13 @@ class Gemma3DecoderLayer(gemma2.Gemma2DecoderLayer):
 
 
 GEMMA3_SPEC = dataclasses.replace(
-    gemma2.GEMMA2_SPEC, block=Gemma3DecoderLayer,
+    gemma2.GEMMA2_SPEC, block=Gemma3DecoderLayer, kernels=None,
     parts=(*gemma2.GEMMA2_SPEC.parts[:-1], Rotary("rotary_emb", Gemma3RotaryEmbedding)))
 
 
 class Gemma3PreTrainedModel(gemma2.Gemma2PreTrainedModel):
     config_class = Gemma3TextConfig
     stack_spec = GEMMA3_SPEC
-    _supports_sdpa = True
 
     @classmethod
     def decoder_options(cls, config):

@@ -51,6 +51,7 @@ class GPT2Attention(AttentionModule):
 
     tp_plan = {"c_attn": Colwise(num_packed=3), "c_proj": Rowwise(), "attn_dropout": TPDropout(always_split=True),
                "resid_dropout": TPDropout()}
+    kernels = frozenset({"sdpa", "flash_attn", "attention_backend"})  # as transformers' GPT-2: no flex
 
     @classmethod
     def parallel_rules(cls, config) -> list:
@@ -133,9 +134,6 @@ class GPT2PreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "transformer"
     stack_spec = GPT2_SPEC
     supports_gradient_checkpointing = True
-    _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_attention_backend = True
     _keys_to_ignore_on_load_unexpected = ["attn.bias", "attn.masked_bias", "crossattention.bias"]
     # as transformers' GPT-2 (cross-attentions: a key that stays empty, cross-attention is refused at build)
     _can_record_outputs = {"hidden_states": GPT2Block,

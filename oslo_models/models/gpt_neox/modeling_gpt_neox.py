@@ -108,10 +108,6 @@ class GPTNeoXPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "gpt_neox"
     stack_spec = GPT_NEOX_SPEC
     supports_gradient_checkpointing = True
-    _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_flex_attn = True
-    _supports_attention_backend = True
     # old checkpoints' causal-mask and rotary buffers
     _keys_to_ignore_on_load_unexpected = ["attention.bias", "attention.masked_bias", "rotary_emb.inv_freq"]
     # 3D tensor parallelism: position ids feed only the rotary attention, which runs in the inner layout

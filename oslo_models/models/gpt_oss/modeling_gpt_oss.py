@@ -69,7 +69,6 @@ class GptOssPreTrainedModel(mixtral.MixtralPreTrainedModel):
     config_class = GptOssConfig
     stack_spec = GPT_OSS_SPEC
     expert_key_layout = ExpertKeyLayout(stacked=())  # stacked on the Hub too: keys pass through unchanged
-    _supports_sdpa = False  # sinks: eager / flex / flash only, as transformers
     record_outputs = {"router_logits": OutputRecorder(BiasedTopKRouter, index=0)}
 
     # its MoE block routes like SparseMoeBlock (moe.route_tokens): sequence parallelism and pipeline x tp/ep run;

@@ -105,10 +105,6 @@ class GPTJPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "transformer"
     stack_spec = GPTJ_SPEC
     supports_gradient_checkpointing = True
-    _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_flex_attn = True
-    _supports_attention_backend = True
     _keys_to_ignore_on_load_unexpected = ["attn.bias", "attn.masked_bias"]  # old causal-mask buffers
     # 3D tensor parallelism: position ids feed only the rotary attention, which runs in the inner layout
     grid_inner_inputs = ("attention_mask", "position_ids")

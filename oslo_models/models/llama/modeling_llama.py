@@ -132,10 +132,6 @@ class LlamaPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     stack_spec = LLAMA_SPEC
     supports_gradient_checkpointing = True
     _skip_keys_device_placement = ["past_key_values"]
-    _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_flex_attn = True
-    _supports_attention_backend = True
     _keys_to_ignore_on_load_unexpected = ["rotary_emb.inv_freq"]  # persisted by some old Llama conversions
     # 3D tensor parallelism: position ids feed only the rotary attention, which runs in the inner layout
     grid_inner_inputs = ("attention_mask", "position_ids")

@@ -165,10 +165,6 @@ class OPTPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "model"
     stack_spec = OPT_SPEC
     supports_gradient_checkpointing = True
-    _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_flex_attn = True
-    _supports_attention_backend = True
 
     @classmethod
     def head_hidden_size(cls, config) -> int:

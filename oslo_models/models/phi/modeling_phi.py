@@ -103,10 +103,6 @@ class PhiPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "model"
     stack_spec = PHI_SPEC
     supports_gradient_checkpointing = True
-    _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_flex_attn = True
-    _supports_attention_backend = True
     # 3D tensor parallelism: position ids feed only the rotary attention, which runs in the inner layout
     grid_inner_inputs = ("attention_mask", "position_ids")
 
