@@ -16,6 +16,14 @@ model's own logit scaling / soft-capping; its output is the logits ``[mb, s, V]`
 vocabulary slice ``[mb, s, V/tp]``, the head applied colwise), and the loss is ``transformers``' causal-LM loss on
 them over the global batch's label count (``pipeline/runner.py``). Between stages flows ``[mb, s, h]``.
 
+With the other axes: under sequence parallelism ``[mb, s/tp, h]`` flows between stages (the first stage cuts the
+sequence at the model's first layer, the last gathers it after its last: ``sequence_parallel.install``); under
+context parallelism each stage holds the rank's chunk(s) ``[mb, s/cp, h]`` and applies
+``context_parallel.chunk_inputs`` itself (global positions, the ``ContextParallelMask``: one all-gather of the padding
+mask over cp per stage and microbatch, one of the positions for packed rows); with expert parallelism the experts'
+all-to-alls run inside the stages and the runner reduces their gradients over edp; with a load-balancing loss the
+routing statistics ``[2E + 1]`` fp32 flow beside the hidden states (``router_loss.py``).
+
 The first call of each stage checks that its first layer received exactly the activations the probe handed it and
 no other hidden-sized tensor (a decoder loop that transforms the hidden states between layers, or carries a second
 stream such as a separate residual, would not be cut exactly): ``NotImplementedError`` naming the type otherwise.
