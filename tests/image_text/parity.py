@@ -19,8 +19,8 @@ def vision_names(name: str) -> list[str]:
 
 def reference_run(path: str, name: str, freeze: bool = False, generate: bool = True) -> dict:
     """Plain ``transformers`` from ``path`` on the type's batch: logits before training, greedy tokens, the loss of
-    each of ``STEPS`` AdamW steps on the whole batch, the state and logits after them. ``freeze``: the vision side
-    (``vision_parameter_names``) does not train (and is checked unchanged)."""
+    each of ``STEPS`` AdamW steps on the whole batch, the first step's gradients, the state and logits after them.
+    ``freeze``: the vision side (``vision_parameter_names``) does not train (and is checked unchanged)."""
     model = transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
     batch = make_batch(name, model)
     plain = {k: v for k, v in batch.items() if k != "labels"}
@@ -37,9 +37,11 @@ def reference_run(path: str, name: str, freeze: bool = False, generate: bool = T
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
     losses = []
-    for _ in range(STEPS):
+    for step in range(STEPS):
         loss = model(**batch).loss
         loss.backward()
+        if step == 0:  # every gradient of the first step (None for a frozen parameter)
+            out["grads"] = {n: None if p.grad is None else p.grad.detach().clone() for n, p in params.items()}
         opt.step(), opt.zero_grad()
         losses.append(loss.detach())
     out["losses"] = losses

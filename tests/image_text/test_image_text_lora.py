@@ -6,8 +6,8 @@ own, which stay without adapters) is loaded with ``adapters.load_adapter`` onto 
 M-RoPE) at dp 4 (one row and its image per rank). 3 AdamW steps on the adapters on the image-text batch
 (``batches.py``): every step's dp-mean loss and, after the steps, every adapter equal plain ``peft`` on the whole
 batch (fp32, 1e-5); the adapters moved (negative control: the loaded ones fail the comparison); only
-language-model modules got
-adapters; ``adapters.save_adapter`` writes a folder plain ``peft`` opens with the reference's adapters.
+language-model modules got adapters; ``adapters.save_adapter`` writes a folder plain ``peft`` opens with the
+reference's adapters.
 
 Not at tp 2: on the generic path ``peft`` wraps ``transformers``' tensor-parallel ``nn.Linear`` modules with adapters
 of the local shapes (a full adapter does not load: size mismatch), and a rowwise layer's adapter output would not be

@@ -6,8 +6,9 @@ an image-text batch of 4 rows (``batches.py``: prompt and image tokens masked, r
 right padding), data-parallel rank ``d`` taking rows ``d::2`` and their images. For each type:
 
 - ``generate`` with pixel values at tp 2 (before training, no ZeRO wrapping) gives ``transformers``' greedy tokens;
-- vision trained (``TRAINED``) or frozen (``freeze_vision=True``, the other types): every step's logits (step 0),
-  loss (the dp mean) equal the single-process run on the whole batch (fp32, 1e-5), 3 AdamW steps; then
+- vision trained (``TRAINED``) or frozen (``freeze_vision=True``, the other types): the step-0 logits and every
+  step-0 gradient (gathered over tp and dp; ``None`` for the frozen vision side), and each step's loss (the dp mean)
+  equal the single-process run on the whole batch (fp32, 1e-5), 3 AdamW steps; then
   ``training.save_pretrained`` -> plain ``transformers`` load on rank 0 -> every parameter equals the reference's
   and the logits of the batch equal the reference model's after its 3 steps. Frozen: the vision parameters have no
   gradient and no optimizer state (the optimizer's state holds exactly the trainable parameters) and are unchanged;
@@ -48,6 +49,20 @@ def _control(model, name, batch, expected_logits):
             assert (got - expected_logits).abs().max() > 1e-3, name
 
 
+def _check_grads(model, expected: dict, name: str) -> None:
+    """Every gradient of the first step, gathered over tp and dp, equals the reference's (``None`` for a frozen
+    parameter): the replicated vision side's gradients are whole, not a tp part or a tp sum (Adam's steps alone
+    would hide a constant factor)."""
+    for pname, param in model.named_parameters():
+        grad = param.grad
+        if expected[pname] is None:
+            assert grad is None, (name, pname)
+            continue
+        full = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        torch.testing.assert_close(full, expected[pname], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, n=pname: f"{name} {n} grad: {m}")
+
+
 def _worker(paths, refs, work):
     context = om.ParallelContext.from_config(om.ParallelConfig(tensor_parallel_size=2))
     dp, d = context.dp_size, context.dp_rank
@@ -81,9 +96,8 @@ def _worker(paths, refs, work):
             torch.testing.assert_close(loss / dp, ref["losses"][step], msg=lambda m: f"{name} step {step}: {m}",
                                        **TOL)
             out.loss.backward()
-            if frozen:
-                named = dict(inner.named_parameters())
-                assert all(named[n].grad is None for n in ref["vision"]), name
+            if step == 0:
+                _check_grads(inner, ref["grads"], name)
             opt.step(), opt.zero_grad()
         if frozen:  # no optimizer state for the vision side: exactly the trainable parameters have state
             trainable = sum(p.requires_grad for p in inner.parameters())
