@@ -254,11 +254,7 @@ class ParallelConfig:
                                       f"available: {_IMPLEMENTED_TENSOR_PARALLEL_MODES}")
         # pipeline stages and the 2D / 2.5D / 3D grids run on the local chunk like the 1D layers do; experts are
         # carved out of dp x cp (distributed/context.py), their gradients summed over edp and divided by dp x cp
-        if self.context_parallel_size > 1 and self.expert_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise NotImplementedError(
-                f"context_parallel_size > 1 with expert_parallel_size={self.expert_parallel_size} and "
-                f"pipeline_parallel_size > 1 is not implemented: the pipeline runner reduces expert gradients over "
-                f"edp and divides them by dp, not dp x cp; use pipeline_parallel_size=1 or expert_parallel_size=1")
+        # (the pipeline runner too, so cp x ep x pp runs)
 
     # ------------------------------------------------------------------ HSDP (data_parallel_shard_size)
     def _check_hybrid_sharding(self) -> None:

@@ -136,8 +136,7 @@ def test_config_errors():
     with pytest.raises(ValueError, match="positive int"):
         om.ParallelConfig(context_parallel_size=0)
     om.ParallelConfig(context_parallel_size=2, expert_parallel_size=2)  # experts carved out of dp x cp
-    with pytest.raises(NotImplementedError, match="pipeline runner reduces expert gradients"):
-        om.ParallelConfig(context_parallel_size=2, expert_parallel_size=2, pipeline_parallel_size=2)
+    om.ParallelConfig(context_parallel_size=2, expert_parallel_size=2, pipeline_parallel_size=2)  # cp x ep x pp runs
     with pytest.raises(ValueError, match="context_parallel_size=2"):
         om.ParallelConfig(context_parallel_size=2, tensor_parallel_size=2, data_parallel_size=2
                           ).resolve_data_parallel_size(4)

@@ -80,5 +80,10 @@ class MixtralPipelineAdapter(StackPipelineAdapter):
         loss = self.loss(model, logits, labels, num_items_in_batch)
         if not model.config.output_router_logits:
             return loss
-        aux = aux_loss_from_statistics(statistics, type(model).num_experts(model.config))
+        context = model.parallel_context
+        if context.cp_size > 1:  # the whole sequence's statistics (backward x cp); the runner sums the cp ranks'
+            from ...parallel_layers.context_parallel import sum_over_context  # losses: each adds 1/cp of the term
+
+            statistics = sum_over_context(statistics, context)
+        aux = aux_loss_from_statistics(statistics, type(model).num_experts(model.config)) / context.cp_size
         return loss + model.config.router_aux_loss_coef * aux.to(loss.dtype) / num_microbatches
