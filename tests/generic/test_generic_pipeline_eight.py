@@ -10,6 +10,8 @@ per replica) with a plain DataLoader of SFT rows whose label counts differ:
 - glm4_moe (MoE with shared experts, a dense first layer) at tp 2 + SP x pp 2 x cp 2 (ring), ZeRO-1: the stages
   exchange sequence slices of each rank's chunks, the chunks attend across cp, the MoE region routes the gathered
   sequence;
+- glm4_moe at tp 2 + SP x pp 2 x dp 2 with ep 2 inside dp (ZeRO-0): five axes, the experts split over ep inside the
+  stages, routed on the gathered sequence of each tp rank;
 - each: the logged loss of each of 3 AdamW steps and every parameter after them equal single-process
   ``transformers`` (fp32, 1e-5);
 - negative controls: cohere2 with the ZeRO-1 owners' broadcast taken off (each rank keeps only the parameters it
@@ -37,11 +39,15 @@ from tests.training.test_global_batch_loss import (
 
 BATCH = 4  # rows per replica and step: 2 microbatches of 2
 PP = dict(pipeline_parallel_size=2, num_microbatches=2, tensor_parallel_size=2, zero_stage=1)
-LAYOUTS = [("cohere2", dict(PP, data_parallel_size=2)),
-           ("glm4_moe", dict(PP, sequence_parallel=True, context_parallel_size=2))]
+LAYOUTS = [  # (name, layout, negative control)
+    ("cohere2", dict(PP, data_parallel_size=2), dict(broadcast=False)),
+    ("glm4_moe", dict(PP, sequence_parallel=True, context_parallel_size=2), dict(average=False)),
+    # with experts: ZeRO-0 (pp x ep at ZeRO 1-3 is refused for every model by training/layout_rules.py)
+    ("glm4_moe", dict(PP, sequence_parallel=True, data_parallel_size=2, expert_parallel_size=2, zero_stage=0), None),
+]
 
 
-def _steps(model, rows, *, average=True, broadcast=True):
+def _steps(model, rows, zero_stage, *, average=True, broadcast=True):
     """3 steps of the documented pipelined loop over ``training.prepare`` at ZeRO-1; ``broadcast=False`` takes the
     ZeRO-1 owners' broadcast off (the negative control). Returns the model and the logged (world-mean) losses."""
     from accelerate import Accelerator
@@ -50,10 +56,10 @@ def _steps(model, rows, *, average=True, broadcast=True):
     accelerator = Accelerator(cpu=True)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
     loader = DataLoader(rows, batch_size=BATCH, shuffle=False, collate_fn=_collate)
-    model, optimizer, loader = training.prepare(accelerator, model, optimizer, loader, zero_stage=1,
+    model, optimizer, loader = training.prepare(accelerator, model, optimizer, loader, zero_stage=zero_stage,
                                                 average_tokens_across_devices=average)
     inner = training.unwrap_model(model)
-    if inner.parallel_context.dp_size > 1:
+    if inner.parallel_context.dp_size > 1 and zero_stage == 1:
         assert isinstance(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer, ShardedStateOptimizer)
     if not broadcast:
         sharded = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
@@ -72,15 +78,14 @@ def _worker(paths):
     import transformers
 
     rows = sft_rows(101, 48)
-    for name, layout in LAYOUTS:
-        for control in (False, True):
+    for name, layout, broken in LAYOUTS:
+        for control in (False, True) if broken else (False,):
             breadcrumb(f"{name} {layout} negative control {control}")
             model = om.AutoModelForCausalLM.from_pretrained(paths[name], parallel=om.ParallelConfig(**layout)).train()
             context = model.parallel_context
-            if context.config.sequence_parallel:
-                assert model._oslo_sequence_parallel and model.config._attn_implementation == "oslo_context_parallel"
-            broken = dict(broadcast=False) if name == "cohere2" else dict(average=False)
-            model, logged = _steps(model, rows, **(broken if control else {}))
+            assert bool(getattr(model, "_oslo_sequence_parallel", None)) == context.config.sequence_parallel
+            assert (model.config._attn_implementation == "oslo_context_parallel") == (context.cp_size > 1)
+            model, logged = _steps(model, rows, layout["zero_stage"], **(broken if control else {}))
             reference_class = type(transformers.AutoModelForCausalLM.from_config(model.config))
             reference, expected = reference_steps(reference_class.from_pretrained(paths[name]).train(), rows,
                                                   BATCH * context.dp_size)
