@@ -57,7 +57,8 @@ def make_parser():
                              "documents; --batch-size counts documents")
     parser.add_argument("--tiled-mlp", metavar="N", default=None,
                         help="long sequences: every decoder block's feed-forward in N sequence slices recomputed in "
-                             "the backward, or 'auto' (ceil(seq / hidden)); ParallelConfig.tiled_mlp")
+                             "the backward, or 'auto' (ceil(seq / hidden)); ParallelConfig.tiled_mlp (needs no "
+                             "dropout in the MLP: the default GPT-2 is then built with resid_pdrop=0)")
     parser.add_argument("--tiled-loss", action="store_true",
                         help="long sequences: the training loss fused with the LM head in row chunks, no [seq, "
                              "vocab] logits; ParallelConfig.tiled_loss")
@@ -130,9 +131,11 @@ def build_model(args, tokenizer, context):
 
 def gpt2_config(args, vocab_size: int, eos: int | None = None):
     """The small GPT-2 built when neither --model nor --model-type is given (also what --plan auto plans)."""
+    # --tiled-mlp: the tiles' recompute would draw other dropout masks, so this GPT-2's MLP has none
+    extra = {"resid_pdrop": 0.0} if getattr(args, "tiled_mlp", None) is not None else {}
     return transformers.GPT2Config(vocab_size=vocab_size, n_positions=args.seq_len, n_embd=args.n_embd,
                                    n_layer=args.n_layer, n_head=args.n_head, bos_token_id=eos, eos_token_id=eos,
-                                   pad_token_id=eos)
+                                   pad_token_id=eos, **extra)
 
 
 class Documents:

@@ -9,10 +9,13 @@
 - The planner: ``ParallelConfig(tiled_loss=True)`` predicts what ``estimate_memory(..., tiled_loss=True)`` does, less
   than the plain config.
 - Config: a non-bool and pipeline parallelism are refused; the example's options parse into the config, a bad
-  ``--tiled-mlp`` is a usage error.
+  ``--tiled-mlp`` is a usage error; ``examples/train_clm.py --tiled-mlp 2 --tiled-loss --activation-offload --pack``
+  trains 2 steps of its small GPT-2 (one process) to finite losses.
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
 
@@ -100,3 +103,15 @@ def test_config_and_example_options():
     assert (cfg.tiled_mlp, cfg.tiled_loss, cfg.activation_offload) == (3, False, 4096)
     with pytest.raises(UsageError, match="--tiled-mlp"):
         train_clm.with_long_sequence_options(train_clm.parse_args(["--tiled-mlp", "many"]), om.ParallelConfig())
+
+
+def test_example_trains_with_the_flags(tmp_path):
+    from tests.helpers.examples import TINY, launch
+
+    launch([sys.executable], "train_clm.py", "--steps", "2", "--tiled-mlp", "2", "--tiled-loss",
+           "--activation-offload", "--pack", *TINY, "--output", str(tmp_path))
+    with open(tmp_path / "loss.json", encoding="utf-8") as handle:
+        record = json.load(handle)
+    assert len(record["losses"]) == 2 and all(math.isfinite(loss) for loss in record["losses"])
+    assert (record["args"]["tiled_mlp"], record["args"]["tiled_loss"], record["args"]["activation_offload"]) == \
+        ("2", True, True)
