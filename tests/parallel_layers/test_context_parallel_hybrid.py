@@ -4,7 +4,8 @@ consecutive cp ranks, ring across the groups (``parallel_layers/context_parallel
 One spawned world of 4 gloo processes at cp 4 with all-to-all groups of 2:
 
 - the core alone against a dense softmax of the whole sequence (ALiBi + soft-cap + sinks + window + padding +
-  documents + ``d_v != d_qk``; output and the q, k, v and sink gradients, 1e-5); negative control: a hybrid that
+  documents + ``d_v != d_qk``; output and the q, k, v and sink gradients, 1e-5), its ring on fp32 tiles and on
+  FlexAttention blocks (``impl="flex"``); negative control: a hybrid that
   forgets its heads' offset in the group (every rank takes the first heads' ALiBi slopes and sinks) is > 1e-3 off;
 - the models: 3 AdamW steps equal single-process ``transformers`` (losses, logits, every gradient and parameter,
   ``train_matches``) on right-padded rows of unequal label counts for Llama (grouped-query heads), Gemma 2
@@ -63,8 +64,9 @@ def _worker(paths: dict) -> None:
                                                           parallel=om.ParallelConfig(**HYBRID)).train(),
                   hf_class("llama").from_pretrained(paths["llama"], attn_implementation="eager").train(),
                   dict(input_ids=ids, position_ids=positions, labels=ids), call=dict(use_cache=False))
-    breadcrumb("core")
-    check_core(model.parallel_context, "hybrid", {"first heads": _first_heads})
+    for impl in ("tiles", "flex"):  # the ring's per-block kernel: fp32 tiles, FlexAttention blocks
+        breadcrumb(f"core {impl}")
+        check_core(model.parallel_context, "hybrid", {"first heads": _first_heads}, impl=impl)
 
 
 def test_hybrid_cp4_matches_transformers(tmp_path):
