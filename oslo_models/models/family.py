@@ -81,6 +81,21 @@ class FamilyRecord:
         return tuple(dict.fromkeys((self.config, *self.classes.values())))
 
 
+#: the tasks of the generic stack heads (``models/heads.py``), in the order a decoder's record lists them
+STACK_TASKS = ("base", "causal_lm", "sequence_classification", "token_classification", "question_answering")
+#: the same without the span head (Gemma 1/2, Phi, Phi-3, StarCoder2, DeepSeek-V3, gpt-oss)
+WITHOUT_QA = STACK_TASKS[:4]
+_STACK_SUFFIXES = dict(zip(STACK_TASKS, ("Model", "ForCausalLM", "ForSequenceClassification",
+                                         "ForTokenClassification", "ForQuestionAnswering")))
+
+
+def decoder_classes(prefix: str, tasks: tuple[str, ...] = STACK_TASKS) -> dict[str, str]:
+    """A decoder record's ``classes``: task -> ``{prefix}Model``, ``{prefix}ForCausalLM``,
+    ``{prefix}ForSequenceClassification``, ``{prefix}ForTokenClassification``, ``{prefix}ForQuestionAnswering`` for
+    ``tasks`` (``transformers``' names of the generic heads; the family's modeling file writes each class out)."""
+    return {task: prefix + _STACK_SUFFIXES[task] for task in tasks}
+
+
 def lazy_exports(package: str, table: Mapping[str, list[str]]) -> tuple[Callable, Callable]:
     """``(__getattr__, __dir__)`` for a package whose public names are imported on first use (PEP 562).
 

@@ -3,7 +3,7 @@ fused ``query_key_value`` packed per head, on the shared stack.
 
 Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
 ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import FamilyRecord, decoder_classes, family_exports
 
 _EXPORTS = {
     ".configuration_bloom": ["BloomConfig"],
@@ -14,10 +14,7 @@ _EXPORTS = {
 FAMILIES = (
     FamilyRecord(
         model_type="bloom", package=__name__, config="BloomConfig",
-        classes={"base": "BloomModel", "causal_lm": "BloomForCausalLM",
-                 "sequence_classification": "BloomForSequenceClassification",
-                 "token_classification": "BloomForTokenClassification",
-                 "question_answering": "BloomForQuestionAnswering"},
+        classes=decoder_classes("Bloom"),
         # 12 heads, not a power of two: the last 4 slopes come from the 16-head series (Bloom's rule), so at tp 2
         # rank 1 holds 2 slopes of one series and 4 of the other, and each rank's slopes differ
         tiny_config=dict(hidden_size=48, n_layer=2, n_head=12, vocab_size=101, bos_token_id=1, eos_token_id=2,

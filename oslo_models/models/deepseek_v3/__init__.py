@@ -1,7 +1,7 @@
 """DeepSeek-V3: multi-head latent attention and a grouped-top-k MoE with shared experts on the Mixtral code
 (``modeling_deepseek_v3.py``). Names are imported on first use (PEP 562): importing this package, as
 ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import WITHOUT_QA, FamilyRecord, decoder_classes, family_exports
 
 _EXPORTS = {
     ".configuration_deepseek_v3": ["DeepseekV3Config"],
@@ -22,9 +22,7 @@ TINY_DEEPSEEK_V3 = dict(
                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
 FAMILIES = (
     FamilyRecord(model_type="deepseek_v3", package=__name__, config="DeepseekV3Config",
-                 classes={"base": "DeepseekV3Model", "causal_lm": "DeepseekV3ForCausalLM",
-                          "sequence_classification": "DeepseekV3ForSequenceClassification",
-                          "token_classification": "DeepseekV3ForTokenClassification"},
+                 classes=decoder_classes("DeepseekV3", WITHOUT_QA),
                  tiny_config=TINY_DEEPSEEK_V3, spec="DEEPSEEK_V3_SPEC"),
 )
 

@@ -4,7 +4,7 @@ rotary or ALiBi positions, on the shared stack.
 
 Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
 ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import FamilyRecord, decoder_classes, family_exports
 
 _EXPORTS = {
     ".configuration_falcon": ["FalconConfig"],
@@ -15,10 +15,7 @@ _EXPORTS = {
 FAMILIES = (
     FamilyRecord(
         model_type="falcon", package=__name__, config="FalconConfig",
-        classes={"base": "FalconModel", "causal_lm": "FalconForCausalLM",
-                 "sequence_classification": "FalconForSequenceClassification",
-                 "token_classification": "FalconForTokenClassification",
-                 "question_answering": "FalconForQuestionAnswering"},
+        classes=decoder_classes("Falcon"),
         # the new architecture: 2 key/value groups of 4 query heads packed [q q q q k v] (tp 2: a group per rank;
         # tp 4: each group's key/value head replicated on 2 ranks), ln_attn + ln_mlp, biases, rotary; the other
         # switches (multi-query, sequential block, ALiBi) are in tests/models/test_decoder_families_alibi.py

@@ -1,7 +1,7 @@
 """Gemma (1): thin classes over the Llama code (``models/llama``); the config classes of Gemma 1/2/3 live in
 ``configuration_gemma.py``. Names are imported on first use (PEP 562): importing this package, as
 ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import WITHOUT_QA, FamilyRecord, decoder_classes, family_exports
 from ..llama import TINY_DECODER
 
 _EXPORTS = {
@@ -14,9 +14,7 @@ _EXPORTS = {
 TINY_GEMMA = dict(TINY_DECODER, head_dim=16, tie_word_embeddings=True)
 
 FAMILIES = (FamilyRecord(model_type="gemma", package=__name__, config="GemmaConfig",
-                         classes={"base": "GemmaModel", "causal_lm": "GemmaForCausalLM",
-                                  "sequence_classification": "GemmaForSequenceClassification",
-                                  "token_classification": "GemmaForTokenClassification"},
+                         classes=decoder_classes("Gemma", WITHOUT_QA),
                          tiny_config={**TINY_GEMMA, "hidden_act": "gelu_pytorch_tanh"}, spec="GEMMA_SPEC"),)
 
 __getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

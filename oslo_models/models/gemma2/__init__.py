@@ -1,7 +1,7 @@
 """Gemma 2: thin classes over the Gemma code (``models/gemma``); its config class lives in
 ``gemma/configuration_gemma.py``. Names are imported on first use (PEP 562): importing this package, as
 ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import WITHOUT_QA, FamilyRecord, decoder_classes, family_exports
 from ..gemma import TINY_GEMMA
 
 _EXPORTS = {
@@ -16,9 +16,7 @@ TINY_GEMMA2 = dict(TINY_GEMMA, hidden_activation="gelu_pytorch_tanh", sliding_wi
                    attn_logit_softcapping=0.5, final_logit_softcapping=1.0, initializer_range=0.1)
 
 FAMILIES = (FamilyRecord(model_type="gemma2", package=__name__, config="Gemma2Config",
-                         classes={"base": "Gemma2Model", "causal_lm": "Gemma2ForCausalLM",
-                                  "sequence_classification": "Gemma2ForSequenceClassification",
-                                  "token_classification": "Gemma2ForTokenClassification"},
+                         classes=decoder_classes("Gemma2", WITHOUT_QA),
                          tiny_config=TINY_GEMMA2, spec="GEMMA2_SPEC"),)
 
 __getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

@@ -3,7 +3,7 @@ residual (``use_parallel_residual``), on the shared stack.
 
 Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
 ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import FamilyRecord, decoder_classes, family_exports
 
 _EXPORTS = {
     ".configuration_gpt_neox": ["GPTNeoXConfig"],
@@ -14,10 +14,7 @@ _EXPORTS = {
 FAMILIES = (
     FamilyRecord(
         model_type="gpt_neox", package=__name__, config="GPTNeoXConfig",
-        classes={"base": "GPTNeoXModel", "causal_lm": "GPTNeoXForCausalLM",
-                 "sequence_classification": "GPTNeoXForSequenceClassification",
-                 "token_classification": "GPTNeoXForTokenClassification",
-                 "question_answering": "GPTNeoXForQuestionAnswering"},
+        classes=decoder_classes("GPTNeoX"),
         # rotary_pct 0.5: 4 of the 8 dims of each head rotate; parallel residual with two norms (the sequential
         # block: tests/models/test_decoder_families_neox.py); biased q|k|v and dense; untied embed_out; no dropout
         tiny_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,

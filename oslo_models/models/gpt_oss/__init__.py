@@ -1,7 +1,7 @@
 """gpt-oss: attention sinks, alternating sliding/full layers and a biased, clamped-SwiGLU MoE on the Mixtral code
 (``modeling_gpt_oss.py``). Names are imported on first use (PEP 562): importing this package, as
 ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import WITHOUT_QA, FamilyRecord, decoder_classes, family_exports
 
 _EXPORTS = {
     ".configuration_gpt_oss": ["GptOssConfig"],
@@ -21,9 +21,7 @@ TINY_GPT_OSS = dict(
                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})
 FAMILIES = (
     FamilyRecord(model_type="gpt_oss", package=__name__, config="GptOssConfig",
-                 classes={"base": "GptOssModel", "causal_lm": "GptOssForCausalLM",
-                          "sequence_classification": "GptOssForSequenceClassification",
-                          "token_classification": "GptOssForTokenClassification"},
+                 classes=decoder_classes("GptOss", WITHOUT_QA),
                  tiny_config=TINY_GPT_OSS, spec="GPT_OSS_SPEC"),
 )
 

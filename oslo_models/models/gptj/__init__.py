@@ -3,7 +3,7 @@ biases, a biased LM head, on the shared stack.
 
 Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
 ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import FamilyRecord, decoder_classes, family_exports
 
 _EXPORTS = {
     ".configuration_gptj": ["GPTJConfig"],
@@ -13,9 +13,7 @@ _EXPORTS = {
 FAMILIES = (
     FamilyRecord(
         model_type="gptj", package=__name__, config="GPTJConfig",
-        classes={"base": "GPTJModel", "causal_lm": "GPTJForCausalLM",
-                 "sequence_classification": "GPTJForSequenceClassification",
-                 "question_answering": "GPTJForQuestionAnswering"},
+        classes=decoder_classes("GPTJ", ("base", "causal_lm", "sequence_classification", "question_answering")),
         # rotary_dim 4 of the 8 dims of each head, rotated in interleaved pairs; biased lm_head; no dropout
         tiny_config=dict(n_embd=64, n_inner=96, n_layer=2, n_head=8, vocab_size=101, n_positions=64, rotary_dim=4,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,

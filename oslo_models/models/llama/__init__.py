@@ -3,7 +3,7 @@ folders; their config classes live in ``configuration_llama``).
 
 Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
 ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import FamilyRecord, decoder_classes, family_exports
 
 _EXPORTS = {
     ".configuration_llama": ["LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config"],
@@ -16,17 +16,6 @@ _EXPORTS = {
 TINY_DECODER = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                     num_key_value_heads=2, vocab_size=101, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
                     eos_token_id=2, rms_norm_eps=1e-6)
-
-
-
-def decoder_classes(prefix: str) -> dict[str, str]:
-    """The task -> class names of a Llama-shaped decoder's record: ``{prefix}Model``, ``{prefix}ForCausalLM``,
-    ``{prefix}ForSequenceClassification``, ``{prefix}ForTokenClassification``, ``{prefix}ForQuestionAnswering`` (its
-    modeling file writes each class out)."""
-    return {"base": f"{prefix}Model", "causal_lm": f"{prefix}ForCausalLM",
-            "sequence_classification": f"{prefix}ForSequenceClassification",
-            "token_classification": f"{prefix}ForTokenClassification",
-            "question_answering": f"{prefix}ForQuestionAnswering"}
 
 
 def decoder_exports(model_type: str, prefix: str) -> dict[str, list[str]]:

@@ -1,7 +1,7 @@
 """Mistral: thin classes over the Llama code (``modeling_mistral.py``, ``models/llama``). Importing this package
 imports no model code (PEP 562 exports)."""
-from ..family import FamilyRecord, family_exports
-from ..llama import TINY_DECODER, decoder_classes, decoder_exports
+from ..family import FamilyRecord, decoder_classes, family_exports
+from ..llama import TINY_DECODER, decoder_exports
 
 # Mistral's tiny model: a sliding window of 3, shorter than the test sequences, in every layer
 FAMILIES = (FamilyRecord(model_type="mistral", package=__name__, config="MistralConfig", spec="LLAMA_SPEC",

@@ -3,7 +3,7 @@ its own folder; its config class lives in ``configuration_mixtral``).
 
 Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
 ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import FamilyRecord, decoder_classes, family_exports
 
 _EXPORTS = {
     ".configuration_mixtral": ["MixtralConfig", "Qwen2MoeConfig"],
@@ -16,7 +16,7 @@ TINY_MOE = dict(vocab_size=61, hidden_size=32, num_attention_heads=4, num_key_va
                 router_aux_loss_coef=0.3, pad_token_id=0)
 FAMILIES = (
     FamilyRecord(model_type="mixtral", package=__name__, config="MixtralConfig",
-                 classes={"base": "MixtralModel", "causal_lm": "MixtralForCausalLM"},
+                 classes=decoder_classes("Mixtral", ("base", "causal_lm")),
                  tiny_config={**TINY_MOE, "intermediate_size": 24, "num_hidden_layers": 2, "num_local_experts": 4},
                  spec="MOE_SPEC"),
 )

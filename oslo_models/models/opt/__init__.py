@@ -4,7 +4,7 @@ stack.
 
 Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
 ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import FamilyRecord, decoder_classes, family_exports
 
 _EXPORTS = {
     ".configuration_opt": ["OPTConfig"],
@@ -14,9 +14,7 @@ _EXPORTS = {
 FAMILIES = (
     FamilyRecord(
         model_type="opt", package=__name__, config="OPTConfig",
-        classes={"base": "OPTModel", "causal_lm": "OPTForCausalLM",
-                 "sequence_classification": "OPTForSequenceClassification",
-                 "question_answering": "OPTForQuestionAnswering"},
+        classes=decoder_classes("OPT", ("base", "causal_lm", "sequence_classification", "question_answering")),
         # pre-norm with word_embed_proj_dim 32 != hidden 64 (project_in / project_out, a 32-wide tied head);
         # post-norm is in tests/models/test_decoder_families_alibi.py. No dropout (parity tests).
         tiny_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, ffn_dim=96,

@@ -3,7 +3,7 @@ norms (``qk_layernorm``), biased ``dense`` and ``lm_head``, on the shared stack.
 
 Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
 ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import WITHOUT_QA, FamilyRecord, decoder_classes, family_exports
 
 _EXPORTS = {
     ".configuration_phi": ["PhiConfig"],
@@ -13,9 +13,7 @@ _EXPORTS = {
 FAMILIES = (
     FamilyRecord(
         model_type="phi", package=__name__, config="PhiConfig",
-        classes={"base": "PhiModel", "causal_lm": "PhiForCausalLM",
-                 "sequence_classification": "PhiForSequenceClassification",
-                 "token_classification": "PhiForTokenClassification"},
+        classes=decoder_classes("Phi", WITHOUT_QA),
         # partial rotary (4 of 8 dims), q/k layer norms on, 8 query / 2 key-value heads (tp=4 replicates key/value
         # heads), biased lm_head; no dropout (qk_layernorm off: tests/models/test_decoder_families_neox.py)
         tiny_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,

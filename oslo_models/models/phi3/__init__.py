@@ -1,7 +1,7 @@
 """Phi-3: the Llama decoder with a fused grouped-query ``qkv_proj``, a fused ``gate_up_proj``, partial / longrope
 rotary and residual dropouts (``modeling_phi3.py``). Names are imported on first use (PEP 562): importing this
 package, as ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import WITHOUT_QA, FamilyRecord, decoder_classes, family_exports
 from ..llama import TINY_DECODER
 
 _EXPORTS = {
@@ -14,9 +14,7 @@ _EXPORTS = {
 # sequences and decode loops), so short and long factors and the attention factor of 64/6 all act.
 FAMILIES = (
     FamilyRecord(model_type="phi3", package=__name__, config="Phi3Config",
-                 classes={"base": "Phi3Model", "causal_lm": "Phi3ForCausalLM",
-                          "sequence_classification": "Phi3ForSequenceClassification",
-                          "token_classification": "Phi3ForTokenClassification"},
+                 classes=decoder_classes("Phi3", WITHOUT_QA),
                  tiny_config={**TINY_DECODER, "num_key_value_heads": 1, "original_max_position_embeddings": 6,
                               "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
                                                   "partial_rotary_factor": 0.5, "short_factor": [1.0, 1.25],

@@ -1,7 +1,7 @@
 """Qwen2: thin classes over the Llama code (``modeling_qwen2.py``); ``models/llama`` holds its config class and
 its spec. Importing this package imports no model code (PEP 562 exports)."""
-from ..family import FamilyRecord, family_exports
-from ..llama import TINY_DECODER, decoder_classes, decoder_exports
+from ..family import FamilyRecord, decoder_classes, family_exports
+from ..llama import TINY_DECODER, decoder_exports
 
 # Qwen2's tiny model: q/k/v biases, tied embeddings, a sliding window on the layers past max_window_layers=1
 FAMILIES = (FamilyRecord(model_type="qwen2", package=__name__, config="Qwen2Config", spec="LLAMA_SPEC",

@@ -3,7 +3,7 @@
 
 Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
 ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import FamilyRecord, decoder_classes, family_exports
 from ..mixtral import TINY_MOE
 
 _EXPORTS = {
@@ -13,7 +13,7 @@ _EXPORTS = {
 }
 FAMILIES = (
     FamilyRecord(model_type="qwen2_moe", package=__name__, config="Qwen2MoeConfig",
-                 classes={"base": "Qwen2MoeModel", "causal_lm": "Qwen2MoeForCausalLM"},
+                 classes=decoder_classes("Qwen2Moe", ("base", "causal_lm")),
                  # layer 1 dense (mlp_only_layers), no top-k renormalization, a shared expert with its sigmoid gate
                  tiny_config={**TINY_MOE, "intermediate_size": 40, "moe_intermediate_size": 16,
                               "shared_expert_intermediate_size": 24, "num_hidden_layers": 3, "num_experts": 4,

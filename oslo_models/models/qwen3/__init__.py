@@ -1,6 +1,6 @@
 """Qwen3 (``modeling_qwen3.py``): the Llama code with q/k norms; config class and spec in ``models/llama``."""
-from ..family import FamilyRecord, family_exports
-from ..llama import TINY_DECODER, decoder_classes, decoder_exports
+from ..family import FamilyRecord, decoder_classes, family_exports
+from ..llama import TINY_DECODER, decoder_exports
 
 # Qwen3's tiny model: q/k RMS norms, head_dim=12 (not hidden/heads), untied
 FAMILIES = (FamilyRecord(model_type="qwen3", package=__name__, config="Qwen3Config", spec="LLAMA_SPEC",

@@ -1,6 +1,6 @@
 """Qwen3-MoE: a thin class over the Mixtral / Qwen2-MoE code (``modeling_qwen3_moe.py``). Names are imported on first
 use (PEP 562): importing this package, as ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import FamilyRecord, decoder_classes, family_exports
 from ..mixtral import TINY_MOE
 
 _EXPORTS = {
@@ -14,10 +14,7 @@ _EXPORTS = {
 # logits and the load-balancing loss on (TINY_MOE).
 FAMILIES = (
     FamilyRecord(model_type="qwen3_moe", package=__name__, config="Qwen3MoeConfig",
-                 classes={"base": "Qwen3MoeModel", "causal_lm": "Qwen3MoeForCausalLM",
-                          "sequence_classification": "Qwen3MoeForSequenceClassification",
-                          "token_classification": "Qwen3MoeForTokenClassification",
-                          "question_answering": "Qwen3MoeForQuestionAnswering"},
+                 classes=decoder_classes("Qwen3Moe"),
                  tiny_config={**TINY_MOE, "intermediate_size": 40, "moe_intermediate_size": 16, "num_hidden_layers": 3,
                               "num_experts": 4, "mlp_only_layers": [1], "decoder_sparse_step": 1,
                               "norm_topk_prob": True, "head_dim": 12, "attention_bias": True},

@@ -1,7 +1,7 @@
 """StarCoder2: LayerNorms with biases, grouped-query attention with biases and a sliding window, a biased two-layer
 MLP, residual and embedding dropouts (``modeling_starcoder2.py``). Names are imported on first use (PEP 562):
 importing this package, as ``models.registry`` does to read ``FAMILIES``, imports no model code."""
-from ..family import FamilyRecord, family_exports
+from ..family import WITHOUT_QA, FamilyRecord, decoder_classes, family_exports
 
 _EXPORTS = {
     ".configuration_starcoder2": ["Starcoder2Config"],
@@ -14,9 +14,7 @@ _EXPORTS = {
 # 0 here (the zoo compares training-mode outputs); the family test draws them against transformers with one seed.
 FAMILIES = (
     FamilyRecord(model_type="starcoder2", package=__name__, config="Starcoder2Config",
-                 classes={"base": "Starcoder2Model", "causal_lm": "Starcoder2ForCausalLM",
-                          "sequence_classification": "Starcoder2ForSequenceClassification",
-                          "token_classification": "Starcoder2ForTokenClassification"},
+                 classes=decoder_classes("Starcoder2", WITHOUT_QA),
                  tiny_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                                   num_key_value_heads=2, vocab_size=101, max_position_embeddings=64, pad_token_id=0,
                                   bos_token_id=1, eos_token_id=2, use_bias=True, sliding_window=3,
