@@ -92,7 +92,8 @@ def test_choose_impl():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert choose_impl("flex_attention", cpu) == FLEX
     assert choose_impl("sdpa", cpu) == TILES and choose_impl(None, cpu) == TILES
-    assert choose_impl("sdpa", cuda) == FLEX and choose_impl("eager", cuda) == TILES
+    assert choose_impl("flex_attention", cuda) == FLEX and choose_impl("eager", cuda) == TILES
+    assert choose_impl("sdpa", cuda) == TILES  # Flex becomes CUDA's default once it has run on a GPU
     assert choose_impl("sdpa", cuda, dropout=0.1) == TILES
     try:
         choose_impl("flex_attention", cpu, dropout=0.1)

@@ -21,13 +21,13 @@ from .ring import FLEX, TILES, ring_attention
 
 
 def choose_impl(implementation: str | None, device: torch.device, dropout: float = 0.0) -> str:
-    """The per-block kernel of the context-parallel cores, one way per device: ``"flex"`` (FlexAttention blocks,
-    ``flex_blocks.py``) when asked for (``attn_implementation="flex_attention"``), or by default (``"sdpa"`` or any
-    other non-eager name) on CUDA with no attention dropout, where its compiled kernel and backward run; else
-    ``"tiles"`` (the fp32 masked tiles, torch's CPU flash kernel for purely causal pairs): the default on CPU, where
-    Flex is uncompiled (no log-sum-exp from the compiled CPU kernel) and has no backward, and the only one for
-    ``"eager"`` (its dead-row convention) and with dropout. Flex asked for with dropout, or on a torch without Flex,
-    is a ``ValueError``."""
+    """The per-block kernel of the context-parallel cores: ``"flex"`` (FlexAttention blocks, ``flex_blocks.py``)
+    when asked for (``attn_implementation="flex_attention"``); else ``"tiles"`` (the fp32 masked tiles, torch's
+    flash kernel for purely causal pairs), the default on every device for now: on CPU Flex is uncompiled (no
+    log-sum-exp from the compiled CPU kernel) and has no backward, and its compiled CUDA kernel and backward have not
+    run on a GPU here yet, so it is not made the default before they have (docs/context-parallel.md). The tiles are
+    the only one for ``"eager"`` (its dead-row convention) and with dropout. Flex asked for with dropout, or on a
+    torch without Flex, is a ``ValueError``. ``device`` is kept for the per-device default once it differs."""
     if implementation == "flex_attention":
         if not flex_available():
             raise ValueError("attn_implementation='flex_attention' under context parallelism needs FlexAttention "
@@ -36,9 +36,7 @@ def choose_impl(implementation: str | None, device: torch.device, dropout: float
             raise ValueError("FlexAttention has no attention-probability dropout: under context parallelism use "
                              "attn_implementation='sdpa' or 'eager', or turn the attention dropout off")
         return FLEX
-    if implementation == "eager" or dropout or device.type != "cuda" or not flex_available():
-        return TILES
-    return FLEX
+    return TILES
 
 
 def context_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
