@@ -129,7 +129,7 @@ def install(model: nn.Module, context) -> None:
                 f"stages of {type(model).__name__} attend through transformers' attention interface; the others "
                 f"(state-space or linear-attention layers, or attention code of their own) would see only this "
                 f"rank's chunk of the sequence")
-        router_loss.check(model, context)  # under pp the router loss is refused before any collective (support.py)
+        router_loss.check_pipeline(model)  # under pp the stages carry the router statistics (router_loss.py)
         return
     handle = model.register_forward_pre_hook(_before(model, context), with_kwargs=True)
     seen = []

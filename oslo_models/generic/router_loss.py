@@ -154,9 +154,13 @@ def check_pipeline(model: nn.Module) -> None:
     from ..models.mixtral.pipeline_mixtral import aux_loss_from_statistics, routing_statistics
 
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if not getattr(text, "output_router_logits", False) or not applies(model):
+    if not getattr(text, "output_router_logits", False):
         return
     name = type(model).__name__
+    if not applies(model):
+        raise NotImplementedError(f"pipeline_parallel_size > 1: {name} has output_router_logits=True but no "
+                                  f"load_balancing_loss_func with num_experts / num_experts_per_tok / "
+                                  f"router_aux_loss_coef the stages could carry; set output_router_logits=False")
     recorder = router_recorder(model)
     if recorder is None or getattr(recorder, "target_class", None) is None:
         raise NotImplementedError(f"pipeline_parallel_size > 1: {name} adds a router loss (output_router_logits) but "
@@ -217,7 +221,16 @@ def stage_statistics(model: nn.Module, logits: list[torch.Tensor], attention_mas
 
 
 def microbatch_router_loss(model: nn.Module, statistics: torch.Tensor, num_microbatches: int) -> torch.Tensor:
-    """``router_aux_loss_coef * aux / M``: this microbatch's term of the step's loss."""
+    """``router_aux_loss_coef * aux / M``: this microbatch's term of the step's loss. Under context parallelism the
+    statistics are the chunk's: they are summed over cp first (one all-reduce of ``[2E + 1]``, backward: summed over
+    cp), and each cp rank adds ``1/cp`` of the term (the runner sums the cp ranks' losses), as the native MoE
+    adapter does."""
     from ..models.mixtral.pipeline_mixtral import aux_loss_from_statistics
 
-    return model.router_aux_loss_coef * aux_loss_from_statistics(statistics, model.num_experts) / num_microbatches
+    context = model.parallel_context
+    if context.cp_size > 1:
+        from ..parallel_layers.context_parallel import sum_over_context
+
+        statistics = sum_over_context(statistics, context)
+    aux = aux_loss_from_statistics(statistics, model.num_experts) / context.cp_size
+    return model.router_aux_loss_coef * aux / num_microbatches

@@ -10,8 +10,8 @@ class supports is read from ``transformers`` itself, never from a table kept her
   ``_no_split_modules`` blocks of a type without one) and run by the native models' schedules
   (``pipeline_cut.py``, ``pipeline_stage.py``), with data parallelism, ZeRO 0-3, tensor and sequence parallelism,
   context parallelism and expert parallelism; a load-balancing loss (``output_router_logits``) carries its routing
-  statistics from stage to stage (``router_loss.py``). Refused with the reason: other tasks, and a router loss under
-  context parallelism (the carried statistics would be the chunk's).
+  statistics from stage to stage (``router_loss.py``; under cp summed over the cp ranks). Refused with the reason:
+  other tasks.
 - data parallelism, ZeRO 1/2/3, CPU offload, mixed precision, gradient clipping and resumable checkpoints need
   nothing from the model and always apply; activation checkpointing is ``transformers``' own
   (``gradient_checkpointing_enable``), i.e. ``activation_checkpointing="full"``.
@@ -143,11 +143,6 @@ def pipeline_refusals(config, parallel, model_class: type | None = None) -> list
         return [head + f"the generic path pipelines causal LMs (a decoder's layers cut into stages); "
                        f"{model_class.__name__} is not one"]
     reasons = []
-    cp = parallel.context_parallel_size
-    if getattr(text_config(config), "output_router_logits", False) and cp > 1:
-        reasons.append(head + f"{config.model_type!r} has output_router_logits=True with context_parallel_size={cp}: "
-                              f"the routing statistics the stages carry are the chunk's, not the replica's; set "
-                              f"output_router_logits=False, or pipeline it without context parallelism")
     return reasons
 
 

@@ -9,11 +9,13 @@ per replica) with a plain DataLoader of SFT rows whose label counts differ:
   parameter after them equal single-process ``transformers`` (fp32, 1e-5);
 - the load-balancing loss (``output_router_logits=True``, coefficient 0.5) carried across the stages as routing
   statistics (``generic/router_loss.py``): minimax_m2 at pp 2 x ep 2 in dp 2, ernie4_5_moe at pp 2 x tp 2 + SP and
-  qwen3_next (gated-DeltaNet hybrid) at pp 2 x dp 2 ZeRO-3. Each microbatch's router term is its own (as gradient
+  qwen3_next (gated-DeltaNet hybrid) at pp 2 x dp 2 ZeRO-3, minimax_m2 at pp 2 x cp 2 (ring) with ep 2 carved out of
+  cp (the chunks' statistics summed over cp before the product). Each microbatch's router term is its own (as gradient
   accumulation over the microbatches gives it in ``transformers``): the reference is ``transformers`` on the global
   batch's token loss plus the mean of every microbatch's router term;
-- negative controls: dots1 with the experts averaged over dp like dense weights, and minimax_m2 with the router term
-  left out of the stages' loss, both train away from the reference.
+- negative controls: dots1 with the experts averaged over dp like dense weights, minimax_m2 with the router term
+  left out of the stages' loss, and minimax_m2 under cp with each chunk's own statistics (not summed over cp) all
+  train away from the reference.
 """
 from __future__ import annotations
 
@@ -38,8 +40,11 @@ EP = dict(PP, data_parallel_size=2, expert_parallel_size=2)
 ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 LAYOUTS = [("dots1", EP, 0, False), ("minimax_m2", EP, 0, False), ("minimax_m2", EP, 0, True),
            ("ernie4_5_moe", dict(PP, tensor_parallel_size=2, sequence_parallel=True), 0, True),
-           ("qwen3_next", dict(PP, data_parallel_size=2), 3, True)]  # (name, layout, zero stage, router loss)
-NEGATIVE = [("dots1", EP, "experts"), ("minimax_m2", EP, "router")]
+           ("qwen3_next", dict(PP, data_parallel_size=2), 3, True),
+           ("minimax_m2", dict(PP, context_parallel_size=2, expert_parallel_size=2), 0, True)]
+# (name, layout, zero stage, router loss)
+NEGATIVE = [("dots1", EP, "experts"), ("minimax_m2", EP, "router"),
+            ("minimax_m2", dict(PP, context_parallel_size=2, expert_parallel_size=2), "chunk")]
 
 
 def _microbatch_reference_steps(reference, rows, dp: int):
@@ -76,6 +81,16 @@ def _train(name, path, layout, zero_stage, router: bool, rows, broken=None):
         adapter = model._oslo_pipeline_adapter
         adapter.microbatch_loss = lambda model, outputs, labels, items, count: adapter.loss(model, outputs[0], labels,
                                                                                             items)
+    elif broken == "chunk":  # under cp, each chunk's own statistics (not summed over cp) for the router term
+        from oslo_models.models.mixtral.pipeline_mixtral import aux_loss_from_statistics
+
+        adapter = model._oslo_pipeline_adapter
+
+        def chunk_loss(model, outputs, labels, items, count):
+            aux = aux_loss_from_statistics(outputs[1], model.num_experts) / model.parallel_context.cp_size
+            return adapter.loss(model, outputs[0], labels, items) + model.router_aux_loss_coef * aux / count
+
+        adapter.microbatch_loss = chunk_loss
     model, logged = prepared_steps(model, rows, batch=BATCH, zero_stage=zero_stage)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, **options).train()
     if router:
@@ -96,7 +111,7 @@ def _worker(paths):
         del model, reference
     for name, layout, what in NEGATIVE:
         breadcrumb(f"negative control {what}: {name}")
-        model, reference, logged, expected = _train(name, paths[name], layout, 0, what == "router", rows, what)
+        model, reference, logged, expected = _train(name, paths[name], layout, 0, what != "experts", rows, what)
         assert parameters_differ(model, reference), f"{what}: the broken {name} matched transformers"
         del model, reference
 
