@@ -32,7 +32,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 import oslo_models as om
 from oslo_models.models.common.cache_names import cache_kwargs
 from oslo_models.models.common.context_parallel import check_context_parallel
-from oslo_models.models.family import FamilyRecord
+from oslo_models.models.family import FamilyRecord, decoder_classes
 from oslo_models.models.heads import ForCausalLM
 from oslo_models.models.llama import TINY_DECODER
 from oslo_models.models.llama.modeling_llama import LLAMA_SPEC, LlamaForCausalLM, LlamaModel, LlamaPreTrainedModel
@@ -71,7 +71,7 @@ class ToyForCausalLM(ToyPreTrainedModel, LlamaForCausalLM):
 
 
 TOY = FamilyRecord(model_type=TOY_TYPE, package=__name__, config="ToyConfig",
-                   classes={"base": "ToyModel", "causal_lm": "ToyForCausalLM"},
+                   classes=decoder_classes("Toy", ("base", "causal_lm")),
                    tiny_config={**TINY_DECODER, "attention_bias": True}, spec="TOY_SPEC")
 # ------------------------------------------------------------------
 
