@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..utils.training_state import training_state, update_training_state
 from .context import ParallelContext
 from .expert_parallel import expert_parameter_names, register_expert_gradient_reduction
 
@@ -48,35 +49,22 @@ def data_parallel(model: nn.Module, context: ParallelContext | None = None, **dd
     return wrapped
 
 
-_REDUCER = "_oslo_gradients_reduced_by"
-
-
 def mark_gradients_reduced(model: nn.Module, by: str = "caller") -> None:
     """Record that ``by`` (``"ddp"``, ``"zero1"``, ``"fsdp2"``, ``"caller"``...) reduces ``model``'s gradients over
     its data-parallel (x context-parallel) group, which silences :func:`install_data_parallel_guard`. ``model`` may
-    be a DDP wrapper, a ``torch.compile`` module or a ``peft`` model: the mark goes on every model down to the
-    ``oslo_models`` model inside."""
-    seen = set()
-    while isinstance(model, nn.Module) and id(model) not in seen:
-        seen.add(id(model))
-        setattr(model, _REDUCER, by)
-        # `is None`, never `or`: a wrapped torch.compile module has no truth value (its __len__ raises TypeError)
-        inner = model.__dict__.get("_modules", {}).get("module")
-        if inner is None:
-            inner = getattr(model, "_orig_mod", None)
-        if inner is None and callable(getattr(type(model), "get_base_model", None)):
-            inner = model.get_base_model()  # peft's PeftModel: the adapted model underneath
-        model = inner
+    be a DDP wrapper, a ``torch.compile`` module or a ``peft`` model: the mark is the ``gradients_reduced_by`` field
+    of the ``oslo_models`` model's :class:`~oslo_models.utils.training_state.TrainingState` inside them."""
+    update_training_state(model, gradients_reduced_by=by)
 
 
 def gradients_reduced_by(model: nn.Module) -> str | None:
     """Who reduces ``model``'s gradients over dp x cp (``None``: nobody said so yet)."""
-    return getattr(model, _REDUCER, None)
+    return training_state(model).gradients_reduced_by
 
 
 def _refuse_unreduced_backward(model: nn.Module, _args, output):
     # forward hook: only a training-mode forward that records a graph can end in an optimizer step
-    if not (model.training and torch.is_grad_enabled()) or getattr(model, _REDUCER, None) is not None:
+    if not (model.training and torch.is_grad_enabled()) or training_state(model).gradients_reduced_by is not None:
         return None
     context = model.parallel_context
     message = (f"{type(model).__name__} spans data_parallel_size={context.dp_size} x context_parallel_size="

@@ -54,6 +54,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
+from ..utils.training_state import training_state
 from .adapter import adapter_for
 from .stage import StageModule, TiedCopies
 
@@ -141,8 +142,9 @@ class PipelineRunner:
 
         stages = []
         whole_backward = adapter.whole_backward_stages(model, layout)
-        sharded = getattr(model, "_oslo_stage_modules", None)  # ZeRO-2/3: the FSDP2 roots, one per local stage
-        if sharded is not None and getattr(model, "_oslo_zero_stage", 0) >= 3:
+        state = training_state(model)  # ZeRO-2/3: stage_modules are the FSDP2 roots, one per local stage
+        sharded = state.stage_modules
+        if sharded is not None and (state.zero_stage or 0) >= 3:
             # ZeRO-3 reshards a layer's parameters between the split backward's input pass and its weight pass,
             # so the weight pass would miss them: every stage runs its backward whole (zero-bubble gives up the
             # split, not correctness; ZeRO-2 keeps parameters gathered and keeps it)
@@ -237,7 +239,7 @@ class PipelineRunner:
                 batch["num_items_in_batch"] = share
             return self._run_unpipelined(batch, training)
         schedule, sp = self._schedule(batch, training)
-        for module in (getattr(self.model, "_oslo_stage_modules", None) or {}).values():
+        for module in (training_state(self.model).stage_modules or {}).values():
             module.sequence_parallel = sp  # shared FSDP2 stage modules serve every batch shape
         layout, adapter = self.layout, self.adapter
         labels = batch.pop("labels")
@@ -295,7 +297,7 @@ class PipelineRunner:
         ``scaler.update()`` - which this method runs itself when given ``optimizer``.
         """
         self._check_dtype()
-        scaler = scaler if scaler is not None else getattr(self.model, "_oslo_grad_scaler", None)
+        scaler = scaler if scaler is not None else training_state(self.model).grad_scaler
         if scaler is not None and not scaler.is_enabled():
             scaler = None
         if scaler is not None:
@@ -360,7 +362,7 @@ class PipelineRunner:
         ZeRO-2/3 the schedule already reduce-scattered them: the tied copies sum their shards)."""
         if self.tied is not None:
             self.tied.sum_gradients()
-        if self.context.dp_cp_size > 1 and getattr(self.model, "_oslo_stage_modules", None) is None:
+        if self.context.dp_cp_size > 1 and training_state(self.model).stage_modules is None:
             experts = self._expert_parameters()
             # a DTensor parameter (the generic path's tensor-parallel plan): its local shard's gradient
             grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..utils.training_state import training_state
 from .adapter import adapter_for
 from .partition import partition_layers, stage_to_rank, stages_of_rank
 
@@ -123,8 +124,8 @@ class StageModule(nn.Module):
     ``stage_forward``: the first stage takes the batch's ``first_inputs``, the others the previous stage's outputs.
 
     Mixed precision (``om.training.prepare`` with Accelerate's ``mixed_precision="bf16"``/``"fp16"`` sets the
-    model's ``_oslo_autocast_dtype``; or the caller's ``torch.autocast`` around ``train_step``): the stage runs
-    under ``torch.autocast`` here, inside the schedule, where the
+    model's ``training_state(model).autocast_dtype``; or the caller's ``torch.autocast`` around ``train_step``): the
+    stage runs under ``torch.autocast`` here, inside the schedule, where the
     Accelerate wrapper of ``model.forward`` never reaches; its floating outputs are cast back to the parameters'
     dtype, the dtype the schedule's point-to-point buffers were declared with.
     """
@@ -153,7 +154,7 @@ class StageModule(nn.Module):
 
             names = self.adapter.first_inputs if self.is_first else ()
             inputs, kwargs = split_stage_inputs(self.owner, names, inputs, kwargs)
-        autocast_dtype = getattr(self.owner, "_oslo_autocast_dtype", None)
+        autocast_dtype = training_state(self.owner).autocast_dtype
         device_type = self.parallel_context.device.type
         if autocast_dtype is None and not torch.is_autocast_enabled(device_type):
             return self.adapter.stage_forward(self, *inputs, **kwargs)

@@ -12,6 +12,7 @@ tensor-parallel-correct gradient clipping, mixed precision kept in step, resumab
 Checkpoints record checksums, verified before loading (``fallback=True``: the previous step when the newest is
 corrupt); a save that fails on any rank (a full disk) fails on every rank and leaves ``latest`` where it was.
 """
+from ..utils.training_state import TrainingState, training_state
 from .checkpoint import load_checkpoint, save_checkpoint, wait_for_checkpoint
 from .checkpoint_folders import find_checkpoint
 from .checkpoint_integrity import CorruptCheckpointError, verify_checksums
@@ -26,7 +27,7 @@ from .zero import ZERO_STAGES, shard_data_parallel, unwrap_model, unwrap_optimiz
 __all__ = [
     "ZERO_STAGES", "check_mixed_precision", "clip_grad_norm_", "grad_norm", "load_checkpoint", "mark_overflow", "plain_copy",
     "prepare", "push_to_hub", "save_checkpoint", "save_pretrained", "unsharded", "shard_data_parallel", "sync_overflow", "unwrap_model", "unwrap_optimizer",
-    "zero_stage_of",
+    "zero_stage_of", "TrainingState", "training_state",
     "find_checkpoint", "wait_for_checkpoint", "CorruptCheckpointError", "verify_checksums", "NonFiniteError", "check_finite",
     "describe_nonfinite", "find_nonfinite", "GlobalBatchLoader", "count_label_tokens", "global_share", "Trainer", "ParallelTrainerMixin", "DiskOffloadedOptimizer",
 ]

@@ -16,8 +16,9 @@ The save is cut in two (``checkpoint.py``):
 At most one save is in flight per model: the next ``save_checkpoint`` / ``load_checkpoint`` / ``wait_for_checkpoint``
 joins it first (blocking only if it is still writing) and raises its failure there, the same agreed error on every
 rank, never silently. A process killed while the thread writes leaves ``.step-N.partial`` unpublished and ``latest``
-on the previous complete step. The writer object lives on the model instance (``_oslo_async_checkpoint``): nothing
-global. Memory: one host copy of the rank's checkpointed state (model and optimizer), kept between saves.
+on the previous complete step. The writer object lives on the model instance (``training_state(model).async_writer``,
+``utils/training_state.py``): nothing global.
+Memory: one host copy of the rank's checkpointed state (model and optimizer), kept between saves.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-_ATTRIBUTE = "_oslo_async_checkpoint"
+from ..utils.training_state import training_state, update_training_state
 
 
 class AsyncWriter:
@@ -102,8 +103,8 @@ class AsyncWriter:
 
 def async_writer(model) -> AsyncWriter:
     """The model's background writer, made on first use (collective: every rank calls it)."""
-    writer = model.__dict__.get(_ATTRIBUTE)
+    writer = training_state(model).async_writer
     if writer is None:
         writer = AsyncWriter(model.parallel_context)
-        model.__dict__[_ATTRIBUTE] = writer
+        update_training_state(model, async_writer=writer)
     return writer

@@ -57,6 +57,7 @@ from ..conversion.atomic import fsync_path
 from ..conversion.saving import run_on_main_process
 from ..distributed.agreement import _lineage, agree_on_failure, all_or_none, check_arrival, rebuild_error
 from ..utils.model_protocol import protocol_of
+from ..utils.training_state import training_state
 from . import checkpoint_hub
 from .checkpoint_folders import (
     MARKER,
@@ -259,7 +260,7 @@ def wait_for_checkpoint(model) -> str | None:
     """Wait for the asynchronous :func:`save_checkpoint` of ``model`` in flight, if any; return the step folder
     it wrote (``None`` when none was in flight) or raise its failure. Call on every rank (before exiting, or to
     be sure the last checkpoint is on disk)."""
-    writer = unwrap_model(model).__dict__.get("_oslo_async_checkpoint")
+    writer = training_state(model).async_writer
     return None if writer is None else writer.wait()
 
 

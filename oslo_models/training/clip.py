@@ -33,6 +33,7 @@ from torch import nn
 from ..pipeline.stage import tied_duplicates
 from ..utils.model_protocol import protocol_of
 from ..utils.modules import unwrap_model
+from ..utils.training_state import training_state
 from .mixed_precision import mark_overflow
 
 
@@ -110,7 +111,8 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
             value = (value / spec.num_replicas(context) if hasattr(param.grad, "to_local")
                      else spec.norm_share(local.detach().float(), norm_type, context))
         if not is_inf and _replicated_over_dp(param.grad):  # a per-block plan's replicated block: the same
-            value = value / dist.get_world_size(inner._oslo_fsdp_shard_group)  # sum on every dp rank, count once
+            # summed on every dp rank: count once
+            value = value / dist.get_world_size(training_state(inner).fsdp_shard_group)
         (split if sharded else replicated).append(value)
 
     def combine(values):
@@ -122,7 +124,7 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     parts = torch.stack([combine(split), combine(replicated), combine(experts)])
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
     if dp_sharded:  # the group FSDP2 spread the shards over (zero.py), dp for older wrappings
-        _all_reduce(parts, getattr(inner, "_oslo_fsdp_shard_group", context.dp_group), op)
+        _all_reduce(parts, training_state(inner).fsdp_shard_group or context.dp_group, op)
     # Only the tp-split part is reduced over tp; the replicated part is already the full value on every tp rank.
     split_total = _all_reduce(parts[0].clone(), context.tp_group, op)
     # each ep rank holds other experts; under FSDP2 the dp all-reduce above already added every (ep, edp) piece

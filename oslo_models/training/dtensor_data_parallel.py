@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..utils.modules import constructor_defaults
+from ..utils.training_state import update_training_state
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -150,5 +151,5 @@ def shard_dtensor_data_parallel(model: nn.Module, optimizer, context, stage: int
     if stage == 1 and optimizer is not None:
         optimizer = ShardedStateOptimizer(optimizer, context, constructor_defaults(optimizer),
                                           expert_group=_expert_group(model, context))
-    model._oslo_zero_stage = stage
+    update_training_state(model, zero_stage=stage)
     return model, optimizer

@@ -52,6 +52,7 @@ import warnings
 
 import torch
 
+from ..utils.training_state import update_training_state
 from .layout_rules import check_training_layout
 from .mixed_precision import check_mixed_precision
 from .zero import shard_data_parallel, unwrap_model
@@ -175,8 +176,8 @@ def prepare(accelerator, model, *objects, zero_stage: int | None = None, cpu_off
         # The schedule runs the stages, not model.forward (which Accelerate wrapped): each stage autocasts itself;
         # fp16: train_step scales every microbatch's loss with Accelerate's GradScaler (pipeline/runner.py)
         fp16 = str(accelerator.mixed_precision) == "fp16"
-        unwrap_model(model)._oslo_autocast_dtype = torch.float16 if fp16 else torch.bfloat16
-        unwrap_model(model)._oslo_grad_scaler = accelerator.scaler if fp16 else None
+        update_training_state(model, autocast_dtype=torch.float16 if fp16 else torch.bfloat16,
+                              grad_scaler=accelerator.scaler if fp16 else None)
     model, sharded = shard_data_parallel(model, optimizers[0] if optimizers else None, zero_stage=zero_stage,
                                          cpu_offload=cpu_offload, **ddp_kwargs)
     # device_placement=False: the state is already where the parameters are, and Accelerate's placement round trip

@@ -51,6 +51,7 @@ import os
 import torch
 import transformers
 
+from ..utils.training_state import training_state
 from . import clip
 from .export import save_pretrained
 from .global_batch import loss_is_per_token
@@ -187,7 +188,7 @@ class ParallelTrainerMixin:
 
     # ------------------------------------------------------------------ model
     def _wrap_model(self, model, training: bool = True, dataloader=None):
-        if not training or unwrap_model(model) is not model or getattr(model, "_oslo_zero_stage", None) is not None:
+        if not training or unwrap_model(model) is not model or training_state(model).zero_stage is not None:
             return model
         # autocast / compile only; marks the model prepared so Trainer's accelerator.prepare leaves it as is
         model = self.accelerator.prepare_model(model, evaluation_mode=True)

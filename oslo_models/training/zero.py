@@ -60,6 +60,7 @@ from ..distributed.data_parallel import data_parallel, mark_gradients_reduced
 from ..utils.model_protocol import protocol_of
 from ..utils.modules import constructor_defaults as _constructor_defaults
 from ..utils.modules import unwrap_model, unwrap_optimizer
+from ..utils.training_state import training_state, update_training_state
 from .layout_rules import check_training_layout
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -176,7 +177,7 @@ def _pipeline_data_parallel(model, optimizer, context, stage: int, ddp_kwargs: d
                                               expert_group=_expert_group(model, context))
         else:
             optimizer = _zero_redundancy(optimizer, context)
-    model._oslo_zero_stage = stage
+    update_training_state(model, zero_stage=stage)
     mark_gradients_reduced(model, "pipeline")
     return model, optimizer
 
@@ -210,7 +211,7 @@ def _pipeline_fully_shard(model, mesh, *, reshard_after_forward: bool, cpu_offlo
             fully_shard(layer, **options)
         fully_shard(module, **{**options, "reshard_after_forward": False})
         modules[index] = module
-    model._oslo_stage_modules = modules
+    update_training_state(model, stage_modules=modules)
 
 
 def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -237,7 +238,7 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     context = getattr(unwrap_model(model), "parallel_context", None)
     if context is None:
         raise ValueError("shard_data_parallel needs an oslo_models model (with .parallel_context)")
-    if model is not unwrap_model(model) or getattr(model, "_oslo_zero_stage", None) is not None:
+    if model is not unwrap_model(model) or training_state(model).zero_stage is not None:
         raise ValueError("the model is already wrapped for data parallelism; pass the plain model")
     stage = context.config.zero_stage if zero_stage is None else zero_stage
     cpu_offload = cpu_offload or context.config.offload == "cpu"
@@ -323,7 +324,7 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
         check_block_plan(model, plan)
     if context.dp_cp_size == 1 and not cpu_offload and not context.config.offload_params:
         # (one dp rank: nothing to shard; offload_params still needs FSDP2's units, whose shards go to the file)
-        model._oslo_zero_stage = stage
+        update_training_state(model, zero_stage=stage)
         return model, optimizer
 
     if context.pp_size > 1 and stage <= 1:
@@ -337,7 +338,7 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
         if stage == 1 and optimizer is not None:
             optimizer = _zero_redundancy(optimizer, context, model)
         mark_gradients_reduced(wrapped, f"zero{stage}" if stage else "ddp")
-        wrapped._oslo_zero_stage = stage
+        update_training_state(wrapped, zero_stage=stage)
         return wrapped, optimizer
 
     refusal = protocol_of(model).pipeline_sharding_refusal(model) if context.pp_size > 1 else None
@@ -354,7 +355,6 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
         # the stages are cut in the model a peft wrapper holds (LoRA): its runner reads the FSDP2 roots from there
         stages_owner = model.get_base_model() if hasattr(model, "peft_config") else model
         _pipeline_fully_shard(stages_owner, mesh, reshard_after_forward=stage == 3, cpu_offload=cpu_offload)
-        stages_owner._oslo_zero_stage = stage
     elif plan is not None:  # per block: sharded or replicated (training/per_block.py)
         from .per_block import fully_shard_blocks
 
@@ -364,8 +364,8 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
                        else None)
         _fully_shard(model, mesh, reshard_after_forward=stage == 3, cpu_offload=cpu_offload,
                      expert_mesh=expert_mesh, dp_size=context.dp_cp_size)  # ep is carved out of dp x cp
-    model._oslo_fsdp_shard_group = shard_group  # the gradient norm adds dp partial sums over it (clip.py)
-    model._oslo_zero_stage = stage
+    # the gradient norm adds dp partial sums over the shard group (clip.py)
+    update_training_state(model, zero_stage=stage, fsdp_shard_group=shard_group)
     mark_gradients_reduced(model, f"fsdp2 zero{stage}")
     if optimizer is not None:
         params = dict(model.named_parameters())
@@ -376,4 +376,4 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
 
 def zero_stage_of(model: nn.Module) -> int:
     """The ZeRO stage ``model`` was prepared with (0 when it was not prepared)."""
-    return getattr(model, "_oslo_zero_stage", None) or getattr(unwrap_model(model), "_oslo_zero_stage", None) or 0
+    return training_state(model).zero_stage or 0

@@ -70,7 +70,7 @@ def _worker(paths, root):
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
         wrapped, optimizer = training.prepare(Accelerator(cpu=True), model, optimizer, zero_stage=zero_stage)
         if zero_stage >= 2:  # the runner's stages are FSDP2 roots, the adapters sharded over dp
-            assert getattr(inner, "_oslo_stage_modules", None), "no FSDP2 stage roots on the pipelined model"
+            assert training.training_state(inner).stage_modules, "no FSDP2 stage roots on the pipelined model"
             assert all(hasattr(p, "placements") for n, p in model.named_parameters() if "lora_" in n)
         reference = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), adapter,
                                                    is_trainable=True).train()

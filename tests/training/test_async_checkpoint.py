@@ -65,7 +65,7 @@ def _worker(path: str, root: str) -> None:
     losses, overlapped, timings = [], 0, []
     for i, ids in enumerate(batches):
         losses.append(_step(model, opt, ids))
-        writer = writer_of.__dict__.get("_oslo_async_checkpoint")
+        writer = training.training_state(writer_of).async_writer
         if writer is not None and writer.in_flight():
             overlapped += 1  # this optimizer step ran while the previous save was being written
         if i + 1 in (2, 4):
@@ -73,9 +73,9 @@ def _worker(path: str, root: str) -> None:
             folder = training.save_checkpoint(root, model, opt, step=i + 1, keep=2, async_=True)
             assert folder.endswith(f"step-{i + 1:08d}")
             if i + 1 == 4:
-                timings.append(dict(writer_of.__dict__["_oslo_async_checkpoint"].timings))
+                timings.append(dict(training.training_state(writer_of).async_writer.timings))
     assert training.wait_for_checkpoint(model).endswith("step-00000004")
-    timings.append(dict(writer_of.__dict__["_oslo_async_checkpoint"].timings))
+    timings.append(dict(training.training_state(writer_of).async_writer.timings))
     assert losses == plain, (losses, plain)  # saving changes nothing
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, (overlapped, {k: round(v, 3) for k, v in timings[-1].items()}))
@@ -135,7 +135,7 @@ _KILLED = textwrap.dedent("""
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, os.path.join(root, "..", "step1.pt"))
     step()
     training.save_checkpoint(root, model, opt, step=2, async_=True)
-    writer = model.__dict__["_oslo_async_checkpoint"]
+    writer = training.training_state(model).async_writer
     partial = os.path.join(root, ".step-00000002.partial")
     while writer.in_flight() and not (os.path.isdir(partial) and os.listdir(partial)):
         time.sleep(0.001)  # until the background thread is writing files

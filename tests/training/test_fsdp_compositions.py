@@ -66,7 +66,7 @@ class _CountReduceScatters:
 def _fsdp_units(model) -> int:
     """FSDP2 parameter groups on this rank: each stage's layers, and its root when it holds parameters."""
     units = 0
-    for module in model._oslo_stage_modules.values():
+    for module in training.training_state(model).stage_modules.values():
         in_layers = {id(p) for layer in module.layers for p in layer.parameters()}
         units += len(module.layers) + any(id(p) not in in_layers for p in module.parameters())
     return units

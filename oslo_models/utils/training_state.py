@@ -1,0 +1,87 @@
+"""What ``prepare`` / ``shard_data_parallel`` / asynchronous checkpoints set on a model: one named record.
+
+``training/prepare.py``, ``training/zero.py``, ``training/dtensor_data_parallel.py`` and
+``training/async_checkpoint.py`` write it (one place per concern, through :func:`update_training_state`); the gradient
+clip, the trainer, the checkpoints and the pipeline runner / stages read it with :func:`training_state`. It sits in
+``utils/`` because ``pipeline/`` reads it and ``training/`` imports ``pipeline/``. No collective.
+
+The record lives on the innermost model (:func:`state_owner`: inside torch DDP's ``.module``, a ``torch.compile``
+module's ``_orig_mod`` and a ``peft`` wrapper's base model; FSDP2 keeps the model object itself), so the model and
+its wrappers all report the same state. Nothing global: a model that was never prepared reports ``TrainingState()``
+(every field unset).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .modules import unwrap_model
+
+_ATTRIBUTE = "oslo_training_state"  # in the owner's __dict__ (not a parameter, buffer or submodule)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingState:
+    """The runtime training state of one model (replaced as a whole; fields are ``None`` until set).
+
+    Attributes:
+        zero_stage: the ZeRO stage ``shard_data_parallel`` prepared the model with (0-3); ``None``: not prepared.
+        stage_modules: pipeline x ZeRO-2/3: ``{stage index: StageModule}``, the FSDP2 roots of this rank's stages,
+            built once and reused by the runner's schedules.
+        fsdp_shard_group: ZeRO-2/3: the process group FSDP2 spread the shards over (the gradient norm all-reduces
+            its dp partial sums over it).
+        autocast_dtype: pipeline x mixed precision: the dtype each stage autocasts to (``prepare``'s bf16 / fp16).
+        grad_scaler: pipeline x fp16: Accelerate's ``GradScaler`` that ``train_step`` scales each microbatch's loss
+            with.
+        async_writer: the model's background checkpoint writer (``training/async_checkpoint.AsyncWriter``), made on
+            the first asynchronous save.
+        gradients_reduced_by: who reduces the gradients over dp x cp (``"ddp"``, ``"zero1"``, ``"fsdp2 zero3"``,
+            ``"pipeline"``, ``"caller"``...; ``distributed.mark_gradients_reduced``), which silences the
+            data-parallel guard; ``None``: nobody said so yet.
+    """
+
+    zero_stage: int | None = None
+    stage_modules: Mapping[int, nn.Module] | None = None
+    fsdp_shard_group: Any = None
+    autocast_dtype: torch.dtype | None = None
+    grad_scaler: Any = None
+    async_writer: Any = None
+    gradients_reduced_by: str | None = None
+
+
+_UNSET = TrainingState()
+
+
+def state_owner(model: nn.Module) -> nn.Module:
+    """The model object that holds the state: inside DDP (``.module``), ``torch.compile`` (``_orig_mod``) and
+    ``peft``'s wrapper (its base model)."""
+    while True:
+        model = unwrap_model(model)
+        # `is None`, never `or`: a wrapped torch.compile module has no truth value (its __len__ raises TypeError)
+        compiled = model.__dict__.get("_modules", {}).get("_orig_mod")
+        if compiled is not None:
+            model = compiled
+            continue
+        if callable(getattr(type(model), "get_base_model", None)):  # peft's PeftModel (transformers has none)
+            model = model.get_base_model()
+            continue
+        return model
+
+
+def training_state(model: nn.Module) -> TrainingState:
+    """The :class:`TrainingState` of ``model`` (or of the model inside its DDP / ``peft`` wrapper)."""
+    return state_owner(model).__dict__.get(_ATTRIBUTE, _UNSET)
+
+
+def update_training_state(model: nn.Module, **changes) -> TrainingState:
+    """Set the given :class:`TrainingState` fields of ``model`` (the others are kept); returns the new record.
+    An unknown field name raises ``TypeError``."""
+    owner = state_owner(model)
+    state = dataclasses.replace(owner.__dict__.get(_ATTRIBUTE, _UNSET), **changes)
+    owner.__dict__[_ATTRIBUTE] = state
+    return state
