@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 from torch import nn
 
 from . import grid_boundary
-from .sharding import REPLICATED, EvenSplit, Layout, ShardSpec, split_layout  # noqa: F401  (ShardSpec: old name)
+from .sharding import REPLICATED, EvenSplit, Layout, split_layout
 from .summa import Grid
 from .tensor_parallel import (
     ColumnParallelLinear,

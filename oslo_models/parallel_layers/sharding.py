@@ -33,9 +33,6 @@ Layouts (``dim`` is the split tensor dim):
 - ``HeadSplit(dim, num_heads)``: whole attention heads: ``num_heads/size`` per rank, or (``size > num_heads``)
   each head replicated on ``size/num_heads`` consecutive ranks (rank ``r`` holds head ``r // (size/num_heads)``).
 - ``GridBlock(first, second)``: block ``(a, b)`` of ``first``'s dim over its axis and ``second``'s dim over its.
-
-``ShardSpec(...)`` builds a layout from the old one-class keywords (``dim``, ``num_packed``, ``vocab_size``,
-``num_heads``, ``axis``, ``dim2``, ``axis2``) for callers that still spell layouts that way.
 """
 from __future__ import annotations
 
@@ -559,10 +556,3 @@ def split_layout(dim: int | None, *, num_packed: int = 1, vocab_size: int | None
     if num_packed > 1:
         return PackedSplit(dim, (1,) * num_packed, axis=axis)
     return EvenSplit(dim, axis)
-
-
-def ShardSpec(dim: int | None = None, num_packed: int = 1, vocab_size: int | None = None,  # noqa: N802
-              num_heads: int | None = None, axis="tp", dim2: int | None = None, axis2=None) -> Layout:
-    """A layout from the old ``ShardSpec`` keywords (``dim2``/``axis2``: a second, even split: a ``GridBlock``)."""
-    first = split_layout(dim, num_packed=num_packed, vocab_size=vocab_size, num_heads=num_heads, axis=axis)
-    return first if dim2 is None else GridBlock(first, EvenSplit(dim2, axis2))

@@ -5,7 +5,7 @@ native families, set on the instance by the generic path's loader; a model witho
 The callers ask the protocol and never which kind of model they hold:
 
 - ``fsdp_units(model)``: the submodules that become their own FSDP2 unit (ZeRO-2/3, per-block plans, the planner);
-- ``layout``: where a parameter states its split - ``"plan"`` (the model's ``parallel_plan`` ``ShardSpec`` s: plain
+- ``layout``: where a parameter states its split - ``"plan"`` (the model's ``parallel_plan`` layouts: plain
   local tensors whose split the plan describes) or ``"placements"`` (the parameters are DTensors whose placements
   describe it). Clipping and the training checkpoint read each the one source (``training/clip*.py``);
 - ``pipeline_adapter(model)``: the ``pipeline.PipelineAdapter`` that cuts it into stages;

@@ -15,8 +15,8 @@ from oslo_models.parallel_layers.sharding import (
     HeadSplit,
     InterleavedSplit,
     PackedSplit,
-    ShardSpec,
     VocabSplit,
+    split_layout,
 )
 from tests.helpers.dist import run_distributed
 
@@ -134,13 +134,13 @@ def test_wrong_split_fails_the_round_trip(wrong):
     assert not torch.equal(layout.join(pieces), full)
 
 
-def test_old_keywords_build_the_layouts():
-    assert ShardSpec() is REPLICATED
-    assert ShardSpec(1) == EvenSplit(1)
-    assert ShardSpec(0, num_packed=3) == PackedSplit(0, (1, 1, 1))
-    assert ShardSpec(0, vocab_size=7, axis="tp_row") == VocabSplit(0, 7, "tp_row")
-    assert ShardSpec(0, num_heads=2) == HeadSplit(0, 2)
-    block = ShardSpec(0, vocab_size=5, axis="tp_col", dim2=1, axis2="tp_row")
+def test_split_layout_keywords_build_the_layouts():
+    assert split_layout(None) is REPLICATED
+    assert split_layout(1) == EvenSplit(1)
+    assert split_layout(0, num_packed=3) == PackedSplit(0, (1, 1, 1))
+    assert split_layout(0, vocab_size=7, axis="tp_row") == VocabSplit(0, 7, "tp_row")
+    assert split_layout(0, num_heads=2) == HeadSplit(0, 2)
+    block = GridBlock(VocabSplit(0, 5, "tp_col"), EvenSplit(1, "tp_row"))
     assert (block.dim, block.axis, block.dim2, block.axis2) == (0, "tp_col", 1, "tp_row")
 
 

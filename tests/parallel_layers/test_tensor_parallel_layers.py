@@ -14,11 +14,12 @@ from oslo_models.parallel_layers.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
-from oslo_models.parallel_layers.plan import Colwise, Rowwise, SequenceParallelNorm, ShardSpec, VocabEmbedding
+from oslo_models.parallel_layers.plan import Colwise, Rowwise, SequenceParallelNorm, VocabEmbedding
+from oslo_models.parallel_layers.sharding import REPLICATED, EvenSplit, Layout, PackedSplit, VocabSplit
 from tests.helpers.dist import run_distributed
 
 
-def _shard(spec: ShardSpec, full: torch.Tensor, ctx) -> torch.Tensor:
+def _shard(spec: Layout, full: torch.Tensor, ctx) -> torch.Tensor:
     return spec.read_shard(tuple(full.shape), lambda index: full[index], ctx.tp_rank, ctx.tp_size)
 
 
@@ -28,7 +29,7 @@ def _build(style, plain, ctx):
     specs = style.shard_specs(layer)
     with torch.no_grad():
         for name, param in layer.named_parameters():
-            param.copy_(_shard(specs.get(name, ShardSpec()), getattr(plain, name), ctx))
+            param.copy_(_shard(specs.get(name, REPLICATED), getattr(plain, name), ctx))
     return layer, specs
 
 
@@ -54,7 +55,7 @@ def _linear_pair_worker(layout: str, sp: bool) -> None:
     torch.testing.assert_close(x_local.grad, x.grad, atol=1e-5, rtol=1e-5)
     for layer, plain, specs in ((col, fc1, col_specs), (row, fc2, row_specs)):
         for name, param in layer.named_parameters():
-            expected_grad = _shard(specs.get(name, ShardSpec()), getattr(plain, name).grad, ctx)
+            expected_grad = _shard(specs.get(name, REPLICATED), getattr(plain, name).grad, ctx)
             torch.testing.assert_close(param.grad, expected_grad, atol=1e-5, rtol=1e-5)
     # Negative control: adding the row-parallel bias on every rank (before the reduction) is off by (tp-1)*b.
     wrong = out.detach() + fc2.bias.detach()
@@ -73,14 +74,14 @@ def _packed_qkv_worker() -> None:
     ctx = om.ParallelContext.from_config(om.ParallelConfig(tensor_parallel_size=2))
     torch.manual_seed(0)
     full = torch.randn(8, 3 * 8)  # Conv1D [in, q|k|v]
-    packed = ShardSpec(dim=1, num_packed=3)
+    packed = PackedSplit(1, (1, 1, 1))
     local = _shard(packed, full, ctx)
     q, k, v = full.chunk(3, dim=1)
     rank = ctx.tp_rank
     expected = torch.cat([t[:, rank * 4:(rank + 1) * 4] for t in (q, k, v)], dim=1)
     assert torch.equal(local, expected)  # this rank's heads of q, of k and of v
     assert torch.equal(packed.gather(local, ctx.tp_group), full)  # gather(shards) is the original, exactly
-    naive = _shard(ShardSpec(dim=1), full, ctx)
+    naive = _shard(EvenSplit(1), full, ctx)
     assert not torch.equal(naive, local)  # negative control: a plain column split takes whole blocks of q|k
 
     # Colwise(num_packed=3, gather_output=True): the gathered output is q|k|v in the plain layer's order, and the
@@ -131,7 +132,7 @@ def _vocab_worker(vocab: int) -> None:
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
     loss.backward(), expected.backward()
     torch.testing.assert_close(hidden.grad, hidden_ref.grad, atol=1e-6, rtol=1e-5)
-    full_grad = ShardSpec(0, vocab_size=vocab).gather(lm.weight.grad, ctx.tp_group)
+    full_grad = VocabSplit(0, vocab).gather(lm.weight.grad, ctx.tp_group)
     torch.testing.assert_close(full_grad, head.weight.grad, atol=1e-6, rtol=1e-5)
     # Negative control: without -inf on the padded columns their zero logits would enter the softmax.
     unmasked = torch.nn.functional.linear(hidden.detach(), lm.weight)

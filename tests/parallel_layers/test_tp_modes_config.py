@@ -1,5 +1,5 @@
 """Single-process checks of the 2D / 2.5D / 3D tensor-parallel modes: config validation (errors before any process
-group exists), the 2-dim ``ShardSpec`` blocks, and a q=1 grid model equal to ``transformers``."""
+group exists), the 2-dim ``GridBlock`` layouts, and a q=1 grid model equal to ``transformers``."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ import torch
 import transformers
 
 import oslo_models as om
-from oslo_models.parallel_layers.plan import ShardSpec
+from oslo_models.parallel_layers.sharding import EvenSplit, GridBlock, PackedSplit, VocabSplit
 from tests.helpers import decoders
 from tests.helpers.models import padded_batch, save_tiny_gpt2
 
@@ -57,8 +57,8 @@ def test_two_dim_blocks_read_only_their_block():
         reads.append(index)
         return full[index]
 
-    vocab = ShardSpec(0, vocab_size=5, axis="tp_col", dim2=1, axis2="tp_row")
-    packed = ShardSpec(1, num_packed=3, axis="tp_row", dim2=0, axis2="tp_col")
+    vocab = GridBlock(VocabSplit(0, 5, "tp_col"), EvenSplit(1, "tp_row"))
+    packed = GridBlock(PackedSplit(1, (1, 1, 1), axis="tp_row"), EvenSplit(0, "tp_col"))
     for i in range(2):
         for j in range(2):
             ctx = _context(i, j)

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import oslo_models as om
-from oslo_models.parallel_layers.plan import ShardSpec
+from oslo_models.parallel_layers.sharding import EvenSplit, GridBlock
 from tests.helpers import decoders
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import VOCAB, assert_steps_match, save_tiny, tiny_bert_config, tiny_t5_config
@@ -139,10 +139,10 @@ def _modes_worker(path: str, bert_path: str, t5_path: str, decoder_paths: dict, 
     weight = "transformer.h.0.mlp.c_fc.weight"
     spec = model.parallel_plan.shard_spec(model, weight)
     if isinstance(spec.axis2, tuple):  # 3D: rows over (tp_row, tp_dep) combined
-        swapped, differs = ShardSpec(spec.dim, axis=spec.axis, dim2=spec.dim2, axis2=spec.axis2[::-1]), \
+        swapped, differs = GridBlock(EvenSplit(spec.dim, spec.axis), EvenSplit(spec.dim2, spec.axis2[::-1])), \
             ctx.axis("tp_row").rank != ctx.axis("tp_dep").rank
     else:
-        swapped, differs = ShardSpec(spec.dim, axis=spec.axis2, dim2=spec.dim2, axis2=spec.axis), \
+        swapped, differs = GridBlock(EvenSplit(spec.dim, spec.axis2), EvenSplit(spec.dim2, spec.axis)), \
             ctx.axis("tp_row").rank != ctx.axis("tp_col").rank
     full = dict(reference.named_parameters())[weight].detach()
     wrong = swapped.read_local(tuple(full.shape), lambda i: full[i], ctx)
