@@ -29,13 +29,15 @@ _ACTIVATION_CHECKPOINTING = ("full", "selective", "offload", "partitioned")  # m
 _IMPLEMENTED_TENSOR_PARALLEL_MODES = ("1d", "2d", "2.5d", "3d")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """How a model is split over processes.
 
     World layout: ``world_size == pipeline_parallel_size * data_parallel_size * context_parallel_size *
     tensor_parallel_size``, with tensor-parallel ranks adjacent (they talk most), then context-parallel, then
     data-parallel, then pipeline (Megatron's order).
+    Keyword-only: ``ParallelConfig(tensor_parallel_size=2, data_parallel_size=2)`` (a positional argument raises
+    ``TypeError``).
     Expert parallelism is carved out of the data-parallel ranks, so it must divide ``data_parallel_size``.
 
     Args:
