@@ -311,12 +311,9 @@ def _refuse_forward(model, args, kwargs):
 
 
 def _runner(model):
-    runner = model.__dict__.get("_oslo_pipeline_runner")
-    if runner is None:
-        from ..pipeline.runner import PipelineRunner
+    from ..pipeline.runner import pipeline_runner
 
-        runner = model.__dict__["_oslo_pipeline_runner"] = PipelineRunner(model)
-    return runner
+    return pipeline_runner(model)
 
 
 def _train_step(model, batch, *, labels=None, attention_mask=None, optimizer=None, scaler=None, loss_fn=None,

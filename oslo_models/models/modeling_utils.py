@@ -419,14 +419,10 @@ class OsloPreTrainedModel(PreTrainedModel):
         return self._pipeline_runner().eval_step(batch, labels=labels, attention_mask=attention_mask)
 
     def _pipeline_runner(self):
-        # Built on first use (it creates process groups) and kept on the instance: no global state.
-        runner = self.__dict__.get("_oslo_pipeline_runner")
-        if runner is None:
-            from ..pipeline.runner import PipelineRunner
+        # Built on first use (it creates process groups) and kept in the model's TrainingState: no global state.
+        from ..pipeline.runner import pipeline_runner
 
-            runner = PipelineRunner(self)
-            self.__dict__["_oslo_pipeline_runner"] = runner
-        return runner
+        return pipeline_runner(self)
 
     # ------------------------------------------------------------------ saving
     def _tied_keys_to_skip(self) -> set[str]:

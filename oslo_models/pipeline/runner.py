@@ -54,7 +54,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from ..utils.training_state import training_state
+from ..utils.training_state import training_state, update_training_state
 from .adapter import adapter_for
 from .stage import StageModule, TiedCopies
 
@@ -379,3 +379,14 @@ class PipelineRunner:
                 flat /= self.context.dp_cp_size
                 for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                     grad.copy_(synced)
+
+
+def pipeline_runner(model) -> PipelineRunner:
+    """The :class:`PipelineRunner` of a pipelined ``model`` (native or generic path), built on first use (it
+    creates process groups: every rank calls it) and kept in the model's ``TrainingState.pipeline_runner``: no
+    global state."""
+    runner = training_state(model).pipeline_runner
+    if runner is None:
+        runner = PipelineRunner(model)
+        update_training_state(model, pipeline_runner=runner)
+    return runner

@@ -43,6 +43,8 @@ class TrainingState:
         gradients_reduced_by: who reduces the gradients over dp x cp (``"ddp"``, ``"zero1"``, ``"fsdp2 zero3"``,
             ``"pipeline"``, ``"caller"``...; ``distributed.mark_gradients_reduced``), which silences the
             data-parallel guard; ``None``: nobody said so yet.
+        pipeline_runner: a pipelined model's ``pipeline.runner.PipelineRunner``, built on its first ``train_step`` /
+            ``eval_step`` (``pipeline.runner.pipeline_runner``).
     """
 
     zero_stage: int | None = None
@@ -52,6 +54,7 @@ class TrainingState:
     grad_scaler: Any = None
     async_writer: Any = None
     gradients_reduced_by: str | None = None
+    pipeline_runner: Any = None
 
 
 _UNSET = TrainingState()
