@@ -2,7 +2,8 @@
 tiny LLaVA on the built-in shapes-caption set (loss down), evaluates held-out samples, and saves a Hub folder that
 plain ``transformers`` opens: the vision tower and projector in it are the initial ones (frozen) while the language
 model moved, and plain ``transformers`` + the saved processor caption a held-out image with the tokens the script
-printed. A pipeline layout is refused with one clear error (exit status 2) before anything starts."""
+printed. At dp 2 ZeRO-3 it evaluates mid-run and checkpoints. A pipeline layout is refused with one clear error (exit
+status 2) before anything starts."""
 from __future__ import annotations
 
 import json
@@ -43,6 +44,19 @@ def test_train_vlm_under_torchrun(tmp_path):
     caption = processor.tokenizer.decode(tokens[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert (out / "caption.txt").read_text().strip() == caption.strip()
     assert "plain transformers caption" in result.stdout
+
+
+@pytest.mark.slow
+def test_train_vlm_zero3_evaluates_and_checkpoints(tmp_path):
+    """dp 2 ZeRO-3 with an evaluation mid-run and at the end, then the resumable checkpoint and the Hub folder (before
+    the evaluator resharded FSDP2 after its no-grad forwards, save_checkpoint crashed a rank with SIGSEGV)."""
+    out = tmp_path / "run"
+    examples.launch(examples.torchrun(2), "train_vlm.py", "--zero", "3", "--steps", "3", "--batch-size", "2",
+                    "--n-embd", "64", "--eval-every", "2", "--eval-samples", "4", "--output", str(out), timeout=600)
+    report = json.loads((out / "loss.json").read_text())
+    assert [e["step"] for e in report["eval"]] == [2, 3] and len(report["losses"]) == 3
+    assert (out / "checkpoint").is_dir()
+    transformers.AutoModelForImageTextToText.from_pretrained(out / "model")
 
 
 def test_train_vlm_refuses_pipeline(tmp_path):
