@@ -29,6 +29,7 @@ import inspect
 import torch
 
 from ..utils.documents import PACKING_KEYS, document_ids, positions_in_documents
+from .context_parallel import ATTENTION_NAME as CONTEXT_PARALLEL_ATTENTION
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 _HOOK = "_oslo_packed_attention_hook"
@@ -138,6 +139,8 @@ def _before(module, args, kwargs):
                              "document per row")
         return call.done()
     config = module.config.get_text_config(decoder=True)  # an image-text model's masks are its decoder's
+    if str(config._attn_implementation) == CONTEXT_PARALLEL_ATTENTION:
+        return call.done()  # its mask finds the documents on the whole sequence (position ids and padding)
     if "flash" in str(config._attn_implementation):
         if batch > 1:
             raise NotImplementedError(

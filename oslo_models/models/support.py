@@ -59,7 +59,7 @@ def support_matrix_markdown() -> str:
     generic = {column: "no" for column in AXES} | {"tp": "its `base_model_tp_plan`, if it has one",
                                                    "sp": "with tp, where every layer splits around the plan",
                                                    "pp": "causal LMs: decoder layers cut into stages, with dp / "
-                                                         "ZeRO / tp",
+                                                         "ZeRO / tp + SP / cp / ep",
                                                    "cp": "causal LMs attending through the attention interface",
                                                    "ep": "its `base_model_ep_plan`, with tp / SP / ZeRO"}
     lines.append(f"| any other type: generic path | `transformers`' own | {' | '.join(generic.values())} |")

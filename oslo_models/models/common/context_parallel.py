@@ -52,7 +52,8 @@ def context_parallel_inputs(model, inputs_embeds: torch.Tensor, attention_mask, 
     if position_ids is None and not default_positions:
         raise ValueError(f"{type(model).__name__} derives position ids from the whole sequence: under context "
                          "parallelism pass position_ids computed on the full sequence (split like input_ids)")
-    # transformers looks for packed documents in position_ids only without a padding mask and a cache
+    # packed documents in position_ids (with or without a padding mask, as the layouts without cp find them), not
+    # while decoding from a cache
     packed = position_ids if causal and past_key_values is None else None
     mask = build_context_parallel_mask(context, attention_mask, inputs_embeds, causal=causal, position_ids=packed)
     alibi = getattr(model, "context_parallel_alibi", None)

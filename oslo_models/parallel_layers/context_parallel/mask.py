@@ -9,8 +9,8 @@ context-parallel core (``attention.py``) instead of their local kernel. It holds
 - ``key_valid [cp, b, s_local]`` (bool) or ``None``: the 2D padding mask of every rank, gathered once per forward
   (one small all-gather) so that the ring never has to pass it along with key/value blocks;
 - ``document [cp, b, s_local]`` or ``None``: for packed samples (``position_ids`` that restart at document
-  boundaries, no padding mask) the document of every token, found on the whole sequence exactly as
-  ``transformers``' ``find_packed_sequence_indices`` does; tokens attend within their document only;
+  boundaries, with or without a padding mask) the document of every token, found on the whole sequence by the rule
+  of the layouts without cp (``utils.documents.document_ids``); tokens attend within their document only;
 - ``alibi`` (an ``AlibiBias``) or ``None``: the ALiBi slopes of this rank's heads and the position of every key of
   every rank, counted as ``transformers``' ALiBi decoders count them on the *whole* row (over the unmasked keys,
   restarting per packed document), so each tile of the ring / all-to-all adds exactly the single-process bias.
@@ -138,14 +138,19 @@ def _gather(tensor: torch.Tensor, context) -> torch.Tensor:
     return torch.stack(gathered)
 
 
-def _documents(position_ids: torch.Tensor, context, batch: int) -> torch.Tensor | None:
-    """``[cp, b, s_local]`` document ids of packed samples, or ``None`` for one document per row (one all-gather)."""
+def _documents(position_ids: torch.Tensor, key_valid: torch.Tensor, context, batch: int) -> torch.Tensor | None:
+    """``[cp, b, s_local]`` document ids of packed samples, or ``None`` when the real tokens of every row are one
+    document (one all-gather). ``key_valid [cp, b, s_local]``: the gathered padding mask; the rule is the one the
+    layouts without cp follow (``utils.documents.document_ids``: each padding token a document of its own, left
+    padding not packing), so a packed batch with a padding mask gives the same numbers at every cp size."""
+    from ...utils.documents import document_ids
+
     parts = _gather(position_ids.expand(batch, -1).to(torch.long), context)
     mode, size = context.config.context_parallel_mode, context.cp_size
     full = merge_sequence(list(parts), mode)  # [b, s]: the global order
-    diff = torch.diff(full, prepend=full[:, :1] - 1, dim=-1)
-    document = (diff != 1).cumsum(-1)
-    if bool((document[:, -1] == 0).all()):
+    valid = merge_sequence(list(key_valid), mode)
+    document = document_ids(batch, full.shape[1], position_ids=full, attention_mask=valid)
+    if document is None:
         return None
     return torch.stack([split_sequence(document, r, size, mode) for r in range(size)])
 
@@ -174,9 +179,9 @@ def build_context_parallel_mask(context, attention_mask: torch.Tensor | None, in
                                 causal: bool, position_ids: torch.Tensor | None = None) -> ContextParallelMask:
     """The mask of this forward: ``attention_mask`` is this rank's chunk(s) of the HF 2D padding mask ``[b,
     s_local]`` (1 = token, 0 = padding) or ``None``; ``inputs_embeds`` (or ids) is read for ``[b, s_local]`` and
-    the device. ``position_ids`` (this rank's chunk, given by the caller) mark packed documents when there is no
+    the device. ``position_ids`` (this rank's chunk, given by the caller) mark packed documents, with or without a
     padding mask. Collectives: one all-gather of the padding mask over cp (always, so every rank takes the same path
-    whatever its own chunk holds), one of ``position_ids`` when given without a padding mask."""
+    whatever its own chunk holds), one of ``position_ids`` when given."""
     batch, seq_local = inputs_embeds.shape[:2]
     mode, size, rank = context.config.context_parallel_mode, context.cp_size, context.cp_rank
     if mode in MIRRORED and seq_local % 2:
@@ -193,8 +198,8 @@ def build_context_parallel_mask(context, attention_mask: torch.Tensor | None, in
              else attention_mask.to(device=device, dtype=torch.uint8))
     key_valid = _gather(valid, context).bool()
     document = None
-    if attention_mask is None and position_ids is not None:
-        document = _documents(position_ids.to(device), context, batch)
+    if position_ids is not None:
+        document = _documents(position_ids.to(device), key_valid, context, batch)
     index = torch.stack([token_index(seq_local, r, size, mode, device=device) for r in range(size)])
     hybrid = None
     if mode == HYBRID:
