@@ -153,8 +153,9 @@ class StackFamilyModel:
     """Mixin of a stack family's ``PreTrainedModel``: the plan and the class flags derived from ``stack_spec``. The
     family declares ``stack_spec`` and, once its base model class exists, ``base_model_class``.
 
-    A class that sets a ``stack_spec`` with parts gets ``_no_split_modules = [block name]``, ``_can_record_outputs``
-    (the block's outputs as ``hidden_states``, the attention component's as ``attentions``) and the
+    A class that sets a ``stack_spec`` with parts gets ``_no_split_modules`` (``StackSpec.no_split_modules``: the
+    block, after an encoder's embeddings class), ``_can_record_outputs`` (``StackSpec.recorded_outputs``: the block's
+    outputs as ``hidden_states``, the attention component's as ``attentions``, the spec's ``outputs``) and the
     ``_supports_<kernel>`` flags (``StackSpec.attention_kernels``) unless it sets them itself (GPT-2 records through
     ``OutputRecorder``s; the MoE decoders add their routers with ``record_outputs``)."""
 
@@ -169,13 +170,12 @@ class StackFamilyModel:
         if "stack_spec" not in own and "record_outputs" not in own:
             return
         spec = cls.stack_spec
-        if not spec.parts:  # a family that builds its own modules (the encoders) states its flags
+        if not spec.parts:  # a family that builds its own modules states its flags
             return
         if "_no_split_modules" not in own:
-            cls._no_split_modules = [spec.block.__name__]
+            cls._no_split_modules = spec.no_split_modules
         if "_can_record_outputs" not in own:
-            cls._can_record_outputs = {"hidden_states": spec.block, "attentions": spec.components["attn"],
-                                       **cls.record_outputs}
+            cls._can_record_outputs = {**spec.recorded_outputs, **cls.record_outputs}
         for kernel in ("sdpa", "flash_attn", "flex_attn", "attention_backend"):
             if f"_supports_{kernel}" not in own:
                 setattr(cls, f"_supports_{kernel}", kernel in spec.attention_kernels)

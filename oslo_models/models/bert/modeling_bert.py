@@ -1,7 +1,8 @@
 """BERT, written single-device with the module tree and state-dict keys of ``transformers``' BERT.
 
-The base model is the shared stack (``common/stack.py``): its phases (``stack_inputs``, ``run_stack``) run the
-model's ``forward`` and every pipeline stage alike (``common/pipeline_encoder.py``). BERT fills the stack's hooks: the
+The base model is the encoder stack (``common/encoder_stack.py``), built from ``BERT_SPEC``'s parts: its phases
+(``stack_inputs``, ``run_stack``) run the model's ``forward`` and every pipeline stage alike
+(``common/pipeline_encoder.py``). The encoder stack fills the shared stack's hooks: the
 embeddings module (sum, LayerNorm, dropout: cheap and replicated, so it runs outside the sequence-parallel region,
 before the scatter ``[b, s, h] -> [b, s/tp, h]``), the bidirectional mask (causal with a key/value cache when
 ``config.is_decoder``), no final norm (post-norm layers), and the gather back after the last layer, so pooler,
@@ -26,9 +27,6 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
-from transformers.masking_utils import create_bidirectional_mask
-from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder
@@ -45,18 +43,16 @@ from ...parallel_layers.plan import (
     TPDropout,
     VocabEmbedding,
 )
-from ..common import enter_sequence_parallel, full_logits, token_loss
+from ..common import full_logits, token_loss
 from ..common.bias_act import fused_gelu_approximation, linear_act
 from ..common.blocks import BlockTemplate
-from ..common.cache_names import cache_field
 from ..common.capabilities import Capabilities
-from ..common.causal_masks import FULL, causal_masks
-from ..common.cross_attention import self_attention_cache
-from ..common.encoder_masks import document_bidirectional_masks, encoder_documents
+from ..common.encoder_stack import EncoderStack
 from ..common.legacy_keys import LegacyKeyReader
-from ..common.outputs import capture_parallel_outputs, passed_on
+from ..common.outputs import passed_on
 from ..common.parallel_rules import Features, Heads
-from ..common.stack import StackSpec, TransformerStack
+from ..common.stack import StackSpec
+from ..common.stack_parts import Container, Embeddings, Layers, Pooler
 from ..encoder_heads import (
     EncoderForCausalLM,
     EncoderForQuestionAnswering,
@@ -144,6 +140,8 @@ class BertAttention(nn.Module):
 
     tp_plan = {"self.query": Colwise(), "self.key": Colwise(), "self.value": Colwise(),
                "self.dropout": TPDropout(always_split=True), **prefixed("output", BertSelfOutput.tp_plan)}
+    #: the kernels ``BertSelfAttention`` runs (``transformers``' ``_supports_<kernel>`` flags, derived from it)
+    kernels = frozenset({"sdpa", "flash_attn", "flex_attn", "attention_backend"})
 
     @classmethod
     def parallel_rules(cls, config) -> list:
@@ -208,7 +206,7 @@ class BertLayer(BlockTemplate):
     optional_roles = ("cross_attn",)
     names = dict(attn="attention", cross_attn="crossattention", intermediate="intermediate", output="output")
 
-    def __init__(self, config, layer_idx: int | None = None):
+    def __init__(self, config, layer_idx: int | None = None, *, fused: bool = False):  # fused: configure_fused_ops
         cross = None
         if getattr(config, "add_cross_attention", False):
             if not config.is_decoder:
@@ -234,18 +232,8 @@ class BertLayer(BlockTemplate):
 
 
 class BertEncoder(nn.Module):
-    """The layers' container (``encoder.layer.N``); the stack runs them."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.layer = nn.ModuleList([BertLayer(config, layer_idx=i) for i in range(config.num_hidden_layers)])
-
-
-BERT_SPEC = StackSpec(block=BertLayer,
-                      components=dict(attn=BertAttention, cross_attn=BertAttention, intermediate=BertIntermediate,
-                                      output=BertOutput),
-                      embed_tokens="embeddings.word_embeddings", layers="encoder.layer", final_norm=None,
-                      extra_plan=prefixed("embeddings", BertEmbeddings.tp_plan))
+    """The layers' container under ``transformers``' name (``encoder.layer.N``: the spec's ``Layers`` part fills
+    it); the stack runs them."""
 
 
 class BertPooler(nn.Module):
@@ -258,6 +246,32 @@ class BertPooler(nn.Module):
 
     def forward(self, hidden_states):
         return self.activation(self.dense(hidden_states[:, 0]))
+
+
+def encoder_parts(embeddings: type, *extra, pooler: type | None = None) -> tuple:
+    """The parts of an encoder over BERT's layers, in ``transformers``' registration order: ``embeddings``, the
+    ``extra`` parts (ELECTRA's ``embeddings_project``), ``encoder`` with its ``layer`` list, the ``pooler`` when the
+    family has one (built with ``add_pooling_layer``)."""
+    return (Embeddings("embeddings", embeddings), *extra, Container("encoder", BertEncoder), Layers("encoder.layer"),
+            *((Pooler("pooler", pooler),) if pooler is not None else ()))
+
+
+def encoder_spec(embeddings: type, *extra, pooler: type | None = None, **fields) -> StackSpec:
+    """BERT's spec over another embeddings module (and ``extra`` parts, ``fields``): the layers, components, plan
+    and recorded outputs are BERT's."""
+    return StackSpec(block=BertLayer,
+                     components=dict(attn=BertAttention, cross_attn=BertAttention, intermediate=BertIntermediate,
+                                     output=BertOutput),
+                     embed_tokens="embeddings.word_embeddings", final_norm=None,
+                     extra_plan={**prefixed("embeddings", BertEmbeddings.tp_plan), **fields.pop("extra_plan", {})},
+                     parts=encoder_parts(embeddings, *extra, pooler=pooler),
+                     # as transformers' BERT: cross-attentions from the layers' ``crossattention`` (decoders with
+                     # add_cross_attention)
+                     outputs={"attentions": BertSelfAttention,
+                              "cross_attentions": OutputRecorder(BertCrossAttention, index=1)}, **fields)
+
+
+BERT_SPEC = encoder_spec(BertEmbeddings, pooler=BertPooler)
 
 
 class BertPredictionHeadTransform(nn.Module):
@@ -330,14 +344,6 @@ class BertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     base_model_prefix = "bert"
     stack_spec = BERT_SPEC
     supports_gradient_checkpointing = True
-    _no_split_modules = ["BertEmbeddings", "BertLayer"]
-    _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_flex_attn = True
-    _supports_attention_backend = True
-    # as transformers' BERT: cross-attentions from the layers' ``crossattention`` (decoders with add_cross_attention)
-    _can_record_outputs = {"hidden_states": BertLayer, "attentions": BertSelfAttention,
-                           "cross_attentions": OutputRecorder(BertCrossAttention, index=1)}
     _decoder_bias_owner: ClassVar[str | None] = None  # the MLM head module whose ``bias`` the decoder shares
 
     @classmethod
@@ -380,142 +386,19 @@ class BertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
                 head.decoder.bias = head.bias
 
 
-class BertModel(TransformerStack, BertPreTrainedModel):
-    """Embeddings, ``num_hidden_layers`` layers, optional pooler; the forward is the shared stack's phases.
+class BertModel(EncoderStack, BertPreTrainedModel):
+    """Built from ``BERT_SPEC``'s parts: embeddings, ``num_hidden_layers`` layers, the pooler when
+    ``add_pooling_layer``; the forward is the encoder stack's (``common/encoder_stack.py``).
     ``last_hidden_state``: ``[b, s, h]``; ``pooler_output``: ``[b, h]``.
 
-    The other encoder families are this model over their own modules, through four hooks: ``build_modules`` (the
-    module tree under ``transformers``' names), ``embedding_output`` (ELECTRA's ``embeddings_project``, ALBERT's
-    ``embedding_hidden_mapping_in`` after the embeddings, still outside the sequence-parallel region),
-    ``embedding_extras`` (those modules, for a pipeline's first stage) and ``pool`` (ALBERT's pooler)."""
+    The other encoder families are this model over their own spec (their parts under ``transformers``' names),
+    with two hooks where the tree needs them: ``embedding_output`` (ELECTRA's ``embeddings_project``, ALBERT's
+    ``embedding_hidden_mapping_in`` after the embeddings, still outside the sequence-parallel region) with
+    ``embedding_extras`` (those modules, for a pipeline's first stage), and ``pool`` (ALBERT's pooler)."""
 
     hf_twin = transformers.BertModel
     is_base_model = True
-    output_class = BaseModelOutputWithPoolingAndCrossAttentions
     capabilities = Capabilities(context_parallel=True)
-    embeddings_class: ClassVar[type] = BertEmbeddings
-
-    def __init__(self, config, add_pooling_layer: bool = True, *, parallel_context=None, submodule: bool = False):
-        super().__init__(config, parallel_context=parallel_context)
-        self.build_modules(config, add_pooling_layer)
-        self.gradient_checkpointing = False
-        self.post_init()
-        if not submodule:
-            self.finish_init()
-
-    def build_modules(self, config, add_pooling_layer: bool) -> None:
-        """The modules under ``transformers``' names (the encoder families with another tree override it)."""
-        self.embeddings = self.embeddings_class(config)
-        self.encoder = BertEncoder(config)
-        self.pooler = BertPooler(config) if add_pooling_layer else None
-
-    def get_input_embeddings(self):
-        return self.embeddings.word_embeddings
-
-    def set_input_embeddings(self, value):
-        self.embeddings.word_embeddings = value
-
-    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``pooler_output [b, h]`` from ``[b, s, h]`` (ALBERT: its ``pooler`` linear and ``pooler_activation``)."""
-        return self.pooler(hidden)
-
-    @classmethod
-    def embedding_extras(cls, config) -> tuple[str, ...]:
-        """Modules besides ``embeddings`` that ``embedding_output`` runs (a pipeline's first stage keeps them)."""
-        return ()
-
-    def embedding_output(self, **inputs) -> torch.Tensor:
-        """The embeddings' ``[b, s, h]`` (ELECTRA, ALBERT: projected from ``embedding_size`` to the hidden width)."""
-        return self.embeddings(**inputs)
-
-    # ------------------------------------------------------------------ the stack's hooks
-    @property
-    def causal(self) -> bool:
-        return bool(getattr(self.config, "is_decoder", False))
-
-    def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
-        """Bidirectional (padding only), or causal when ``config.is_decoder``: ``transformers``' masks. Packed
-        documents (caller-given ``position_ids`` restarting per document) attend within themselves: bidirectional
-        per document (``common/encoder_masks.py``), causal per document (``common/causal_masks.py``)."""
-        if self.causal:  # the decoders' masks (packed documents, Flex, the cache)
-            return causal_masks(self.config, shape_like, attention_mask, self_attention_cache(past_key_values),
-                                position_ids, kinds={FULL})
-        documents = encoder_documents(shape_like, attention_mask, position_ids)
-        if documents is not None:
-            return document_bidirectional_masks(self.config, shape_like, documents, {FULL})
-        mask = create_bidirectional_mask(config=self.config, inputs_embeds=shape_like, attention_mask=attention_mask)
-        return {FULL: mask}
-
-    def stack_inputs(self, shape_like, attention_mask=None, position_ids=None, past_key_values=None, **options):
-        """The stack's inputs; when the embeddings derive the position ids from ``input_ids`` (RoBERTa) and none
-        are given, ``position_ids`` stays ``None`` for them (under context parallelism they must be given: a chunk
-        cannot count the padding before it)."""
-        derived = position_ids is None and self.embeddings_class.derives_positions
-        if derived and self.parallel_context.cp_size > 1:
-            raise ValueError(f"{type(self).__name__} derives position ids from the whole sequence: under context "
-                             "parallelism pass position_ids computed on the full sequence (split like input_ids)")
-        inputs = super().stack_inputs(shape_like, attention_mask, position_ids, past_key_values, **options)
-        if derived:
-            inputs.position_ids = None
-        return inputs
-
-    def _embed_phase(self, input_ids, inputs, inputs_embeds, token_type_ids) -> torch.Tensor:
-        """The embeddings on the full ``[b, s, h]``, replicated (outside the sequence-parallel region: their
-        LayerNorm and dropout see every token on every rank), then the scatter to ``[b, s/tp, h]`` under SP."""
-        past = inputs.past_key_values.get_seq_length() if inputs.past_key_values is not None else 0
-        hidden = self.parallel_context.sequence_parallel_region.run(
-            False, self.embedding_output, input_ids=input_ids, token_type_ids=token_type_ids,
-            position_ids=inputs.position_ids, inputs_embeds=inputs_embeds, past_key_values_length=past)
-        if inputs.sequence_parallel:  # [b, s, h] -> [b, s/tp, h]
-            hidden = enter_sequence_parallel(hidden, self.parallel_context)
-        return hidden
-
-    # ------------------------------------------------------------------ forward
-    def cross_attention_mask(self, shape_like, encoder_attention_mask, encoder_hidden_states):
-        """The cross-attention's padding mask ``[b, 1, s, s_enc]`` (``None`` without ``encoder_attention_mask``, as
-        ``transformers``), built once per forward for every layer."""
-        if encoder_attention_mask is None or encoder_hidden_states is None:
-            return None
-        return create_bidirectional_mask(config=self.config, inputs_embeds=shape_like,
-                                         attention_mask=encoder_attention_mask,
-                                         encoder_hidden_states=encoder_hidden_states)
-
-    @capture_parallel_outputs
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, output_attentions=None, output_hidden_states=None, past_key_values=None,
-                use_cache=None, encoder_hidden_states=None, encoder_attention_mask=None, cache=None,
-                **kwargs) -> BaseModelOutputWithPoolingAndCrossAttentions:
-        """``encoder_hidden_states [b, s_enc, h]`` (full, the same on every TP rank): the cross-attention's input
-        when ``config.add_cross_attention``; the cache is then an ``EncoderDecoderCache``. ``cache``:
-        ``transformers``' new name of ``past_key_values``."""
-        past_key_values = cache if past_key_values is None else past_key_values
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if self.parallel_context.cp_size > 1 and self.pooler is not None:
-            raise NotImplementedError("the [CLS] pooler under context parallelism is not implemented (only cp rank "
-                                      "0 holds the first token); build the model with add_pooling_layer=False")
-        use_cache = (use_cache if use_cache is not None else getattr(self.config, "use_cache", False)) and self.causal
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-            if encoder_hidden_states is not None or getattr(self.config, "is_encoder_decoder", False):
-                past_key_values = EncoderDecoderCache(past_key_values, DynamicCache(config=self.config))
-        if not self.causal:
-            past_key_values = None
-        shape_like = self._shape_only(inputs_embeds if inputs_embeds is not None else input_ids[..., None])
-        given, position_ids = position_ids, self._packed_positions(shape_like, attention_mask, position_ids, kwargs)
-        if given is None and position_ids is not None:  # read from cu_seqlens / seq_idx
-            position_ids = position_ids + self.embeddings_class.first_position(self.config)
-        inputs = self.stack_inputs(shape_like, attention_mask, position_ids, past_key_values)
-        if encoder_hidden_states is not None:  # layer keywords only when there is a cross-attention input
-            kwargs.update(encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=self.cross_attention_mask(
-                shape_like, encoder_attention_mask, encoder_hidden_states))
-        hidden = self.run_stack(input_ids, inputs, inputs_embeds=inputs_embeds, token_type_ids=token_type_ids,
-                                **kwargs)
-        pooled = self.pool(hidden) if self.pooler is not None else None
-        fields = self.output_class.__dataclass_fields__  # DistilBERT's has no pooler, ALBERT's no cache
-        outputs = dict(last_hidden_state=hidden, pooler_output=pooled,
-                       **cache_field(past_key_values if use_cache else None))
-        return self.output_class(**{key: value for key, value in outputs.items() if key in fields})
 
 
 BertPreTrainedModel.base_model_class = BertModel

@@ -60,7 +60,7 @@ class StackSpec:
 
     ``parts``: the builders of the base model's modules (``stack_parts.py``), in ``transformers``' registration
     order; each fills its role's attribute name above (given here, a role's name is not given again). A spec
-    without parts names the attributes directly and its base model builds them itself (the encoders)."""
+    without parts names the attributes directly and its base model builds them itself (T5, BART)."""
 
     block: type
     components: Mapping[str, Any]
@@ -80,6 +80,12 @@ class StackSpec:
     parts: tuple[Part, ...] = ()
     #: the attention kernels the family runs (``None``: its attention component's ``kernels``)
     kernels: frozenset[str] | None = None
+    #: an encoder's embeddings module and pooler (``stack_parts.Embeddings`` / ``Pooler``; ``common/encoder_stack.py``)
+    embeddings: str | None = None
+    pooler: str | None = None
+    #: what ``transformers``' output hooks record besides (or instead of) the defaults, ``hidden_states`` on the
+    #: ``block`` and ``attentions`` on the ``attn`` component (BERT: its self-attention and its cross-attentions)
+    outputs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         for part in self.parts:  # the roles the phases read are the parts' names
@@ -90,6 +96,23 @@ class StackSpec:
     def attention_kernels(self) -> frozenset[str]:
         """``kernels``, or the attention component's: what the classes' ``_supports_<kernel>`` flags say."""
         return self.kernels if self.kernels is not None else self.components["attn"].kernels
+
+    @property
+    def embeddings_module(self) -> type | None:
+        """The class of the ``Embeddings`` part (an encoder's), or ``None``."""
+        return next((part.module for part in self.parts if part.role == "embeddings"), None)
+
+    @property
+    def no_split_modules(self) -> list[str]:
+        """What ``_no_split_modules`` says: the encoder's embeddings class (when it has one) and the block."""
+        embeddings = self.embeddings_module
+        return ([embeddings.__name__] if embeddings is not None else []) + [self.block.__name__]
+
+    @property
+    def recorded_outputs(self) -> dict:
+        """What ``_can_record_outputs`` says: ``hidden_states`` on the block, ``attentions`` on the ``attn``
+        component, updated with ``outputs``."""
+        return {"hidden_states": self.block, "attentions": self.components["attn"], **self.outputs}
 
     @property
     def final_norm_component(self):
@@ -149,7 +172,7 @@ class TransformerStack:
     def __init__(self, config, *, parallel_context=None, submodule: bool = False):
         """Builds ``stack_spec.parts`` in order with the family's options of ``config`` (``stack_options``, built
         once here), then ``post_init``; ``finish_init`` (the parallel plan, the weights' placement) unless the
-        model is a head's ``submodule``. A spec without parts (the encoders) builds in its own ``__init__``."""
+        model is a head's ``submodule``. A spec without parts (T5, BART) builds in its own ``__init__``."""
         super().__init__(config, parallel_context=parallel_context)
         if not self.stack_spec.parts:
             return

@@ -24,7 +24,7 @@ from .layer_norm import LayerNorm
 
 #: the spec's role attributes a part can fill (``StackSpec``'s fields of the same names)
 ROLES = ("embed_tokens", "position_embedding", "embedding_dropout", "layers", "final_norm", "rotary",
-         "input_projection", "embedding_norm", "output_projection")
+         "input_projection", "embedding_norm", "output_projection", "embeddings", "pooler")
 
 #: ``(config, options, fused) -> nn.Module``: how a norm or another single module is made
 Builder = Callable[[Any, Any, bool], nn.Module]
@@ -123,6 +123,54 @@ class Rotary(Part):
 
     def build(self, model, config, options, fused: bool) -> nn.Module:
         return self.module(config)
+
+
+@dataclass(frozen=True)
+class Module(Part):
+    """``module(config)``: a module made from the config alone."""
+
+    module: type = None
+
+    def build(self, model, config, options, fused: bool) -> nn.Module:
+        return self.module(config)
+
+
+@dataclass(frozen=True)
+class Container(Part):
+    """An empty ``module()`` under ``transformers``' class name, filled by the parts after it (BERT's ``encoder``,
+    whose ``layer`` list is the ``Layers("encoder.layer")`` part)."""
+
+    module: type = nn.Module
+
+    def build(self, model, config, options, fused: bool) -> nn.Module:
+        return self.module()
+
+
+@dataclass(frozen=True)
+class Embeddings(Module):
+    """An encoder's embeddings module ``module(config)``: ``[b, s]`` ids -> ``[b, s, e]`` (word, position and
+    token-type tables, norm, dropout), run whole on every rank before the sequence-parallel scatter
+    (``common/encoder_stack.py``). Its class says how position ids are made (``derives_positions``,
+    ``first_position``) and is kept on one device (``_no_split_modules``)."""
+
+    role: ClassVar[str] = "embeddings"
+
+
+@dataclass(frozen=True)
+class Pooling(Module):
+    """A module ``module(config)`` built only when the base model is built with ``add_pooling_layer=True``
+    (``transformers``' argument; else the attribute is ``None``): ALBERT's ``pooler_activation``."""
+
+    def build(self, model, config, options, fused: bool) -> nn.Module | None:
+        return self.module(config) if model.add_pooling_layer else None
+
+
+@dataclass(frozen=True)
+class Pooler(Pooling):
+    """An encoder's pooler ``module(config)`` (the module whose presence says the model pools), built only with
+    ``add_pooling_layer=True``."""
+
+    role: ClassVar[str] = "pooler"
 
 
 def layer_norm(eps: str, width: str = "hidden_size") -> Builder:

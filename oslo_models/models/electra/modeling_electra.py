@@ -18,8 +18,6 @@ Shapes: b batch, s sequence, h hidden, e embedding width, V vocabulary.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 import transformers
@@ -31,10 +29,11 @@ from transformers.utils.generic import can_return_tuple
 
 from ...parallel_layers.layers import Dropout, LayerNorm, Linear
 from ...parallel_layers.plan import Colwise, SequenceParallelNorm, StreamLinear
-from ..bert.modeling_bert import BERT_SPEC, BertEmbeddings, BertEncoder, BertModel, BertPreTrainedModel
+from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel, encoder_spec
 from ..bert.parallel_plan import prefixed
 from ..common.capabilities import Capabilities
 from ..common.outputs import passed_on
+from ..common.stack_parts import Built
 from ..encoder_heads import (
     EncoderForQuestionAnswering,
     EncoderForSequenceClassification,
@@ -54,9 +53,16 @@ class ElectraEmbeddings(BertEmbeddings):
     width_attribute = "embedding_size"
 
 
-#: BERT's layers and plan, plus the projection (a stream linear: replicated under 1D, a grid linear under 2D/3D)
-ELECTRA_SPEC = dataclasses.replace(BERT_SPEC, extra_plan={**BERT_SPEC.extra_plan,
-                                                          "embeddings_project": StreamLinear()})
+def embeddings_project(config, options=None, fused: bool = False) -> Linear | None:
+    """The replicated ``[e, h]`` projection after the embeddings; ``None`` when ``e == h``."""
+    projected = config.embedding_size != config.hidden_size
+    return Linear(config.embedding_size, config.hidden_size) if projected else None
+
+
+#: BERT's layers and plan over ELECTRA's embeddings, plus the projection (a stream linear: replicated under 1D, a
+#: grid linear under 2D/3D); no pooler
+ELECTRA_SPEC = encoder_spec(ElectraEmbeddings, Built("embeddings_project", embeddings_project),
+                            extra_plan={"embeddings_project": StreamLinear()})
 
 
 class ElectraPreTrainedModel(BertPreTrainedModel):
@@ -64,7 +70,6 @@ class ElectraPreTrainedModel(BertPreTrainedModel):
     config: ElectraConfig
     base_model_prefix = "electra"
     stack_spec = ELECTRA_SPEC
-    _no_split_modules = ["ElectraEmbeddings", "BertLayer"]
 
 
 class ElectraModel(ElectraPreTrainedModel, BertModel):
@@ -73,14 +78,6 @@ class ElectraModel(ElectraPreTrainedModel, BertModel):
 
     hf_twin = transformers.ElectraModel
     output_class = BaseModelOutputWithPastAndCrossAttentions
-    embeddings_class = ElectraEmbeddings
-
-    def build_modules(self, config, add_pooling_layer: bool) -> None:
-        self.embeddings = ElectraEmbeddings(config)
-        projected = config.embedding_size != config.hidden_size
-        self.embeddings_project = Linear(config.embedding_size, config.hidden_size) if projected else None
-        self.encoder = BertEncoder(config)
-        self.pooler = None
 
     @classmethod
     def embedding_extras(cls, config) -> tuple[str, ...]:

@@ -10,8 +10,7 @@ _EXPORTS = {
     ".configuration_roberta": ["RobertaConfig"],
     ".modeling_roberta": ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
                           "RobertaForTokenClassification", "RobertaForQuestionAnswering", "RobertaPreTrainedModel",
-                          "RobertaForCausalLM", "RobertaForMultipleChoice"],
-    "..bert.modeling_bert": ["BERT_SPEC"],
+                          "RobertaForCausalLM", "RobertaForMultipleChoice", "ROBERTA_SPEC"],
     ".variants": ["XLMRobertaConfig", "XLMRobertaModel", "XLMRobertaForMaskedLM",
                   "XLMRobertaForSequenceClassification", "XLMRobertaForTokenClassification",
                   "XLMRobertaForQuestionAnswering", "CamembertConfig", "CamembertModel", "CamembertForMaskedLM",
@@ -26,17 +25,17 @@ FAMILIES = (
         "base": "RobertaModel", "masked_lm": "RobertaForMaskedLM",
         "sequence_classification": "RobertaForSequenceClassification",
         "token_classification": "RobertaForTokenClassification", "question_answering": "RobertaForQuestionAnswering",
-        "causal_lm": "RobertaForCausalLM", "multiple_choice": "RobertaForMultipleChoice"}, spec="BERT_SPEC"),
+        "causal_lm": "RobertaForCausalLM", "multiple_choice": "RobertaForMultipleChoice"}, spec="ROBERTA_SPEC"),
     FamilyRecord(model_type="xlm-roberta", package=__name__, config="XLMRobertaConfig", tiny_config=_TINY, classes={
         "base": "XLMRobertaModel", "masked_lm": "XLMRobertaForMaskedLM",
         "sequence_classification": "XLMRobertaForSequenceClassification",
         "token_classification": "XLMRobertaForTokenClassification",
-        "question_answering": "XLMRobertaForQuestionAnswering"}, spec="BERT_SPEC"),
+        "question_answering": "XLMRobertaForQuestionAnswering"}, spec="ROBERTA_SPEC"),
     FamilyRecord(model_type="camembert", package=__name__, config="CamembertConfig", tiny_config=_TINY, classes={
         "base": "CamembertModel", "masked_lm": "CamembertForMaskedLM",
         "sequence_classification": "CamembertForSequenceClassification",
         "token_classification": "CamembertForTokenClassification",
-        "question_answering": "CamembertForQuestionAnswering"}, spec="BERT_SPEC"),
+        "question_answering": "CamembertForQuestionAnswering"}, spec="ROBERTA_SPEC"),
 )
 
 __getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)

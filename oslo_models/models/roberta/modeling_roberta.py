@@ -17,7 +17,7 @@ from transformers.activations import gelu
 from ...parallel_layers.head_parallel import VocabBias
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ...parallel_layers.plan import Colwise, SequenceParallelNorm, StreamLinear
-from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel
+from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPooler, BertPreTrainedModel, encoder_spec
 from ..common.capabilities import Capabilities
 from ..encoder_heads import (
     EncoderForCausalLM,
@@ -55,16 +55,19 @@ class RobertaEmbeddings(BertEmbeddings):
         return ((torch.cumsum(not_pad, dim=1).type_as(not_pad) + past_length) * not_pad).long() + self.padding_idx
 
 
+#: BERT's spec over RoBERTa's embeddings
+ROBERTA_SPEC = encoder_spec(RobertaEmbeddings, pooler=BertPooler)
+
+
 class RobertaPreTrainedModel(BertPreTrainedModel):
     config_class = RobertaConfig
     config: RobertaConfig
     base_model_prefix = "roberta"
-    _no_split_modules = ["RobertaEmbeddings", "BertLayer"]
+    stack_spec = ROBERTA_SPEC
 
 
 class RobertaModel(RobertaPreTrainedModel, BertModel):
     hf_twin = transformers.RobertaModel
-    embeddings_class = RobertaEmbeddings
 
 
 RobertaPreTrainedModel.base_model_class = RobertaModel
