@@ -45,6 +45,7 @@ from ..common.capabilities import Capabilities
 from ..common.outputs import passed_on
 from ..common.parallel_rules import Features, Heads
 from ..common.stack import StackSpec
+from ..common.stack_parts import Built, Container, Embeddings, Layers, Pooler, Pooling
 from ..encoder_heads import (
     EncoderForQuestionAnswering,
     EncoderForSequenceClassification,
@@ -130,7 +131,7 @@ class AlbertLayer(nn.Module):
 class AlbertLayerGroup(GradientCheckpointingLayer):
     """``inner_group_num`` layers run in turn: the unit the stack runs (once per layer of the depth it serves)."""
 
-    def __init__(self, config):
+    def __init__(self, config, group_idx: int | None = None, *, fused: bool = False):
         super().__init__()
         self.albert_layers = nn.ModuleList([AlbertLayer(config) for _ in range(config.inner_group_num)])
 
@@ -146,19 +147,35 @@ class AlbertLayerGroup(GradientCheckpointingLayer):
 
 
 class AlbertTransformer(nn.Module):
-    """``embedding_hidden_mapping_in`` (run by the embedding phase) and the layer groups (run by the stack)."""
+    """The container of ``embedding_hidden_mapping_in`` (run by the embedding phase) and the layer groups (run by
+    the stack), filled by the spec's parts."""
 
-    def __init__(self, config):
-        super().__init__()
-        self.embedding_hidden_mapping_in = Linear(config.embedding_size, config.hidden_size)
-        self.albert_layer_groups = nn.ModuleList([AlbertLayerGroup(config) for _ in range(config.num_hidden_groups)])
+
+def embedding_hidden_mapping_in(config, options=None, fused: bool = False) -> Linear:
+    """The replicated ``[e, h]`` projection after the embeddings."""
+    return Linear(config.embedding_size, config.hidden_size)
+
+
+def albert_pooler(config) -> Linear:
+    """The pooler's ``[h, h]`` dense on the first token (``tanh`` after it: ``pooler_activation``)."""
+    return Linear(config.hidden_size, config.hidden_size)
+
+
+def tanh(config) -> nn.Tanh:
+    return nn.Tanh()
 
 
 ALBERT_SPEC = StackSpec(block=AlbertLayerGroup, components=dict(attn=AlbertAttention, layer=AlbertLayer),
-                        embed_tokens="embeddings.word_embeddings", layers="encoder.albert_layer_groups",
-                        final_norm=None, extra_plan={**prefixed("embeddings", AlbertEmbeddings.tp_plan),
-                                                     # a stream linear: replicated under 1D, a grid one under 2D/3D
-                                                     "encoder.embedding_hidden_mapping_in": StreamLinear()})
+                        embed_tokens="embeddings.word_embeddings", final_norm=None,
+                        extra_plan={**prefixed("embeddings", AlbertEmbeddings.tp_plan),
+                                    # a stream linear: replicated under 1D, a grid one under 2D/3D
+                                    "encoder.embedding_hidden_mapping_in": StreamLinear()},
+                        parts=(Embeddings("embeddings", AlbertEmbeddings), Container("encoder", AlbertTransformer),
+                               Built("encoder.embedding_hidden_mapping_in", embedding_hidden_mapping_in),
+                               Layers("encoder.albert_layer_groups", count="num_hidden_groups"),
+                               Pooler("pooler", albert_pooler), Pooling("pooler_activation", tanh)),
+                        # transformers records each inner layer's output, not the group's
+                        outputs={"hidden_states": AlbertLayer})
 
 
 class AlbertPreTrainedModel(BertPreTrainedModel):
@@ -174,8 +191,6 @@ class AlbertPreTrainedModel(BertPreTrainedModel):
         super().validate_parallel_config(config, parallel)
         check_sharded_pipeline(cls, config, parallel)
     stack_spec = ALBERT_SPEC
-    _no_split_modules = ["AlbertEmbeddings", "AlbertLayerGroup"]
-    _can_record_outputs = {"hidden_states": AlbertLayer, "attentions": AlbertAttention}
 
 
 class AlbertModel(AlbertPreTrainedModel, BertModel):
@@ -184,13 +199,6 @@ class AlbertModel(AlbertPreTrainedModel, BertModel):
 
     hf_twin = transformers.AlbertModel
     output_class = BaseModelOutputWithPooling
-    embeddings_class = AlbertEmbeddings
-
-    def build_modules(self, config, add_pooling_layer: bool) -> None:
-        self.embeddings = AlbertEmbeddings(config)
-        self.encoder = AlbertTransformer(config)
-        self.pooler = Linear(config.hidden_size, config.hidden_size) if add_pooling_layer else None
-        self.pooler_activation = nn.Tanh() if add_pooling_layer else None
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.pooler_activation(self.pooler(hidden[:, 0]))

@@ -49,6 +49,7 @@ from ..common.layer_norm import LayerNorm as StreamLayerNorm
 from ..common.mlp import DenseMLP
 from ..common.parallel_rules import Heads
 from ..common.stack import StackSpec
+from ..common.stack_parts import Container, Embeddings, Layers
 from ..encoder_heads import (
     EncoderForQuestionAnswering,
     EncoderForSequenceClassification,
@@ -135,7 +136,7 @@ class TransformerBlock(PostNormBlock):
 
     names = dict(attn="attention", attn_norm="sa_layer_norm", mlp="ffn", mlp_norm="output_layer_norm")
 
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int | None = None, *, fused: bool = False):
         super().__init__(attn=DistilBertSelfAttention(config), attn_norm=DistilBertLayerNorm(config.dim, eps=_EPS),
                          mlp=DistilBertFFN(config.dim, config.hidden_dim, act=config.activation,
                                            dropout=config.dropout),
@@ -143,18 +144,18 @@ class TransformerBlock(PostNormBlock):
 
 
 class DistilBertTransformer(nn.Module):
-    """The layers' container (``transformer.layer.N``); the stack runs them."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.layer = nn.ModuleList([TransformerBlock(config) for _ in range(config.n_layers)])
+    """The layers' container under ``transformers``' name (``transformer.layer.N``: the spec's ``Layers`` part
+    fills it); the stack runs them."""
 
 
 DISTILBERT_SPEC = StackSpec(block=TransformerBlock,
                             components=dict(attn=DistilBertSelfAttention, attn_norm=DistilBertLayerNorm,
                                             mlp=DistilBertFFN, mlp_norm=DistilBertLayerNorm),
-                            embed_tokens="embeddings.word_embeddings", layers="transformer.layer", final_norm=None,
-                            extra_plan=prefixed("embeddings", DistilBertEmbeddings.tp_plan))
+                            embed_tokens="embeddings.word_embeddings", final_norm=None,
+                            extra_plan=prefixed("embeddings", DistilBertEmbeddings.tp_plan),
+                            parts=(Embeddings("embeddings", DistilBertEmbeddings),
+                                   Container("transformer", DistilBertTransformer),
+                                   Layers("transformer.layer", count="n_layers")))
 
 
 class DistilBertPreTrainedModel(BertPreTrainedModel):
@@ -162,8 +163,6 @@ class DistilBertPreTrainedModel(BertPreTrainedModel):
     config: DistilBertConfig
     base_model_prefix = "distilbert"
     stack_spec = DISTILBERT_SPEC
-    _no_split_modules = ["DistilBertEmbeddings", "TransformerBlock"]
-    _can_record_outputs = {"hidden_states": TransformerBlock, "attentions": DistilBertSelfAttention}
 
 
 class DistilBertModel(DistilBertPreTrainedModel, BertModel):
@@ -171,12 +170,6 @@ class DistilBertModel(DistilBertPreTrainedModel, BertModel):
 
     hf_twin = transformers.DistilBertModel
     output_class = BaseModelOutput
-    embeddings_class = DistilBertEmbeddings
-
-    def build_modules(self, config, add_pooling_layer: bool) -> None:
-        self.embeddings = DistilBertEmbeddings(config)
-        self.transformer = DistilBertTransformer(config)
-        self.pooler = None
 
 
 DistilBertPreTrainedModel.base_model_class = DistilBertModel
