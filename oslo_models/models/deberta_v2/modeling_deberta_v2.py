@@ -52,9 +52,11 @@ from ..common.blocks import BlockTemplate
 from ..common.causal_masks import FULL
 from ..common.disentangled_attention import DisentangledSelfAttention, relative_span
 from ..common.encoder_masks import encoder_documents, same_document
+from ..common.encoder_stack import PoolingArgument
 from ..common.head_rules import MULTIPLE_CHOICE, TOKEN_CLASSIFICATION
 from ..common.outputs import capture_parallel_outputs, passed_on
 from ..common.stack import StackSpec, TransformerStack
+from ..common.stack_parts import Embeddings, Layers, Rotary
 from ..encoder_heads import EncoderForQuestionAnswering, EncoderHeadModel, ForMaskedLM
 from ..heads import (
     StackFamilyModel,
@@ -114,6 +116,8 @@ class DebertaV2Attention(nn.Module):
 
     tp_plan = {**prefixed("self", DisentangledSelfAttention.tp_plan), **prefixed("output", BertSelfOutput.tp_plan)}
     parallel_rules = DisentangledSelfAttention.parallel_rules
+    #: eager only (the c2p / p2c terms are added to the scores): every ``_supports_<kernel>`` flag is False
+    kernels = frozenset()
 
     def __init__(self, config):
         super().__init__()
@@ -143,7 +147,7 @@ class DebertaV2Layer(BlockTemplate):
     roles = ("attn", "intermediate", "output")
     names = dict(attn="attention", intermediate="intermediate", output="output")
 
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int | None = None, *, fused: bool = False):
         super().__init__(attn=DebertaV2Attention(config), intermediate=DebertaV2Intermediate(config),
                          output=DebertaV2Output(config))
 
@@ -186,7 +190,8 @@ class DebertaV2Encoder(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.layer = nn.ModuleList([DebertaV2Layer(config) for _ in range(config.num_hidden_layers)])
+        # registered first, as transformers registers it; filled by the spec's ``Layers("encoder.layer")`` part
+        self.layer = nn.ModuleList()
         self.relative_attention = getattr(config, "relative_attention", False)
         if self.relative_attention:
             self.position_buckets, self.max_relative_positions, span = relative_span(config)
@@ -195,8 +200,6 @@ class DebertaV2Encoder(nn.Module):
         if "layer_norm" in self.norm_rel_ebd:
             self.LayerNorm = LayerNorm(config.hidden_size, config.layer_norm_eps, elementwise_affine=True)
         self.conv = ConvLayer(config) if getattr(config, "conv_kernel_size", 0) > 0 else None
-        if self.conv is not None:  # the first layer runs it; a plain attribute, so its keys stay encoder.conv.*
-            object.__setattr__(self.layer[0], "encoder_conv", self.conv)
 
     def forward(self, shape_like: torch.Tensor, position_ids=None):
         if not self.relative_attention:
@@ -212,8 +215,13 @@ class DebertaV2Encoder(nn.Module):
 DEBERTA_V2_SPEC = StackSpec(block=DebertaV2Layer,
                             components=dict(attn=DebertaV2Attention, intermediate=DebertaV2Intermediate,
                                             output=DebertaV2Output),
-                            embed_tokens="embeddings.word_embeddings", layers="encoder.layer", final_norm=None,
-                            rotary="encoder", extra_plan=prefixed("embeddings", DebertaV2Embeddings.tp_plan))
+                            embed_tokens="embeddings.word_embeddings", final_norm=None,
+                            extra_plan=prefixed("embeddings", DebertaV2Embeddings.tp_plan),
+                            # the encoder is the "rotary" part: the stack calls it once per forward for what every
+                            # layer's attention reads (relative embeddings and positions)
+                            parts=(Embeddings("embeddings", DebertaV2Embeddings), Rotary("encoder", DebertaV2Encoder),
+                                   Layers("encoder.layer")),
+                            outputs={"attentions": DisentangledSelfAttention})
 
 
 class DebertaV2PreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
@@ -224,8 +232,6 @@ class DebertaV2PreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     pipeline_stages = DebertaV2Stages  # relative embeddings on every stage (pipeline_deberta_v2.py)
     supports_gradient_checkpointing = True
     _keys_to_ignore_on_load_unexpected = ["position_embeddings"]
-    _no_split_modules = ["DebertaV2Embeddings", "DebertaV2Layer"]
-    _can_record_outputs = {"hidden_states": DebertaV2Layer, "attentions": DisentangledSelfAttention}
     _decoder_bias_owner: ClassVar[str | None] = None
 
     @classmethod
@@ -257,22 +263,23 @@ class DebertaV2PreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
                 head.decoder.bias = head.bias
 
 
-class DebertaV2Model(TransformerStack, DebertaV2PreTrainedModel):
-    """Embeddings and ``num_hidden_layers`` layers: ``last_hidden_state [b, s, h]``."""
+class DebertaV2Model(PoolingArgument, TransformerStack, DebertaV2PreTrainedModel):
+    """Built from ``DEBERTA_V2_SPEC``'s parts: embeddings, the encoder (relative embeddings, their norm, the
+    convolution) and its ``num_hidden_layers`` layers: ``last_hidden_state [b, s, h]`` (no pooler:
+    ``add_pooling_layer`` is accepted, as the encoder heads pass it, and builds nothing)."""
 
     hf_twin = transformers.DebertaV2Model
     is_base_model = True
     causal = False
     output_class = BaseModelOutput
 
-    def __init__(self, config, add_pooling_layer: bool = False, *, parallel_context=None, submodule: bool = False):
-        super().__init__(config, parallel_context=parallel_context)
-        self.embeddings = DebertaV2Embeddings(config)
-        self.encoder = DebertaV2Encoder(config)
-        self.gradient_checkpointing = False
-        self.post_init()
-        if not submodule:
-            self.finish_init()
+    def build_layer(self, config, layer_idx: int, options, fused: bool) -> DebertaV2Layer:
+        """The spec's layer; the first one also runs the encoder's convolution (deberta-v2-xlarge / xxlarge), held
+        as a plain attribute so its keys stay ``encoder.conv.*``."""
+        layer = DebertaV2Layer(config, layer_idx, fused=fused)
+        if layer_idx == 0 and self.encoder.conv is not None:
+            object.__setattr__(layer, "encoder_conv", self.encoder.conv)
+        return layer
 
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
         """``transformers``' DeBERTa mask: bool ``[b, 1, s, s]``, query and key both non-padding, and for packed

@@ -49,6 +49,7 @@ from ..common.capabilities import Capabilities
 from ..common.causal_masks import FULL, SLIDING
 from ..common.context_parallel import context_parallel_loss, context_parallel_loss_items
 from ..common.encoder_masks import document_bidirectional_masks, encoder_documents
+from ..common.encoder_stack import PoolingArgument
 from ..common.head_rules import (
     MASKED_LM,
     MULTIPLE_CHOICE,
@@ -62,6 +63,7 @@ from ..common.outputs import capture_parallel_outputs, passed_on
 from ..common.parallel_rules import Features, Heads
 from ..common.rotary import apply_rotary
 from ..common.stack import StackSpec, TransformerStack
+from ..common.stack_parts import Embeddings, FinalNorm, Layers, Rotary
 from ..encoder_heads import EncoderHeadModel
 from ..heads import (
     StackFamilyModel,
@@ -76,7 +78,8 @@ from .configuration_modernbert import ModernBertConfig
 from .pipeline_modernbert import ModernBertStages
 
 
-def _norm(config) -> LayerNorm:
+def _norm(config, options=None, fused: bool = False) -> LayerNorm:
+    """ModernBERT's LayerNorm (``norm_bias``): the MLP norm, the final norm's builder, the heads' norm."""
     return LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
 
 
@@ -181,7 +184,7 @@ class ModernBertMLP(nn.Module):
 class ModernBertEncoderLayer(PreNormBlock):
     names = dict(attn_norm="attn_norm", attn="attn", mlp_norm="mlp_norm", mlp="mlp")
 
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, *, fused: bool = False):  # fused: configure_fused_ops
         super().__init__(attn_norm=nn.Identity() if layer_idx == 0 else ModernBertNorm(
             config.hidden_size, eps=config.norm_eps, bias=config.norm_bias),
             attn=ModernBertAttention(config, layer_idx), mlp_norm=_norm(config), mlp=ModernBertMLP(config))
@@ -199,8 +202,10 @@ MODERNBERT_SPEC = StackSpec(block=ModernBertEncoderLayer,
                             components=dict(attn_norm=ModernBertNorm, attn=ModernBertAttention, mlp_norm=LayerNorm,
                                             mlp=ModernBertMLP),
                             embed_tokens="embeddings.tok_embeddings", embedding_norm="embeddings.norm",
-                            embedding_dropout="embeddings.drop", layers="layers", final_norm="final_norm",
-                            rotary="rotary_emb", norm=LayerNorm)
+                            embedding_dropout="embeddings.drop", norm=LayerNorm,
+                            parts=(Embeddings("embeddings", ModernBertEmbeddings), Layers("layers"),
+                                   FinalNorm("final_norm", _norm),
+                                   Rotary("rotary_emb", ModernBertRotaryEmbedding)))
 
 
 class ModernBertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
@@ -210,12 +215,6 @@ class ModernBertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     stack_spec = MODERNBERT_SPEC
     pipeline_stages = ModernBertStages  # rotary on every stage, final norm on the last (pipeline_modernbert.py)
     supports_gradient_checkpointing = True
-    _no_split_modules = ["ModernBertEmbeddings", "ModernBertEncoderLayer"]
-    _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_flex_attn = True
-    _supports_attention_backend = True
-    _can_record_outputs = {"hidden_states": ModernBertEncoderLayer, "attentions": ModernBertAttention}
 
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
@@ -226,25 +225,16 @@ class ModernBertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
                                       "'1d'")
 
 
-class ModernBertModel(TransformerStack, ModernBertPreTrainedModel):
-    """Embeddings, ``num_hidden_layers`` pre-norm layers, ``final_norm``: ``last_hidden_state [b, s, h]``."""
+class ModernBertModel(PoolingArgument, TransformerStack, ModernBertPreTrainedModel):
+    """Built from ``MODERNBERT_SPEC``'s parts: embeddings, ``num_hidden_layers`` pre-norm layers, ``final_norm``,
+    the rotary module: ``last_hidden_state [b, s, h]`` (no pooler: ``add_pooling_layer`` is accepted, as the
+    encoder heads pass it, and builds nothing)."""
 
     hf_twin = transformers.ModernBertModel
     is_base_model = True
     causal = False
     output_class = BaseModelOutput
     capabilities = Capabilities(context_parallel=True)
-
-    def __init__(self, config, add_pooling_layer: bool = False, *, parallel_context=None, submodule: bool = False):
-        super().__init__(config, parallel_context=parallel_context)
-        self.embeddings = ModernBertEmbeddings(config)
-        self.layers = nn.ModuleList([ModernBertEncoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.final_norm = _norm(config)
-        self.rotary_emb = ModernBertRotaryEmbedding(config)
-        self.gradient_checkpointing = False
-        self.post_init()
-        if not submodule:
-            self.finish_init()
 
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
         """``transformers``' bidirectional masks: padding only (global layers), padding and ``|q - k| <=
