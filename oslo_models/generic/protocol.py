@@ -36,6 +36,17 @@ class GenericProtocol(ModelProtocol):
 
         check_parallel(model.config, parallel, type(model))
 
+    def training_refusal(self, model: nn.Module) -> str | None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if model.parallel_context.tp_size > 1 and any(isinstance(m, BaseTunerLayer) for m in model.modules()):
+            return (f"peft adapters on a generic-path {type(model).__name__} at tensor_parallel_size="
+                    f"{model.parallel_context.tp_size}: peft builds each rank's adapter on the local shard of the "
+                    "split layer (its own random A/B per rank, a row-split adapter's output never summed over tp), "
+                    "so it would not train the adapter a single process trains; use tp 1 with data parallelism / "
+                    "ZeRO (tested), or a native oslo_models family, whose parallel LoRA layers split the adapter")
+        return None
+
     def pipeline_adapter(self, model: nn.Module):
         from .pipeline_stage import GenericCausalLMPipelineAdapter
 

@@ -243,6 +243,9 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     stage = context.config.zero_stage if zero_stage is None else zero_stage
     cpu_offload = cpu_offload or context.config.offload == "cpu"
     check_training_layout(context.config, zero_stage=stage, cpu_offload=cpu_offload)
+    refusal = protocol_of(model).training_refusal(unwrap_model(model))
+    if refusal is not None:
+        raise NotImplementedError(refusal)
     if stage != context.config.zero_stage and context.pp_size > 1:  # the model's rules at this stage (ALBERT x pp)
         protocol_of(model).check_layout(unwrap_model(model), dataclasses.replace(context.config, zero_stage=stage))
     if context.config.offload != "nvme" or optimizer is None:

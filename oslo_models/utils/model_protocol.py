@@ -44,6 +44,11 @@ class ModelProtocol:
         ZeRO stage than it was built for): the family's ``validate_parallel_config``."""
         type(model).validate_parallel_config(model.config, parallel)
 
+    def training_refusal(self, model: nn.Module) -> str | None:
+        """Why ``model`` as it stands (with what was added to it after loading, e.g. ``peft`` adapters) cannot be
+        trained at its layout, or ``None``. Read by ``training.shard_data_parallel`` before any collective."""
+        return None
+
     def pipeline_sharding_refusal(self, model: nn.Module) -> str | None:
         """Why ZeRO-2/3 (FSDP2 over each stage) cannot wrap this pipelined ``model``, or ``None`` when it can."""
         return None
