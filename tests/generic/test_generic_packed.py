@@ -189,3 +189,23 @@ def test_document_ids_read_every_packing_format():
     assert D.document_ids(2, 4, position_ids=torch.arange(4)[None]) is None
     with pytest.raises(ValueError, match="non-contiguous"):
         D.document_ids(1, 4, seq_idx=torch.tensor([[0, 1, 0, 1]]))
+
+
+def prepared_whole_batch(path, parallel, batch):
+    """``(prepared model, model, this rank's part of batch)``: the model at ``parallel`` and ``batch`` (every row,
+    one optimizer step's worth) through ``training.prepare``'s loader, which splits each sequence into this rank's
+    context-parallel chunks with its positions and padding (the targets shifted on the whole sequence first). SGD at
+    lr 0: the caller reads gradients."""
+    from torch.utils.data import DataLoader
+
+    from accelerate import Accelerator
+
+    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=parallel).train()
+    rows = [{key: value[row] for key, value in batch.items()} for row in range(batch["input_ids"].shape[0])]
+    loader = DataLoader(rows, batch_size=len(rows), collate_fn=lambda items: {
+        key: torch.stack([item[key] for item in items]) for key in items[0]})
+    wrapped, _, loader = training.prepare(Accelerator(cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                          loader)
+    (local,) = list(loader)
+    assert local["input_ids"].shape[1] == batch["input_ids"].shape[1] // parallel.context_parallel_size
+    return wrapped, model, local

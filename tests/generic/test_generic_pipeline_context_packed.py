@@ -15,11 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from torch.utils.data import DataLoader
 
 import oslo_models as om
-from oslo_models import training
-from tests.generic.test_generic_packed import _config, packed_batch, reference
+from tests.generic.test_generic_packed import _config, packed_batch, prepared_whole_batch, reference
 from tests.helpers.dist import breadcrumb, run_distributed
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -27,18 +25,9 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 def _step(path, mode, batch):
     """One ``train_step`` (SGD at lr 0) of the whole batch through ``training.prepare``; the loss and the model."""
-    from accelerate import Accelerator
-
     parallel = om.ParallelConfig(pipeline_parallel_size=2, context_parallel_size=2, num_microbatches=2,
                                  context_parallel_mode=mode)
-    model = om.AutoModelForCausalLM.from_pretrained(path, parallel=parallel).train()
-    rows = [{key: value[row] for key, value in batch.items()} for row in range(batch["input_ids"].shape[0])]
-    loader = DataLoader(rows, batch_size=len(rows), collate_fn=lambda items: {
-        key: torch.stack([item[key] for item in items]) for key in items[0]})
-    wrapped, _, loader = training.prepare(Accelerator(cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.0),
-                                          loader)
-    (local,) = list(loader)
-    assert local["input_ids"].shape[1] == batch["input_ids"].shape[1] // 2  # this rank's chunks
+    wrapped, model, local = prepared_whole_batch(path, parallel, batch)
     return wrapped.train_step(local), model
 
 
