@@ -75,24 +75,12 @@ class CaptionEvaluator:
             total += model(**{k: v.to(self.context.device) for k, v in batch.items()}).loss.double().cpu()
             batches += 1
         model.train(was_training)
-        _reshard(model)
         mean = (total / batches).float()
         if self.context.world_size > 1:  # tp ranks hold equal values: the world mean is the dp mean
             torch.distributed.all_reduce(mean)
             mean = mean / self.context.world_size
         loss = float(mean)
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "samples": len(self.dataset)}
-
-
-def _reshard(model) -> None:
-    """Reshard every FSDP2 unit (ZeRO-2/3) after the no-grad eval forwards. Without it a later
-    ``training.save_checkpoint`` crashed a rank (SIGSEGV in torch.distributed.checkpoint's file writer) at ZeRO-3 x dp
-    2 - also for a Llama causal LM, so the general fix belongs in the training helpers."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
 
 
 def build(args, context):
