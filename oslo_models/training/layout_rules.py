@@ -36,10 +36,6 @@ def check_training_layout(parallel: ParallelConfig, *, zero_stage: int | None = 
             raise NotImplementedError("offload='nvme' with zero_stage=1 is not implemented (ZeroRedundancyOptimizer "
                                       "keeps its partition in memory); use zero_stage 2 or 3, which shard the "
                                       "optimizer state over dp too, or 0")
-    if parallel.expert_parallel_size > 1 and pp > 1 and stage >= 1:
-        # the pipeline runner reduces expert gradients over edp itself; ZeRO would shard them over dp like dense ones
-        raise NotImplementedError(f"expert_parallel_size > 1 with pipeline_parallel_size={pp} and zero_stage={stage} "
-                                  f"is not implemented; use zero_stage=0 (plain data parallelism) for it")
     if pp == 1:
         return
     if gradient_accumulation_steps > 1:

@@ -171,22 +171,30 @@ def _pipeline_data_parallel(model, optimizer, context, stage: int, ddp_kwargs: d
     if stage == 1 and optimizer is not None:
         from .dtensor_data_parallel import ShardedStateOptimizer, _expert_group, has_dtensor_parameters
 
-        if has_dtensor_parameters(model):  # torch's ZeroRedundancyOptimizer cannot broadcast DTensors: the
-            # unpipelined DTensor ZeRO-1 (each parameter's state on one dp rank, its local tensor broadcast)
+        # torch's ZeroRedundancyOptimizer cannot broadcast DTensors: the unpipelined DTensor ZeRO-1 (each
+        # parameter's state on one dp rank, its local tensor broadcast; experts within edp). So too for a generic
+        # model with experts (no parallel_plan naming them) on a stage that holds none (dots1's dense first layer)
+        generic_experts = context.ep_size > 1 and not hasattr(unwrap_model(model), "parallel_plan")
+        if has_dtensor_parameters(model) or generic_experts:
             optimizer = ShardedStateOptimizer(optimizer, context, _constructor_defaults(optimizer),
                                               expert_group=_expert_group(model, context))
         else:
-            optimizer = _zero_redundancy(optimizer, context)
+            optimizer = _zero_redundancy(optimizer, context, model)  # experts: their state over edp
     update_training_state(model, zero_stage=stage)
     mark_gradients_reduced(model, "pipeline")
     return model, optimizer
 
 
-def _pipeline_fully_shard(model, mesh, *, reshard_after_forward: bool, cpu_offload: bool) -> None:
+def _pipeline_fully_shard(model, mesh, *, reshard_after_forward: bool, cpu_offload: bool,
+                          expert_mesh=None, dp_size: int = 1) -> None:
     """pp > 1, stages 2/3: every local pipeline stage becomes an FSDP2 root (``StageModule``, built once here and
     reused by the runner's schedules), each of its layers a unit inside it; the root keeps the stage's embeddings,
     final norm and head. torch's ``PipelineStage`` drives it: no gradient sync nor reshard after the backward of
-    every microbatch but the last, one reduce-scatter per step (``perform_reduce_grad``)."""
+    every microbatch but the last, one reduce-scatter per step (``perform_reduce_grad``).
+
+    With experts (``expert_mesh``, ep > 1) each expert unit of a stage's layers is its own FSDP2 unit on the
+    expert-data-parallel mesh, its reduce-scatter giving the sum over edp divided by ``dp_size`` (as
+    :func:`_fully_shard`); the runner then reduces nothing itself (``PipelineRunner.sync_gradients``)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     from ..pipeline.stage import StageModule
@@ -207,6 +215,12 @@ def _pipeline_fully_shard(model, mesh, *, reshard_after_forward: bool, cpu_offlo
                              f"(shared layer parameters), which that sharding does not cover: use zero_stage=1 "
                              f"(or 0) with pipeline parallelism for it")
         seen.update(ids)
+        if expert_mesh is not None:
+            protocol = protocol_of(model)
+            for unit in protocol.expert_units(model):
+                if any(unit is sub for layer in module.layers for sub in layer.modules()):
+                    fully_shard(unit, **{**options, "mesh": expert_mesh})
+                    protocol.divide_expert_gradients(unit, expert_mesh.size(), dp_size)
         for layer in module.layers:
             fully_shard(layer, **options)
         fully_shard(module, **{**options, "reshard_after_forward": False})
@@ -357,7 +371,10 @@ def _shard_data_parallel(model, optimizer, context, stage: int, cpu_offload: boo
     if context.pp_size > 1:
         # the stages are cut in the model a peft wrapper holds (LoRA): its runner reads the FSDP2 roots from there
         stages_owner = model.get_base_model() if hasattr(model, "peft_config") else model
-        _pipeline_fully_shard(stages_owner, mesh, reshard_after_forward=stage == 3, cpu_offload=cpu_offload)
+        expert_mesh = (protocol_of(stages_owner).expert_data_parallel_mesh(stages_owner, context)
+                       if context.ep_size > 1 else None)
+        _pipeline_fully_shard(stages_owner, mesh, reshard_after_forward=stage == 3, cpu_offload=cpu_offload,
+                              expert_mesh=expert_mesh, dp_size=context.dp_cp_size)
     elif plan is not None:  # per block: sharded or replicated (training/per_block.py)
         from .per_block import fully_shard_blocks
 
