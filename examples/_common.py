@@ -472,9 +472,11 @@ def check_step(args, accelerator, model, loss, step: int, checkpoint_dir: str) -
                                   "check the data")
 
 
-def fit(args, accelerator, context, model, dataset, collator, tokens: str, evaluator: Evaluator | None = None):
+def fit(args, accelerator, context, model, dataset, collator, tokens: str, evaluator: Evaluator | None = None,
+        **ddp_kwargs):
     """Loader, optimizer and scheduler, ``training.prepare``, then :func:`train_loop`: the part every example
-    shares. ``tokens`` describes one sample for the start-up line. Returns ``(model, step, losses, reporter)``."""
+    shares. ``tokens`` describes one sample for the start-up line; ``ddp_kwargs`` go to DDP at ZeRO-0 (e.g.
+    ``find_unused_parameters``). Returns ``(model, step, losses, reporter)``."""
     loader = om.data.build_dataloader(dataset, args.batch_size, collator, parallel_context=context, seed=args.seed)
     optimizer, scheduler = optimizer_and_scheduler(args, model)
     if args.zero and context.dp_size > 1:
@@ -490,7 +492,8 @@ def fit(args, accelerator, context, model, dataset, collator, tokens: str, evalu
         # an in-place op on it would skip a hook. This loop never modifies model outputs in place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     model, optimizer, loader, scheduler = training.prepare(accelerator, model, optimizer, loader, scheduler,
-                                                           zero_stage=args.zero, cpu_offload=args.cpu_offload)
+                                                           zero_stage=args.zero, cpu_offload=args.cpu_offload,
+                                                           **ddp_kwargs)
     global_batch = args.batch_size * args.grad_accum * context.dp_size
     accelerator.print(f"{context}; zero_stage={args.zero}; mixed_precision={accelerator.mixed_precision}; global "
                       f"batch {global_batch} x {tokens}; {len(dataset)} samples")

@@ -113,8 +113,12 @@ def main(argv=None) -> None:
     global_batch = args.batch_size * args.grad_accum * context.dp_size
     dataset = ShapesCaptions(args.train_samples or args.steps * global_batch)
     evaluator = CaptionEvaluator(om.data.ImageTextCollator(processor), args.eval_samples, args.batch_size, context)
+    # a trained vision tower whose last layers feed nothing (LLaVA reads an inner layer's features: CLIP's last
+    # layer and post_layernorm get no gradient) stops plain DDP unless it looks for unused parameters
+    ddp = {"find_unused_parameters": True} if (args.zero <= 1 and not args.freeze_vision and context.dp_size > 1
+                                               and context.tp_size == 1 and context.pp_size == 1) else {}
     model, step, losses, reporter = fit(args, accelerator, context, model, dataset, collator, "an image + caption",
-                                        evaluator)
+                                        evaluator, **ddp)
     model_dir = export(args, accelerator, model, processor, losses, "train_vlm.py", reporter)
     if accelerator.is_main_process:
         plain = transformers.AutoModelForImageTextToText.from_pretrained(model_dir).eval()  # plain transformers
