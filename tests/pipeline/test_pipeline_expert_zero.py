@@ -8,8 +8,10 @@ plain DataLoader of SFT rows whose label counts differ.
   over edp / dp), the runner reducing nothing itself;
 
 for native Mixtral and the generic path's dots1 (a dense first layer, then MoE): the logged loss of each of 3 AdamW
-steps and every parameter after them equal single-process ``transformers`` (fp32, 1e-5). Negative control: at
-ZeRO-1 with the experts averaged over dp like dense weights (the runner's expert rule off) Mixtral trains away.
+steps and every parameter after them equal single-process ``transformers`` (fp32, 1e-5). Negative controls: at
+ZeRO-1 with the experts averaged over dp like dense weights (the runner's expert rule off) Mixtral trains away; at
+ZeRO-3 with Mixtral's experts left inside their layer's unit, sharded and reduced over dp (the ranks holding *other*
+experts) like dense weights (the model's plan naming no experts, so no expert unit on the edp mesh) it trains away.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 import transformers
 
 import oslo_models as om
+from oslo_models.parallel_layers.plan import ParallelPlan
 from tests.generic.models import save
 from tests.helpers.dist import breadcrumb, run_distributed
 from tests.helpers.models import save_seeded
@@ -37,14 +40,18 @@ MIXTRAL = dict(vocab_size=101, hidden_size=32, intermediate_size=24, num_attenti
 CASES = [("mixtral", 1), ("mixtral", 3), ("dots1", 1), ("dots1", 3)]  # (model, ZeRO stage)
 
 
-def _train(path, zero_stage, rows, broken=False):
+def _train(path, zero_stage, rows, broken=None):
     model = om.AutoModelForCausalLM.from_pretrained(path, parallel=om.ParallelConfig(**LAYOUT)).train()
     dp = model.parallel_context.dp_size
     if model.pipeline_layout.has_last:
         assert model._pipeline_runner()._expert_parameters(), "no experts split over ep on the last stage"
-    if broken:  # the experts' gradients averaged over dp like dense weights
+    if broken == "runner":  # the experts' gradients averaged over dp like dense weights
         model._pipeline_runner()._expert_parameters = dict
+    elif broken == "plan":  # no expert units: the experts sharded and reduced over dp (ranks holding others)
+        model.parallel_plan = ParallelPlan({})
     model, logged = prepared_steps(model, rows, batch=BATCH, zero_stage=zero_stage)
+    if broken == "plan":  # the class's plan again: the comparison slices the reference's experts by it
+        del model.parallel_plan
     reference = transformers.AutoModelForCausalLM.from_pretrained(path).train()
     reference, expected = reference_steps(reference, rows, BATCH * dp)
     return model, reference, logged, expected
@@ -59,9 +66,11 @@ def _worker(paths):
                                    msg=lambda m: f"{name} zero{zero_stage} logged losses: {m}")
         assert_same_parameters(model, reference)
         del model, reference
-    breadcrumb("negative control: mixtral zero1 with the experts averaged over dp")
-    model, reference, _, _ = _train(paths["mixtral"], 1, rows, broken=True)
-    assert parameters_differ(model, reference), "experts averaged over dp matched transformers"
+    for name, zero_stage, broken in (("mixtral", 1, "runner"), ("mixtral", 3, "plan")):
+        breadcrumb(f"negative control {broken}: {name} zero{zero_stage}")
+        model, reference, _, _ = _train(paths[name], zero_stage, rows, broken=broken)
+        assert parameters_differ(model, reference), f"{broken}: the broken {name} matched transformers"
+        del model, reference
 
 
 @pytest.mark.slow
