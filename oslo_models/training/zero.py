@@ -24,7 +24,10 @@ not wrapped. Stages 0/1: the runner all-reduces each stage's gradients over dp i
 optimizer state of each stage over its dp group. Stages 2/3 (torchtitan's FSDP x PP): each local pipeline stage
 (the ``StageModule`` the schedule runs) is an FSDP2 root over the dp mesh with one unit per layer; torch's
 ``PipelineStage`` sees the ``FSDPModule`` and keeps gradients unsharded and unreduced between the microbatches of
-a step (no reshard after backward), then reduce-scatters them once after the last microbatch.
+a step (no reshard after backward), then reduce-scatters them once after the last microbatch. With experts (ep > 1)
+at stages 0/1 the runner sums the experts' gradients over edp and divides by dp x cp, and ZeRO-1 partitions their
+optimizer state over edp; at stages 2/3 each stage's expert units are FSDP2 units on the edp mesh (as below) and the
+runner reduces nothing.
 
 Context parallelism (cp > 1): cp ranks hold the same weights, so every stage shards over ``dp x cp`` flattened
 (``dp_cp``), as DDP and ZeRO-1 reduce over it.

@@ -1,11 +1,12 @@
-"""Pipeline x expert parallelism at ZeRO-1 and ZeRO-3 (issue 50): pp 2 x ep 2 inside dp 2 (4 gloo processes, one
+"""Pipeline x expert parallelism at ZeRO-1, 2 and 3 (issue 50): pp 2 x ep 2 inside dp 2 (4 gloo processes, one
 spawned group), through ``training.prepare`` and ``model.train_step`` (1F1B, two microbatches per replica) with a
 plain DataLoader of SFT rows whose label counts differ.
 
 - ZeRO-1: the pipeline runner sums the experts' gradients over the expert-data-parallel ranks and divides by dp;
-  the optimizer state of dense parameters is partitioned over dp, the experts' over edp (``split_optimizer``);
-- ZeRO-3: each stage an FSDP2 root, the expert units their own FSDP2 units on the edp mesh (reduce-scatter = sum
-  over edp / dp), the runner reducing nothing itself;
+  the optimizer state of dense parameters is partitioned over dp, the experts' over edp (``split_optimizer``; the
+  DTensor ``ShardedStateOptimizer`` on the generic path);
+- ZeRO-2 (Mixtral) and ZeRO-3: each stage an FSDP2 root, the expert units their own FSDP2 units on the edp mesh
+  (reduce-scatter = sum over edp / dp), the runner reducing nothing itself;
 
 for native Mixtral and the generic path's dots1 (a dense first layer, then MoE): the logged loss of each of 3 AdamW
 steps and every parameter after them equal single-process ``transformers`` (fp32, 1e-5). Negative controls: at
@@ -37,7 +38,7 @@ LAYOUT = dict(pipeline_parallel_size=2, num_microbatches=2, data_parallel_size=2
 MIXTRAL = dict(vocab_size=101, hidden_size=32, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
                num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
                pad_token_id=0)
-CASES = [("mixtral", 1), ("mixtral", 3), ("dots1", 1), ("dots1", 3)]  # (model, ZeRO stage)
+CASES = [("mixtral", 1), ("mixtral", 2), ("mixtral", 3), ("dots1", 1), ("dots1", 3)]  # (model, ZeRO stage)
 
 
 def _train(path, zero_stage, rows, broken=None):
