@@ -8,7 +8,8 @@ plain DataLoader of SFT rows whose label counts differ.
 - ZeRO-2 (Mixtral) and ZeRO-3: each stage an FSDP2 root, the expert units their own FSDP2 units on the edp mesh
   (reduce-scatter = sum over edp / dp), the runner reducing nothing itself;
 
-for native Mixtral and the generic path's dots1 (a dense first layer, then MoE): the logged loss of each of 3 AdamW
+for native Mixtral, native Qwen2-MoE (a dense layer, a shared expert; ZeRO-1 and 3) and the generic path's dots1 (a
+dense first layer, then MoE): the logged loss of each of 3 AdamW
 steps and every parameter after them equal single-process ``transformers`` (fp32, 1e-5). Negative controls: at
 ZeRO-1 with the experts averaged over dp like dense weights (the runner's expert rule off) Mixtral trains away; at
 ZeRO-3 with Mixtral's experts left inside their layer's unit, sharded and reduced over dp (the ranks holding *other*
@@ -38,7 +39,10 @@ LAYOUT = dict(pipeline_parallel_size=2, num_microbatches=2, data_parallel_size=2
 MIXTRAL = dict(vocab_size=101, hidden_size=32, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
                num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
                pad_token_id=0)
-CASES = [("mixtral", 1), ("mixtral", 2), ("mixtral", 3), ("dots1", 1), ("dots1", 3)]  # (model, ZeRO stage)
+QWEN2_MOE = dict(MIXTRAL, num_hidden_layers=4, intermediate_size=40, moe_intermediate_size=16,
+                 shared_expert_intermediate_size=24, num_experts=4, mlp_only_layers=[1], norm_topk_prob=False)
+CASES = [("mixtral", 1), ("mixtral", 2), ("mixtral", 3), ("qwen2_moe", 1), ("qwen2_moe", 3), ("dots1", 1),
+         ("dots1", 3)]  # (model, ZeRO stage)
 
 
 def _train(path, zero_stage, rows, broken=None):
@@ -77,6 +81,8 @@ def _worker(paths):
 @pytest.mark.slow
 def test_pipeline_expert_parallel_zero(tmp_path):
     paths = save(tmp_path / "generic", ["dots1"])
-    paths.update(save_seeded(tmp_path, {"mixtral": lambda: transformers.MixtralConfig(**MIXTRAL)},
-                             {"mixtral": transformers.MixtralForCausalLM}))
+    configs = {"mixtral": lambda: transformers.MixtralConfig(**MIXTRAL),
+               "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**QWEN2_MOE)}
+    paths.update(save_seeded(tmp_path, configs, {"mixtral": transformers.MixtralForCausalLM,
+                                                 "qwen2_moe": transformers.Qwen2MoeForCausalLM}))
     run_distributed(_worker, 4, paths, timeout=600)
