@@ -10,8 +10,8 @@ per replica) with a plain DataLoader of SFT rows whose label counts differ:
 - glm4_moe (MoE with shared experts, a dense first layer) at tp 2 + SP x pp 2 x cp 2 (ring), ZeRO-1: the stages
   exchange sequence slices of each rank's chunks, the chunks attend across cp, the MoE region routes the gathered
   sequence;
-- glm4_moe at tp 2 + SP x pp 2 x cp 2 (ring) with ep 2 carved out of cp (ZeRO-0): the issue's example with its five
-  axes, the experts split over the two cp ranks of each stage and tp rank, routed on the gathered sequence of each
+- glm4_moe at tp 2 + SP x pp 2 x cp 2 (ring) with ep 2 carved out of cp, ZeRO-1: the issue's example with its five
+  axes (the experts' optimizer state owned within their expert-data-parallel group), the experts split over the two cp ranks of each stage and tp rank, routed on the gathered sequence of each
   chunk;
 - each: the logged loss of each of 3 AdamW steps and every parameter after them equal single-process
   ``transformers`` (fp32, 1e-5);
@@ -43,10 +43,8 @@ PP = dict(pipeline_parallel_size=2, num_microbatches=2, tensor_parallel_size=2, 
 LAYOUTS = [  # (name, layout, negative control)
     ("cohere2", dict(PP, data_parallel_size=2), dict(broadcast=False)),
     ("glm4_moe", dict(PP, sequence_parallel=True, context_parallel_size=2), dict(average=False)),
-    # the issue's whole example, experts included: ZeRO-0 (pp x ep at ZeRO 1-3 is refused for every model by
-    # training/layout_rules.py)
-    ("glm4_moe", dict(PP, sequence_parallel=True, context_parallel_size=2, expert_parallel_size=2, zero_stage=0),
-     None),
+    # the issue's whole example, experts included, at its ZeRO-1
+    ("glm4_moe", dict(PP, sequence_parallel=True, context_parallel_size=2, expert_parallel_size=2), None),
 ]
 
 
