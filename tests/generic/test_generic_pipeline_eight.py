@@ -11,8 +11,8 @@ per replica) with a plain DataLoader of SFT rows whose label counts differ:
   exchange sequence slices of each rank's chunks, the chunks attend across cp, the MoE region routes the gathered
   sequence;
 - glm4_moe at tp 2 + SP x pp 2 x cp 2 (ring) with ep 2 carved out of cp, ZeRO-1: the issue's example with its five
-  axes (the experts' optimizer state owned within their expert-data-parallel group), the experts split over the two cp ranks of each stage and tp rank, routed on the gathered sequence of each
-  chunk;
+  axes, the experts split over the two cp ranks of each stage and tp rank (their optimizer state owned within their
+  expert-data-parallel group), routed on the gathered sequence of each chunk;
 - each: the logged loss of each of 3 AdamW steps and every parameter after them equal single-process
   ``transformers`` (fp32, 1e-5);
 - negative controls: cohere2 with the ZeRO-1 owners' broadcast taken off (each rank keeps only the parameters it
