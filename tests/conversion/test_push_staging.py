@@ -59,6 +59,7 @@ def _worker(source: str, root: str) -> None:
     assert gathered == [0, 0], gathered  # negative control: rank 0 alone writes, and not through the writer
     dist.barrier()  # rank 0 removes the staging folder once the upload is agreed
     assert os.listdir(staging) == [], [os.path.join(top, *names) for top, _, names in os.walk(staging)]
+    dist.barrier()  # every rank has looked before rank 0 makes the next push's staging folder below
 
     # a rank blind to rank 0's staging folder: every rank refuses before writing anything
     real_isdir = os.path.isdir
