@@ -48,6 +48,7 @@ from . import (
     sequence_parallel,
     support,
     token_loss,
+    vocab_embedding,
     vocab_parallel_loss,
 )
 from .protocol import GenericProtocol
@@ -135,6 +136,8 @@ def _attach(model, context, plan: dict[str, str]):
         inplace_outputs.copy_outputs(model, model._oslo_tp_output_copies)
         # replicated parameters fed by tp slices: their gradients summed over tp in the backward
         model._oslo_tp_partial_gradients = partial_gradients.reduce_partial_gradients(model, context)
+        # a vocabulary-split embedding keeps its rows' gradient only (DTensor's backward gives the whole [V, h])
+        model._oslo_vocab_slice_gradients = vocab_embedding.keep_slice_gradients(model)
     if context.pp_size > 1:  # train_step / eval_step run the schedule; a plain forward is refused
         pipeline_stage.attach(model)
     if context.config.activation_checkpointing == "full":

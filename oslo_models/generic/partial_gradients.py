@@ -196,14 +196,35 @@ def find_partial_parameters(model: nn.Module, context) -> dict[str, str]:
     return found
 
 
-class TensorParallelGradientSum:
-    """A forward pre-hook for a module owning partial parameters: on each forward with grad enabled it makes sure
-    each such parameter object registered on the module now (FSDP2 swaps in its unsharded copies) has a tensor hook
-    summing the incoming gradient over the tp group. Holds no state beyond the objects it hooked."""
+class ParameterGradientHooks:
+    """A forward pre-hook for a module owning some parameters: on each forward with grad enabled it makes sure each
+    such parameter object registered on the module now (FSDP2 swaps in its unsharded copies) has the tensor hook
+    ``self.hook_for(param)``, which sees the parameter's incoming gradient before it is accumulated. Holds no state
+    beyond the objects it hooked."""
+
+    def __init__(self, names: list[str]):
+        self.names = tuple(names)
+        self.hooked: dict[str, torch.Tensor] = {}
+
+    def hook_for(self, param: torch.Tensor):
+        raise NotImplementedError
+
+    def __call__(self, module, args):
+        if not torch.is_grad_enabled():
+            return
+        for name in self.names:
+            param = module._parameters.get(name)
+            if param is not None and param.requires_grad and self.hooked.get(name) is not param:
+                param.register_hook(self.hook_for(param))
+                self.hooked[name] = param
+
+
+class TensorParallelGradientSum(ParameterGradientHooks):
+    """Sums each incoming gradient of its parameters over the tp ``group`` (one all-reduce per backward)."""
 
     def __init__(self, names: list[str], group):
-        self.names, self.group = tuple(names), group
-        self.hooked: dict[str, torch.Tensor] = {}
+        super().__init__(names)
+        self.group = group
 
     def _sum(self, grad: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -213,24 +234,24 @@ class TensorParallelGradientSum:
         dist.all_reduce(local, group=self.group)
         return grad
 
-    def __call__(self, module, args):
-        if not torch.is_grad_enabled():
-            return
-        for name in self.names:
-            param = module._parameters.get(name)
-            if param is not None and param.requires_grad and self.hooked.get(name) is not param:
-                param.register_hook(self._sum)
-                self.hooked[name] = param
+    def hook_for(self, param: torch.Tensor):
+        return self._sum
 
 
-def install_gradient_sums(model: nn.Module, names, group) -> None:
-    """Sum the gradients of the parameters ``names`` over ``group`` (tp) in every backward (module pre-hooks)."""
+def install_hooks(model: nn.Module, names, make) -> None:
+    """Register ``make(attrs)`` (a ``ParameterGradientHooks``) as a forward pre-hook of each module owning some of the
+    parameters ``names``, ``attrs`` its own parameters' names among them."""
     by_module: dict[str, list[str]] = {}
     for name in names:
         owner, _, attr = name.rpartition(".")
         by_module.setdefault(owner, []).append(attr)
     for owner, attrs in by_module.items():
-        model.get_submodule(owner).register_forward_pre_hook(TensorParallelGradientSum(attrs, group))
+        model.get_submodule(owner).register_forward_pre_hook(make(attrs))
+
+
+def install_gradient_sums(model: nn.Module, names, group) -> None:
+    """Sum the gradients of the parameters ``names`` over ``group`` (tp) in every backward (module pre-hooks)."""
+    install_hooks(model, names, lambda attrs: TensorParallelGradientSum(attrs, group))
 
 
 def reduce_partial_gradients(model: nn.Module, context) -> tuple[str, ...]:
