@@ -12,7 +12,10 @@ staging folder, then writes the index and configs and swaps the folder in atomic
 
 Memory per process: one stored chunk at a time (twice: DCP's read and the copy it hands over). A chunk is at most what
 one rank held of a tensor when it saved (its tensor-parallel piece; a tensor stored whole, e.g. replicated key/value
-heads, is one chunk). Collectives (several processes): small ``all_gather_object`` agreements over gloo.
+heads, is one chunk). A generic tensor ``transformers`` converts on save by more than a rename or a slice (dots1's
+fused experts written per expert) is the exception: one process reads it whole and converts it with a meta-device model
+of the saved config (``offline_conversion.py``), so the bound there is one whole tensor, as in the live export.
+Collectives (several processes): small ``all_gather_object`` agreements over gloo.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..distributed.agreement import agree_on_failure
-from .hub_export import DEFAULT_BUFFER_BYTES, Files, finish, prepare_staging, write_box
+from .hub_export import DEFAULT_BUFFER_BYTES, Files, finish, prepare_staging, write_box, write_converted
+from .offline_conversion import check_conversions, meta_model, model_shape, torch_dtype
 from .safetensors_files import DTYPES_BY_NAME, HubTensor, dtype_name, plan_files
 
 
@@ -49,47 +53,59 @@ def read_export(folder: str) -> tuple[dict, dict]:
                          "the consolidation tool; load it with load_checkpoint and call training.save_pretrained")
     with open(path, encoding="utf-8") as handle:
         tensors = json.load(handle)["tensors"]
-    converted = [key for key, value in tensors.items() if "converted" in value]
-    if converted:
-        raise ValueError(f"{converted[:3]} are converted by transformers' save_pretrained (not a rename or a slice): "
-                         "consolidate a generic model with such tensors by loading the checkpoint and calling "
-                         "training.save_pretrained")
     metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
-    missing = [key for key, value in tensors.items() if value["regions"] and key not in metadata]
+    missing = [key for key, value in tensors.items() if (value.get("regions") or "converted" in value)
+               and key not in metadata]
     if missing:
         raise ValueError(f"{folder}: the checkpoint lists {missing[:3]} but DCP stored no such entries")
+    converted = {key: value["converted"] for key, value in tensors.items() if "converted" in value}
+    if converted:
+        check_conversions(meta_model(folder), converted, metadata)
     return tensors, metadata
 
 
 def _plan(tensors: dict, metadata: dict, max_shard_size, world_size: int):
-    hub, chunks = [], []
+    """``(files, {unit: process})``. A unit is one stored chunk ``(key, offsets, sizes)``, or ``(key, None, None)``
+    for a converted tensor, which one process reads whole and converts; units go to processes by bytes, largest
+    first."""
+    hub, units = [], {}
     for key, value in tensors.items():
+        entry = metadata.get(key)
+        if "converted" in value:
+            hub += [HubTensor(name, tuple(shape), dtype_name(torch_dtype(dtype)))
+                    for name, shape, dtype in value["converted"]]
+            units[(key, None, None)] = int(np.prod(tuple(entry.size))) * entry.properties.dtype.itemsize
+            continue
         if not value["regions"]:
             continue
-        entry = metadata[key]
         dtype = dtype_name(entry.properties.dtype)
         hub += [HubTensor(name, tuple(shape), dtype) for name, _, shape in value["regions"]]
         for chunk in entry.chunks:
-            chunks.append((key, tuple(chunk.offsets), tuple(chunk.sizes)))
+            units[(key, tuple(chunk.offsets), tuple(chunk.sizes))] = (int(np.prod(tuple(chunk.sizes)))
+                                                                      * entry.properties.dtype.itemsize)
     files = plan_files(hub, max_shard_size)
     load, owner = [0] * world_size, {}
-    for chunk in sorted(chunks, key=lambda c: (-int(np.prod(c[2])) * metadata[c[0]].properties.dtype.itemsize, c)):
+    for unit in sorted(units, key=lambda u: (-units[u], u[0], u[1] or (), u[2] or ())):
         rank = min(range(world_size), key=lambda r: (load[r], r))
-        owner[chunk] = rank
-        load[rank] += int(np.prod(chunk[2])) * metadata[chunk[0]].properties.dtype.itemsize
+        owner[unit] = rank
+        load[rank] += units[unit]
     return files, owner
 
 
-def _read_and_write(folder: str, mine: list, tensors: dict, metadata: dict, files, out: Files, buffer_bytes: int):
-    """Read this process's chunks with DCP's reader, writing each into the output as it arrives."""
+def _read_and_write(folder: str, mine: list, tensors: dict, metadata: dict, files, out: Files, buffer_bytes: int,
+                    model=None):
+    """Read this process's units with DCP's reader and write them into the output: each stored chunk as it arrives;
+    a converted tensor (``model``: the meta model converting it) whole, one at a time, then converted and dropped."""
     import torch
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-    written = [0]
+    from .hub_keys import convert_whole
 
-    class StreamToFiles(LoadPlanner):  # each chunk: a buffer for DCP to fill, then written and dropped
+    written, whole = [0], {}
+
+    class StreamToFiles(LoadPlanner):  # a chunk: a buffer for DCP to fill, written and dropped; or a view of `whole`
         def set_up_planner(self, *args, **kwargs):
             pass
 
@@ -106,23 +122,37 @@ def _read_and_write(folder: str, mine: list, tensors: dict, metadata: dict, file
             raise AssertionError("a Hub export reads tensors only")
 
         def resolve_tensor(self, read_item):
-            entry = metadata[read_item.dest_index.fqn]
-            return torch.empty(tuple(read_item.lengths), dtype=entry.properties.dtype)
+            key = read_item.dest_index.fqn
+            if key in whole:
+                return whole[key][tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))]
+            return torch.empty(tuple(read_item.lengths), dtype=metadata[key].properties.dtype)
 
         def commit_tensor(self, read_item, tensor):
             key = read_item.dest_index.fqn
+            if key in whole:
+                return
             entry = metadata[key]
             written[0] += write_box(out, files.where, tuple(entry.size), entry.properties.dtype.itemsize,
                                     tensors[key]["regions"], tuple(read_item.dest_offsets), tuple(read_item.lengths),
                                     tensor, buffer_bytes)
 
-    items = [ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(key, offsets), dest_offsets=offsets,
-                      storage_index=MetadataIndex(key, offsets), storage_offsets=(0,) * len(offsets), lengths=sizes)
-             for key, offsets, sizes in mine]
     reader = FileSystemReader(folder)
     reader.set_up_storage_reader(reader.read_metadata(), True)
-    plan = reader.prepare_local_plan(LoadPlan(items))
-    reader.read_data(plan, StreamToFiles()).wait()
+
+    def read(units) -> None:
+        items = [ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(key, offsets), dest_offsets=offsets,
+                          storage_index=MetadataIndex(key, offsets), storage_offsets=(0,) * len(offsets),
+                          lengths=sizes) for key, offsets, sizes in units]
+        reader.read_data(reader.prepare_local_plan(LoadPlan(items)), StreamToFiles()).wait()
+
+    read([unit for unit in mine if unit[1] is not None])
+    for key, _, _ in (unit for unit in mine if unit[1] is None):
+        entry = metadata[key]
+        whole[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        read([(key, tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks])
+        full = whole.pop(key).reshape(model_shape(model, key, entry))
+        outputs = convert_whole(model, key.removeprefix("model/"), full)
+        written[0] += write_converted(out, files.where, outputs)
     return written[0]
 
 
@@ -161,6 +191,8 @@ def consolidate(checkpoint, output, *, max_shard_size="5GB", buffer_bytes: int =
         folder = _step_folder(os.fspath(checkpoint))
         tensors, metadata = read_export(folder)
         files, owner = _plan(tensors, metadata, max_shard_size, world)
+        converting = any(unit[1] is None and r == rank for unit, r in owner.items())
+        model = meta_model(folder) if converting else None
     except Exception as caught:  # noqa: BLE001 - the same on every process, raised by all
         error = caught
     agree_on_failure(context, error, what=f"checkpoint consolidate {checkpoint}")
@@ -174,7 +206,7 @@ def consolidate(checkpoint, output, *, max_shard_size="5GB", buffer_bytes: int =
     mine = [chunk for chunk, r in owner.items() if r == rank]
     out, written = Files(staging), 0
     try:
-        written = _read_and_write(folder, mine, tensors, metadata, files, out, buffer_bytes)
+        written = _read_and_write(folder, mine, tensors, metadata, files, out, buffer_bytes, model)
         out.close(sync=True)
     except Exception as caught:  # noqa: BLE001
         out.close(sync=False)

@@ -183,10 +183,11 @@ def write_box(files: Files, where: dict, shape, itemsize: int, regions, start, l
     return written
 
 
-def _write_converted(files: Files, plan: ExportPlan, outputs: dict[str, torch.Tensor]) -> int:
+def write_converted(files: Files, where: dict, outputs: dict[str, torch.Tensor]) -> int:
+    """Write a converted tensor's Hub tensors (whole, contiguous) at their planned places; the bytes written."""
     written = 0
     for key, value in outputs.items():
-        file_name, base = plan.files.where[key]
+        file_name, base = where[key]
         data = as_bytes(value.detach().to("cpu").contiguous())
         written += pwrite_all(files.fd(file_name), data, np.array([base]), np.array([0]), np.array([data.size]))
     return written
@@ -239,7 +240,7 @@ def _write_mine(entries, plan: ExportPlan, rank: int, files: Files, buffer_bytes
                         whole = entry.whole()
                         if mine and error is None:
                             try:
-                                written += _write_converted(files, plan, convert(entry.name, whole))
+                                written += write_converted(files, plan.files.where, convert(entry.name, whole))
                             except Exception as caught:  # noqa: BLE001
                                 error = caught
                         del whole

@@ -9,7 +9,8 @@ the checksums (so ``checkpoint verify`` covers it):
 - ``hub/export.json``: ``{"tensors": {"model/<name>": {"regions": [[Hub key, first element, Hub shape], ...]}}}``
   in model order (pipeline stages in order): the Hub tensors each entry becomes (``conversion/hub_keys.py``:
   renames, experts split per expert, tied copies with no region); a generic tensor that ``transformers`` converts
-  on save otherwise lists ``{"converted": [...]}`` and is refused by the consolidation with the reason.
+  on save otherwise lists ``{"converted": [[Hub key, shape, dtype], ...]}``, which the consolidation reads whole and
+  converts with a meta-device model of ``hub/config.json`` (``conversion/offline_conversion.py``).
 - ``hub/config.json`` / ``hub/generation_config.json``: the configs the Hub folder gets.
 
 Each rank computes the regions of its own tensors at capture time (no collective); the agreement after the RNG /

@@ -1,7 +1,9 @@
 """``python -m oslo_models checkpoint consolidate`` / ``verify`` (issue 53).
 
 A world of 4 trains one AdamW step at pp2 x tp2 (GPT-2, tied head on the last stage), ep2 x dp2 ZeRO-3 (Mixtral,
-experts saved per expert) and tp2 x dp2 ZeRO-3 with an asynchronous save (GPT-2), and writes both a resumable
+experts saved per expert), tp2 x dp2 ZeRO-3 with an asynchronous save (GPT-2) and ep2 x dp2 ZeRO-3 on the generic
+path (dots1: its fused ``gate_up_proj`` is *converted* per expert by ``transformers`` on save, so the consolidation
+converts it whole with a meta-device model of the saved config), and writes both a resumable
 checkpoint and ``training.save_pretrained``'s Hub folder. Offline, the CLI turns each checkpoint into a Hub folder
 byte for byte equal to the live export (shards, index, configs), in one process and under ``torchrun`` with 2
 processes sharing the chunks (the other calls run the CLI's ``main`` in the test process: one process, no group).
@@ -23,6 +25,7 @@ import torch
 import oslo_models as om
 from oslo_models import training
 from oslo_models.cli import main
+from tests.generic.models import save as save_generic
 from tests.helpers.dist import free_port, run_distributed
 from tests.helpers.models import save_tiny_gpt2
 
@@ -32,7 +35,8 @@ SHARD = "60KB"
 def _save_worker(paths: dict, root: str) -> None:
     layouts = {"gpt2-pp2-tp2": ("gpt2", dict(tensor_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2)),
                "mixtral-ep2-dp2": ("mixtral", dict(expert_parallel_size=2, zero_stage=3)),
-               "gpt2-tp2-dp2-async": ("gpt2", dict(tensor_parallel_size=2, zero_stage=3))}
+               "gpt2-tp2-dp2-async": ("gpt2", dict(tensor_parallel_size=2, zero_stage=3)),
+               "dots1-ep2-dp2": ("dots1", dict(expert_parallel_size=2, zero_stage=3))}
     for name, (family, options) in layouts.items():
         model = om.AutoModelForCausalLM.from_pretrained(paths[family], parallel=om.ParallelConfig(**options),
                                                         progress=False).train()
@@ -55,7 +59,10 @@ def _cli(*args, torchrun: int = 0) -> subprocess.CompletedProcess:
     if not torchrun:
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(["checkpoint", *args])
+            try:
+                code = main(["checkpoint", *args])
+            except SystemExit as refused:  # argparse's error(): a usage line and exit 2
+                code = refused.code
         return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun}",
@@ -82,9 +89,14 @@ def test_consolidate_and_verify(tmp_path):
     torch.manual_seed(0)
     HF["mixtral"](CONFIGS["mixtral"]()).save_pretrained(tmp_path / "mixtral")
     paths["mixtral"] = str(tmp_path / "mixtral")
+    paths.update(save_generic(tmp_path, {"dots1": 0}))
     run_distributed(_save_worker, 4, paths, str(tmp_path), timeout=600)
 
-    for name in ("gpt2-pp2-tp2", "mixtral-ep2-dp2", "gpt2-tp2-dp2-async"):
+    record = os.path.join(training.find_checkpoint(str(tmp_path / "dots1-ep2-dp2" / "ckpt")), "hub", "export.json")
+    with open(record) as handle:
+        exported = json.load(handle)
+    assert any("converted" in value for value in exported["tensors"].values())  # the case this layout is here for
+    for name in ("gpt2-pp2-tp2", "mixtral-ep2-dp2", "gpt2-tp2-dp2-async", "dots1-ep2-dp2"):
         ckpt, hub, out = (str(tmp_path / name / part) for part in ("ckpt", "hub", "consolidated"))
         done = _cli("consolidate", ckpt, out, "--max-shard-size", SHARD)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -97,6 +109,20 @@ def test_consolidate_and_verify(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "bytes written per process" in done.stdout and ", 0]" not in done.stdout, done.stdout
     _same_folder(str(tmp_path / "two"), hub)
+    ckpt, hub = str(tmp_path / "dots1-ep2-dp2" / "ckpt"), str(tmp_path / "dots1-ep2-dp2" / "hub")
+    done = _cli("consolidate", ckpt, str(tmp_path / "dots1-two"), "--max-shard-size", SHARD, torchrun=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _same_folder(str(tmp_path / "dots1-two"), hub)
+    # a recorded conversion the saved config's model does not reproduce is refused before anything is written
+    tampered = str(tmp_path / "dots1-tampered")
+    shutil.copytree(ckpt, tampered)
+    key = next(k for k, v in exported["tensors"].items() if "converted" in v)
+    exported["tensors"][key]["converted"][0][0] += ".renamed"
+    with open(os.path.join(training.find_checkpoint(tampered), "hub", "export.json"), "w") as handle:
+        json.dump(exported, handle)
+    done = _cli("consolidate", tampered, str(tmp_path / "dots1-refused"), "--max-shard-size", SHARD)
+    assert done.returncode != 0 and "training.save_pretrained" in done.stderr, done.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "dots1-refused")
 
     # verify's negative controls
     report = str(tmp_path / "report.json")
