@@ -10,6 +10,10 @@ The pieces (``StagePieces.of(model)``, read from the model on the meta device be
   (``lm_head``); parameter-free children (rotary embeddings, sinusoidal positions, dropout) run on every stage. A
   decoder with another parametrised module before its layers (a learned position table, an embedding norm) is
   refused with its name: a stage could not stand it in;
+- where the decoder sits inside a base model (an image-text model: ``model.language_model``), the base model's
+  other children with parameters (the vision tower, the projector: ``StagePieces.first``) run on the first stage,
+  whose forward merges their features into the embeddings; other stages set them to ``None`` (the forward reaches
+  them only with pixel values, which only the first stage is given: ``image_text/pipeline.py``);
 - tied embeddings (the head's weight *is* the input embedding's): the first and the last stage both hold it.
 
 How the model is cut (``cut_stages``, on the meta device, before ``transformers`` loads the checkpoint, so nothing
@@ -106,6 +110,9 @@ class StagePieces:
     num_layers: int
     hidden_size: int
     convention: str = "tensor"  # how the decoder calls a layer: layer_call_convention
+    # modules of the base model beside the decoder (an image-text model's vision tower and projector), run by the
+    # first stage before the decoder (the merge of their features into the embeddings happens there)
+    first: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, model: nn.Module) -> "StagePieces":
@@ -134,10 +141,17 @@ class StagePieces:
                     f"the generic pipeline puts only the input embedding before the first layer")
             else:
                 last.append(path)
-        if decoder_path:  # the head model's own modules besides the decoder (lm_head)
-            for child_name, child in model.named_children():
-                if child is not decoder and _has_parameters(child):
-                    last.append(child_name)
+        first = []
+        if decoder_path:  # the modules beside the decoder: the head model's own (lm_head) on the last stage; those
+            # of a base model holding the decoder (an image-text model's vision tower, projector) on the first
+            parts = decoder_path.split(".")
+            for depth in range(len(parts)):
+                owner_path = ".".join(parts[:depth])
+                owner = model.get_submodule(owner_path) if owner_path else model
+                for child_name, child in owner.named_children():
+                    if child_name == parts[depth] or not _has_parameters(child):
+                        continue
+                    (last if depth == 0 else first).append(f"{owner_path}.{child_name}" if owner_path else child_name)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         head_path, embedding_path = paths[id(head)], paths[id(embedding)]
         # tied: one tensor now, or once transformers ties them after the load (its {target: source} mapping)
@@ -145,7 +159,7 @@ class StagePieces:
         tied = head.weight is embedding.weight or tied_keys.get(f"{head_path}.weight") == f"{embedding_path}.weight"
         return cls(layers=layers, embedding=embedding_path, last=tuple(last), head=head_path, tied=tied,
                    num_layers=len(model.get_submodule(layers)), hidden_size=config.hidden_size,
-                   convention=layer_call_convention(model, layers))
+                   convention=layer_call_convention(model, layers), first=tuple(first))
 
 
 def layer_call_convention(model: nn.Module, layers: str) -> str:
@@ -206,6 +220,10 @@ def _layer_container(model: nn.Module) -> str:
         keys = [key for key in plan if key.rpartition(".")[2] in ("layers", "h", "blocks")]
         planned = [path for path in candidates if any(path == key or path.endswith("." + key) for key in keys)]
         candidates = planned or candidates
+    decoder = model.get_decoder() if len(candidates) > 1 and hasattr(model, "get_decoder") else None
+    if decoder is not None:  # an image-text model: the vision tower's blocks too; cut the language model's
+        prefix = next((path + "." for path, module in model.named_modules() if module is decoder), None)
+        candidates = [path for path in candidates if prefix and path.startswith(prefix)] or candidates
     if len(candidates) != 1:
         raise NotImplementedError(
             f"{type(model).__name__}: the generic pipeline cuts the decoder's one list of repeated blocks "
@@ -233,6 +251,10 @@ def cut_stages(model: nn.Module, pieces: StagePieces, layout, *, loaded: bool) -
     if not first_rank and not (pieces.tied and last_rank and not loaded):
         _set(model, pieces.embedding, _stand_in(model, pieces))
         dropped.append(pieces.embedding)
+    if not first_rank:
+        for path in pieces.first:
+            _set(model, path, None)
+            dropped.append(path)
     # transformers' own per-model rule for checkpoint keys the model does not hold (no "unexpected key" report)
     model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | {
         "^" + re.escape(path + ".") for path in dropped}

@@ -41,7 +41,7 @@ import functools
 import torch
 
 from ..pipeline.adapter import CausalLMPipelineAdapter
-from . import router_loss
+from . import router_loss, support
 from .pipeline_cut import EmbeddingStandIn, LayerProbe, StageDone, StagePieces, stage_view, viewing
 
 
@@ -53,7 +53,8 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
     def __init__(self, pieces: StagePieces, layer_costs: list[float], first_extra: float, last_extra: float):
         self.pieces = pieces
         self.layer_paths = (pieces.layers,)
-        self.first_modules = {"embedding": pieces.embedding}
+        self.first_modules = {"embedding": pieces.embedding,
+                              **{f"first_{i}": path for i, path in enumerate(pieces.first)}}
         self.last_modules = {f"last_{i}": path for i, path in enumerate(pieces.last)}
         self.every_stage_modules = {}
         self.tied_embedding = f"{pieces.embedding}.weight"
@@ -72,7 +73,8 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
         costs = [count(layer) for layer in model.get_submodule(pieces.layers)]
         embed = count(model.get_submodule(pieces.embedding))
         last = sum(count(model.get_submodule(path)) for path in pieces.last)
-        return cls(pieces, costs, embed, last + (embed if pieces.tied else 0.0))
+        first = embed + sum(count(model.get_submodule(path)) for path in pieces.first)
+        return cls(pieces, costs, first, last + (embed if pieces.tied else 0.0))
 
     # ------------------------------------------------------------------ structure
     def layer_counts(self, model) -> tuple[int, ...]:
@@ -165,7 +167,9 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
             return out, router_loss.stage_statistics(model, routed.logits, attention_mask, statistics)
         return self._run_stage(stage, x, attention_mask, token_ids, position_ids, seq_idx)
 
-    def _run_stage(self, stage, x, attention_mask, token_ids, position_ids, seq_idx):
+    def _run_stage(self, stage, x, attention_mask, token_ids, position_ids, seq_idx, extra=None):
+        """One stage's forward; ``extra``: further keyword arguments of the model's forward (an image-text model's
+        pixel values and image grids: ``image_text/pipeline.py``)."""
         model = stage.owner
         view = self._view(model, stage)
         first_layer = stage.layout.ranges[stage.stage_index].start
@@ -176,7 +180,7 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
         if not stage.is_first and stage.stage_index not in self._checked:
             check = view[first_layer].register_forward_pre_hook(
                 functools.partial(_check_first_layer, model, x), with_kwargs=True, prepend=True)
-        inputs = dict(input_ids=x if stage.is_first else token_ids, attention_mask=attention_mask)
+        inputs = dict(input_ids=x if stage.is_first else token_ids, attention_mask=attention_mask, **(extra or {}))
         context = model.parallel_context
         if context.cp_size > 1:  # this rank's chunk(s): global positions, the cp mask (context_parallel.py)
             from .context_parallel import KEYWORD, chunk_inputs
@@ -362,7 +366,10 @@ def cut(model, context, *, loaded: bool) -> None:
     from .protocol import GenericProtocol
 
     model.parallel_context, model.oslo_protocol = context, GenericProtocol()  # as _attach sets them later
-    adapter = model.__dict__["_oslo_pipeline_adapter"] = GenericCausalLMPipelineAdapter.for_model(model)
+    adapter_class = GenericCausalLMPipelineAdapter
+    if support.is_image_text(model.config, type(model)):  # the vision side and image batches on the first stage
+        from ..image_text.pipeline import ImageTextPipelineAdapter as adapter_class
+    adapter = model.__dict__["_oslo_pipeline_adapter"] = adapter_class.for_model(model)
     layout = build_layout(model, context)
     cut_stages(model, adapter.pieces, layout, loaded=loaded)
     model.pipeline_layout = layout

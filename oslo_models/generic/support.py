@@ -82,6 +82,17 @@ def pipeline_plan(config) -> dict:
     return dict(getattr(text, "base_model_pp_plan", None) or {})
 
 
+def is_image_text(config, model_class: type | None) -> bool:
+    """Whether ``model_class`` is ``transformers``' image-text class for ``config`` (its
+    ``AutoModelForImageTextToText`` mapping): pipelined and context parallel like a causal LM around its decoder,
+    with the vision side on the first stage / on every cp rank (``oslo_models/image_text``)."""
+    return model_class is not None and transformers_class("image_text_to_text", config) is model_class
+
+
+def _causal(config, model_class: type | None) -> bool:
+    return model_class is None or model_class.__name__.endswith("ForCausalLM") or is_image_text(config, model_class)
+
+
 def _splits_heads(plan: dict[str, str]) -> bool:
     return any(key.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS and style == "colwise" for key, style in plan.items())
 
@@ -113,7 +124,7 @@ def refusals(config, parallel, model_class: type | None = None) -> list[str]:
                        "regions of the type's plan, so it needs tensor_parallel_size > 1 and a base_model_tp_plan")
     reasons += pipeline_refusals(config, parallel, model_class)
     cp = parallel.context_parallel_size
-    if cp > 1 and model_class is not None and not model_class.__name__.endswith("ForCausalLM"):
+    if cp > 1 and not _causal(config, model_class):
         reasons.append(f"context_parallel_size={cp}: the generic path splits the sequence of causal LMs (through "
                        f"transformers' attention interface); {model_class.__name__} is not one")
     elif cp > 1 and not isinstance(getattr(text_config(config), "num_attention_heads", None), int):
@@ -139,7 +150,7 @@ def pipeline_refusals(config, parallel, model_class: type | None = None) -> list
     if model_class is None and transformers_class("causal_lm", config) is None:
         return [head + f"the generic path pipelines causal LMs (a decoder's layers cut into stages); transformers "
                        f"has no causal LM class for {config.model_type!r}"]
-    if model_class is not None and not model_class.__name__.endswith("ForCausalLM"):
+    if not _causal(config, model_class):
         return [head + f"the generic path pipelines causal LMs (a decoder's layers cut into stages); "
                        f"{model_class.__name__} is not one"]
     reasons = []

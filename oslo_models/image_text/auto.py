@@ -22,11 +22,14 @@ collectives: the plan's (all-reduces over tp in the decoder's rowwise projection
 ``freeze_vision=True``: the vision tower and projector get ``requires_grad=False`` at load (no gradient, no optimizer
 state); the language model (and LM head) train.
 
-Not implemented, refused before any process group with the reason (:func:`refusals`): pipeline parallelism (the
-generic pipeline cuts a causal LM's decoder; the vision tower and the merge of its features on the first stage are
-not built), context parallelism (a chunk of the merged sequence would hold only part of an image's tokens, while
-``transformers`` merges the features of whole images by position, and Qwen's M-RoPE positions are computed from the
-whole sequence), expert parallelism and sequence parallelism (not tested for these classes).
+Pipeline parallelism (``pipeline.py``): the language model's layers cut into stages, the vision tower and projector
+on the first stage, with data parallelism and ZeRO 0-3; ``model.train_step(batch)`` runs the schedule.
+
+Not implemented, refused before any process group with the reason (:func:`refusals`): pipeline parallelism with
+tensor or context parallelism (untested), context parallelism (a chunk of the merged sequence would hold only part of
+an image's tokens, while ``transformers`` merges the features of whole images by position, and Qwen's M-RoPE
+positions are computed from the whole sequence), expert parallelism and sequence parallelism (not tested for these
+classes).
 """
 from __future__ import annotations
 
@@ -82,11 +85,11 @@ def refusals(parallel) -> list[str]:
     if config is None:
         return []
     reasons = []
-    if config.pipeline_parallel_size > 1:
-        reasons.append(f"pipeline_parallel_size={config.pipeline_parallel_size} is not implemented for image-text "
-                       f"models: the generic pipeline cuts a causal LM's decoder layers, and placing the vision "
-                       f"tower and the merge of its features on the first stage is not built; use tensor and data "
-                       f"parallelism (ZeRO 0-3)")
+    pp, cp, tp = config.pipeline_parallel_size, config.context_parallel_size, config.tensor_parallel_size
+    if pp > 1 and (cp > 1 or tp > 1):
+        reasons.append(f"pipeline_parallel_size={pp} with tensor_parallel_size={tp} / context_parallel_size={cp} is "
+                       f"not implemented (untested) for image-text models: pipeline them with data parallelism "
+                       f"(ZeRO 0-3) only")
     if config.context_parallel_size > 1:
         reasons.append(f"context_parallel_size={config.context_parallel_size} is not implemented for image-text "
                        f"models: a chunk of the merged sequence would hold part of an image's tokens while "

@@ -11,7 +11,7 @@ from tests.image_text.models import config
 
 
 @pytest.mark.parametrize("options, words", [
-    (dict(pipeline_parallel_size=2), "vision tower"),
+    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "pipeline them with data parallelism"),
     (dict(context_parallel_size=2), "part of an image's tokens"),
     (dict(tensor_parallel_size=2, sequence_parallel=True), "sequence_parallel"),
 ])
