@@ -23,7 +23,7 @@ OFFLOAD_TIERS = (None, "cpu", "nvme")
 
 _ZERO_STAGES = (0, 1, 2, 3)
 _MAX_SEED = 2**63 - 1
-_ACTIVATION_CHECKPOINTING = ("full", "selective", "offload", "partitioned")  # models/common/checkpointing.py
+_ACTIVATION_CHECKPOINTING = ("full", "selective", "offload", "partitioned")  # models/common/stack/checkpointing.py
 
 # What is implemented today. Kept in one place so a feature landing is a one-line change here.
 _IMPLEMENTED_TENSOR_PARALLEL_MODES = ("1d", "2d", "2.5d", "3d")
@@ -92,7 +92,7 @@ class ParallelConfig:
         seed: base seed of the tensor-parallel RNG tracker (dropout inside split regions).
         activation_checkpointing: ``None`` (off), ``"full"`` (every block recomputed), ``"selective"`` (the
             attention core only), ``"offload"`` (full, block inputs kept in host memory) or ``"partitioned"`` (full,
-            each TP rank keeps ``1/tp`` of a block's input). See ``models/common/checkpointing.py``.
+            each TP rank keeps ``1/tp`` of a block's input). See ``models/common/stack/checkpointing.py``.
         collective_timeout: seconds a rank may wait in one collective (all-reduce, all-gather, send/recv, barrier)
             for a peer that stopped participating (hung, stopped, dead) before it fails with an error naming the
             group, the operation and the missing rank(s) (``distributed/watchdog.py``). Default 600 (10 minutes,

@@ -12,7 +12,7 @@ answer here is the answer there (and the composition table, ``table.py``, is gen
 """
 from __future__ import annotations
 
-from ..models.common.context_parallel import check_context_parallel
+from ..models.common.stack.context_parallel import check_context_parallel
 from ..pipeline.adapter import check_pipeline_support
 from ..training.layout_rules import check_training_layout
 from .axes import Layout

@@ -4,8 +4,8 @@ A model tensor (full, row-major) is written as one or more Hub tensors, each a c
 (``Region``: Hub key, first flat element, Hub shape):
 
 - usually itself under its own name;
-- renamed (GPT-NeoX's ``lm_head.`` -> ``embed_out.``: ``models/common/renamed_keys.py``);
-- one Hub tensor per expert and projection for stacked experts (``models/common/expert_keys.py``: ``gate_up_proj
+- renamed (GPT-NeoX's ``lm_head.`` -> ``embed_out.``: ``models/common/loading/renamed_keys.py``);
+- one Hub tensor per expert and projection for stacked experts (``models/common/loading/expert_keys.py``: ``gate_up_proj
   [E, 2i, h]`` -> expert ``e``'s gate ``[i, h]`` at element ``e*2i*h``, its up at ``e*2i*h + i*h``);
 - nothing, for a tied copy ``transformers`` does not write.
 
@@ -36,7 +36,7 @@ def _numel(shape) -> int:
 
 
 def _per_expert(region: Region, layout) -> list[Region]:
-    """``to_per_expert`` of one region (``models/common/expert_keys.py``), as sub-intervals."""
+    """``to_per_expert`` of one region (``models/common/loading/expert_keys.py``), as sub-intervals."""
     block, _, leaf = region.key.rpartition(".experts.")
     parts = layout.parts
     if not block or leaf not in parts:
@@ -55,8 +55,8 @@ def _per_expert(region: Region, layout) -> list[Region]:
 
 def native_regions(model):
     """``regions(name, full_shape) -> [Region]`` for a native model (see the module docstring)."""
-    from ..models.common.expert_keys import PerExpertCheckpoint
-    from ..models.common.renamed_keys import RenamedHubKeys, _rename
+    from ..models.common.loading.expert_keys import PerExpertCheckpoint
+    from ..models.common.loading.renamed_keys import RenamedHubKeys, _rename
     from ..models.modeling_utils import OsloPreTrainedModel
 
     known = (PerExpertCheckpoint, RenamedHubKeys, OsloPreTrainedModel)

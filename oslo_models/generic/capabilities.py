@@ -82,7 +82,7 @@ class Capabilities:
 
 
 def _native_refusal(model_class, config, parallel) -> str | None:
-    from ..models.common.context_parallel import check_context_parallel
+    from ..models.common.stack.context_parallel import check_context_parallel
 
     try:
         model_class.validate_parallel_config(config, parallel)

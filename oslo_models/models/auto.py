@@ -74,7 +74,7 @@ class _AutoModel:
         model_class = cls.model_class_for(config)
         if cls._is_generic(model_class):
             from ..generic.loading import from_pretrained
-            from .common.long_sequence import refuse_on_generic_path
+            from .common.stack.long_sequence import refuse_on_generic_path
 
             refuse_on_generic_path(parallel, model_class)
 
@@ -94,7 +94,7 @@ class _AutoModel:
         model_class = cls.model_class_for(config)
         if cls._is_generic(model_class):
             from ..generic.loading import from_config
-            from .common.long_sequence import refuse_on_generic_path
+            from .common.stack.long_sequence import refuse_on_generic_path
 
             refuse_on_generic_path(parallel, model_class)
 

@@ -25,10 +25,9 @@ from transformers.utils.generic import can_return_tuple
 
 from ..parallel_layers.layers import Dropout, Linear
 from ..utils.documents import PACKING_KEYS
-from .common.cache_names import cache_field, output_cache
-from .common.context_parallel import context_parallel_loss, context_parallel_loss_items
-from .common.encoder_masks import PACKED_HEAD_REFUSAL, is_packed_batch
-from .common.head_rules import (
+from .common.attention.cache_names import cache_field, output_cache
+from .common.attention.encoder_masks import PACKED_HEAD_REFUSAL, is_packed_batch
+from .common.loss.head_rules import (
     MASKED_LM,
     MULTIPLE_CHOICE,
     QUESTION_ANSWERING,
@@ -36,9 +35,10 @@ from .common.head_rules import (
     TOKEN_CLASSIFICATION,
     HeadParts,
 )
-from .common.lm_loss import head_loss_and_logits, keep_last_logits
-from .common.outputs import passed_on
-from .common.pipeline_encoder import EncoderPipelineAdapter
+from .common.loss.lm_loss import head_loss_and_logits, keep_last_logits
+from .common.pipeline.pipeline_encoder import EncoderPipelineAdapter
+from .common.stack.context_parallel import context_parallel_loss, context_parallel_loss_items
+from .common.stack.outputs import passed_on
 from .heads import (
     HeadModel,
     flatten_choices,
@@ -88,10 +88,10 @@ class EncoderHeadModel(HeadModel):
     classifier_dropout = staticmethod(classifier_dropout)
     pipeline_adapter = _BoundPipelineAdapter()
     pipeline_adapter_class: ClassVar[type | None] = EncoderPipelineAdapter
-    #: the task's head rule (``common/head_rules.py``), run by ``forward`` and by a pipeline's last stage
+    #: the task's head rule (``common/loss/head_rules.py``), run by ``forward`` and by a pipeline's last stage
     head_rule: ClassVar = None
     #: the head's outputs are per token, so a packed batch (several documents per row, attending within
-    #: themselves: ``common/encoder_masks.py``) gives each document's own values; per-row heads (pooled
+    #: themselves: ``common/attention/encoder_masks.py``) gives each document's own values; per-row heads (pooled
     #: classification, spans, choices, NSP/SOP) refuse packed batches with the reason
     accepts_packed: ClassVar[bool] = False
     #: what the per-row output is, for the refusal's message
@@ -136,7 +136,7 @@ class ForMaskedLM(EncoderHeadModel):
     vocab-parallel ``decoder`` (weight tied to the word embeddings, bias to the head's ``bias`` at
     ``_decoder_bias_owner``). The loss runs on the vocab-split logits; ``logits`` are gathered to ``[b, s, V]``
     unless ``gather_logits=False`` (``[b, s, V_padded/tp]``) and ``None`` with ``skip_logits=True`` (fused, chunked
-    loss: ``common/lm_loss.py``). Under context parallelism the loss is the mean over the whole sequence."""
+    loss: ``common/loss/lm_loss.py``). Under context parallelism the loss is the mean over the whole sequence."""
 
     head_name: ClassVar[str] = "cls"
     head_class: ClassVar[type] = None

@@ -73,7 +73,7 @@ class FamilyRecord:
         return next(task for task in ("masked_lm", "seq2seq_lm", "causal_lm", "base", *TASKS) if task in self.classes)
 
     def stack_spec(self):
-        """The family's ``StackSpec`` (``models/common/stack.py``), or ``None`` for a family without one."""
+        """The family's ``StackSpec`` (``models/common/stack/stack.py``), or ``None`` for a family without one."""
         return self._resolve(self.spec) if self.spec else None
 
     def public_names(self) -> tuple[str, ...]:

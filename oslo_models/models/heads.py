@@ -19,12 +19,12 @@ from transformers.utils.generic import can_return_tuple
 
 from ..parallel_layers.layers import Dropout, Linear
 from ..parallel_layers.plan import Colwise
-from .common import context_parallel as cp
-from .common.cache_names import cache_field, output_cache
-from .common.capabilities import Capabilities
-from .common.context_parallel import causal_lm_head_outputs
-from .common.outputs import passed_on
-from .common.pipeline_stack import StackPipelineAdapter
+from .common.attention.cache_names import cache_field, output_cache
+from .common.pipeline.pipeline_stack import StackPipelineAdapter
+from .common.rules.capabilities import Capabilities
+from .common.stack import context_parallel as cp
+from .common.stack.context_parallel import causal_lm_head_outputs
+from .common.stack.outputs import passed_on
 
 
 def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
@@ -225,8 +225,8 @@ class ForCausalLM(HeadModel):
     """The stack with an LM head (tied to the input embedding when ``tie_word_embeddings``). Under TP the head is
     vocab-parallel and the loss runs on the vocab-split logits (``causal_lm_loss``); ``logits`` are gathered to
     ``[b, s, V]`` unless ``gather_logits=False`` (then this rank's ``[b, s, V_padded/tp]``), and are ``None`` with
-    ``skip_logits=True`` (the fused, chunked loss: ``common/lm_loss.py``). Pipeline stages: derived from the spec
-    (``common/pipeline_stack.py``). A family declares ``class XForCausalLM(ForCausalLM, XPreTrainedModel,
+    ``skip_logits=True`` (the fused, chunked loss: ``common/loss/lm_loss.py``). Pipeline stages: derived from the spec
+    (``common/pipeline/pipeline_stack.py``). A family declares ``class XForCausalLM(ForCausalLM, XPreTrainedModel,
     GenerationMixin)``: ``GenerationMixin`` after the ``PreTrainedModel``, as ``transformers`` requires, so
     ``OsloPreTrainedModel.generate`` (the tensor-parallel sampling RNG) wraps its ``generate``."""
 

@@ -32,11 +32,11 @@ from ..distributed.context import ParallelContext, _world_from_environment
 from ..distributed.data_parallel import install_data_parallel_guard
 from ..parallel_layers.plan import ParallelPlan
 from ..parallel_layers.sequence_parallel import bind_sequence_parallel_region
-from .common.bias_act import configure_fused_ops
-from .common.context_parallel import check_context_parallel
-from .common.outputs import install_recording_hooks
-from .common.parallel_rules import check_rules, spec_rules
-from .common.pretrained_options import parse_load_options
+from .common.feed_forward.bias_act import configure_fused_ops
+from .common.loading.pretrained_options import parse_load_options
+from .common.rules.parallel_rules import check_rules, spec_rules
+from .common.stack.context_parallel import check_context_parallel
+from .common.stack.outputs import install_recording_hooks
 
 
 def _resolve_context(parallel: ParallelConfig | ParallelContext | None) -> ParallelContext:
@@ -114,7 +114,7 @@ class OsloPreTrainedModel(PreTrainedModel):
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
         """Raise ``ValueError`` for sizes the family cannot split. Runs before any process group exists, so a bad
         layout never turns into a hang. A stack family's checks are its components' rules (``stack_spec``; see
-        ``common/parallel_rules.py``); a family adds its own by overriding and calling ``super()``."""
+        ``common/rules/parallel_rules.py``); a family adds its own by overriding and calling ``super()``."""
         spec = getattr(cls, "stack_spec", None)
         if spec is not None:
             check_rules(spec_rules(spec, config), config, parallel)
@@ -145,17 +145,17 @@ class OsloPreTrainedModel(PreTrainedModel):
             keep_stage_modules(self, self.parallel_context)
             self.register_forward_pre_hook(_refuse_pipelined_forward)
         self.tie_parallel_weights()
-        install_recording_hooks(self)  # now, not inside a compiled first forward (common/outputs.py)
+        install_recording_hooks(self)  # now, not inside a compiled first forward (common/stack/outputs.py)
         if not any(param.is_meta for param in self.parameters()):
             self.initialize_from_twin()
         if self.parallel_context.config.activation_checkpointing is not None:
             self.set_activation_checkpointing(self.parallel_context.config.activation_checkpointing)
         block_plan = self.parallel_context.config.block_plan
         if block_plan is not None and any(choice.checkpoint for choice in block_plan):
-            from .common.checkpointing import apply_block_checkpointing  # per-block plan (block_plan.py)
+            from .common.stack.checkpointing import apply_block_checkpointing  # per-block plan (block_plan.py)
 
             apply_block_checkpointing(self, [choice.checkpoint for choice in block_plan])
-        from .common.long_sequence import apply_long_sequence_options  # tiled_mlp, activation_offload
+        from .common.stack.long_sequence import apply_long_sequence_options  # tiled_mlp, activation_offload
 
         apply_long_sequence_options(self)
         # dp x cp > 1: an unwrapped model's first backward raises (distributed/data_parallel.py)
@@ -164,11 +164,11 @@ class OsloPreTrainedModel(PreTrainedModel):
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, **kwargs):
         """``transformers``' hook behind ``gradient_checkpointing_enable`` / ``activation_checkpointing_enable`` and
         their ``*_disable``: ends in the same ``apply_activation_checkpointing`` as
-        ``ParallelConfig.activation_checkpointing`` (``common/checkpointing.py``), so recomputed blocks replay this
-        rank's tensor-parallel dropout stream. The mode is ``"full"`` unless ``gradient_checkpointing_kwargs`` carry
-        ``{"mode": "selective" | "offload" | "partitioned"}``; the other kwargs go to ``torch.utils.checkpoint``.
+        ``ParallelConfig.activation_checkpointing`` (``common/stack/checkpointing.py``), so recomputed blocks replay
+        this rank's tensor-parallel dropout stream. The mode is ``"full"`` unless ``gradient_checkpointing_kwargs``
+        carry ``{"mode": "selective" | "offload" | "partitioned"}``; the other kwargs go to ``torch.utils.checkpoint``.
         """
-        from .common.checkpointing import apply_activation_checkpointing
+        from .common.stack.checkpointing import apply_activation_checkpointing
 
         mode = "full" if enable else None
         keywords = getattr(gradient_checkpointing_func, "keywords", None)
@@ -181,7 +181,7 @@ class OsloPreTrainedModel(PreTrainedModel):
     def set_activation_checkpointing(self, mode: str | None) -> None:
         """Switch activation checkpointing to ``mode`` (``None``, ``"full"``, ``"selective"``, ``"offload"``,
         ``"partitioned"``; see ``ParallelConfig.activation_checkpointing``). Acts in training mode only."""
-        from .common.checkpointing import apply_activation_checkpointing
+        from .common.stack.checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(self, mode)
 
@@ -256,7 +256,7 @@ class OsloPreTrainedModel(PreTrainedModel):
         ``ParallelConfig`` (the process group is initialized from the torchrun environment if needed) or a ready
         ``ParallelContext``. ``dtype``: a torch dtype, its name, ``"auto"`` (the checkpoint's) or ``None`` (fp32).
 
-        ``transformers``' loading options work as there (see ``models/common/pretrained_options.py``):
+        ``transformers``' loading options work as there (see ``models/common/loading/pretrained_options.py``):
         ``ignore_mismatched_sizes``, ``output_loading_info`` (returns ``(model, info)``), ``torch_dtype`` (the old
         name of ``dtype``, with ``transformers``' deprecation warning), ``device_map`` (``"auto"``, ``"cpu"`` or one
         device; a map that splits the model is refused: use ``parallel=``), ``state_dict`` with
@@ -375,8 +375,8 @@ class OsloPreTrainedModel(PreTrainedModel):
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
         """``set_attn_implementation("eager" | "sdpa" | ...)`` at runtime: every attention here runs through
-        ``transformers``' ``ALL_ATTENTION_FUNCTIONS`` (``models/common/attention.py``); ``transformers``' heuristic
-        looks for that call in the model's own source file and would miss the shared helper."""
+        ``transformers``' ``ALL_ATTENTION_FUNCTIONS`` (``models/common/attention/attention.py``); ``transformers``'
+        heuristic looks for that call in the model's own source file and would miss the shared helper."""
         return True
 
     def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
@@ -396,8 +396,9 @@ class OsloPreTrainedModel(PreTrainedModel):
         """``transformers``' ``resize_token_embeddings`` at any tensor-parallel size: the new rows are the ones
         ``transformers`` draws (mean/covariance of the full old vocabulary), the vocab-parallel layers are rebuilt
         with the padding for the new size, ties are kept and ``config.vocab_size`` updated. Collective (all-gather
-        of the old tables, broadcast of the new ones): call on every rank. See ``models/common/resize.py``."""
-        from .common.resize import resize_token_embeddings
+        of the old tables, broadcast of the new ones): call on every rank. See
+        ``models/common/embeddings/resize.py``."""
+        from .common.embeddings.resize import resize_token_embeddings
 
         return resize_token_embeddings(self, new_num_tokens, pad_to_multiple_of, mean_resizing)
 

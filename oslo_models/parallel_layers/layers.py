@@ -79,7 +79,7 @@ class Linear(nn.Linear):
             return linear_forward(x, self.weight, None, self.layout), self.bias
         return linear_forward(x, self.weight, self.bias, self.layout)
 
-    forward.takes_skip_bias_add = True  # see models/common/bias_act.py
+    forward.takes_skip_bias_add = True  # see models/common/feed_forward/bias_act.py
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, layout={self.layout}"

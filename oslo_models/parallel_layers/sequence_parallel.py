@@ -5,12 +5,12 @@ Megatron sequence parallelism keeps the residual stream split along the sequence
 tensor-parallel regions. Whether a given forward runs it depends on the call (a one-token decode step cannot split
 its sequence), so it is not a constant of the layers. One ``SequenceParallelRegion`` lives on each
 ``ParallelContext``; ``OsloPreTrainedModel`` binds it to every ``SequenceParallelAware`` layer the plan built, and
-the stack (``models/common/stack.py``) switches it on for the layers it runs (a pipeline stage does the same for
+the stack (``models/common/stack/stack.py``) switches it on for the layers it runs (a pipeline stage does the same for
 its layers). A layer called with an explicit ``sequence_parallel=True/False`` uses that instead (a T5
 cross-attention reading the gathered encoder states inside a sequence-parallel decoder; unit tests of the layers).
 
 Recomputation under activation checkpointing runs after the forward left the region: ``checkpoint_function``
-(``models/common/checkpointing.py``) captures the switch at the forward and restores it around the recompute.
+(``models/common/stack/checkpointing.py``) captures the switch at the forward and restores it around the recompute.
 
 The region also shares the entry into the tensor-parallel region between the column-parallel layers that read the
 same input (``enter_tensor_parallel``): q, k and v projections (or gate and up) of one block reading one norm output

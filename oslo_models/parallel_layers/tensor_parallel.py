@@ -102,7 +102,7 @@ class ColumnParallelLinear(SequenceParallelAware, Linear):
             y = self.gather(y)
         return y
 
-    forward.takes_skip_bias_add = True  # see models/common/bias_act.py
+    forward.takes_skip_bias_add = True  # see models/common/feed_forward/bias_act.py
 
     def mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
         return mask_vocab_padding(logits, self.tp_rank * self.out_features, self.vocab_size)

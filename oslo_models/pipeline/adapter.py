@@ -1,7 +1,7 @@
 """What one model family tells the pipeline engine: the pieces of its module tree and how a stage runs them.
 
 A model class opts into pipeline parallelism by naming a ``PipelineAdapter`` subclass in its
-``pipeline_adapter`` class attribute (derived for the stack families: ``models/common/pipeline_stack.py``; ``models/common/pipeline_encoder.py``, ...).
+``pipeline_adapter`` class attribute (derived for the stack families: ``models/common/pipeline/pipeline_stack.py``; ``models/common/pipeline/pipeline_encoder.py``, ...).
 The engine (``stage.py``, ``checkpoint.py``, ``runner.py``) reads nothing model-specific except through it.
 
 Vocabulary:

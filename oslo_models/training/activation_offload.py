@@ -4,8 +4,9 @@ transformer block saves for its backward moves to host memory in the forward and
 between forward and backward, the host holds them instead.
 
 ``ActivationOffload(min_bytes=...)`` is the hooks object (a context manager); ``ParallelConfig.activation_offload``
-(``True`` or the ``min_bytes``) switches it on for every block of a native model (``models/common/long_sequence.py``
-enters it around each block's forward in training, so the loss head and the embeddings keep theirs).
+(``True`` or the ``min_bytes``) switches it on for every block of a native model
+(``models/common/stack/long_sequence.py`` enters it around each block's forward in training, so the loss head and the
+embeddings keep theirs).
 
 What moves: saved tensors of at least ``min_bytes`` (default 1 MiB) that are not parameters or views of parameters
 (those live anyway; copying them would only cost bandwidth).

@@ -9,7 +9,7 @@ its own ``fully_shard`` unit:
   its gradient all-reduced (averaged) over dp in backward - ZeRO-0 for that block, its AdamW state whole too.
 
 The root unit (embeddings, final norm, head) is sharded over dp and kept gathered through the step (ZeRO-2/3's
-root). Checkpoint flags are applied when the model is built (``common/checkpointing.apply_block_checkpointing``).
+root). Checkpoint flags are applied when the model is built (``common/stack/checkpointing.apply_block_checkpointing``).
 Collectives: building the replicate mesh (``init_device_mesh``, every rank); per step as above.
 """
 from __future__ import annotations

@@ -129,7 +129,7 @@ def test_file_plan_is_what_safetensors_and_the_hub_write(tmp_path):
 
 
 def test_expert_regions_equal_to_per_expert():
-    from oslo_models.models.common.expert_keys import ExpertKeyLayout, to_per_expert
+    from oslo_models.models.common.loading.expert_keys import ExpertKeyLayout, to_per_expert
 
     for layout in (ExpertKeyLayout(gate="w1", up="w3", down="w2", hub_block="block_sparse_moe"),
                    ExpertKeyLayout(expert_prefix="expert_", stacked=(("wi", ("wi",)), ("wo", ("wo",))))):

@@ -1,4 +1,4 @@
-"""Activation checkpointing modes (``models/common/checkpointing.py``) equal no checkpointing, dropout on.
+"""Activation checkpointing modes (``models/common/stack/checkpointing.py``) equal no checkpointing, dropout on.
 
 For GPT-2, Llama, T5 (encoder-decoder), BERT (MLM) and Mixtral (MoE) at tp=1, GPT-2, Llama and T5 at tp=2 (SP off,
 and GPT-2 with SP on), and GPT-2 pipelined (pp=2, 1F1B and zero-bubble): every mode gives the loss and every gradient of the run without checkpointing, from the same
@@ -19,7 +19,7 @@ import torch.distributed as dist
 import transformers
 
 import oslo_models as om
-from oslo_models.models.common.checkpointing import OffloadedActivation, PartitionedActivation
+from oslo_models.models.common.stack.checkpointing import OffloadedActivation, PartitionedActivation
 from tests.helpers.checkpointing import disable_checkpointing, enable_checkpointing
 from tests.helpers.dist import run_distributed
 from tests.helpers.encoders import mlm_batch, seq2seq_batch, tiny_bert_config, tiny_t5_config

@@ -27,7 +27,7 @@ import torch
 import transformers
 
 import oslo_models as om
-from oslo_models.models.common.cache_names import cache_kwargs
+from oslo_models.models.common.attention.cache_names import cache_kwargs
 from tests.helpers import encoders
 from tests.helpers.checkpointing import enable_checkpointing
 from tests.helpers.dist import run_distributed

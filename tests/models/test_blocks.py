@@ -1,4 +1,4 @@
-"""The block templates (``oslo_models/models/common/blocks.py``): each computes its residual/norm formula with the
+"""The block templates (``oslo_models/models/common/stack/blocks.py``): each computes its residual/norm formula with the
 family's attribute names, registers the components under those names (so the state-dict keys are the family's),
 and composes the components' plan fragments under those names. Families using them are checked against
 ``transformers`` end to end (``test_zoo.py``, the family parity tests); this pins the templates themselves, including
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from oslo_models.models.common.blocks import (
+from oslo_models.models.common.stack.blocks import (
     ParallelResidualBlock,
     PostNormBlock,
     PreNormBlock,

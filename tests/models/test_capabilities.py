@@ -1,5 +1,5 @@
-"""The per-class ``Capabilities`` record (``models/common/capabilities.py``, issue 54): declarations merge along the
-MRO (a head's and its family's), a family refines one field, and the validation reads the merged record. No process
+"""The per-class ``Capabilities`` record (``models/common/rules/capabilities.py``, issue 54): declarations merge along
+the MRO (a head's and its family's), a family refines one field, and the validation reads the merged record. No process
 group; runtime < 1 s."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 
 import oslo_models as om
 from oslo_models.models.bert.modeling_bert import BertForMaskedLM, BertForSequenceClassification
-from oslo_models.models.common.capabilities import Capabilities, capabilities_of
-from oslo_models.models.common.context_parallel import check_context_parallel
+from oslo_models.models.common.rules.capabilities import Capabilities, capabilities_of
+from oslo_models.models.common.stack.context_parallel import check_context_parallel
 from oslo_models.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
 from oslo_models.models.mixtral.modeling_mixtral import MixtralForCausalLM
 from tests.helpers import zoo

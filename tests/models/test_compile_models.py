@@ -83,7 +83,8 @@ def test_moe_block_compiles_whole(model_type):
 
     torch.manual_seed(0)
     # without output_router_logits: the model then has no transformers recording hook on the router, whose
-    # ContextVar lookup dynamo cannot trace outside a compiled base model (whole models trace it: common/outputs.py)
+    # ContextVar lookup dynamo cannot trace outside a compiled base model (whole models trace it:
+    # common/stack/outputs.py)
     model = om.AutoModelForCausalLM.from_config(tiny_config(model_type, output_router_logits=False)).train()
     block = next(layer.mlp for layer in model.model.layers if layer.is_sparse)
     x = torch.randn(2, 7, model.config.hidden_size, requires_grad=True)

@@ -25,8 +25,8 @@ import torch
 import transformers
 
 import oslo_models as om
-from oslo_models.models.common.cache_names import cache_kwargs
-from oslo_models.models.common.positions import alibi_attention_mask, alibi_slopes, local_alibi_slopes
+from oslo_models.models.common.attention.cache_names import cache_kwargs
+from oslo_models.models.common.embeddings.positions import alibi_attention_mask, alibi_slopes, local_alibi_slopes
 from oslo_models.parallel_layers.grouped_qkv import GroupedQKVSplit
 from oslo_models.parallel_layers.sharding import PackedSplit
 from oslo_models.training.clip import grad_norm

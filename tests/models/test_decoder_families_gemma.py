@@ -23,8 +23,8 @@ import torch
 import oslo_models as om
 from oslo_models.data import ContextParallelSplitter
 from oslo_models.models.common import RMSNorm
-from oslo_models.models.common.lm_loss import causal_token_loss
-from oslo_models.models.common.stack import TransformerStack
+from oslo_models.models.common.loss.lm_loss import causal_token_loss
+from oslo_models.models.common.stack.stack import TransformerStack
 from oslo_models.models.registry import family_record
 from oslo_models.parallel_layers.context_parallel import split_sequence
 from tests.helpers.checkpointing import enable_checkpointing

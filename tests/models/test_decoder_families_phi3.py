@@ -31,7 +31,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3Attention, Phi3RotaryEmbe
 
 import oslo_models as om
 from oslo_models.models.common import PackedQKVAttention, PartialRotaryEmbedding, RotaryEmbedding
-from oslo_models.models.common.context_parallel import rotary_embeddings
+from oslo_models.models.common.stack.context_parallel import rotary_embeddings
 from oslo_models.parallel_layers.sharding import EvenSplit
 from oslo_models.training import clip_grad_norm_
 from tests.helpers import zoo

@@ -4,7 +4,7 @@
 ``pyproject.toml``'s ``filterwarnings`` turns into an error) and in its model outputs (a log line, "`past_key_values`/
 `cache_params` are deprecated", which no warning filter sees). Here a training forward (with labels) and a short
 greedy ``generate`` of a stack decoder (Llama), GPT-2, BERT as a decoder, BART and T5 must emit neither: their
-outputs and masks take the cache under the name the installed release uses (``models/common/cache_names.py``).
+outputs and masks take the cache under the name the installed release uses (``models/common/attention/cache_names.py``).
 The negative controls show the capture sees each kind of message when the old name is used. Runtime ~5 s.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging as hf_logging
 
 import oslo_models as om
-from oslo_models.models.common.cache_names import MASK_CACHE_KEYWORD, OUTPUT_CACHE_FIELD
+from oslo_models.models.common.attention.cache_names import MASK_CACHE_KEYWORD, OUTPUT_CACHE_FIELD
 from tests.helpers import zoo
 
 CASES = [("llama", om.AutoModelForCausalLM, {}), ("gpt2", om.AutoModelForCausalLM, {}),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import oslo_models as om
-from oslo_models.models.common.context_parallel import check_context_parallel
+from oslo_models.models.common.stack.context_parallel import check_context_parallel
 from oslo_models.models.registry import family_record
 from oslo_models.parallel_layers.plan import Colwise, ParallelPlan
 from tests.helpers.dist import run_distributed

@@ -28,7 +28,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 import oslo_models as om
 from oslo_models.conversion.checkpoint import InMemoryReader
-from oslo_models.models.common.context_parallel import check_context_parallel
+from oslo_models.models.common.stack.context_parallel import check_context_parallel
 from oslo_models.models.encoder_heads import ForMaskedLM
 from oslo_models.models.registry import families, family_record
 from tests.helpers.checkpointing import enable_checkpointing
@@ -47,7 +47,7 @@ REFUSED = {"deberta-v2": {"cp2 all_to_all x dp2 zero1": "relative (c2p / p2c) at
 # summed across them) and group 1 on the last only
 PIPELINE = {"albert": dict(pipeline_partition=(1, 3))}
 # The heads run at pp2 x tp2 per family (each one more 4-rank build and step: CI time): every rule of
-# common/head_rules.py once (DistilBERT's first-token classifier, ELECTRA's own classifier module, token
+# common/loss/head_rules.py once (DistilBERT's first-token classifier, ELECTRA's own classifier module, token
 # classification, QA) on a family that needs it; BERT's sequence classification runs in tests/models/test_bert_parity.py
 PIPELINE_HEADS = {"bert": ("multiple_choice",),  # BERT's pooler (RoBERTa's too)
                   "distilbert": ("sequence_classification", "question_answering", "multiple_choice"),
@@ -251,7 +251,7 @@ def _check_pipeline_heads(model_type: str, heads: dict[str, str], layout: dict) 
 def _check_choices_grouping_matters(path: str, layout: dict, batch: dict) -> None:
     """Negative control of the multiple-choice stages: scores grouped choice-major (``[c, mb]`` transposed: each
     question's scores taken from other questions' rows) instead of question-major give another loss."""
-    from oslo_models.models.common.head_rules import MultipleChoiceRule
+    from oslo_models.models.common.loss.head_rules import MultipleChoiceRule
 
     class ChoiceMajor(MultipleChoiceRule):
         def loss(self, model, logits, labels, num_items_in_batch):

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import oslo_models as om
 from accelerate import Accelerator
-from oslo_models.models.common.moe import check_expert_layout
+from oslo_models.models.common.feed_forward.moe import check_expert_layout
 from oslo_models.training import clip_grad_norm_, load_checkpoint, save_checkpoint
 from tests.helpers.dist import run_distributed
 from tests.helpers.global_loss import replica_loss, replica_weights

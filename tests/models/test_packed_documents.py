@@ -202,7 +202,7 @@ def test_packed_documents_every_core_tp2_sp(tmp_path):
 def test_default_core_for_packed_batches():
     """SDPA (the default) runs packed documents on Flex only where Flex trains (CUDA); CPU keeps the dense mask;
     an explicit flex_attention always gets the Flex core; attention dropout keeps SDPA."""
-    from oslo_models.models.common.causal_masks import uses_flex
+    from oslo_models.models.common.attention.causal_masks import uses_flex
 
     config = transformers.LlamaConfig()
     config._attn_implementation = "sdpa"

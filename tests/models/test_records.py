@@ -177,7 +177,7 @@ def test_readme_support_matrix_is_generated_from_the_records():
     assert set(rows) == {record.model_type for record in registry.families()}
     assert {column for column, reason in rows["llama"].items() if reason is not None} == {"ep"}
     assert rows["mixtral"]["sp"] is None and rows["mixtral"]["cp"] is None and rows["mixtral"]["ep"] is None
-    assert rows["mixtral"]["2d/2.5d/3d"] is None  # experts replicated on the 2D grid (common/moe.py)
+    assert rows["mixtral"]["2d/2.5d/3d"] is None  # experts replicated on the 2D grid (common/feed_forward/moe.py)
     assert "mixture-of-experts" in rows["deepseek_v3"]["2d/2.5d/3d"]
     assert "mixture-of-experts" in rows["switch_transformers"]["sp"]
     # the cp cores soft-cap, add ALiBi and sinks in each block and take MLA's narrower values (issue 52)

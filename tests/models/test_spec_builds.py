@@ -1,10 +1,10 @@
 """The spec builds the base model (issue 54): every family whose ``StackSpec`` has ``parts``
-(``models/common/stack_parts.py``) is built by ``TransformerStack.__init__`` alone, and gives ``transformers``'
+(``models/common/stack/stack_parts.py``) is built by ``TransformerStack.__init__`` alone, and gives ``transformers``'
 module tree: its causal LM has the same state-dict keys as the ``transformers`` twin, its base model
 ``transformers``' modules in the same order, and, with the twin's weights loaded, the same logits on a right-padded
 batch (fp32, 1e-5). The class flags come from the spec.
 
-The encoders (an ``Embeddings`` part; ``common/encoder_stack.py``) likewise: the masked LM's state-dict keys and
+The encoders (an ``Embeddings`` part; ``common/stack/encoder_stack.py``) likewise: the masked LM's state-dict keys and
 logits, the base model's tree with and without ``add_pooling_layer`` and its ``pooler_output``; their
 ``_no_split_modules`` name the embeddings class and the block.
 
@@ -21,7 +21,7 @@ import inspect
 import pytest
 import torch
 
-from oslo_models.models.common.attention import GroupedQueryAttention
+from oslo_models.models.common.attention.attention import GroupedQueryAttention
 from oslo_models.models.olmo2 import modeling_olmo2 as olmo2
 from oslo_models.models.registry import families
 from tests.helpers.models import padded_batch

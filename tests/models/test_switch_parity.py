@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 import oslo_models as om
 from accelerate import Accelerator
 from oslo_models.conversion.checkpoint import InMemoryReader
-from oslo_models.models.common.expert_keys import ExpertKeyReader
+from oslo_models.models.common.loading.expert_keys import ExpertKeyReader
 from oslo_models.parallel_layers.moe import set_expert_implementation
 from oslo_models.training import clip_grad_norm_
 from tests.helpers.dist import run_distributed

@@ -30,8 +30,8 @@ import transformers
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import oslo_models as om
-from oslo_models.models.common.cache_names import cache_kwargs
-from oslo_models.models.common.context_parallel import check_context_parallel
+from oslo_models.models.common.attention.cache_names import cache_kwargs
+from oslo_models.models.common.stack.context_parallel import check_context_parallel
 from oslo_models.models.family import FamilyRecord, decoder_classes
 from oslo_models.models.heads import ForCausalLM
 from oslo_models.models.llama import TINY_DECODER

@@ -161,7 +161,7 @@ def test_build_dataloader_hands_each_cp_rank_its_chunks():
 
 
 def test_model_level_errors_before_any_collective():
-    from oslo_models.models.common.context_parallel import check_context_parallel
+    from oslo_models.models.common.stack.context_parallel import check_context_parallel
     from tests.helpers.models import tiny_gpt2_config
 
     a2a = om.ParallelConfig(context_parallel_size=3, context_parallel_mode="all_to_all")

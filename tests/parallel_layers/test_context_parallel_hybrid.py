@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import oslo_models as om
-from oslo_models.models.common.context_parallel import check_context_parallel
+from oslo_models.models.common.stack.context_parallel import check_context_parallel
 from oslo_models.parallel_layers.context_parallel import heads_to_sequence, sequence_to_heads
 from oslo_models.parallel_layers.context_parallel.ring import ring_attention
 from tests.helpers import zoo

@@ -23,7 +23,7 @@ import torch
 import transformers
 
 import oslo_models as om
-from oslo_models.models.common.long_sequence import apply_activation_offload, apply_tiled_mlp
+from oslo_models.models.common.stack.long_sequence import apply_activation_offload, apply_tiled_mlp
 from oslo_models.parallel_layers.tiled_mlp import tiled_mlp
 from oslo_models.training.activation_offload import ActivationOffload
 from tests.helpers.decoders import save_tiny

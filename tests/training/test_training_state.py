@@ -70,8 +70,8 @@ def _worker(path: str, root: str) -> None:
     rows = ids.chunk(dp.dp_size)[dp.dp_rank]
     assert torch.isfinite(piped.train_step({"input_ids": rows, "labels": rows}))
     assert training.training_state(piped).pipeline_runner is not None  # built by the first train_step
-    # the one flag left: a per-model memo of the stage modules the config lacks (models/common/pipeline_stack.py),
-    # not set by prepare; it goes with the models/ refactor
+    # the one flag left: a per-model memo of the stage modules the config lacks
+    # (models/common/pipeline/pipeline_stack.py), not set by prepare; it goes with the models/ refactor
     flags = _private_flags(piped, training.unwrap_model(piped))
     assert [flag for flag in flags if not flag.endswith("._oslo_absent_stage_modules")] == [], flags
 

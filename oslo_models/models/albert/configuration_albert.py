@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import transformers
 
-from ..common.published_plan import PublishedTPPlan
+from ..common.rules.published_plan import PublishedTPPlan
 
 
 class AlbertConfig(transformers.AlbertConfig):

@@ -40,12 +40,12 @@ from ...parallel_layers.plan import Colwise, Rowwise, SequenceParallelNorm, Stre
 from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel
 from ..bert.parallel_plan import prefixed
 from ..common import attend, full_logits, split_heads, token_loss
-from ..common.attention import AttentionModule
-from ..common.capabilities import Capabilities
-from ..common.outputs import passed_on
-from ..common.parallel_rules import Features, Heads
-from ..common.stack import StackSpec
-from ..common.stack_parts import Built, Container, Embeddings, Layers, Pooler, Pooling
+from ..common.attention.attention import AttentionModule
+from ..common.rules.capabilities import Capabilities
+from ..common.rules.parallel_rules import Features, Heads
+from ..common.stack.outputs import passed_on
+from ..common.stack.stack import StackSpec
+from ..common.stack.stack_parts import Built, Container, Embeddings, Layers, Pooler, Pooling
 from ..encoder_heads import (
     EncoderForQuestionAnswering,
     EncoderForSequenceClassification,

@@ -1,6 +1,6 @@
-"""ALBERT's heads as pipeline stages: the encoder stages every encoder head shares (``common/pipeline_encoder.py``:
-the base model's own phases on each stage's layers, one hidden-state tensor ``[mb, s(/tp), h]`` between stages, the
-head class's task rule on the last) over ALBERT's depth sharing.
+"""ALBERT's heads as pipeline stages: the encoder stages every encoder head shares
+(``common/pipeline/pipeline_encoder.py``: the base model's own phases on each stage's layers, one hidden-state tensor
+``[mb, s(/tp), h]`` between stages, the head class's task rule on the last) over ALBERT's depth sharing.
 
 The pipeline cuts the ``num_hidden_layers`` layers (the depth), not the ``num_hidden_groups`` modules of
 ``albert.encoder.albert_layer_groups``: flat layer ``i`` is the group ``transformers`` runs there
@@ -93,8 +93,8 @@ class AlbertStages:
 
 
 class AlbertPooling:
-    """ALBERT's pooled first token for the pooled heads' rule (``common/head_rules.py``): the base model's ``pooler``
-    linear then ``pooler_activation`` tanh (mixed in before the task head class)."""
+    """ALBERT's pooled first token for the pooled heads' rule (``common/loss/head_rules.py``): the base model's
+    ``pooler`` linear then ``pooler_activation`` tanh (mixed in before the task head class)."""
 
     @classmethod
     def pooler_modules(cls) -> dict[str, str]:

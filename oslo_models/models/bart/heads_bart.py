@@ -21,8 +21,8 @@ from transformers.utils.generic import can_return_tuple
 
 from ...parallel_layers.layers import Dropout, Linear
 from ...parallel_layers.plan import Colwise, ParallelPlan
-from ..common.cache_names import cache_field, output_cache, seq2seq_fields
-from ..common.lm_loss import full_logits, keep_last_logits, token_loss
+from ..common.attention.cache_names import cache_field, output_cache, seq2seq_fields
+from ..common.loss.lm_loss import full_logits, keep_last_logits, token_loss
 from ..heads import sequence_classification_loss, span_logits_and_loss
 from .modeling_bart import BART_DECODER_SPEC, BartDecoder, BartModel, BartPreTrainedModel, bart_styles
 from .pipeline_bart import BartQuestionAnsweringPipelineAdapter, BartSequenceClassificationPipelineAdapter

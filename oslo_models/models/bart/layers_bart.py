@@ -13,7 +13,7 @@ Tensor parallelism: ``q/k/v_proj`` column-parallel (rank r owns heads ``r*n/tp .
 cross-attention), ``out_proj`` row-parallel (all-reduce; reduce-scatter under sequence parallelism), ``fc1``
 column-, ``fc2`` row-parallel; the LayerNorms see ``[b, s/tp, d]`` under sequence parallelism (their gradients are
 summed over TP by their style). The cross-attention's k/v read the encoder output, full and replicated: see
-``common/cross_attention.py``.
+``common/attention/cross_attention.py``.
 
 Shapes: b batch, s sequence (s/tp between the layers' sub-blocks under SP), d d_model, n heads (n/tp per rank).
 """
@@ -25,11 +25,11 @@ from transformers.models.bart.modeling_bart import eager_attention_forward
 
 from ...parallel_layers.layers import Dropout, Linear
 from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
-from ..common.attention import AttentionModule, attend, split_heads
-from ..common.blocks import PostNormBlock
-from ..common.cross_attention import cached_keys_values
-from ..common.layer_norm import LayerNorm
-from ..common.parallel_rules import Features, Heads
+from ..common.attention.attention import AttentionModule, attend, split_heads
+from ..common.attention.cross_attention import cached_keys_values
+from ..common.norms.layer_norm import LayerNorm
+from ..common.rules.parallel_rules import Features, Heads
+from ..common.stack.blocks import PostNormBlock
 
 
 class BartAttention(AttentionModule):
@@ -64,7 +64,7 @@ class BartAttention(AttentionModule):
                 key_value_states=None, **kwargs):
         cross = key_value_states is not None
         query = split_heads(self.q_proj(hidden_states), self.head_dim)  # [b, n/tp, s, d_head]
-        # the encoder output is full and replicated: never sequence-parallel (common/cross_attention.py)
+        # the encoder output is full and replicated: never sequence-parallel (common/attention/cross_attention.py)
         source, source_sp = (key_value_states, False) if cross else (hidden_states, None)
 
         def project():

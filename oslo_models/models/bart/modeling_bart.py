@@ -1,13 +1,13 @@
 """BART (``BartModel``, ``BartForConditionalGeneration``), written single-device on the shared stack with the module
 tree and state-dict keys of ``transformers``' BART; the other heads are in ``heads_bart.py``.
 
-Each of the encoder and the decoder is a ``TransformerStack`` (``common/stack.py``: its phases run the model's
+Each of the encoder and the decoder is a ``TransformerStack`` (``common/stack/stack.py``: its phases run the model's
 ``forward`` and every pipeline stage alike, ``pipeline_bart.py``), declared by a ``StackSpec``:
 
 - token embeddings (``embed_tokens``, tied to ``shared``; vocab-parallel: one all-reduce) times ``embed_scale``
   (``sqrt(d_model)`` when ``config.scale_embedding``, else 1), plus learned positions with offset 2
-  (``common/positions.py``, rows ``past + arange(s) + 2``, replicated), then the scatter to ``[b, s/tp, d]`` under
-  sequence parallelism, ``layernorm_embedding`` and the embedding ``dropout``;
+  (``common/embeddings/positions.py``, rows ``past + arange(s) + 2``, replicated), then the scatter to ``[b, s/tp, d]``
+  under sequence parallelism, ``layernorm_embedding`` and the embedding ``dropout``;
 - post-norm layers (``layers_bart.py``); no final norm, so the stack's finish is only the gather back to
   ``[b, s, d]``;
 - masks: bidirectional (padding) in the encoder; causal in the decoder (with the cached length), plus the
@@ -52,16 +52,16 @@ from transformers.utils.output_capturing import OutputRecorder
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ...parallel_layers.plan import Colwise, ParallelPlan, VocabEmbedding
-from ..common.cache_names import MASK_CACHE_KEYWORD, cache_field, output_cache, seq2seq_fields
-from ..common.causal_masks import FULL
-from ..common.cross_attention import self_attention_cache
-from ..common.head_rules import SEQ2SEQ_LM
-from ..common.layer_norm import LayerNorm
-from ..common.lm_loss import full_logits
-from ..common.outputs import capture_parallel_outputs
-from ..common.parallel_rules import check_rules
-from ..common.positions import LearnedPositionalEmbedding, LearnedPositions
-from ..common.stack import StackSpec, TransformerStack
+from ..common.attention.cache_names import MASK_CACHE_KEYWORD, cache_field, output_cache, seq2seq_fields
+from ..common.attention.causal_masks import FULL
+from ..common.attention.cross_attention import self_attention_cache
+from ..common.embeddings.positions import LearnedPositionalEmbedding, LearnedPositions
+from ..common.loss.head_rules import SEQ2SEQ_LM
+from ..common.loss.lm_loss import full_logits
+from ..common.norms.layer_norm import LayerNorm
+from ..common.rules.parallel_rules import check_rules
+from ..common.stack.outputs import capture_parallel_outputs
+from ..common.stack.stack import StackSpec, TransformerStack
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_bart import BartConfig
 from .layers_bart import BartAttention, BartDecoderLayer, BartEncoderLayer, BartFeedForward
@@ -95,7 +95,7 @@ class BartPreTrainedModel(OsloPreTrainedModel):
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
-    #: the components whose divisibility rules ``validate_parallel_config`` checks (``common/parallel_rules.py``)
+    #: the components whose divisibility rules ``validate_parallel_config`` checks (``common/rules/parallel_rules.py``)
     parallel_components = (BartAttention, BartFeedForward)
     #: why a head cannot run under the grid tensor-parallel modes (2D / 2.5D / 3D); ``None``: it can
     grid_refusal: str | None = None

@@ -1,6 +1,6 @@
-"""BART's heads as pipeline stages: the encoder-decoder stages every family shares (``common/pipeline_seq2seq.py``:
-layers ``model.encoder.layers`` then ``model.decoder.layers``, cut anywhere; both stacks' phases on each stage's
-layers) with BART's parts.
+"""BART's heads as pipeline stages: the encoder-decoder stages every family shares
+(``common/pipeline/pipeline_seq2seq.py``: layers ``model.encoder.layers`` then ``model.decoder.layers``, cut anywhere;
+both stacks' phases on each stage's layers) with BART's parts.
 
 Stage modules: the first stage embeds both ``input_ids`` and ``decoder_input_ids`` with ``shared`` (times
 ``embed_scale``) and each stack's learned positions, ``layernorm_embedding`` and embedding dropout; the last one runs
@@ -9,7 +9,7 @@ final norms, so the stage with encoder layer ``E-1`` only gathers the encoder ou
 position bias travels between stages.
 
 The other heads cut the same way; only the last stage's head differs, and their output shape, batch and loss are
-the task rule's (``common/head_rules.py``): ``classification_head`` on the decoder state at each row's last
+the task rule's (``common/loss/head_rules.py``): ``classification_head`` on the decoder state at each row's last
 ``<eos>`` of ``input_ids`` (``eos_mask [mb, s]``, computed from the whole batch before the split and handed to every
 stage, as the first stage alone receives ``input_ids``) -> ``[mb, num_labels]``, or ``qa_outputs`` on every decoder
 state -> ``[mb, s_dec, 2]`` (the positions index the decoder sequence). Their decoder reads ``input_ids`` shifted
@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from ...distributed.context import ParallelContext
-from ..common.head_rules import QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION
-from ..common.pipeline_seq2seq import EncoderDecoderPipelineAdapter
+from ..common.loss.head_rules import QUESTION_ANSWERING, SEQUENCE_CLASSIFICATION
+from ..common.pipeline.pipeline_seq2seq import EncoderDecoderPipelineAdapter
 
 
 class BartPipelineAdapter(EncoderDecoderPipelineAdapter):

@@ -11,8 +11,8 @@ from transformers.models.bert.modeling_bert import eager_attention_forward
 
 from ...parallel_layers.layers import Dropout, Linear
 from ..common import attend, split_heads
-from ..common.attention import AttentionModule
-from ..common.cross_attention import cached_keys_values
+from ..common.attention.attention import AttentionModule
+from ..common.attention.cross_attention import cached_keys_values
 
 
 class _BertAttentionCore(AttentionModule):
@@ -35,7 +35,8 @@ class _BertAttentionCore(AttentionModule):
         self.dropout = Dropout(config.attention_probs_dropout_prob)
 
     def attention(self, hidden_states, source, attention_mask, past_key_values, *, cross: bool, **kwargs):
-        """Queries from ``hidden_states``, keys/values from ``source`` (cached: ``common/cross_attention.py``)."""
+        """Queries from ``hidden_states``, keys/values from ``source`` (cached:
+        ``common/attention/cross_attention.py``)."""
         query = split_heads(self.query(hidden_states), self.attention_head_size)  # [b, n/tp, s, d]
         # the encoder output is full and replicated: never sequence-parallel (an explicit override)
         source_sp = False if cross else None
@@ -65,7 +66,7 @@ class BertSelfAttention(_BertAttentionCore):
 class BertCrossAttention(_BertAttentionCore):
     """A decoder layer's attention over ``encoder_hidden_states [b, s_enc, h]`` (full, replicated over TP), queries
     ``[b, s(/tp), h]`` on this rank's heads; its keys/values are cached once per generation
-    (``EncoderDecoderCache``, ``common/cross_attention.py``). Output ``([b, s, (n/tp)*d], weights)``."""
+    (``EncoderDecoderCache``, ``common/attention/cross_attention.py``). Output ``([b, s, (n/tp)*d], weights)``."""
 
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, past_key_values=None,
                 **kwargs):

@@ -1,8 +1,8 @@
 """BERT, written single-device with the module tree and state-dict keys of ``transformers``' BERT.
 
-The base model is the encoder stack (``common/encoder_stack.py``), built from ``BERT_SPEC``'s parts: its phases
+The base model is the encoder stack (``common/stack/encoder_stack.py``), built from ``BERT_SPEC``'s parts: its phases
 (``stack_inputs``, ``run_stack``) run the model's ``forward`` and every pipeline stage alike
-(``common/pipeline_encoder.py``). The encoder stack fills the shared stack's hooks: the
+(``common/pipeline/pipeline_encoder.py``). The encoder stack fills the shared stack's hooks: the
 embeddings module (sum, LayerNorm, dropout: cheap and replicated, so it runs outside the sequence-parallel region,
 before the scatter ``[b, s, h] -> [b, s/tp, h]``), the bidirectional mask (causal with a key/value cache when
 ``config.is_decoder``), no final norm (post-norm layers), and the gather back after the last layer, so pooler,
@@ -14,7 +14,7 @@ gathers the sequence on its own: three all-gathers forward, three reduce-scatter
 The parallel plan and the divisibility checks are derived from ``BERT_SPEC``'s components (the attention carries
 its heads rule and plan fragment, the feed-forward its ``intermediate_size`` rule); the heads are the generic
 encoder heads (``models/encoder_heads.py``); ``output_hidden_states`` / ``output_attentions`` are recorded by
-``transformers``' own hooks (``common/outputs.py``).
+``transformers``' own hooks (``common/stack/outputs.py``).
 
 Shapes: b batch, s sequence, h hidden, n heads (n/tp per rank), d head dim, V vocabulary.
 """
@@ -44,15 +44,15 @@ from ...parallel_layers.plan import (
     VocabEmbedding,
 )
 from ..common import full_logits, token_loss
-from ..common.bias_act import fused_gelu_approximation, linear_act
-from ..common.blocks import BlockTemplate
-from ..common.capabilities import Capabilities
-from ..common.encoder_stack import EncoderStack
-from ..common.legacy_keys import LegacyKeyReader
-from ..common.outputs import passed_on
-from ..common.parallel_rules import Features, Heads
-from ..common.stack import StackSpec
-from ..common.stack_parts import Container, Embeddings, Layers, Pooler
+from ..common.feed_forward.bias_act import fused_gelu_approximation, linear_act
+from ..common.loading.legacy_keys import LegacyKeyReader
+from ..common.rules.capabilities import Capabilities
+from ..common.rules.parallel_rules import Features, Heads
+from ..common.stack.blocks import BlockTemplate
+from ..common.stack.encoder_stack import EncoderStack
+from ..common.stack.outputs import passed_on
+from ..common.stack.stack import StackSpec
+from ..common.stack.stack_parts import Container, Embeddings, Layers, Pooler
 from ..encoder_heads import (
     EncoderForCausalLM,
     EncoderForQuestionAnswering,
@@ -388,7 +388,7 @@ class BertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
 
 class BertModel(EncoderStack, BertPreTrainedModel):
     """Built from ``BERT_SPEC``'s parts: embeddings, ``num_hidden_layers`` layers, the pooler when
-    ``add_pooling_layer``; the forward is the encoder stack's (``common/encoder_stack.py``).
+    ``add_pooling_layer``; the forward is the encoder stack's (``common/stack/encoder_stack.py``).
     ``last_hidden_state``: ``[b, s, h]``; ``pooler_output``: ``[b, h]``.
 
     The other encoder families are this model over their own spec (their parts under ``transformers``' names),
@@ -406,7 +406,8 @@ BertPreTrainedModel.base_model_class = BertModel
 
 # ---------------------------------------------------------------------------------------------- heads
 class BertForMaskedLM(ForMaskedLM, BertPreTrainedModel):
-    """BERT with the MLM head ``cls.predictions`` (see ``ForMaskedLM``); pipeline: ``common/pipeline_encoder.py``."""
+    """BERT with the MLM head ``cls.predictions`` (see ``ForMaskedLM``); pipeline:
+    ``common/pipeline/pipeline_encoder.py``."""
 
     hf_twin = transformers.BertForMaskedLM
     head_name, head_class = "cls", BertOnlyMLMHead
@@ -453,7 +454,8 @@ class BertForPreTraining(ForMaskedLM, BertPreTrainedModel):
 
 
 class BertForSequenceClassification(EncoderForSequenceClassification, BertPreTrainedModel):
-    """Replicated ``classifier`` on the pooled ``[CLS]`` state; pipeline stages: ``common/pipeline_encoder.py``."""
+    """Replicated ``classifier`` on the pooled ``[CLS]`` state; pipeline stages:
+    ``common/pipeline/pipeline_encoder.py``."""
 
     hf_twin = transformers.BertForSequenceClassification
 

@@ -11,7 +11,7 @@ the classification heads are replicated.
 ``published_tp_plan`` is what the configs' ``base_model_tp_plan`` publishes, from the same spec."""
 from __future__ import annotations
 
-from ..common.published_plan import PublishedTPPlan
+from ..common.rules.published_plan import PublishedTPPlan
 
 
 def published_tp_plan() -> PublishedTPPlan:

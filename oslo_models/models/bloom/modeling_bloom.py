@@ -5,9 +5,10 @@ What is particular to Bloom, and where it lives:
 
 - ALiBi instead of positions: the stack's ``layer_masks`` hook builds, once per forward, the additive mask of this
   rank's heads ``[b, n/tp, s, k]``: head ``i``'s bias ``slope_i * (key position counted over the unmasked keys)``
-  where a key is visible, the dtype's minimum elsewhere (``common/positions.py``). Each tensor-parallel rank takes
-  the slopes of the heads it holds (``local_alibi_slopes``), so no collective is involved;
-- ``query_key_value`` packs ``[q, k, v]`` per head: split by whole heads (``common/grouped_qkv_attention.py``);
+  where a key is visible, the dtype's minimum elsewhere (``common/embeddings/positions.py``). Each tensor-parallel rank
+  takes the slopes of the heads it holds (``local_alibi_slopes``), so no collective is involved;
+- ``query_key_value`` packs ``[q, k, v]`` per head: split by whole heads
+  (``common/attention/grouped_qkv_attention.py``);
 - ``word_embeddings_layernorm`` after the token embedding (the spec's ``embedding_norm``);
 - ``apply_residual_connection_post_layernorm``: the pre-norm template's ``residual_after_norm``;
 - the MLP's GELU is ``transformers``' own Bloom GELU function (its tanh constants and hand-written backward).
@@ -27,15 +28,15 @@ from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttenti
 from transformers.models.bloom.modeling_bloom import GeLUFunction
 
 from ...config import ParallelConfig
-from ..common.blocks import PreNormBlock
-from ..common.causal_masks import FULL, packed_documents
-from ..common.grouped_qkv_attention import GroupedQKVAttention
-from ..common.layer_norm import LayerNorm
-from ..common.mlp import DenseMLP
-from ..common.parallel_rules import Features
-from ..common.positions import alibi_attention_mask, local_alibi_slopes
-from ..common.stack import StackSpec, TransformerStack
-from ..common.stack_parts import EmbeddingNorm, FinalNorm, Layers, TokenEmbedding, layer_norm
+from ..common.attention.causal_masks import FULL, packed_documents
+from ..common.attention.grouped_qkv_attention import GroupedQKVAttention
+from ..common.embeddings.positions import alibi_attention_mask, local_alibi_slopes
+from ..common.feed_forward.mlp import DenseMLP
+from ..common.norms.layer_norm import LayerNorm
+from ..common.rules.parallel_rules import Features
+from ..common.stack.blocks import PreNormBlock
+from ..common.stack.stack import StackSpec, TransformerStack
+from ..common.stack.stack_parts import EmbeddingNorm, FinalNorm, Layers, TokenEmbedding, layer_norm
 from ..heads import (
     ForCausalLM,
     ForQuestionAnswering,

@@ -1,22 +1,16 @@
-"""Pieces shared by the families: attention over this rank's heads (and the grouped-query attention of the
-Llama-shaped decoders, with its variants: sinks, full-width q/k norms; GPT-NeoX's per-head packed q|k|v),
-feed-forwards (T5's, the SwiGLU ``GatedMLP``, ``DenseMLP``, Phi-3's ``PackedGatedMLP``), RMS and layer norms (and
-the per-head layer norm style), rotary embeddings (full, partial, GPT-J's interleaved, one per attention type),
-learned positions and ALiBi, per-layer causal masks, sequence-parallel boundaries, vocab-parallel token losses and
-the checkpoint key views (legacy ``LayerNorm.gamma/beta``; keys ``transformers`` renames, GPT-NeoX's
-``embed_out``)."""
-from .attention import GroupedQueryAttention, attend, split_heads
-from .attention_variants import FullWidthQKNormAttention, PackedQKVAttention, SinkAttention
-from .causal_masks import causal_masks, layer_types
-from .full_width_norm import FullWidthRMSNorm
-from .layer_norm import HeadLayerNormStyle, LayerNorm, ParameterFreeLayerNorm
-from .lm_loss import causal_token_loss, full_logits, keep_last_logits, token_loss
-from .mlp import DenseActDense, DenseGatedActDense, DenseMLP, GatedMLP, PackedGatedMLP
-from .packed_attention import HeadPackedAttention
-from .positions import LearnedPositionalEmbedding, alibi_slopes, build_alibi, local_alibi_slopes
-from .renamed_keys import RenamedHubKeys
-from .rms_norm import RMSNorm, SequenceParallelRMSNorm, SequenceParallelRMSNormStyle
-from .rotary import (
+"""Pieces shared by the families, on shelves: ``attention/`` (attention over this rank's heads and its variants, the
+masks, the cache's name), ``feed_forward/`` (MLPs, mixture-of-experts blocks), ``embeddings/`` (rotary, learned
+positions and ALiBi, vocab resizing), ``norms/`` (RMS and layer norms), ``stack/`` (the shared stack, its parts and
+block templates, the encoders' stack, sequence/context-parallel boundaries, checkpointing, recorded outputs),
+``loss/`` (vocab-parallel token losses, one rule per task head), ``pipeline/`` (the shared pipeline stages),
+``loading/`` (checkpoint key views, ``from_pretrained`` options) and ``rules/`` (capabilities, divisibility rules,
+the published plan). This package re-exports the components families name most."""
+from .attention.attention import GroupedQueryAttention, attend, split_heads
+from .attention.attention_variants import FullWidthQKNormAttention, PackedQKVAttention, SinkAttention
+from .attention.causal_masks import causal_masks, layer_types
+from .attention.packed_attention import HeadPackedAttention
+from .embeddings.positions import LearnedPositionalEmbedding, alibi_slopes, build_alibi, local_alibi_slopes
+from .embeddings.rotary import (
     InterleavedRotaryEmbedding,
     PartialRotaryEmbedding,
     PerLayerTypeRotary,
@@ -24,7 +18,13 @@ from .rotary import (
     apply_partial_rotary,
     apply_rotary,
 )
-from .sequence_parallel import enter_sequence_parallel, leave_sequence_parallel, use_sequence_parallel
+from .feed_forward.mlp import DenseActDense, DenseGatedActDense, DenseMLP, GatedMLP, PackedGatedMLP
+from .loading.renamed_keys import RenamedHubKeys
+from .loss.lm_loss import causal_token_loss, full_logits, keep_last_logits, token_loss
+from .norms.full_width_norm import FullWidthRMSNorm
+from .norms.layer_norm import HeadLayerNormStyle, LayerNorm, ParameterFreeLayerNorm
+from .norms.rms_norm import RMSNorm, SequenceParallelRMSNorm, SequenceParallelRMSNormStyle
+from .stack.sequence_parallel import enter_sequence_parallel, leave_sequence_parallel, use_sequence_parallel
 
 __all__ = ["attend", "split_heads", "full_logits", "token_loss", "causal_token_loss", "keep_last_logits",
            "DenseActDense", "DenseGatedActDense", "RMSNorm", "SequenceParallelRMSNorm", "SequenceParallelRMSNormStyle",

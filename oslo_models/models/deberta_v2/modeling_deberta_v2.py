@@ -2,11 +2,12 @@
 DeBERTa-v2, on the shared stack.
 
 The layers are BERT's post-norm tree (``attention.{self, output}``, ``intermediate``, ``output``; the output and
-intermediate modules are BERT's, imported) with the disentangled self-attention (``common/disentangled_attention.py``)
-in ``attention.self``. What the stack carries for it: the encoder's relative embeddings (``rel_embeddings``, after
-``LayerNorm`` when ``norm_rel_ebd`` says ``layer_norm``) and the relative positions (log buckets) are computed once per
-forward by ``DebertaV2Encoder.forward`` (the spec's ``rotary`` part: what the stack hands every layer as its
-``position_embeddings``); the mask is ``transformers``' ``[b, 1, s, s]`` of ``m_i * m_j``.
+intermediate modules are BERT's, imported) with the disentangled self-attention
+(``common/attention/disentangled_attention.py``) in ``attention.self``. What the stack carries for it: the encoder's
+relative embeddings (``rel_embeddings``, after ``LayerNorm`` when ``norm_rel_ebd`` says ``layer_norm``) and the relative
+positions (log buckets) are computed once per forward by ``DebertaV2Encoder.forward`` (the spec's ``rotary`` part: what
+the stack hands every layer as its ``position_embeddings``); the mask is ``transformers``' ``[b, 1, s, s]`` of
+``m_i * m_j``.
 
 The embeddings (word, optional absolute positions, optional token types, ``embed_proj`` when ``embedding_size !=
 hidden_size``, LayerNorm, padding zeroed, dropout) run replicated on the whole sequence, then the scatter to
@@ -48,15 +49,15 @@ from ...parallel_layers.plan import (
 from ..bert.modeling_bert import BertIntermediate, BertOutput, BertSelfOutput
 from ..bert.parallel_plan import prefixed
 from ..common import enter_sequence_parallel
-from ..common.blocks import BlockTemplate
-from ..common.causal_masks import FULL
-from ..common.disentangled_attention import DisentangledSelfAttention, relative_span
-from ..common.encoder_masks import encoder_documents, same_document
-from ..common.encoder_stack import PoolingArgument
-from ..common.head_rules import MULTIPLE_CHOICE, TOKEN_CLASSIFICATION
-from ..common.outputs import capture_parallel_outputs, passed_on
-from ..common.stack import StackSpec, TransformerStack
-from ..common.stack_parts import Embeddings, Layers, Rotary
+from ..common.attention.causal_masks import FULL
+from ..common.attention.disentangled_attention import DisentangledSelfAttention, relative_span
+from ..common.attention.encoder_masks import encoder_documents, same_document
+from ..common.loss.head_rules import MULTIPLE_CHOICE, TOKEN_CLASSIFICATION
+from ..common.stack.blocks import BlockTemplate
+from ..common.stack.encoder_stack import PoolingArgument
+from ..common.stack.outputs import capture_parallel_outputs, passed_on
+from ..common.stack.stack import StackSpec, TransformerStack
+from ..common.stack.stack_parts import Embeddings, Layers, Rotary
 from ..encoder_heads import EncoderForQuestionAnswering, EncoderHeadModel, ForMaskedLM
 from ..heads import (
     StackFamilyModel,

@@ -1,5 +1,5 @@
 """DeBERTa-v2's heads as pipeline stages: the encoder stages every encoder head shares
-(``common/pipeline_encoder.py``: the base model's own phases on each stage's layers, one hidden-state tensor
+(``common/pipeline/pipeline_encoder.py``: the base model's own phases on each stage's layers, one hidden-state tensor
 ``[mb, s(/tp), h]`` between stages, the head class's task rule on the last). What differs: the embedding parts a config
 has (absolute positions, token types and ``embed_proj`` are optional), and the shared relative embeddings. Every
 stage's layers read ``encoder.rel_embeddings`` (and its ``LayerNorm``), so every stage holds a copy; the copies are
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.head_rules import SequenceClassificationRule
+from ..common.loss.head_rules import SequenceClassificationRule
 
 
 class DebertaV2Stages:

@@ -1,9 +1,9 @@
 """DeepSeek-V3: the Llama-shaped MoE decoder (``models/mixtral``) with DeepSeek's two components:
 
-- attention: multi-head latent attention (``common.latent_attention.MultiHeadLatentAttention``: low-rank q with
-  ``q_lora_rank`` or a plain ``q_proj``, joint compressed key/value, rotary part split from the rest, ``v_head_dim``
-  values; yarn's ``mscale`` on the score scale, ``rope_interleave``);
-- feed-forward: ``common.moe_variants.SharedExpertsMoe`` (sigmoid router with ``e_score_correction_bias``,
+- attention: multi-head latent attention (``common.attention.latent_attention.MultiHeadLatentAttention``: low-rank q
+  with ``q_lora_rank`` or a plain ``q_proj``, joint compressed key/value, rotary part split from the rest,
+  ``v_head_dim`` values; yarn's ``mscale`` on the score scale, ``rope_interleave``);
+- feed-forward: ``common.feed_forward.moe_variants.SharedExpertsMoe`` (sigmoid router with ``e_score_correction_bias``,
   group-limited top-k over ``n_group`` groups, ``routed_scaling_factor``, ``norm_topk_prob``; shared experts) in
   layers ``>= first_k_dense_replace``, a dense SwiGLU MLP (``intermediate_size``) before them.
 
@@ -34,15 +34,15 @@ from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder
 
 from ...parallel_layers.moe.router_variants import GroupLimitedRouter
-from ..common.cache_names import cache_field, output_cache
-from ..common.capabilities import Capabilities
-from ..common.expert_keys import ExpertKeyLayout
-from ..common.latent_attention import MultiHeadLatentAttention
-from ..common.mlp import GatedMLP
-from ..common.moe import RouterLogits
-from ..common.moe_variants import SharedExpertsMoe
-from ..common.outputs import passed_on
-from ..common.pipeline_stack import StackPipelineAdapter
+from ..common.attention.cache_names import cache_field, output_cache
+from ..common.attention.latent_attention import MultiHeadLatentAttention
+from ..common.feed_forward.mlp import GatedMLP
+from ..common.feed_forward.moe import RouterLogits
+from ..common.feed_forward.moe_variants import SharedExpertsMoe
+from ..common.loading.expert_keys import ExpertKeyLayout
+from ..common.pipeline.pipeline_stack import StackPipelineAdapter
+from ..common.rules.capabilities import Capabilities
+from ..common.stack.outputs import passed_on
 from ..llama import modeling_llama as llama
 from ..mixtral import modeling_mixtral as mixtral
 from .configuration_deepseek_v3 import DeepseekV3Config

@@ -42,14 +42,14 @@ from ...parallel_layers.plan import (
 from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel
 from ..bert.parallel_plan import prefixed
 from ..common import attend, split_heads
-from ..common.attention import AttentionModule
-from ..common.blocks import PostNormBlock
-from ..common.capabilities import Capabilities
-from ..common.layer_norm import LayerNorm as StreamLayerNorm
-from ..common.mlp import DenseMLP
-from ..common.parallel_rules import Heads
-from ..common.stack import StackSpec
-from ..common.stack_parts import Container, Embeddings, Layers
+from ..common.attention.attention import AttentionModule
+from ..common.feed_forward.mlp import DenseMLP
+from ..common.norms.layer_norm import LayerNorm as StreamLayerNorm
+from ..common.rules.capabilities import Capabilities
+from ..common.rules.parallel_rules import Heads
+from ..common.stack.blocks import PostNormBlock
+from ..common.stack.stack import StackSpec
+from ..common.stack.stack_parts import Container, Embeddings, Layers
 from ..encoder_heads import (
     EncoderForQuestionAnswering,
     EncoderForSequenceClassification,

@@ -31,9 +31,9 @@ from ...parallel_layers.layers import Dropout, LayerNorm, Linear
 from ...parallel_layers.plan import Colwise, SequenceParallelNorm, StreamLinear
 from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPreTrainedModel, encoder_spec
 from ..bert.parallel_plan import prefixed
-from ..common.capabilities import Capabilities
-from ..common.outputs import passed_on
-from ..common.stack_parts import Built
+from ..common.rules.capabilities import Capabilities
+from ..common.stack.outputs import passed_on
+from ..common.stack.stack_parts import Built
 from ..encoder_heads import (
     EncoderForQuestionAnswering,
     EncoderForSequenceClassification,
@@ -206,7 +206,8 @@ class ElectraForMultipleChoice(ForMultipleChoice, ElectraPreTrainedModel):
         self.classifier = Linear(config.hidden_size, 1)
 
     def head_logits(self, hidden, attention_mask=None, config=None):
-        """``[b*c, s, h] -> [b*c, 1]``; run on the model or on a pipeline's last stage (``common/head_rules.py``)."""
+        """``[b*c, s, h] -> [b*c, 1]``; run on the model or on a pipeline's last stage
+        (``common/loss/head_rules.py``)."""
         return self.classifier(self.sequence_summary(hidden))
 
     @can_return_tuple

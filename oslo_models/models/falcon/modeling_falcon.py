@@ -3,7 +3,7 @@ Falcon (``transformer.word_embeddings``, ``h.N.self_attention.query_key_value``,
 
 Its switches, and where each is decided:
 
-- the fused ``query_key_value`` (``common/grouped_qkv_attention.py``, ``FalconAttention.qkv_groups``):
+- the fused ``query_key_value`` (``common/attention/grouped_qkv_attention.py``, ``FalconAttention.qkv_groups``):
   ``new_decoder_architecture`` packs ``num_kv_heads`` groups ``[q_1..q_G, k, v]``; otherwise ``multi_query`` packs
   ``[q_1..q_n, k, v]`` (one key/value head, replicated over tensor-parallel ranks, never refused) and
   ``multi_query=False`` ``[q, k, v]`` per head. Tensor parallelism keeps each rank's query heads with their
@@ -33,16 +33,16 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
 
 from ...config import ParallelConfig
-from ..common.blocks import ParallelResidualBlock, PreNormBlock
-from ..common.capabilities import Capabilities
-from ..common.causal_masks import FULL, packed_documents
-from ..common.grouped_qkv_attention import GroupedQKVAttention
-from ..common.layer_norm import LayerNorm
-from ..common.mlp import DenseMLP
-from ..common.positions import alibi_attention_mask, alibi_slopes
-from ..common.rotary import RotaryEmbedding
-from ..common.stack import StackSpec, TransformerStack
-from ..common.stack_parts import FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
+from ..common.attention.causal_masks import FULL, packed_documents
+from ..common.attention.grouped_qkv_attention import GroupedQKVAttention
+from ..common.embeddings.positions import alibi_attention_mask, alibi_slopes
+from ..common.embeddings.rotary import RotaryEmbedding
+from ..common.feed_forward.mlp import DenseMLP
+from ..common.norms.layer_norm import LayerNorm
+from ..common.rules.capabilities import Capabilities
+from ..common.stack.blocks import ParallelResidualBlock, PreNormBlock
+from ..common.stack.stack import StackSpec, TransformerStack
+from ..common.stack.stack_parts import FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
 from ..heads import (
     ForCausalLM,
     ForQuestionAnswering,

@@ -1,11 +1,11 @@
 """The Gemma-family configs: ``transformers``' own classes (same ``model_type``, same ``config.json``), each with the
 published ``base_model_tp_plan`` of this project's plan, read from the family's ``StackSpec`` (a class attribute,
-never serialized; see ``common/published_plan.py``). Gemma 3's q/k norms are in its plan, Gemma 1/2 have none."""
+never serialized; see ``common/rules/published_plan.py``). Gemma 3's q/k norms are in its plan, Gemma 1/2 have none."""
 from __future__ import annotations
 
 import transformers
 
-from ..common.published_plan import PublishedTPPlan
+from ..common.rules.published_plan import PublishedTPPlan
 from ..llama.parallel_plan import QK_NORMS
 
 

@@ -8,8 +8,8 @@ What differs from Gemma 2, and where:
 - two rotary embeddings: ``rope_parameters["sliding_attention"]`` (the local base, ``rope_local_base_freq`` in
   older configs) for the sliding-window layers and ``rope_parameters["full_attention"]`` (the global base, possibly
   scaled) for the others: ``Gemma3RotaryEmbedding`` is ``transformers``' module returning one ``(cos, sin)`` per
-  attention type (``common/rotary.py``'s ``PerLayerTypeRotary``), and the stack hands each layer the pair of its
-  ``attention_type``;
+  attention type (``common/embeddings/rotary.py``'s ``PerLayerTypeRotary``), and the stack hands each layer the pair of
+  its ``attention_type``;
 - the sliding window pattern (``layer_types``; by default every sixth layer is global): the stack's per-type masks;
 - SDPA by default (``transformers``' Gemma 3 supports it); ``attn_logit_softcapping`` (default ``None``) needs the
   eager kernel, as in ``transformers``; ``final_logit_softcapping`` when set is applied by the causal LM head.
@@ -25,7 +25,7 @@ import transformers
 from transformers.models.gemma3 import modeling_gemma3 as hf_gemma3
 
 from ..common import PerLayerTypeRotary
-from ..common.stack_parts import Rotary
+from ..common.stack.stack_parts import Rotary
 from ..gemma.configuration_gemma import Gemma3TextConfig
 from ..gemma2 import modeling_gemma2 as gemma2
 

@@ -1,7 +1,7 @@
 """GPT-2, written single-device with the module tree and state-dict keys of ``transformers``' GPT-2.
 
-The block is the pre-norm template (``common/blocks.py``) under GPT-2's names (``ln_1``, ``attn``, ``ln_2``,
-``mlp``); the forward is the shared stack (``common/stack.py``: token + learned position embeddings, the
+The block is the pre-norm template (``common/stack/blocks.py``) under GPT-2's names (``ln_1``, ``attn``, ``ln_2``,
+``mlp``); the forward is the shared stack (``common/stack/stack.py``: token + learned position embeddings, the
 sequence-parallel scatter and embedding dropout, the blocks, ``ln_f`` and the gather back), so every public tensor
 keeps HF's ``[batch, seq, hidden]`` layout. The parallel plan and the divisibility checks come from ``GPT2_SPEC``'s
 components; the heads are the generic ones (``models/heads.py``). Attention runs through ``transformers``'
@@ -22,14 +22,21 @@ from transformers.utils.output_capturing import OutputRecorder
 from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Linear
 from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
-from ..common.attention import AttentionModule, attend
-from ..common.bias_act import fused_gelu_approximation, linear_act
-from ..common.blocks import PreNormBlock
-from ..common.capabilities import Capabilities
-from ..common.layer_norm import LayerNorm
-from ..common.parallel_rules import Features, Heads
-from ..common.stack import StackSpec, TransformerStack
-from ..common.stack_parts import EmbeddingDropout, FinalNorm, Layers, PositionEmbedding, TokenEmbedding, layer_norm
+from ..common.attention.attention import AttentionModule, attend
+from ..common.feed_forward.bias_act import fused_gelu_approximation, linear_act
+from ..common.norms.layer_norm import LayerNorm
+from ..common.rules.capabilities import Capabilities
+from ..common.rules.parallel_rules import Features, Heads
+from ..common.stack.blocks import PreNormBlock
+from ..common.stack.stack import StackSpec, TransformerStack
+from ..common.stack.stack_parts import (
+    EmbeddingDropout,
+    FinalNorm,
+    Layers,
+    PositionEmbedding,
+    TokenEmbedding,
+    layer_norm,
+)
 from ..heads import (
     ForCausalLM,
     ForQuestionAnswering,

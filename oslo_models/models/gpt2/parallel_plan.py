@@ -8,7 +8,7 @@ adds the vocab-parallel ``wte``, the replicated ``wpe`` and ``drop``; the LM hea
 ``published_tp_plan`` is what ``GPT2Config.base_model_tp_plan`` publishes, from the same spec."""
 from __future__ import annotations
 
-from ..common.published_plan import PublishedTPPlan
+from ..common.rules.published_plan import PublishedTPPlan
 
 
 def published_tp_plan() -> PublishedTPPlan:

@@ -2,7 +2,7 @@
 
 What is particular to it, and where it lives:
 
-- ``query_key_value`` packs q|k|v *per head* (``[n, 3, d]`` rows): ``common/packed_attention.py``
+- ``query_key_value`` packs q|k|v *per head* (``[n, 3, d]`` rows): ``common/attention/packed_attention.py``
   (``HeadPackedAttention``), whose plain column split keeps each head's q, k and v on one rank;
 - partial rotary (``rotary_pct`` -> ``rope_parameters["partial_rotary_factor"]``): ``PartialRotaryEmbedding`` gives
   ``cos``/``sin`` of the first ``rotary_dim`` dims, and the attention rotates only those;
@@ -10,10 +10,10 @@ What is particular to it, and where it lives:
   ``x + attn(ln1(x))`` then ``+ mlp(ln2(.))`` (the pre-norm template), one layer class for both, as in
   ``transformers``; the hidden dropouts (``post_attention_dropout``/``post_mlp_dropout``) act on the residual
   stream, so they split their RNG stream only under sequence parallelism;
-- the LM head is ``lm_head`` in memory and ``embed_out`` in checkpoints, both ways (``common/renamed_keys.py``), as
-  ``transformers`` 5 loads and saves it.
+- the LM head is ``lm_head`` in memory and ``embed_out`` in checkpoints, both ways (``common/loading/renamed_keys.py``),
+  as ``transformers`` 5 loads and saves it.
 
-The forward is the shared stack (``common/stack.py``); plan and divisibility checks come from ``GPT_NEOX_SPEC``'s
+The forward is the shared stack (``common/stack/stack.py``); plan and divisibility checks come from ``GPT_NEOX_SPEC``'s
 components; the heads are the generic ones (``models/heads.py``).
 
 Shapes: b batch, s sequence, h hidden, n heads (n/tp per rank), d head dim, V vocabulary.
@@ -25,15 +25,15 @@ from transformers.generation import GenerationMixin
 
 from ...parallel_layers.layers import Dropout
 from ...parallel_layers.plan import TPDropout
-from ..common.blocks import ParallelResidualBlock, PreNormBlock
-from ..common.capabilities import Capabilities
-from ..common.layer_norm import LayerNorm
-from ..common.mlp import DenseMLP
-from ..common.packed_attention import HeadPackedAttention
-from ..common.renamed_keys import RenamedHubKeys
-from ..common.rotary import PartialRotaryEmbedding
-from ..common.stack import StackSpec, TransformerStack
-from ..common.stack_parts import EmbeddingDropout, FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
+from ..common.attention.packed_attention import HeadPackedAttention
+from ..common.embeddings.rotary import PartialRotaryEmbedding
+from ..common.feed_forward.mlp import DenseMLP
+from ..common.loading.renamed_keys import RenamedHubKeys
+from ..common.norms.layer_norm import LayerNorm
+from ..common.rules.capabilities import Capabilities
+from ..common.stack.blocks import ParallelResidualBlock, PreNormBlock
+from ..common.stack.stack import StackSpec, TransformerStack
+from ..common.stack.stack_parts import EmbeddingDropout, FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
 from ..heads import (
     ForCausalLM,
     ForQuestionAnswering,

@@ -1,11 +1,11 @@
 """gpt-oss: the Llama-shaped MoE decoder (``models/mixtral``) with gpt-oss's components:
 
-- attention: ``common.attention_variants.SinkAttention`` (one learned sink logit per head joins each softmax; split
-  with the heads under TP), biases on q/k/v/o (``attention_bias``), sliding-window and full layers alternating per
+- attention: ``common.attention.attention_variants.SinkAttention`` (one learned sink logit per head joins each softmax;
+  split with the heads under TP), biases on q/k/v/o (``attention_bias``), sliding-window and full layers alternating per
   ``config.layer_types`` (the mask of each layer's type; the window passed on to the kernel); eager/flex/flash
   kernels only (``transformers`` has no SDPA path for sinks, ``_supports_sdpa = False`` as there);
-- feed-forward: ``common.moe_variants.ClampedSwigluMoe`` in every layer (router with a bias, softmax over the top-k
-  logits; experts with biases, interleaved gate|up and a clamped SwiGLU, ``swiglu_alpha`` / ``swiglu_limit``);
+- feed-forward: ``common.feed_forward.moe_variants.ClampedSwigluMoe`` in every layer (router with a bias, softmax over
+  the top-k logits; experts with biases, interleaved gate|up and a clamped SwiGLU, ``swiglu_alpha`` / ``swiglu_limit``);
 - norms: RMS with ``transformers``' gpt-oss rounding (scale in fp32, then cast: the ``"olmo2"`` formula);
 - rotary: ``RotaryEmbedding`` (``transformers``' own init functions; gpt-oss's default is yarn). gpt-oss applies it
   to the two halves of each head with half-width ``cos``/``sin``, which is the Llama rule on ``cat(freqs, freqs)``.
@@ -29,10 +29,10 @@ import transformers
 from transformers.utils.output_capturing import OutputRecorder
 
 from ...parallel_layers.moe.router_variants import BiasedTopKRouter
-from ..common.attention_variants import SinkAttention
-from ..common.capabilities import Capabilities
-from ..common.expert_keys import ExpertKeyLayout
-from ..common.moe_variants import ClampedSwigluMoe
+from ..common.attention.attention_variants import SinkAttention
+from ..common.feed_forward.moe_variants import ClampedSwigluMoe
+from ..common.loading.expert_keys import ExpertKeyLayout
+from ..common.rules.capabilities import Capabilities
 from ..llama import modeling_llama as llama
 from ..mixtral import modeling_mixtral as mixtral
 from .configuration_gpt_oss import GptOssConfig

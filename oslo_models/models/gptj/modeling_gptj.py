@@ -13,7 +13,7 @@ What is particular to it, and where it lives:
 - ``token_type_ids`` are embedded through ``wte`` and added, as in ``transformers``;
 - the LM head has a bias (vocab-parallel like its weight).
 
-The forward is the shared stack (``common/stack.py``); plan and divisibility checks come from ``GPTJ_SPEC``'s
+The forward is the shared stack (``common/stack/stack.py``); plan and divisibility checks come from ``GPTJ_SPEC``'s
 components; the heads are the generic ones (``models/heads.py``).
 
 Shapes: b batch, s sequence, h hidden, n heads (n/tp per rank), d head dim, V vocabulary.
@@ -40,14 +40,14 @@ except ImportError:  # transformers < 5.2x (e.g. 5.17) computes GPT-J's eager at
 from ...parallel_layers.kv_heads import KVHeadColwise
 from ...parallel_layers.layers import Dropout
 from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
-from ..common.attention import GroupedQueryAttention
-from ..common.blocks import ParallelResidualBlock
-from ..common.capabilities import Capabilities
-from ..common.layer_norm import LayerNorm
-from ..common.mlp import DenseMLP
-from ..common.rotary import InterleavedRotaryEmbedding
-from ..common.stack import StackSpec, TransformerStack
-from ..common.stack_parts import EmbeddingDropout, FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
+from ..common.attention.attention import GroupedQueryAttention
+from ..common.embeddings.rotary import InterleavedRotaryEmbedding
+from ..common.feed_forward.mlp import DenseMLP
+from ..common.norms.layer_norm import LayerNorm
+from ..common.rules.capabilities import Capabilities
+from ..common.stack.blocks import ParallelResidualBlock
+from ..common.stack.stack import StackSpec, TransformerStack
+from ..common.stack.stack_parts import EmbeddingDropout, FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
 from ..heads import ForCausalLM, ForQuestionAnswering, ForSequenceClassification, StackFamilyModel
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_gptj import GPTJConfig

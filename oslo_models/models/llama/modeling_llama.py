@@ -8,7 +8,8 @@ What differs between the four, and where it is decided:
   Qwen3's q/k RMS norms: ``decoder_options(config)``, the frozen ``DecoderOptions`` of a config (a class method each
   family overrides), built once per model and handed to every part and layer;
 - sliding-window attention (Mistral ``sliding_window``, Qwen2/Qwen3 ``use_sliding_window``/``max_window_layers``,
-  or ``layer_types``): ``attention_types(config)`` (``common.causal_masks.layer_types``; Mistral overrides it);
+  or ``layer_types``): ``attention_types(config)`` (``common.attention.causal_masks.layer_types``; Mistral overrides
+  it);
 - the feed-forward: ``build_mlp(config, layer_idx)`` (SwiGLU here; the hook mixture-of-experts decoders override);
 - tied or untied embeddings: ``config.tie_word_embeddings``.
 
@@ -16,8 +17,8 @@ Gemma 1/2/3 and OLMo 2 (their own folders) use the same hooks further: ``decoder
 formula, the score scale and the logit soft-cap; their spec names a sandwich-norm layer (``SandwichDecoderLayer``),
 the attention component (read into the options: named once, in the spec) and the rotary module.
 
-The layer is the pre-norm block template (``common/blocks.py``) under Llama's names; the base model is built from
-``LLAMA_SPEC``'s parts (``common/stack_parts.py``) and its forward is the shared stack (``common/stack.py``:
+The layer is the pre-norm block template (``common/stack/blocks.py``) under Llama's names; the base model is built from
+``LLAMA_SPEC``'s parts (``common/stack/stack_parts.py``) and its forward is the shared stack (``common/stack/stack.py``:
 embeddings, layers, final norm, with the sequence-parallel region opened once per forward); the parallel plan, the
 divisibility checks and the class flags are derived from the spec; the heads are the generic ones
 (``models/heads.py``). Parallelism enters only through the layers the plan swaps in.
@@ -33,10 +34,10 @@ from torch import nn
 from transformers.generation import GenerationMixin
 
 from ..common import GatedMLP, GroupedQueryAttention, RMSNorm, RotaryEmbedding, layer_types
-from ..common.blocks import PreNormBlock, SandwichNormBlock
-from ..common.capabilities import Capabilities
-from ..common.stack import StackSpec, TransformerStack
-from ..common.stack_parts import FinalNorm, Layers, Rotary, TokenEmbedding
+from ..common.rules.capabilities import Capabilities
+from ..common.stack.blocks import PreNormBlock, SandwichNormBlock
+from ..common.stack.stack import StackSpec, TransformerStack
+from ..common.stack.stack_parts import FinalNorm, Layers, Rotary, TokenEmbedding
 from ..heads import (
     ForCausalLM,
     ForQuestionAnswering,
@@ -53,7 +54,7 @@ class DecoderOptions:
     """The switches of a Llama-shaped decoder for one config (``decoder_options(config)``), read by the layers and
     the final norm: ``attention`` (the spec's attention component, read from the spec, not named again), biases on
     q/k/v, o and the MLP, q/k norms (``False``, ``True`` or a norm formula), the residual norms' ``norm_formula``
-    (``common/rms_norm.py``), and, when set, the score ``scaling`` and ``softcap`` (Gemma 2/3)."""
+    (``common/norms/rms_norm.py``), and, when set, the score ``scaling`` and ``softcap`` (Gemma 2/3)."""
 
     attention: type = GroupedQueryAttention
     qkv_bias: bool = False
@@ -84,7 +85,7 @@ class LlamaDecoderLayer(PreNormBlock):
 
 
 class SandwichDecoderLayer(SandwichNormBlock):
-    """The Llama-shaped layer on the sandwich-norm template (``common/blocks.py``): ``x + post_attn_norm(attn(
+    """The Llama-shaped layer on the sandwich-norm template (``common/stack/blocks.py``): ``x + post_attn_norm(attn(
     attn_norm(x)))``, then the same around the MLP. A family's subclass gives ``transformers``' ``names``; the norms
     it names are built (``decoder_norm``), those it leaves out are skipped: Gemma 2/3 name all four, OLMo 2 only the
     two post norms. Registered as ``transformers`` registers them: ``self_attn``, ``mlp``, then the norms in block
@@ -112,7 +113,7 @@ def decoder_attention(config, layer_idx: int, options: DecoderOptions, attention
 
 def decoder_norm(config, options: DecoderOptions, fused: bool = False) -> RMSNorm:
     """A residual-stream RMS norm of the family's ``norm_formula`` (``DecoderOptions``; Llama ``"llama"``, Gemma:
-    ``"gemma"``, OLMo 2: ``"olmo2"``; see ``common/rms_norm.py``); also the final norm's builder."""
+    ``"gemma"``, OLMo 2: ``"olmo2"``; see ``common/norms/rms_norm.py``); also the final norm's builder."""
     return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula=options.norm_formula, fused=fused)
 
 
@@ -156,7 +157,8 @@ class LlamaPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
 
     @classmethod
     def attention_types(cls, config) -> list[str]:
-        """Each layer's ``"full_attention"`` / ``"sliding_attention"`` (``common.causal_masks.layer_types``)."""
+        """Each layer's ``"full_attention"`` / ``"sliding_attention"``
+        (``common.attention.causal_masks.layer_types``)."""
         return layer_types(config)
 
     @classmethod

@@ -8,7 +8,7 @@ What the config classes publish as ``base_model_tp_plan`` (``transformers``' voc
 spec: ``published_tp_plan``."""
 from __future__ import annotations
 
-from ..common.published_plan import PublishedTPPlan
+from ..common.rules.published_plan import PublishedTPPlan
 
 QK_NORMS = ("layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm")
 

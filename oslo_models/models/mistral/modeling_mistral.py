@@ -1,11 +1,12 @@
 """Mistral: the Llama decoder (``models/llama``) with no biases and, when ``config.sliding_window`` is set,
-sliding-window attention in every layer (read from the config by ``common.causal_masks``). Only the class names,
-the config class and the ``transformers`` twins differ, because ``config.json``'s ``architectures`` names them."""
+sliding-window attention in every layer (read from the config by ``common.attention.causal_masks``). Only the class
+names, the config class and the ``transformers`` twins differ, because ``config.json``'s ``architectures`` names
+them."""
 from __future__ import annotations
 
 import transformers
 
-from ..common.causal_masks import FULL, SLIDING
+from ..common.attention.causal_masks import FULL, SLIDING
 from ..llama import modeling_llama as llama
 from ..llama.configuration_llama import MistralConfig
 

@@ -1,5 +1,5 @@
 """Mixtral: the Llama decoder (``models/llama``) whose feed-forward is a sparse mixture of experts
-(``common.moe.SparseMoeBlock``), with ``transformers``' module tree and keys (``mlp.gate.weight``,
+(``common.feed_forward.moe.SparseMoeBlock``), with ``transformers``' module tree and keys (``mlp.gate.weight``,
 ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``). Qwen2-MoE (``models/qwen2_moe``) and Qwen3-MoE
 (``models/qwen3_moe``) are the same code with their switches (shared expert, dense layers, ``norm_topk_prob``,
 q/k/v biases, q/k norms).
@@ -8,8 +8,8 @@ Expert parallelism: ``ParallelConfig(expert_parallel_size=ep)`` splits each laye
 data-parallel ranks (``parallel_plan.py``); tokens travel to their experts and back by all-to-all. Tensor
 parallelism splits attention (and Qwen2-MoE's shared/dense MLPs) as in Llama; experts are split over the
 ``expert_tensor_parallel_size`` consecutive tp ranks (whole at 1). Sequence parallelism: the MoE block gathers the
-sequence over tp (``common/moe.py``), so router logits and the loss are the whole sequence's. Pipeline stages
-(with tp, ep, dp) carry the load-balancing statistics (``pipeline_mixtral.py``).
+sequence over tp (``common/feed_forward/moe.py``), so router logits and the loss are the whole sequence's. Pipeline
+stages (with tp, ep, dp) carry the load-balancing statistics (``pipeline_mixtral.py``).
 
 Router losses as ``transformers``: with ``output_router_logits`` (argument or ``config.output_router_logits``)
 the outputs carry ``router_logits`` (one ``[b*s, E]`` per sparse layer) and ``aux_loss`` (the load-balancing loss
@@ -38,12 +38,12 @@ from ...config import ParallelConfig
 from ...parallel_layers.context_parallel import sum_over_replica_tokens, token_groups
 from ...parallel_layers.moe import TopKRouter, load_balancing_loss
 from ...parallel_layers.summa import Grid
-from ..common.cache_names import cache_field, output_cache
-from ..common.capabilities import Capabilities, capabilities_of
-from ..common.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
-from ..common.mlp import GatedMLP
-from ..common.moe import RouterLogits, SparseMoeBlock, check_expert_layout
-from ..common.outputs import passed_on
+from ..common.attention.cache_names import cache_field, output_cache
+from ..common.feed_forward.mlp import GatedMLP
+from ..common.feed_forward.moe import RouterLogits, SparseMoeBlock, check_expert_layout
+from ..common.loading.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
+from ..common.rules.capabilities import Capabilities, capabilities_of
+from ..common.stack.outputs import passed_on
 from ..llama import modeling_llama as llama
 from .configuration_mixtral import MixtralConfig
 from .pipeline_mixtral import MixtralPipelineAdapter, aux_loss_from_statistics, routing_statistics
@@ -85,14 +85,14 @@ def moe_switches(**moe) -> Mapping:
 
 class MixtralPreTrainedModel(PerExpertCheckpoint, llama.LlamaPreTrainedModel):
     """Checkpoints: read and written in the per-expert Hub layout (``expert_key_layout``, see
-    ``common/expert_keys.py``), as ``transformers`` saves them; stacked-layout checkpoints load too."""
+    ``common/loading/expert_keys.py``), as ``transformers`` saves them; stacked-layout checkpoints load too."""
 
     config_class = MixtralConfig
     stack_spec = MOE_SPEC
     options_class = MoeOptions
     # the load-balancing statistics are summed over cp (forward below); SparseMoeBlock runs sequence-parallel, under
-    # pipeline x tp/ep and on the 2D / 2.5D grid (experts replicated: common/moe.py): a family with another MoE block
-    # says what it does not run
+    # pipeline x tp/ep and on the 2D / 2.5D grid (experts replicated: common/feed_forward/moe.py): a family with another
+    # MoE block says what it does not run
     capabilities = Capabilities(moe_context_parallel=True, moe_sequence_parallel=True, moe_grid=True)
     # the base model returns each sparse layer's router logits [b*s, E] with output_router_logits, as transformers'
     # (recorded by its hooks on the routers; the tokens are whole on every TP rank: nothing to gather)

@@ -12,7 +12,7 @@ layouts whose ``axis`` is ``"ep"`` over the expert-data-parallel group, the rest
 """
 from __future__ import annotations
 
-from ..common.published_plan import PublishedTPPlan
+from ..common.rules.published_plan import PublishedTPPlan
 
 
 def published_tp_plan() -> PublishedTPPlan:

@@ -1,5 +1,5 @@
-"""Mixtral / Qwen2-MoE as pipeline stages: the shared stack's stages (``models/common/pipeline_stack.py``) plus the
-load-balancing loss carried across the cut.
+"""Mixtral / Qwen2-MoE as pipeline stages: the shared stack's stages (``models/common/pipeline/pipeline_stack.py``) plus
+the load-balancing loss carried across the cut.
 
 ``transformers``' load-balancing loss is ``E * sum_e f_e * P_e`` over *all* sparse layers' router outputs:
 ``f_e = (masked top-k assignments to e, summed over layers) / R`` and ``P_e = (masked router probabilities of e,
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common.moe import RouterLogits
-from ..common.pipeline_stack import StackPipelineAdapter
+from ..common.feed_forward.moe import RouterLogits
+from ..common.pipeline.pipeline_stack import StackPipelineAdapter
 
 
 def routing_statistics(router_logits, num_experts: int, top_k: int, attention_mask=None) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """ModernBERT, written single-device with the module tree and state-dict keys of ``transformers``' ModernBERT.
 
-The base model is the shared stack (``common/stack.py``) with a pre-norm block: the token embeddings (vocab-parallel)
-are scattered to ``[b, s/tp, h]`` under sequence parallelism before the embedding norm and dropout (the spec's
-``embedding_norm`` / ``embedding_dropout``), the layers are ``x + attn(attn_norm(x))``, ``x + mlp(mlp_norm(x))`` (the
-first layer's ``attn_norm`` is ``nn.Identity``, as in ``transformers``), and the final norm runs before the gather
+The base model is the shared stack (``common/stack/stack.py``) with a pre-norm block: the token embeddings
+(vocab-parallel) are scattered to ``[b, s/tp, h]`` under sequence parallelism before the embedding norm and dropout (the
+spec's ``embedding_norm`` / ``embedding_dropout``), the layers are ``x + attn(attn_norm(x))``, ``x + mlp(mlp_norm(x))``
+(the first layer's ``attn_norm`` is ``nn.Identity``, as in ``transformers``), and the final norm runs before the gather
 back to ``[b, s, h]``. What is ModernBERT's own:
 
 - attention: one ``Wqkv`` packed ``[3, n, d]`` (all queries, then keys, then values: ``Colwise(num_packed=3)``, so
@@ -43,27 +43,27 @@ from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ...parallel_layers.plan import Colwise, Rowwise, SequenceParallelNorm, TPDropout
 from ..common import PerLayerTypeRotary
-from ..common.attention import AttentionModule, attend
-from ..common.blocks import PreNormBlock
-from ..common.capabilities import Capabilities
-from ..common.causal_masks import FULL, SLIDING
-from ..common.context_parallel import context_parallel_loss, context_parallel_loss_items
-from ..common.encoder_masks import document_bidirectional_masks, encoder_documents
-from ..common.encoder_stack import PoolingArgument
-from ..common.head_rules import (
+from ..common.attention.attention import AttentionModule, attend
+from ..common.attention.causal_masks import FULL, SLIDING
+from ..common.attention.encoder_masks import document_bidirectional_masks, encoder_documents
+from ..common.embeddings.rotary import apply_rotary
+from ..common.loss.head_rules import (
     MASKED_LM,
     MULTIPLE_CHOICE,
     QUESTION_ANSWERING,
     SEQUENCE_CLASSIFICATION,
     TOKEN_CLASSIFICATION,
 )
-from ..common.layer_norm import LayerNorm
-from ..common.lm_loss import head_loss_and_logits
-from ..common.outputs import capture_parallel_outputs, passed_on
-from ..common.parallel_rules import Features, Heads
-from ..common.rotary import apply_rotary
-from ..common.stack import StackSpec, TransformerStack
-from ..common.stack_parts import Embeddings, FinalNorm, Layers, Rotary
+from ..common.loss.lm_loss import head_loss_and_logits
+from ..common.norms.layer_norm import LayerNorm
+from ..common.rules.capabilities import Capabilities
+from ..common.rules.parallel_rules import Features, Heads
+from ..common.stack.blocks import PreNormBlock
+from ..common.stack.context_parallel import context_parallel_loss, context_parallel_loss_items
+from ..common.stack.encoder_stack import PoolingArgument
+from ..common.stack.outputs import capture_parallel_outputs, passed_on
+from ..common.stack.stack import StackSpec, TransformerStack
+from ..common.stack.stack_parts import Embeddings, FinalNorm, Layers, Rotary
 from ..encoder_heads import EncoderHeadModel
 from ..heads import (
     StackFamilyModel,

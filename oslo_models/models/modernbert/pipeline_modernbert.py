@@ -1,5 +1,5 @@
 """ModernBERT's heads as pipeline stages: the encoder stages every encoder head shares
-(``common/pipeline_encoder.py``: the base model's own phases on each stage's layers, one hidden-state tensor
+(``common/pipeline/pipeline_encoder.py``: the base model's own phases on each stage's layers, one hidden-state tensor
 ``[mb, s(/tp), h]`` between stages, the head class's task rule on the last) with ModernBERT's parts. The first stage
 holds the embeddings (``tok_embeddings``, ``norm``, ``drop``), every stage the parameter-free ``rotary_emb`` (both
 bases), the last stage the ``final_norm`` and the head. Masked LM: the ``head`` and the vocab-parallel ``decoder`` (a

@@ -8,7 +8,7 @@ What differs from Llama, and where:
 - RMS norms of the ``"olmo2"`` formula (normalize and scale in fp32, then round; the final norm too);
 - ``q_norm``/``k_norm`` over the whole ``q_proj``/``k_proj`` output (``n*d`` / ``n_kv*d`` wide), before the head
   split: ``FullWidthQKNormAttention``. Under tensor parallelism each rank holds its heads' slice of the norm weight
-  and the sum of squares is all-reduced over TP (``common/full_width_norm.py``: one all-reduce of ``[b, s, 1]``
+  and the sum of squares is all-reduced over TP (``common/norms/full_width_norm.py``: one all-reduce of ``[b, s, 1]``
   per norm forward and backward). This is also why the config keeps ``transformers``' own ``base_model_tp_plan``
   (which gathers q/k/v): ``transformers``' plan vocabulary has no norm across ranks.
 """

@@ -4,9 +4,9 @@ names with dotted paths.
 
 What is particular to OPT, and where it lives:
 
-- learned absolute positions with offset 2 (``common/positions.py`` ``LearnedPositionalEmbedding``), at positions
-  counted from the attention mask (``cumsum(mask) * mask - 1``, cut after the cached length), so left padding does
-  not shift them: ``OPTModel.stack_inputs`` derives the position ids once per forward and the stack's embedding
+- learned absolute positions with offset 2 (``common/embeddings/positions.py`` ``LearnedPositionalEmbedding``), at
+  positions counted from the attention mask (``cumsum(mask) * mask - 1``, cut after the cached length), so left padding
+  does not shift them: ``OPTModel.stack_inputs`` derives the position ids once per forward and the stack's embedding
   phase looks them up (``position_embeds``; a cached decode step without a mask continues at the cached length);
 - ``do_layer_norm_before``: pre-norm (``True``) or post-norm (``False``) blocks under the same names; the final
   norm exists only with pre-norm and without ``_remove_final_layer_norm``;
@@ -31,16 +31,16 @@ from ...config import ParallelConfig
 from ...parallel_layers.context_parallel import merge_sequence, split_sequence
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ...parallel_layers.plan import Colwise, Rowwise, StreamLinear, TPDropout
-from ..common.attention import AttentionModule, attend, split_heads
-from ..common.blocks import PostNormBlock, PreNormBlock
-from ..common.capabilities import Capabilities
-from ..common.causal_masks import FULL
-from ..common.layer_norm import LayerNorm
-from ..common.mlp import DenseMLP
-from ..common.parallel_rules import Heads
-from ..common.positions import LearnedPositionalEmbedding, LearnedPositions
-from ..common.stack import StackSpec, TransformerStack
-from ..common.stack_parts import Built
+from ..common.attention.attention import AttentionModule, attend, split_heads
+from ..common.attention.causal_masks import FULL
+from ..common.embeddings.positions import LearnedPositionalEmbedding, LearnedPositions
+from ..common.feed_forward.mlp import DenseMLP
+from ..common.norms.layer_norm import LayerNorm
+from ..common.rules.capabilities import Capabilities
+from ..common.rules.parallel_rules import Heads
+from ..common.stack.blocks import PostNormBlock, PreNormBlock
+from ..common.stack.stack import StackSpec, TransformerStack
+from ..common.stack.stack_parts import Built
 from ..heads import ForCausalLM, ForQuestionAnswering, ForSequenceClassification, StackFamilyModel
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_opt import OPTConfig

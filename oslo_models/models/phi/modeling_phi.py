@@ -11,7 +11,7 @@ What is particular to it, and where it lives:
   (``HeadLayerNormStyle``);
 - ``final_layernorm``, ``embed_dropout`` and a biased ``lm_head``.
 
-The forward is the shared stack (``common/stack.py``); plan and divisibility checks come from ``PHI_SPEC``'s
+The forward is the shared stack (``common/stack/stack.py``); plan and divisibility checks come from ``PHI_SPEC``'s
 components; the heads are the generic ones (``models/heads.py``).
 
 Shapes: b batch, s sequence, h hidden, n query heads (n/tp per rank), n_kv key/value heads, d head dim.
@@ -26,14 +26,14 @@ from ...parallel_layers.kv_heads import KVHeadColwise
 from ...parallel_layers.layers import Dropout
 from ...parallel_layers.layers import LayerNorm as PlainLayerNorm
 from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
-from ..common.attention import GroupedQueryAttention
-from ..common.blocks import ParallelResidualBlock
-from ..common.capabilities import Capabilities
-from ..common.layer_norm import HeadLayerNormStyle, LayerNorm
-from ..common.mlp import DenseMLP
-from ..common.rotary import PartialRotaryEmbedding
-from ..common.stack import StackSpec, TransformerStack
-from ..common.stack_parts import EmbeddingDropout, FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
+from ..common.attention.attention import GroupedQueryAttention
+from ..common.embeddings.rotary import PartialRotaryEmbedding
+from ..common.feed_forward.mlp import DenseMLP
+from ..common.norms.layer_norm import HeadLayerNormStyle, LayerNorm
+from ..common.rules.capabilities import Capabilities
+from ..common.stack.blocks import ParallelResidualBlock
+from ..common.stack.stack import StackSpec, TransformerStack
+from ..common.stack.stack_parts import EmbeddingDropout, FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
 from ..heads import ForCausalLM, ForSequenceClassification, ForTokenClassification, StackFamilyModel
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_phi import PhiConfig

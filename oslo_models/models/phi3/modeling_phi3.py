@@ -21,10 +21,10 @@ import transformers
 from torch import nn
 
 from ..common import PackedGatedMLP, PackedQKVAttention, PartialRotaryEmbedding, RMSNorm
-from ..common.blocks import PreNormBlock, ResidualDropout
-from ..common.causal_masks import FULL, SLIDING
-from ..common.stack import StackSpec
-from ..common.stack_parts import Rotary
+from ..common.attention.causal_masks import FULL, SLIDING
+from ..common.stack.blocks import PreNormBlock, ResidualDropout
+from ..common.stack.stack import StackSpec
+from ..common.stack.stack_parts import Rotary
 from ..llama import modeling_llama as llama
 from .configuration_phi3 import Phi3Config
 

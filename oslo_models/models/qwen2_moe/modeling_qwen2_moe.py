@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import transformers
 
-from ..common.expert_keys import ExpertKeyLayout
+from ..common.loading.expert_keys import ExpertKeyLayout
 from ..mixtral import modeling_mixtral as mixtral
 from ..mixtral.configuration_mixtral import Qwen2MoeConfig
 

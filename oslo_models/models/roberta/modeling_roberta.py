@@ -18,7 +18,7 @@ from ...parallel_layers.head_parallel import VocabBias
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ...parallel_layers.plan import Colwise, SequenceParallelNorm, StreamLinear
 from ..bert.modeling_bert import BertEmbeddings, BertModel, BertPooler, BertPreTrainedModel, encoder_spec
-from ..common.capabilities import Capabilities
+from ..common.rules.capabilities import Capabilities
 from ..encoder_heads import (
     EncoderForCausalLM,
     EncoderForQuestionAnswering,

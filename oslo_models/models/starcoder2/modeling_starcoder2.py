@@ -20,10 +20,10 @@ import transformers
 from torch import nn
 
 from ..common import DenseMLP, GroupedQueryAttention, LayerNorm, RotaryEmbedding
-from ..common.blocks import PreNormBlock, ResidualDropout
-from ..common.causal_masks import FULL, SLIDING
-from ..common.stack import StackSpec
-from ..common.stack_parts import EmbeddingDropout, FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
+from ..common.attention.causal_masks import FULL, SLIDING
+from ..common.stack.blocks import PreNormBlock, ResidualDropout
+from ..common.stack.stack import StackSpec
+from ..common.stack.stack_parts import EmbeddingDropout, FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
 from ..llama import modeling_llama as llama
 from .configuration_starcoder2 import Starcoder2Config
 

@@ -12,7 +12,8 @@ router dtype (``config.router_dtype``, fp32: "selective precision"); each token 
 softmax probability as weight; each expert takes at most ``expert_capacity`` tokens *per sequence*, first come
 first served, the rest are dropped (their feed-forward output is 0, the residual passes). ``experts``: the ``E``
 ``DenseActDense`` experts stacked (``wi [E, f, d]``, ``wo [E, d, f]``), split over the expert-parallel group;
-checkpoints keep ``transformers``' per-expert keys ``mlp.experts.expert_{i}.wi.weight`` (``common/expert_keys.py``).
+checkpoints keep ``transformers``' per-expert keys ``mlp.experts.expert_{i}.wi.weight``
+(``common/loading/expert_keys.py``).
 
 Expert parallelism and dropping: the capacity is per expert and per sequence, exactly as ``transformers`` (its
 router cumsums over the sequence dim), and every sequence is routed whole on one rank (``ep`` is carved out of
@@ -48,8 +49,8 @@ from ...config import ParallelConfig
 from ...parallel_layers.layers import Dropout, Linear
 from ...parallel_layers.moe import StackedDenseExperts, combine, dispatch, drop_over_capacity, router_jitter
 from ..common import DenseActDense, RMSNorm
-from ..common.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
-from ..common.moe import RouterLogits, check_expert_layout
+from ..common.feed_forward.moe import RouterLogits, check_expert_layout
+from ..common.loading.expert_keys import ExpertKeyLayout, PerExpertCheckpoint
 from ..t5 import modeling_t5 as t5
 from .configuration_switch_transformers import SwitchTransformersConfig
 from .parallel_plan import SPARSE_MLP_PLAN, SWITCH_PLAN

@@ -19,7 +19,7 @@ from transformers.utils.generic import can_return_tuple
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ...parallel_layers.plan import ParallelPlan
 from ..bert.parallel_plan import prefixed
-from ..common.cache_names import seq2seq_fields
+from ..common.attention.cache_names import seq2seq_fields
 from ..heads import ForTokenClassification, sequence_classification_loss, span_logits_and_loss
 from .modeling_t5 import (
     T5EncoderModel,

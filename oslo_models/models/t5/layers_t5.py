@@ -15,8 +15,8 @@ from transformers.models.t5.modeling_t5 import eager_attention_forward
 
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ..common import DenseActDense, DenseGatedActDense, RMSNorm, attend, split_heads
-from ..common.attention import AttentionModule
-from ..common.parallel_rules import Heads
+from ..common.attention.attention import AttentionModule
+from ..common.rules.parallel_rules import Heads
 from .parallel_plan import T5_ATTENTION_PLAN
 
 

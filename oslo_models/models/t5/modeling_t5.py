@@ -10,8 +10,8 @@ argument. The encoder output is therefore full and replicated, which is what the
 (column-parallel) consume: they pass the explicit ``sequence_parallel=False`` override.
 
 Hidden states, attentions and cross-attentions are recorded by ``transformers``' own hooks on each stack
-(``_can_record_outputs``, as ``transformers``' T5), gathered over TP / SP (``common/outputs.py``); the divisibility
-checks are the components' rules (attention: ``num_heads``; feed-forward: ``d_ff``).
+(``_can_record_outputs``, as ``transformers``' T5), gathered over TP / SP (``common/stack/outputs.py``); the
+divisibility checks are the components' rules (attention: ``num_heads``; feed-forward: ``d_ff``).
 
 T5 specifics kept exactly: attention is unscaled (``scaling=1``) with a learned relative position bias computed
 once per stack by block 0 (this rank's heads only) and reused by every block; RMS norms without bias; ReLU or
@@ -53,10 +53,10 @@ from ..common import (
     leave_sequence_parallel,
     use_sequence_parallel,
 )
-from ..common.cache_names import MASK_CACHE_KEYWORD, cache_field, output_cache
-from ..common.lm_loss import head_loss_and_logits
-from ..common.outputs import capture_parallel_outputs
-from ..common.parallel_rules import check_rules
+from ..common.attention.cache_names import MASK_CACHE_KEYWORD, cache_field, output_cache
+from ..common.loss.lm_loss import head_loss_and_logits
+from ..common.rules.parallel_rules import check_rules
+from ..common.stack.outputs import capture_parallel_outputs
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_t5 import T5Config
 from .layers_t5 import T5Attention, T5Block, T5LayerCrossAttention, T5LayerSelfAttention
@@ -77,12 +77,12 @@ class T5PreTrainedModel(OsloPreTrainedModel):
     _supports_flex_attn = True
     _keys_to_ignore_on_load_unexpected = ["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"]
 
-    _can_record_outputs = {  # transformers' own recorders (common/outputs.py gathers them over TP / SP)
+    _can_record_outputs = {  # transformers' own recorders (common/stack/outputs.py gathers them over TP / SP)
         "hidden_states": OutputRecorder(T5Block, index=0),
         "attentions": OutputRecorder(T5LayerSelfAttention, index=-1),
         "cross_attentions": OutputRecorder(T5LayerCrossAttention, index=-1),
     }
-    #: the components whose divisibility rules ``validate_parallel_config`` checks (``common/parallel_rules.py``)
+    #: the components whose divisibility rules ``validate_parallel_config`` checks (``common/rules/parallel_rules.py``)
     parallel_components = (T5Attention, DenseActDense, DenseGatedActDense)
 
     @classmethod
@@ -419,7 +419,7 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
         if self.config.scale_decoder_outputs:  # original T5 (tied head) rescales before the projection
             sequence_output = sequence_output * (self.model_dim ** -0.5)
         # logits [b, s_dec, V] ([b, s_dec, V_padded/tp] with gather_logits=False, padding columns -inf; None with
-        # skip_logits: the loss then runs fused and chunked, see common/lm_loss.py)
+        # skip_logits: the loss then runs fused and chunked, see common/loss/lm_loss.py)
         loss, logits = head_loss_and_logits(self.lm_head, sequence_output, labels, causal=False,
                                             skip_logits=skip_logits, fused=self.parallel_context.config.fused_ops,
                                             gather_logits=gather_logits, num_items_in_batch=num_items_in_batch)

@@ -10,7 +10,7 @@ and the sub-layer index (self-attention 0, cross-attention 1 in the decoder, fee
   parallelism, dropouts on split heads / FFN columns always do.
 
 The attention's and the feed-forwards' styles are their components' ``tp_plan`` fragments (``T5Attention.tp_plan``
-is ``T5_ATTENTION_PLAN``; ``DenseActDense`` / ``DenseGatedActDense`` carry theirs in ``common/mlp.py``).
+is ``T5_ATTENTION_PLAN``; ``DenseActDense`` / ``DenseGatedActDense`` carry theirs in ``common/feed_forward/mlp.py``).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """T5ForConditionalGeneration (and mT5) as pipeline stages: the encoder-decoder stages every family shares
-(``common/pipeline_seq2seq.py``: layers ``encoder.block`` then ``decoder.block``, cut anywhere; both stacks' phases
-on each stage's blocks) with T5's parts.
+(``common/pipeline/pipeline_seq2seq.py``: layers ``encoder.block`` then ``decoder.block``, cut anywhere; both stacks'
+phases on each stage's blocks) with T5's parts.
 
 Stage modules: the first stage ``shared`` and both stacks' input dropout; the stage with encoder block ``E-1``
 ``encoder.final_layer_norm`` + dropout; the last one ``decoder.final_layer_norm`` + dropout, the ``d_model**-0.5``
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...distributed.context import ParallelContext
-from ..common.pipeline_seq2seq import EncoderDecoderPipelineAdapter
+from ..common.pipeline.pipeline_seq2seq import EncoderDecoderPipelineAdapter
 
 
 class T5PipelineAdapter(EncoderDecoderPipelineAdapter):

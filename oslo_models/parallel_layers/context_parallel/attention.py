@@ -1,5 +1,5 @@
 """The one context-parallel attention core every family's attention layer calls when it is handed a
-``ContextParallelMask`` (GPT-2, BERT/RoBERTa and the Llama family through ``models/common/attention.py``).
+``ContextParallelMask`` (GPT-2, BERT/RoBERTa and the Llama family through ``models/common/attention/attention.py``).
 
 ``attention_function(module, attention_mask, eager_fallback)`` picks the kernel: the context-parallel one for a
 ``ContextParallelMask``, the packed-document FlexAttention core for a ``DocumentMask``

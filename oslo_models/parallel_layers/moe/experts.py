@@ -6,13 +6,13 @@ Two expert shapes:
   ``Qwen2MoeExperts``): ``gate_up_proj`` ``[E, 2*i, h]`` (gate rows, then up rows) and ``down_proj`` ``[E, h, i]``.
 - ``StackedDenseExperts`` (T5's ``DenseActDense``, the Switch Transformers expert): ``wi`` ``[E, f, d]`` and
   ``wo`` ``[E, d, f]``, with a dropout between them; ``transformers`` keeps these as one module per expert
-  (``experts.expert_{i}.wi``), which ``models/common/expert_keys.py`` maps to and from the stacked tensors.
+  (``experts.expert_{i}.wi``), which ``models/common/loading/expert_keys.py`` maps to and from the stacked tensors.
 
 Under expert parallelism each rank holds its contiguous block of ``E/ep`` experts (``EvenSplit(0, axis="ep")``, so
 the loader reads only those rows and the saver all-gathers them over ``ep``). By default experts are not split over
 tensor parallelism: every tp rank of an ep rank holds the same experts and runs the same tokens (the MoE block sees
-the whole sequence on every tp rank, see ``models/common/moe.py``), so expert gradients are equal over tp and
-counted once by the gradient norm.
+the whole sequence on every tp rank, see ``models/common/feed_forward/moe.py``), so expert gradients are equal over tp
+and counted once by the gradient norm.
 
 Expert tensor parallelism (``expert_tensor_parallel_size = k``, group ``etp`` = ``k`` consecutive tp ranks): each
 expert's feed-forward is split Megatron-style, the first projection column-parallel (``gate_up_proj`` rows: this

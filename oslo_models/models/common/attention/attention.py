@@ -15,13 +15,13 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
-from ...parallel_layers.context_parallel import ContextParallelMask, attention_function
-from ...parallel_layers.kv_heads import HeadsLinear, KVHeadColwise
-from ...parallel_layers.layers import Dropout, Linear
-from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
-from .parallel_rules import Heads, KeyValueHeads
-from .rms_norm import RMSNorm, SequenceParallelRMSNormStyle
-from .rotary import apply_partial_rotary
+from ....parallel_layers.context_parallel import ContextParallelMask, attention_function
+from ....parallel_layers.kv_heads import HeadsLinear, KVHeadColwise
+from ....parallel_layers.layers import Dropout, Linear
+from ....parallel_layers.plan import Colwise, Rowwise, TPDropout
+from ..embeddings.rotary import apply_partial_rotary
+from ..norms.rms_norm import RMSNorm, SequenceParallelRMSNormStyle
+from ..rules.parallel_rules import Heads, KeyValueHeads
 
 
 def num_key_value_heads(config) -> int:
@@ -54,7 +54,7 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     checkpoint = getattr(module, "core_checkpoint", None)
     if checkpoint is not None and module.training and torch.is_grad_enabled():
-        out, weights = checkpoint(core, query, key, value)  # selective recomputation (common/checkpointing.py)
+        out, weights = checkpoint(core, query, key, value)  # selective recomputation (common/stack/checkpointing.py)
     else:
         out, weights = core(query, key, value)
     return out.reshape(*out.shape[:-2], -1).contiguous(), weights

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...parallel_layers.context_parallel import ContextParallelMask
-from ...parallel_layers.kv_heads import PackedHeadsLinear, PackedKVHeadColwise
-from ...parallel_layers.layers import Linear
-from ...parallel_layers.plan import Rowwise, Style, TPDropout, refuse_grid_mode
-from ...parallel_layers.sharding import EvenSplit
+from ....parallel_layers.context_parallel import ContextParallelMask
+from ....parallel_layers.kv_heads import PackedHeadsLinear, PackedKVHeadColwise
+from ....parallel_layers.layers import Linear
+from ....parallel_layers.plan import Rowwise, Style, TPDropout, refuse_grid_mode
+from ....parallel_layers.sharding import EvenSplit
+from ..norms.full_width_norm import FullWidthRMSNorm, FullWidthRMSNormStyle
 from .attention import GroupedQueryAttention, split_heads
-from .full_width_norm import FullWidthRMSNorm, FullWidthRMSNormStyle
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from ...parallel_layers.document_attention import DocumentMask, flex_trains
-from ...utils.documents import document_ids, positions_in_documents
+from ....parallel_layers.document_attention import DocumentMask, flex_trains
+from ....utils.documents import document_ids, positions_in_documents
 from .cache_names import MASK_CACHE_KEYWORD
 
 FULL, SLIDING = "full_attention", "sliding_attention"

@@ -30,10 +30,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...parallel_layers.layers import Dropout, Linear
-from ...parallel_layers.plan import Colwise, TPDropout
+from ....parallel_layers.layers import Dropout, Linear
+from ....parallel_layers.plan import Colwise, TPDropout
+from ..rules.parallel_rules import Heads
 from .attention import AttentionModule, refuse_context_parallel, split_heads
-from .parallel_rules import Heads
 
 
 def relative_span(config) -> tuple[int, int, int]:

@@ -30,8 +30,8 @@ from transformers.masking_utils import (
     packed_sequence_mask_function,
 )
 
-from ...parallel_layers.document_attention import DocumentMask
-from ...utils.documents import document_ids
+from ....parallel_layers.document_attention import DocumentMask
+from ....utils.documents import document_ids
 from .causal_masks import FULL, SLIDING, uses_flex
 
 PACKED_HEAD_REFUSAL = ("{name} reads one output per row ({what}); a packed batch (position_ids restarting per "

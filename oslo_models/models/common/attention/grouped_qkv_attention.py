@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import torch
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from ...parallel_layers.grouped_qkv import GroupedQKVColwise, GroupedQKVLinear
-from ...parallel_layers.layers import Dropout, Linear
-from ...parallel_layers.plan import Rowwise, TPDropout
+from ....parallel_layers.grouped_qkv import GroupedQKVColwise, GroupedQKVLinear
+from ....parallel_layers.layers import Dropout, Linear
+from ....parallel_layers.plan import Rowwise, TPDropout
+from ..embeddings.rotary import apply_rotary
+from ..rules.parallel_rules import Heads, Rule
 from .attention import AttentionModule, attend
-from .parallel_rules import Heads, Rule
-from .rotary import apply_rotary
 
 
 @dataclass(frozen=True)

@@ -45,17 +45,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ...parallel_layers.layers import Dropout, Linear
-from ...parallel_layers.mappings import (
+from ....parallel_layers.layers import Dropout, Linear
+from ....parallel_layers.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     group_size,
 )
-from ...parallel_layers.plan import Colwise, Rowwise, Style, TPDropout, refuse_grid_mode
-from ...parallel_layers.sequence_parallel import SequenceParallelAware
+from ....parallel_layers.plan import Colwise, Rowwise, Style, TPDropout, refuse_grid_mode
+from ....parallel_layers.sequence_parallel import SequenceParallelAware
+from ..norms.rms_norm import RMSNorm
+from ..rules.parallel_rules import Heads
 from .attention import AttentionModule, attend
-from .parallel_rules import Heads
-from .rms_norm import RMSNorm
 
 
 @dataclass(frozen=True)

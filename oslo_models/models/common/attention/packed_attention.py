@@ -23,11 +23,11 @@ from typing import ClassVar
 import torch
 from transformers.models.gpt_neox.modeling_gpt_neox import eager_attention_forward as neox_eager_attention
 
-from ...parallel_layers.layers import Dropout, Linear
-from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
+from ....parallel_layers.layers import Dropout, Linear
+from ....parallel_layers.plan import Colwise, Rowwise, TPDropout
+from ..embeddings.rotary import apply_partial_rotary
+from ..rules.parallel_rules import Heads
 from .attention import AttentionModule, attend
-from .parallel_rules import Heads
-from .rotary import apply_partial_rotary
 
 
 class HeadPackedAttention(AttentionModule):

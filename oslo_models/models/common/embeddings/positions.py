@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ...parallel_layers.layers import Embedding
-from ...parallel_layers.plan import PositionEmbedding
-from ...parallel_layers.tensor_parallel_2d import HiddenEmbedding2D
-from ...utils.documents import positions_in_documents
+from ....parallel_layers.layers import Embedding
+from ....parallel_layers.plan import PositionEmbedding
+from ....parallel_layers.tensor_parallel_2d import HiddenEmbedding2D
+from ....utils.documents import positions_in_documents
 
 
 def _position_rows(attention_mask, past_key_values_length: int, position_ids, offset: int) -> torch.Tensor:

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...parallel_layers.layers import Embedding, Linear
-from ...parallel_layers.sharding import REPLICATED
+from ....parallel_layers.layers import Embedding, Linear
+from ....parallel_layers.sharding import REPLICATED
 
 
 def _module_name(model: nn.Module, module: nn.Module) -> str:

@@ -35,7 +35,7 @@ from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbeddin
 from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from ... import fused_ops
+from .... import fused_ops
 
 
 class RotaryEmbedding(LlamaRotaryEmbedding):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ... import fused_ops
+from .... import fused_ops
 
 # ACT2FN name -> bias_gelu's ``approximate``: only the activations the kernel computes exactly.
 GELU_APPROXIMATIONS = {"gelu": "none", "gelu_python": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}

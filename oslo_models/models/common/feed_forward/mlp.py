@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ...parallel_layers.layers import Dropout, Linear
-from ...parallel_layers.plan import Colwise, Rowwise, TPDropout
+from ....parallel_layers.layers import Dropout, Linear
+from ....parallel_layers.plan import Colwise, Rowwise, TPDropout
+from ..rules.parallel_rules import Features
 from .bias_act import fused_gelu_approximation, linear_act
-from .parallel_rules import Features
 
 
 class DenseActDense(nn.Module):
@@ -109,7 +109,7 @@ class DenseMLP(nn.Module):
     "dense_4h_to_h")``; the plan fragment follows the names (``__init_subclass__``). ``intermediate_attr``: the
     config attribute of the inner width, for the divisibility rule (unset or ``None`` in the config: ``4 * h``).
     ``act``: an ``ACT2FN`` name or a callable (a GELU name runs the fused bias-GELU where ``fused_ops`` allows:
-    ``common/bias_act.py``). ``dropout``: applied to the output (the residual stream).
+    ``common/feed_forward/bias_act.py``). ``dropout``: applied to the output (the residual stream).
 
     ``up`` column-parallel (``[b, s, h]`` / ``[b, s/tp, h]`` -> ``[b, s, i/tp]``, gathering the sequence under
     sequence parallelism), ``down`` row-parallel (all-reduce, or reduce-scatter under sequence parallelism).

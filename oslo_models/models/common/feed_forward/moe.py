@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...parallel_layers.layers import Linear
-from ...parallel_layers.mappings import (
+from ....parallel_layers.layers import Linear
+from ....parallel_layers.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
@@ -50,12 +50,12 @@ from ...parallel_layers.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
-from ...parallel_layers.moe import ExpertParallel, StackedExperts, TopKRouter, combine, dispatch, router_jitter
-from ...parallel_layers.plan import Colwise, GridReplicated, Rowwise
-from ...parallel_layers.sequence_parallel import SequenceParallelAware
-from ...parallel_layers.tensor_parallel_2d import replicated_over_batch
+from ....parallel_layers.moe import ExpertParallel, StackedExperts, TopKRouter, combine, dispatch, router_jitter
+from ....parallel_layers.plan import Colwise, GridReplicated, Rowwise
+from ....parallel_layers.sequence_parallel import SequenceParallelAware
+from ....parallel_layers.tensor_parallel_2d import replicated_over_batch
+from ..rules.parallel_rules import Features
 from .mlp import GatedMLP
-from .parallel_rules import Features
 
 
 class RouterLogits:

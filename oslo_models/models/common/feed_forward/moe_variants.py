@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...parallel_layers.moe import ExpertParallel, StackedExperts
-from ...parallel_layers.moe.clamped_experts import ClampedSwigluExperts
-from ...parallel_layers.moe.router_variants import BiasedTopKRouter, GroupLimitedRouter
-from ...parallel_layers.plan import Colwise, Rowwise
-from ...parallel_layers.sequence_parallel import SequenceParallelAware
+from ....parallel_layers.moe import ExpertParallel, StackedExperts
+from ....parallel_layers.moe.clamped_experts import ClampedSwigluExperts
+from ....parallel_layers.moe.router_variants import BiasedTopKRouter, GroupLimitedRouter
+from ....parallel_layers.plan import Colwise, Rowwise
+from ....parallel_layers.sequence_parallel import SequenceParallelAware
 from .mlp import GatedMLP
 from .moe import route_tokens
 
@@ -38,7 +38,7 @@ class SharedExpertsMoe(SequenceParallelAware, nn.Module):
 
     @classmethod
     def parallel_rules(cls, config) -> list:
-        from .parallel_rules import Features
+        from ..rules.parallel_rules import Features
 
         shared = getattr(config, "n_shared_experts", None)
         return [Features("moe_intermediate_size * n_shared_experts", config.moe_intermediate_size * shared)] \

@@ -144,7 +144,7 @@ class SequenceClassificationRule(PooledRule):
         return int((labels != -100).sum()) if not labels.is_floating_point() else labels.numel()
 
     def classification_loss(self, logits, labels, config):
-        from ..heads import sequence_classification_loss
+        from ...heads import sequence_classification_loss
 
         return sequence_classification_loss(logits, labels, config)
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from ... import fused_ops
-from ...parallel_layers.cross_entropy import causal_lm_loss, vocab_parallel_cross_entropy
-from ...parallel_layers.layers import Linear
-from ...parallel_layers.tensor_parallel import ColumnParallelLinear
+from .... import fused_ops
+from ....parallel_layers.cross_entropy import causal_lm_loss, vocab_parallel_cross_entropy
+from ....parallel_layers.layers import Linear
+from ....parallel_layers.tensor_parallel import ColumnParallelLinear
 
 
 def token_loss(local_logits: torch.Tensor, labels: torch.Tensor, decoder, *, ignore_index: int = -100,

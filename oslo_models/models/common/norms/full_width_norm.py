@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...parallel_layers.mappings import copy_to_tensor_parallel_region, group_size, reduce_from_tensor_parallel_region
-from ...parallel_layers.plan import Style, refuse_grid_mode
-from ...parallel_layers.sharding import HeadSplit
-from ...parallel_layers.summa import Grid
-from ...parallel_layers.tensor_parallel_2d import RMSNorm2D
+from ....parallel_layers.mappings import copy_to_tensor_parallel_region, group_size, reduce_from_tensor_parallel_region
+from ....parallel_layers.plan import Style, refuse_grid_mode
+from ....parallel_layers.sharding import HeadSplit
+from ....parallel_layers.summa import Grid
+from ....parallel_layers.tensor_parallel_2d import RMSNorm2D
 
 
 def _olmo2_rms(x: torch.Tensor, weight: torch.Tensor, variance: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...parallel_layers import layers
-from ...parallel_layers.plan import SequenceParallelNorm, Style, refuse_grid_mode
-from ...parallel_layers.tensor_parallel import SequenceParallelLayerNorm
+from ....parallel_layers import layers
+from ....parallel_layers.plan import SequenceParallelNorm, Style, refuse_grid_mode
+from ....parallel_layers.tensor_parallel import SequenceParallelLayerNorm
 
 
 class LayerNorm(layers.LayerNorm):

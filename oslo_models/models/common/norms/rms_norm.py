@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ... import fused_ops
-from ...parallel_layers.mappings import copy_to_tensor_parallel_region
-from ...parallel_layers.plan import Style, build_grid_layer
-from ...parallel_layers.sequence_parallel import SequenceParallelAware
+from .... import fused_ops
+from ....parallel_layers.mappings import copy_to_tensor_parallel_region
+from ....parallel_layers.plan import Style, build_grid_layer
+from ....parallel_layers.sequence_parallel import SequenceParallelAware
 
 FORMULAS = ("t5", "llama", "olmo2", "gemma")
 
@@ -114,5 +114,5 @@ class SequenceParallelRMSNormStyle(Style):
         return norm
 
 
-# the plan fragment of a residual-stream RMS norm (the component carries it; see models/common/blocks.py)
+# the plan fragment of a residual-stream RMS norm (the component carries it; see models/common/stack/blocks.py)
 RMSNorm.tp_plan = {"": SequenceParallelRMSNormStyle()}

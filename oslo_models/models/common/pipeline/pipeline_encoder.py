@@ -1,6 +1,6 @@
 """Pipeline stages of every encoder head (BERT, RoBERTa, DistilBERT, ELECTRA, ALBERT, DeBERTa-v2, ModernBERT): one
 adapter, bound to the head class (``of(model_class)``), whose last stage runs the head class's task rule
-(``head_rule``: ``common/head_rules.py``, the rule its own ``forward`` runs).
+(``head_rule``: ``common/loss/head_rules.py``, the rule its own ``forward`` runs).
 
 A stage runs the base model's own phases (``stack_inputs``, ``run_stack``: ``pipeline_stack.run_stage_stack``) on its
 layers, exactly what the base model's ``forward`` runs: the first stage the embeddings and the sequence-parallel
@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from ...distributed.context import ParallelContext
-from ...pipeline.adapter import PipelineAdapter
-from .head_rules import RuleLoss
+from ....distributed.context import ParallelContext
+from ....pipeline.adapter import PipelineAdapter
+from ..loss.head_rules import RuleLoss
+from ..stack.sequence_parallel import use_sequence_parallel
 from .pipeline_stack import run_stage_stack
-from .sequence_parallel import use_sequence_parallel
 
 EMBEDDING_PARTS = ("word_embeddings", "position_embeddings", "token_type_embeddings", "LayerNorm", "dropout")
 

@@ -23,15 +23,15 @@ later layers, T5's relative position bias ``[1, n/tp, s, s]``, none for BART):
 phases (``stack_inputs``, ``run_stack`` with ``first``/``last`` and the stage's layers), so a stage computes exactly
 what the same layers compute inside ``forward``. The last stage's output and loss are the head's: the vocab-split
 logits ``[mb, s_dec, V_padded/tp]`` and ``token_loss`` for the LM head (``SEQ2SEQ_LM``), another head's task rule
-otherwise (``common/head_rules.py``).
+otherwise (``common/loss/head_rules.py``).
 """
 from __future__ import annotations
 
 import torch
 
-from ...pipeline.adapter import PipelineAdapter
-from .head_rules import SEQ2SEQ_LM, RuleLoss
-from .sequence_parallel import use_sequence_parallel
+from ....pipeline.adapter import PipelineAdapter
+from ..loss.head_rules import SEQ2SEQ_LM, RuleLoss
+from ..stack.sequence_parallel import use_sequence_parallel
 
 
 class EncoderDecoderPipelineAdapter(RuleLoss, PipelineAdapter):

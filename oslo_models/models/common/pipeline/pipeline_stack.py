@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ...distributed.context import ParallelContext
-from ...pipeline.adapter import CausalLMPipelineAdapter
-from .lm_loss import soft_cap_logits
+from ....distributed.context import ParallelContext
+from ....pipeline.adapter import CausalLMPipelineAdapter
+from ..loss.lm_loss import soft_cap_logits
 
 
 class StackPipelineAdapter(CausalLMPipelineAdapter):
@@ -89,7 +89,7 @@ class StackPipelineAdapter(CausalLMPipelineAdapter):
         return costs, first, last + float(embed.numel())
 
     def use_sequence_parallel(self, model, batch) -> bool:
-        from .sequence_parallel import use_sequence_parallel
+        from ..stack.sequence_parallel import use_sequence_parallel
 
         return use_sequence_parallel(getattr(model, self.prefix), batch["input_ids"].shape[-1])
 

@@ -7,7 +7,7 @@ head class and its family's ``PreTrainedModel`` each say their part (``MixtralFo
 from ``ForCausalLM``, the MoE fields from ``MixtralPreTrainedModel``), and a family refines one field
 (``DeepseekV3PreTrainedModel``: ``moe_grid=False``) without restating the others.
 
-Readers: ``common/context_parallel.check_context_parallel`` (context parallelism, also for the generic path's
+Readers: ``common/stack/context_parallel.check_context_parallel`` (context parallelism, also for the generic path's
 ``om.capabilities`` and ``composition/check.py``, which call it) and the MoE families' ``validate_parallel_config``.
 """
 from __future__ import annotations

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...config import ParallelConfig
-from ...parallel_layers.kv_heads import check_grid_heads
+from ....config import ParallelConfig
+from ....parallel_layers.kv_heads import check_grid_heads
 
 
 @dataclass(frozen=True)

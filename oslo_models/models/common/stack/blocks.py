@@ -39,9 +39,9 @@ import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ...parallel_layers.layers import Dropout
-from ...parallel_layers.plan import TPDropout
-from ...parallel_layers.tiled_mlp import tiled_module
+from ....parallel_layers.layers import Dropout
+from ....parallel_layers.plan import TPDropout
+from ....parallel_layers.tiled_mlp import tiled_module
 
 
 class BlockTemplate(GradientCheckpointingLayer):
@@ -57,7 +57,7 @@ class BlockTemplate(GradientCheckpointingLayer):
     #: ``apply_residual_connection_post_layernorm``); a family sets it per instance from its config
     residual_after_norm: bool = False
     #: the feed-forward's sequence slices in training (``parallel_layers/tiled_mlp.py``: ``None`` whole, an int or
-    #: ``"auto"``), set by ``ParallelConfig.tiled_mlp`` (``common/long_sequence.py``)
+    #: ``"auto"``), set by ``ParallelConfig.tiled_mlp`` (``common/stack/long_sequence.py``)
     mlp_tiles = None
 
     def __init__(self, *, order: tuple[str, ...] | None = None, **components: nn.Module | None):

@@ -7,8 +7,8 @@ Modes (``ACTIVATION_CHECKPOINTING``):
   its inputs and recomputes its forward in the backward (``torch.utils.checkpoint``, non-reentrant).
 - ``"selective"``: only the attention core (scores, softmax, probability dropout, ``@ V``; Megatron's selective
   recomputation) is recomputed; projections, norms and MLPs keep their activations. It runs in the shared ``attend``
-  helper (``common/attention.py``), so every family gets it from one place. Saves the ``[b, n/tp, s, s]`` tensors
-  of eager attention; with a memory-efficient SDPA/flash kernel there is little left to save.
+  helper (``common/attention/attention.py``), so every family gets it from one place. Saves the ``[b, n/tp, s, s]``
+  tensors of eager attention; with a memory-efficient SDPA/flash kernel there is little left to save.
 - ``"offload"``: as ``"full"``, and the input each block keeps (its hidden states) moves to host memory in the
   forward and back in the backward (as ``torch.autograd.graph.save_on_cpu``, pinned on CUDA). On a CPU-only run the
   round trip is a copy: it is exercised for correctness and saves nothing.
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from ...config import _ACTIVATION_CHECKPOINTING
+from ....config import _ACTIVATION_CHECKPOINTING
 
 ACTIVATION_CHECKPOINTING = _ACTIVATION_CHECKPOINTING
 _BLOCK_MODES = ("full", "offload", "partitioned")
@@ -170,7 +170,7 @@ def apply_activation_checkpointing(model, mode: str | None, base: Callable | Non
     """
     from transformers import PreTrainedModel
 
-    from .attention import AttentionModule
+    from ..attention.attention import AttentionModule
 
     check_mode(mode)
     function = checkpoint_function(model.parallel_context, mode, base) if mode is not None else None

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...parallel_layers.context_parallel import (
+from ....parallel_layers.context_parallel import (
     build_context_parallel_mask,
     context_num_items,
     merge_sequence,
@@ -33,7 +33,7 @@ from ...parallel_layers.context_parallel import (
     token_index,
     with_alibi,
 )
-from .capabilities import capabilities_of
+from ..rules.capabilities import capabilities_of
 
 
 def context_parallel_inputs(model, inputs_embeds: torch.Tensor, attention_mask, position_ids, past_key_values=None,
@@ -164,7 +164,7 @@ def token_loss(model, logits: torch.Tensor, labels: torch.Tensor, num_items_in_b
 
 def check_context_parallel(model_class, config, parallel) -> None:
     """Before any collective: ``NotImplementedError`` for a model class that does not run under context parallelism
-    (its ``Capabilities.context_parallel``, ``common/capabilities.py``; not ``transformers``' own
+    (its ``Capabilities.context_parallel``, ``common/rules/capabilities.py``; not ``transformers``' own
     ``_supports_context_parallel``, which is ``True`` on every model: the base models and LM heads of GPT-2, BERT and
     the stack decoders, and the stack decoders' classification heads; heads that pool one token of an encoder do
     not), ``ValueError`` for heads that all-to-all cannot split."""
@@ -200,7 +200,7 @@ def causal_lm_head_outputs(model, hidden_states: torch.Tensor, labels=None, *, l
     model's ``fused_ops`` switch; under context parallelism the loss is the mean over the whole sequence (token count
     and loss sum all-reduced over cp). ``logit_softcap``: Gemma 2/3's final logit soft-cap, elementwise on each
     token's logits before the loss (so it holds under tp, sp, cp and pp alike)."""
-    from .lm_loss import lm_head_loss_and_logits
+    from ..loss.lm_loss import lm_head_loss_and_logits
 
     # ParallelConfig.tiled_loss: the training loss chunked, no [b, s, vocab] logits (logits None)
     skip_logits = skip_logits or (labels is not None and model.training and model.parallel_context.config.tiled_loss)

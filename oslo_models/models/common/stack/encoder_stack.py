@@ -27,10 +27,10 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 
-from .cache_names import cache_field
-from .causal_masks import FULL, causal_masks
-from .cross_attention import self_attention_cache
-from .encoder_masks import document_bidirectional_masks, encoder_documents
+from ..attention.cache_names import cache_field
+from ..attention.causal_masks import FULL, causal_masks
+from ..attention.cross_attention import self_attention_cache
+from ..attention.encoder_masks import document_bidirectional_masks, encoder_documents
 from .outputs import capture_parallel_outputs
 from .sequence_parallel import enter_sequence_parallel
 from .stack import TransformerStack
@@ -83,7 +83,8 @@ class EncoderStack(PoolingArgument, TransformerStack):
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
         """Bidirectional (padding only), or causal when ``config.is_decoder``: ``transformers``' masks. Packed
         documents (caller-given ``position_ids`` restarting per document) attend within themselves: bidirectional
-        per document (``common/encoder_masks.py``), causal per document (``common/causal_masks.py``)."""
+        per document (``common/attention/encoder_masks.py``), causal per document
+        (``common/attention/causal_masks.py``)."""
         if self.causal:  # the decoders' masks (packed documents, Flex, the cache)
             return causal_masks(self.config, shape_like, attention_mask, self_attention_cache(past_key_values),
                                 position_ids, kinds={FULL})

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ...parallel_layers.tiled_mlp import check_tiles_setting
+from ....parallel_layers.tiled_mlp import check_tiles_setting
 from .blocks import BlockTemplate
 
 
@@ -82,7 +82,7 @@ class _OffloadSwitch:
 def apply_activation_offload(model, setting) -> None:
     """Keep what every block saves for its backward in host memory (``True`` or a byte threshold; ``False`` / ``None``
     turns it off). ``model.activation_offload`` is the ``ActivationOffload`` hooks object (its ``moved_bytes``)."""
-    from ...training.activation_offload import ActivationOffload, check_setting
+    from ....training.activation_offload import ActivationOffload, check_setting
 
     min_bytes = check_setting(setting)
     for handle in getattr(model, "_activation_offload_handles", ()):

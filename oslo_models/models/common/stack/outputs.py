@@ -24,7 +24,7 @@ import functools
 
 from transformers.utils.output_capturing import capture_outputs
 
-from ...parallel_layers.mappings import gather_from_sequence_parallel_region, gather_from_tensor_parallel_region
+from ....parallel_layers.mappings import gather_from_sequence_parallel_region, gather_from_tensor_parallel_region
 
 
 def passed_on(base_outputs) -> dict:

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from ...parallel_layers.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+from ....parallel_layers.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ phases that the model's ``forward`` and every pipeline stage both call, so there
   the gather back to ``[b, s, h]`` (``last``). The sequence-parallel switch of the model's context is on for exactly
   this call (``parallel_layers/sequence_parallel.py``): no layer takes a ``sequence_parallel`` argument;
 - ``forward``: the ``transformers`` signature around the two, with ``output_hidden_states`` /
-  ``output_attentions`` recorded by ``transformers``' own hooks (``common/outputs.py``).
+  ``output_attentions`` recorded by ``transformers``' own hooks (``common/stack/outputs.py``).
 
 A family's base model subclasses ``TransformerStack`` and declares a ``StackSpec``: its ``parts`` are the builders of
 the base model's modules under ``transformers``' names, in ``transformers``' registration order (``stack_parts.py``:
@@ -33,10 +33,10 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from ...parallel_layers.plan import ParallelPlan, PositionEmbedding, TPDropout, VocabEmbedding
-from ...utils.documents import PACKING_KEYS, document_ids, positions_in_documents
-from .cache_names import cache_field
-from .causal_masks import FULL, SLIDING, causal_masks
+from ....parallel_layers.plan import ParallelPlan, PositionEmbedding, TPDropout, VocabEmbedding
+from ....utils.documents import PACKING_KEYS, document_ids, positions_in_documents
+from ..attention.cache_names import cache_field
+from ..attention.causal_masks import FULL, SLIDING, causal_masks
 from .context_parallel import context_parallel_inputs, rotary_embeddings
 from .outputs import capture_parallel_outputs
 from .sequence_parallel import enter_sequence_parallel, leave_sequence_parallel, use_sequence_parallel
@@ -80,7 +80,8 @@ class StackSpec:
     parts: tuple[Part, ...] = ()
     #: the attention kernels the family runs (``None``: its attention component's ``kernels``)
     kernels: frozenset[str] | None = None
-    #: an encoder's embeddings module and pooler (``stack_parts.Embeddings`` / ``Pooler``; ``common/encoder_stack.py``)
+    #: an encoder's embeddings module and pooler (``stack_parts.Embeddings`` / ``Pooler``;
+    #: ``common/stack/encoder_stack.py``)
     embeddings: str | None = None
     pooler: str | None = None
     #: what ``transformers``' output hooks record besides (or instead of) the defaults, ``hidden_states`` on the

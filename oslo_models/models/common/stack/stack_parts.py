@@ -19,8 +19,8 @@ from typing import Any, Callable, ClassVar
 
 from torch import nn
 
-from ...parallel_layers.layers import Dropout, Embedding
-from .layer_norm import LayerNorm
+from ....parallel_layers.layers import Dropout, Embedding
+from ..norms.layer_norm import LayerNorm
 
 #: the spec's role attributes a part can fill (``StackSpec``'s fields of the same names)
 ROLES = ("embed_tokens", "position_embedding", "embedding_dropout", "layers", "final_norm", "rotary",
@@ -150,7 +150,7 @@ class Container(Part):
 class Embeddings(Module):
     """An encoder's embeddings module ``module(config)``: ``[b, s]`` ids -> ``[b, s, e]`` (word, position and
     token-type tables, norm, dropout), run whole on every rank before the sequence-parallel scatter
-    (``common/encoder_stack.py``). Its class says how position ids are made (``derives_positions``,
+    (``common/stack/encoder_stack.py``). Its class says how position ids are made (``derives_positions``,
     ``first_position``) and is kept on one device (``_no_split_modules``)."""
 
     role: ClassVar[str] = "embeddings"
