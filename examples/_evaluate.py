@@ -21,16 +21,22 @@ class Evaluator:
 
     ``make_collator()`` is called for every evaluation, so a random collator (MLM masking, T5 span corruption)
     seeded the same way corrupts the held-out set identically each time and the numbers are comparable.
+    ``prefix``: a token file's prefix, read as windows of ``sample_len`` tokens; or a dataset of samples for
+    ``make_collator()`` (train_sft.py's prompt/response pairs).
     """
 
-    def __init__(self, prefix: str, sample_len: int, make_collator: Callable, *, batch_size: int,
+    def __init__(self, prefix, sample_len: int, make_collator: Callable, *, batch_size: int,
                  max_samples: int, context):
-        dataset = om.data.PackedCausalLMDataset(prefix, sample_len, shuffle=False, num_epochs=1)
+        if isinstance(prefix, str):
+            dataset = om.data.PackedCausalLMDataset(prefix, sample_len, shuffle=False, num_epochs=1)
+            what = f"--eval-data {prefix} has {len(dataset)} windows of {sample_len} tokens"
+        else:
+            dataset, what = prefix, f"the held-out set has {len(prefix)} samples"
         per_step = batch_size * context.dp_size
         usable = min(len(dataset), max_samples) // per_step * per_step
         if usable == 0:
-            raise ValueError(f"--eval-data {prefix} has {len(dataset)} windows of {sample_len} tokens, fewer than "
-                             f"one evaluation batch ({batch_size} per rank x {context.dp_size} data-parallel ranks)")
+            raise ValueError(f"{what}, fewer than one evaluation batch ({batch_size} per rank x {context.dp_size} "
+                             f"data-parallel ranks)")
         self.dataset = torch.utils.data.Subset(dataset, range(usable))
         self.make_collator, self.batch_size, self.context = make_collator, batch_size, context
 

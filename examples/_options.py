@@ -13,7 +13,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = ("train_clm", "train_mlm", "train_seq2seq", "train_classification", "train_dpo", "train_grpo", "distill")
+SCRIPTS = ("train_clm", "train_sft", "train_mlm", "train_seq2seq", "train_classification", "train_dpo", "train_grpo",
+           "distill")
 
 # Section titles of the shared options, each starting at the option named (build_parser's order is by topic).
 SECTIONS = (

@@ -12,6 +12,7 @@ tensor parallelism, ZeRO over data parallelism and Accelerate.
     ... examples/train_clm.py --model-type mamba --zero 2   # a small new model of any type (here a state space model)
     ... examples/train_clm.py --plan auto --global-batch-size 64   # the planner picks the layout for this world
     ... examples/train_clm.py --pack --seq-len 256 --batch-size 16   # whole documents packed first-fit per row
+    ... examples/train_clm.py --pack --pp 2 --microbatches 4 --batch-size 16   # packed rows through a pipeline
     ... examples/train_clm.py --seq-len 4096 --tiled-mlp auto --tiled-loss --activation-offload   # long sequences
     python examples/train_clm.py --config run.yaml          # any option below as a YAML key (dashes or underscores)
 
@@ -55,6 +56,13 @@ def make_parser():
                         help="whole documents packed first-fit into rows of --seq-len tokens (positions restarting "
                              "per document; attention within each document) instead of fixed windows across "
                              "documents; --batch-size counts documents")
+    add_long_sequence_options(parser)
+    return parser
+
+
+def add_long_sequence_options(parser) -> None:
+    """``--tiled-mlp``, ``--tiled-loss``, ``--activation-offload`` (read by :func:`with_long_sequence_options`);
+    train_sft.py takes them too."""
     parser.add_argument("--tiled-mlp", metavar="N", default=None,
                         help="long sequences: every decoder block's feed-forward in N sequence slices recomputed in "
                              "the backward, or 'auto' (ceil(seq / hidden)); ParallelConfig.tiled_mlp (needs no "
@@ -66,7 +74,6 @@ def make_parser():
                         help="long sequences: what each block saves for its backward lives in host memory (a "
                              "tensor of at least BYTES moves; without a value the default threshold); "
                              "ParallelConfig.activation_offload")
-    return parser
 
 
 def with_long_sequence_options(args, cfg: om.ParallelConfig) -> om.ParallelConfig:
@@ -94,6 +101,17 @@ def with_long_sequence_options(args, cfg: om.ParallelConfig) -> om.ParallelConfi
         return dataclasses.replace(cfg, tiled_mlp=tiles, tiled_loss=args.tiled_loss, activation_offload=offload)
     except (ValueError, NotImplementedError) as error:
         raise UsageError(str(error)) from None
+
+
+def packing_options(args, cfg: om.ParallelConfig) -> dict:
+    """``--pack``'s collator keywords (``CausalLMCollator`` / ``SFTCollator``): rows of ``--seq-len`` tokens; under
+    pipeline parallelism the row count padded with empty rows to a multiple of the microbatches (the number of
+    packed rows depends on the documents' lengths) and no ``cu_seqlens`` (a flat ``[n + 1]`` tensor that does not
+    split by rows: the restarting ``position_ids`` carry the documents)."""
+    if cfg.pipeline_parallel_size == 1:
+        return {"pack_to": args.seq_len}
+    return {"pack_to": args.seq_len, "rows_multiple_of": cfg.num_microbatches or cfg.pipeline_parallel_size,
+            "return_cu_seqlens": False}
 
 
 def parse_args(argv=None):
@@ -153,9 +171,6 @@ class Documents:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.pack and args.pp > 1:
-        raise UsageError("--pack with --pp: a packed batch has as many rows as its documents need, and a pipeline "
-                         "splits a fixed number of rows into microbatches; pack with --pp 1")
     # before any process group or model: one clean error per job (and --plan auto's layout)
     cfg = with_long_sequence_options(args, check_launch(args, om.AutoModelForCausalLM, gpt2_config))
     accelerator, context = make_accelerator(args, cfg)
@@ -164,7 +179,8 @@ def main(argv=None) -> None:
 
     global_batch = args.batch_size * args.grad_accum * context.dp_size
     if args.pack:  # one sample per document, cycled; the collator packs a batch's documents into rows
-        dataset, collator = Documents(prefix, args.steps * global_batch), om.data.CausalLMCollator(pack_to=args.seq_len)
+        dataset = Documents(prefix, args.steps * global_batch)
+        collator = om.data.CausalLMCollator(**packing_options(args, cfg))
     else:
         dataset = om.data.PackedCausalLMDataset(prefix, args.seq_len, seed=args.seed,
                                                 num_samples=args.steps * global_batch)

@@ -103,8 +103,8 @@ def test_packed_batches_train_like_padded_rows():
 
 @pytest.mark.slow
 def test_train_clm_pack(tmp_path):
-    """``examples/train_clm.py --pack`` trains on packed documents (native Llama, single process); ``--pp`` is
-    refused with the reason."""
+    """``examples/train_clm.py --pack`` trains on packed documents (native Llama, single process); under ``--pp``
+    the packed rows come in a multiple of the microbatches."""
     import json
     import os
     import subprocess
@@ -119,5 +119,37 @@ def test_train_clm_pack(tmp_path):
     with open(tmp_path / "out" / "loss.json", encoding="utf-8") as handle:
         losses = json.load(handle)
     assert len(losses if isinstance(losses, list) else losses["losses"]) == 3
-    refused = subprocess.run([*args, "--pp", "2"], capture_output=True, text=True, env=env, timeout=600)
-    assert refused.returncode != 0 and "--pack with --pp" in refused.stderr + refused.stdout
+    # under pp (no longer refused): rows padded to a multiple of the microbatches, no cu_seqlens (tests/training/
+    # test_sft_example.py trains packed rows at pp 2 through the same options)
+    sys.path.insert(0, os.path.dirname(script))
+    import train_clm
+
+    options = train_clm.packing_options(train_clm.parse_args(["--pack"]),
+                                        om.ParallelConfig(pipeline_parallel_size=2, num_microbatches=4))
+    assert options == {"pack_to": 64, "rows_multiple_of": 4, "return_cu_seqlens": False}
+
+
+def test_rows_padded_to_a_multiple_add_nothing():
+    """``rows_multiple_of``: empty rows (pipeline microbatches) leave loss and gradients those of the padded rows, for
+    a native Llama and a generic-path Granite, with and without ``cu_seqlens``. Negative control: an appended row
+    that is not empty (its padding labelled) changes the loss."""
+    docs = _documents(101, [5, 9, 3, 7, 4, 8])
+    batch = CausalLMCollator(pack_to=16, rows_multiple_of=4)(docs)
+    assert batch["input_ids"].shape == (4, 16) and batch["attention_mask"][-1].sum() == 0
+    assert (batch["labels"][-1] == -100).all() and batch["cu_seqlens"].tolist()[-2:] == [48, 64]
+    assert CausalLMCollator(pack_to=16, rows_multiple_of=1)(docs)["input_ids"].shape[0] == 3
+    with pytest.raises(ValueError, match="rows_multiple_of"):
+        CausalLMCollator(pack_to=16, rows_multiple_of=0)(docs)
+    torch.manual_seed(0)
+    models = {"llama": om.AutoModelForCausalLM.from_config(tiny_config("llama")).train(),
+              "granite": om.AutoModelForCausalLM.from_config(CONFIGS["granite"]()).train()}
+    for name, model in models.items():
+        reference = _loss_and_grads(model, CausalLMCollator(pad_token_id=0)(docs))
+        for marks in (True, False):
+            rows = CausalLMCollator(pack_to=16, rows_multiple_of=4, return_cu_seqlens=marks)(docs)
+            _assert_same(_loss_and_grads(model, rows), reference, f"{name} cu_seqlens={marks}")
+    rows = CausalLMCollator(pack_to=16, rows_multiple_of=4, return_cu_seqlens=False)(docs)
+    rows["labels"][-1, 1:] = 0
+    rows["attention_mask"][-1] = 1
+    padded = _loss_and_grads(models["llama"], CausalLMCollator(pad_token_id=0)(docs))[0]
+    assert (_loss_and_grads(models["llama"], rows)[0] - padded).abs() > 1e-3

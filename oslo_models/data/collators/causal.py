@@ -24,17 +24,19 @@ class CausalLMCollator:
     padding), ``position_ids`` restarting per document, ``attention_mask`` and ``cu_seqlens`` (unless
     ``return_cu_seqlens=False``); the models attend per document. The number of rows depends on the lengths. The
     padding id is ``pad_token_id`` or the tokenizer's, else 0 (a padding token is never attended to nor a target).
+    ``rows_multiple_of=m`` (with ``pack_to``): empty rows are appended until the row count divides by ``m`` (a
+    pipeline's microbatches; they add nothing to loss or gradients).
     """
 
     def __init__(self, tokenizer=None, *, pad_token_id: int | None = None, return_position_ids: bool = False,
                  pad_to_multiple_of: int | None = None, max_length: int | None = None, pack_to: int | None = None,
-                 return_cu_seqlens: bool = True):
+                 return_cu_seqlens: bool = True, rows_multiple_of: int | None = None):
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
         self.return_position_ids = return_position_ids
         self.pad_to_multiple_of = pad_to_multiple_of
         self.max_length = max_length
-        self.pack_to, self.return_cu_seqlens = pack_to, return_cu_seqlens
+        self.pack_to, self.return_cu_seqlens, self.rows_multiple_of = pack_to, return_cu_seqlens, rows_multiple_of
 
     def __call__(self, examples) -> dict[str, torch.Tensor]:
         if len(examples) == 0:
@@ -42,7 +44,7 @@ class CausalLMCollator:
         ids = [as_tokens(field(e)) for e in examples]
         if self.pack_to is not None:
             return pack_documents(ids, self.pack_to, pad_token_id=packing_pad_id(self.tokenizer, self.pad_token_id),
-                                  return_cu_seqlens=self.return_cu_seqlens)
+                                  return_cu_seqlens=self.return_cu_seqlens, rows_multiple_of=self.rows_multiple_of)
         lengths = [s.size for s in ids]
         length = padded_length(lengths, self.pad_to_multiple_of, self.max_length)
         needs_pad = any(n != length for n in lengths)

@@ -18,6 +18,11 @@ A document longer than the budget is cut into budget-sized pieces first (``split
 document of its own, as a fixed-length pre-training window would cut it) or truncated to the budget
 (``split_long=False``: an SFT example keeps its beginning). Everything is numpy on the host; tensors are ``int64``
 (``cu_seqlens`` ``int32``).
+
+``rows_multiple_of=m``: the batch gets empty rows (all padding: ids ``pad_token_id``, labels -100, positions 0,
+``attention_mask`` 0, one ``cu_seqlens`` segment each) until its row count is a multiple of ``m``. A pipeline splits a
+batch's rows into ``m`` microbatches; the number of packed rows depends on the documents' lengths. An empty row adds
+nothing to the loss nor to any gradient (no label, and nothing attends to its tokens).
 """
 from __future__ import annotations
 
@@ -57,15 +62,20 @@ def _pieces(ids: np.ndarray, labels: np.ndarray, budget: int, split_long: bool):
 
 def pack_documents(documents: Sequence[np.ndarray], budget: int, *, pad_token_id: int = 0,
                    labels: Sequence[np.ndarray] | None = None, split_long: bool = True,
-                   return_cu_seqlens: bool = True) -> dict[str, torch.Tensor]:
+                   return_cu_seqlens: bool = True, rows_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
     """Pack ``documents`` (1-D int arrays) into ``[r, budget]`` rows (module docstring). ``labels``: per-document
-    targets (-100 where there is none, e.g. a prompt), default the document itself."""
+    targets (-100 where there is none, e.g. a prompt), default the document itself. ``rows_multiple_of``: empty rows
+    appended until ``r`` divides by it (module docstring)."""
+    if rows_multiple_of is not None and (not isinstance(rows_multiple_of, int) or rows_multiple_of <= 0):
+        raise ValueError(f"rows_multiple_of must be a positive int, got {rows_multiple_of!r}")
     labels = [np.asarray(d) for d in documents] if labels is None else [np.asarray(lab) for lab in labels]
     pieces = [piece for doc, lab in zip(documents, labels)
               for piece in _pieces(np.asarray(doc), lab, budget, split_long) if piece[0].size]
     if not pieces:
         raise ValueError("nothing to pack: every document is empty")
     rows = first_fit([ids.size for ids, _ in pieces], budget)
+    if rows_multiple_of:
+        rows += [[] for _ in range(-len(rows) % rows_multiple_of)]
     shape = (len(rows), budget)
     input_ids = np.full(shape, pad_token_id, dtype=np.int64)
     target = np.full(shape, -100, dtype=np.int64)

@@ -41,13 +41,16 @@ class SFTCollator:
     ``pack_to=N``: examples packed first-fit into rows of ``N`` tokens (``packing.py``: ``position_ids`` restarting
     per example, ``cu_seqlens`` unless ``return_cu_seqlens=False``, ``attention_mask``; an example longer than ``N``
     is truncated to ``N``); the models attend per example, so loss and gradients are the padded batch's.
+    ``rows_multiple_of=m`` (with ``pack_to``): empty rows are appended until the row count divides by ``m`` (a
+    pipeline's microbatches; they add nothing to loss or gradients).
     """
 
     def __init__(self, tokenizer=None, *, pad_token_id: int | None = None, max_length: int | None = None,
-                 pad_to_multiple_of: int | None = None, pack_to: int | None = None, return_cu_seqlens: bool = True):
+                 pad_to_multiple_of: int | None = None, pack_to: int | None = None, return_cu_seqlens: bool = True,
+                 rows_multiple_of: int | None = None):
         self.tokenizer, self.pad_token_id = tokenizer, pad_token_id
         self.max_length, self.pad_to_multiple_of = max_length, pad_to_multiple_of
-        self.pack_to, self.return_cu_seqlens = pack_to, return_cu_seqlens
+        self.pack_to, self.return_cu_seqlens, self.rows_multiple_of = pack_to, return_cu_seqlens, rows_multiple_of
 
     def __call__(self, examples) -> dict[str, torch.Tensor]:
         if len(examples) == 0:
@@ -58,7 +61,7 @@ class SFTCollator:
         if self.pack_to is not None:
             return pack_documents([ids for ids, _ in pairs], self.pack_to, labels=[lab for _, lab in pairs],
                                   pad_token_id=packing_pad_id(self.tokenizer, self.pad_token_id), split_long=False,
-                                  return_cu_seqlens=self.return_cu_seqlens)
+                                  return_cu_seqlens=self.return_cu_seqlens, rows_multiple_of=self.rows_multiple_of)
         lengths = [ids.size for ids, _ in pairs]
         length = padded_length(lengths, self.pad_to_multiple_of)
         needs_pad = any(n != length for n in lengths)
