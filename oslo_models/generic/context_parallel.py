@@ -115,7 +115,12 @@ def install(model: nn.Module, context) -> None:
     attends through it (one dummy forward over the cp group)."""
     from .dummy_forward import dummy_forward
     from .sequence_parallel import decoder_layers
+    from .support import is_image_text
 
+    if is_image_text(model.config, type(model)):  # split after the vision features' merge (image_text/)
+        from ..image_text.context_parallel import install as install_image_text
+
+        return install_image_text(model, context)
     if getattr(model, "loss_type", None) != "ForCausalLM":
         raise NotImplementedError(f"context_parallel_size={context.cp_size}: the generic path splits the sequence "
                                   f"of causal LMs; {type(model).__name__} is not one")

@@ -23,13 +23,13 @@ collectives: the plan's (all-reduces over tp in the decoder's rowwise projection
 state); the language model (and LM head) train.
 
 Pipeline parallelism (``pipeline.py``): the language model's layers cut into stages, the vision tower and projector
-on the first stage, with data parallelism and ZeRO 0-3; ``model.train_step(batch)`` runs the schedule.
+on the first stage, with data parallelism and ZeRO 0-3; ``model.train_step(batch)`` runs the schedule. Context
+parallelism (``context_parallel.py``): every cp rank merges the whole rows' image features, the merged sequence is
+split before the language model (batches: :func:`~oslo_models.image_text.context_parallel_splitter`).
 
 Not implemented, refused before any process group with the reason (:func:`refusals`): pipeline parallelism with
-tensor or context parallelism (untested), context parallelism (a chunk of the merged sequence would hold only part of
-an image's tokens, while ``transformers`` merges the features of whole images by position, and Qwen's M-RoPE
-positions are computed from the whole sequence), expert parallelism and sequence parallelism (not tested for these
-classes).
+tensor or context parallelism (untested), expert parallelism and sequence parallelism (not tested for these
+classes). Under context parallelism a type whose language model takes precomputed masks (Gemma 3) is refused at load.
 """
 from __future__ import annotations
 
@@ -90,11 +90,6 @@ def refusals(parallel) -> list[str]:
         reasons.append(f"pipeline_parallel_size={pp} with tensor_parallel_size={tp} / context_parallel_size={cp} is "
                        f"not implemented (untested) for image-text models: pipeline them with data parallelism "
                        f"(ZeRO 0-3) only")
-    if config.context_parallel_size > 1:
-        reasons.append(f"context_parallel_size={config.context_parallel_size} is not implemented for image-text "
-                       f"models: a chunk of the merged sequence would hold part of an image's tokens while "
-                       f"transformers merges whole images' features by position (and Qwen's M-RoPE positions are "
-                       f"computed over the whole sequence)")
     if config.expert_parallel_size > 1:
         reasons.append(f"expert_parallel_size={config.expert_parallel_size} is not implemented (untested) for "
                        f"image-text models")

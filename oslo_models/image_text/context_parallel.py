@@ -1,0 +1,127 @@
+"""Context parallelism for image-text models: the merged (text + image tokens) sequence split after the merge.
+
+    cfg = om.ParallelConfig(context_parallel_size=2, data_parallel_size=2, zero_stage=3)
+    model = om.AutoModelForImageTextToText.from_pretrained(path, parallel=cfg)
+    batch = om.image_text.context_parallel_splitter(model.parallel_context)(collated)  # labels split, rest whole
+    loss = model(**batch).loss        # this rank's share of the global batch's loss
+
+Every cp rank of a replica is given the replica's whole rows: ``input_ids [b, S]``, ``attention_mask``, the pixel
+values and image grids, and its chunk(s) of the targets (:func:`context_parallel_splitter`: ``labels`` and
+``shift_labels``, shifted on the whole sequence first, split like any context-parallel batch). The forward runs as
+in ``transformers`` up to the language model: the vision tower and projector on every image of the rows (replicated
+over cp), the features merged at the image tokens, Qwen-VL's M-RoPE positions ``[3, b, S]`` computed over the whole
+sequence from the grids. A forward pre-hook on the language model then keeps this rank's chunk(s) of what it is
+given (``ParallelConfig.context_parallel_mode``: ring, chunks ``r`` and ``2cp-1-r`` of ``2cp``; all-to-all, chunk
+``r``): ``inputs_embeds [b, S, h] -> [b, S/cp, h]``, the position ids along their last axis (``[3, b, S] -> [3, b,
+S/cp]``; without them the global positions of the chunk), and hands the layers the ``ContextParallelMask`` of the
+batch through the generic path's attention function (``generic/context_parallel.py``: ring or all-to-all attention
+over the cp group, causal on the global token order, padding from the whole ``attention_mask``). An image whose
+tokens cross a chunk boundary gives the same numbers: its features were merged into the whole sequence before the
+split, and the chunk's attention sees every earlier token of the sequence through the cp group.
+
+The logits are the chunk's ``[b, S/cp, V]``; ``transformers``' loss reads ``shift_labels`` (the chunk's targets) over
+``num_items_in_batch``, so each rank returns its chunk's share and the gradient average over dp x cp sums them -
+also the vision tower's, which each cp rank reaches through its chunk's image tokens only.
+
+Collectives per forward: the mask's all-gather of the padding over cp, the attention's (ring: ``cp - 1`` key/value
+exchanges per layer; all-to-all: two per layer). Refused at load with the reason (before the check's collectives): a
+language model given precomputed masks (Gemma 3's bidirectional attention inside each image's tokens, which the
+context-parallel mask cannot express), one whose layers do not attend through the interface, packed rows.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..generic.context_parallel import ATTENTION_NAME, KEYWORD, chunk_inputs, register
+from . import vision
+
+
+def context_parallel_splitter(parallel_context):
+    """The batch transform of an image-text model under context parallelism: ``labels`` and ``shift_labels`` (the
+    labels shifted on the whole sequence) split into this cp rank's chunk(s); ``input_ids``, ``attention_mask``,
+    pixel values, grids and token types whole (the merge needs every image's tokens). A
+    ``ContextParallelSplitter``: ``training.prepare`` leaves a loader whose collate function is (or chains) one
+    alone."""
+    from ..data.collators.context_parallel import ContextParallelSplitter
+
+    return ContextParallelSplitter(parallel_context, shift_labels=True, keys=("labels", "shift_labels"))
+
+
+def _chunk(context, kwargs: dict) -> dict:
+    """The language model's keyword arguments for this rank's chunk(s) (module docstring)."""
+    from ..parallel_layers.context_parallel.chunking import token_index
+
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is None:
+        raise NotImplementedError("context parallelism on an image-text model splits the merged inputs_embeds its "
+                                  "language model is given; it was called with token ids")
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, dict) or (torch.is_tensor(mask) and mask.dim() != 2):
+        raise NotImplementedError("context parallelism on an image-text model needs a [batch, seq] padding mask for "
+                                  "its language model; this model hands it precomputed attention masks (Gemma 3's "
+                                  "bidirectional attention inside each image's tokens), which the context-parallel "
+                                  "mask (causal on the global order, padding, sliding window) cannot express")
+    seq = embeds.shape[1]
+    mode, cp = context.config.context_parallel_mode, context.cp_size
+    from ..parallel_layers.context_parallel.chunking import check_sequence_length
+
+    check_sequence_length(seq, cp, mode)
+    index = token_index(seq // cp, context.cp_rank, cp, mode, device=embeds.device)
+    positions = kwargs.get("position_ids")
+    chunked = {**kwargs, "inputs_embeds": embeds[:, index], "position_ids": None,
+               "attention_mask": None if mask is None else mask[:, index]}
+    for key in ("visual_pos_masks", "deepstack_visual_embeds"):
+        if kwargs.get(key) is not None:  # Qwen3-VL's deepstack features added inside the layers
+            raise NotImplementedError("context parallelism is not implemented for Qwen3-VL's deepstack features "
+                                      "(added to the image tokens inside the first decoder layers)")
+    chunked = chunk_inputs(context, chunked, chunked["inputs_embeds"])
+    if positions is not None:  # [b, S] or M-RoPE [3 (or 4), b, S]: the chunk's along the sequence axis
+        chunked["position_ids"] = positions[..., index]
+    return chunked
+
+
+def _hook(context):
+    def hook(module, args, kwargs):
+        if args:
+            raise NotImplementedError("context parallelism on an image-text model: its language model was called "
+                                      "with positional arguments; expected keyword arguments (inputs_embeds=...)")
+        return args, _chunk(context, kwargs)
+
+    return hook
+
+
+def install(model, context) -> None:
+    """Switch the language model to the context-parallel attention, add the chunking pre-hook on it, and check with
+    one text-only forward (whole dummy rows, every cp rank) that each decoder layer attends through it."""
+    decoder = vision.language_model(model)
+    register()
+    sub = next((name for name in getattr(model.config, "sub_configs", {}) if
+                getattr(model.config, name, None) is decoder.config), None)
+    if sub is None:
+        raise NotImplementedError(f"{type(model).__name__}: its language model's config is not one of its sub-configs; "
+                                  f"the context-parallel attention could not be set on the language model only")
+    model.set_attn_implementation({sub: ATTENTION_NAME})
+    handle = decoder.register_forward_pre_hook(_hook(context), with_kwargs=True)
+    seen = []
+    probe = decoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs[KEYWORD]),
+                                              with_kwargs=True)
+    try:
+        seq = 4 * context.cp_size
+        ids = torch.arange(3, 3 + seq, device=context.device).remainder(decoder.config.vocab_size - 3)[None] + 3
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+        model.train(was_training)
+    except BaseException:
+        handle.remove()
+        raise
+    finally:
+        probe.remove()
+    layers = len(decoder.layers) if hasattr(decoder, "layers") else None
+    if not seen or layers is None or seen[0].calls < layers:
+        handle.remove()
+        raise NotImplementedError(
+            f"context_parallel_size={context.cp_size}: {seen[0].calls if seen else 0} of the {layers} layers of "
+            f"{type(model).__name__}'s language model attend through transformers' attention interface; the others "
+            f"would see only this rank's chunk of the sequence")
