@@ -34,6 +34,9 @@ class GenericProtocol(ModelProtocol):
     def check_layout(self, model: nn.Module, parallel) -> None:
         from .support import check_parallel
 
+        model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: the model's own class
+        if hasattr(model, "get_base_model"):  # a peft wrapper: the model it adapts
+            model = model.get_base_model()
         check_parallel(model.config, parallel, type(model))
 
     def training_refusal(self, model: nn.Module) -> str | None:
@@ -45,6 +48,14 @@ class GenericProtocol(ModelProtocol):
                     "split layer (its own random A/B per rank, a row-split adapter's output never summed over tp), "
                     "so it would not train the adapter a single process trains; use tp 1 with data parallelism / "
                     "ZeRO (tested), or a native oslo_models family, whose parallel LoRA layers split the adapter")
+        on_experts = _adapted_experts(model, BaseTunerLayer)
+        if on_experts:
+            return (f"peft adapters on the experts split over expert_parallel_size="
+                    f"{model.parallel_context.ep_size} ({on_experts[0]}): peft's LoRA of fused expert parameters "
+                    "adds a whole-size update for every expert to this rank's DTensor slice of the experts (a plain "
+                    "tensor mixed with a DTensor: the forward fails inside the schedule or the step); target the "
+                    "attention, dense MLP or shared-expert modules only (tested at pp x ep), or use "
+                    "expert_parallel_size=1")
         return None
 
     def pipeline_adapter(self, model: nn.Module):
@@ -65,3 +76,25 @@ class GenericProtocol(ModelProtocol):
 
     def expert_data_parallel_mesh(self, model: nn.Module, context):
         return model._oslo_expert_mesh["edp"]  # the mesh its experts were split on (expert_parallel.py)
+
+
+def _adapted_experts(model: nn.Module, tuner_layer: type) -> list[str]:
+    """What of the experts split over ep peft adapts: the adapters' ``target_parameters`` (how peft adapts fused
+    experts) naming a parameter of the type's ``base_model_ep_plan`` - read from the adapter configs, the same on every
+    rank, also on a pipeline stage holding no experts - and the tuner layers whose adapted module holds DTensor
+    parameters split over ep."""
+    from torch.distributed.tensor import DTensor
+
+    if model.parallel_context.ep_size == 1:
+        return []
+    plan = getattr(model.config.get_text_config(), "base_model_ep_plan", None) or {}
+    leaves = {key.rpartition(".")[2] for key in plan}
+    targets = set()
+    for config in (getattr(model, "peft_config", None) or {}).values():
+        targets |= set(getattr(config, "target_parameters", None) or ())
+    found = sorted(f"target_parameters {name!r}" for name in targets if name.rpartition(".")[2] in leaves)
+    for name, module in model.named_modules():
+        if isinstance(module, tuner_layer) and any(isinstance(p, DTensor)
+                                                   for p in module.get_base_layer().parameters()):
+            found.append(name)
+    return found

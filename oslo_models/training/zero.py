@@ -303,11 +303,9 @@ def _predicted_state_bytes(optimizer, context, stage: int, model) -> int:
 
     dense = context.config.data_parallel_shard_size or context.dp_cp_size if stage >= 2 else 1
     experts = set()
-    if context.ep_size > 1:
-        from ..distributed.expert_parallel import expert_parameter_names
-
-        names = set(expert_parameter_names(model))
-        experts = {id(p) for name, p in model.named_parameters() if name in names}
+    if context.ep_size > 1:  # the model protocol's expert units (a generic model has no parallel_plan)
+        experts = {id(p) for unit in protocol_of(model).expert_units(getattr(model, "_orig_mod", model))
+                   for p in unit.parameters()}
     sizes = []
     for group in optimizer.param_groups:
         for param in group["params"]:

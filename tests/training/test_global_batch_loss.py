@@ -82,17 +82,18 @@ def reference_steps(reference, rows: list[dict], rows_per_step: int) -> tuple[to
 
 
 def prepared_steps(model, rows: list[dict], *, batch: int, accumulation: int = 1, zero_stage: int = 0,
-                   average: bool = True, collate_fn=_collate) -> tuple[torch.nn.Module, list[float]]:
+                   average: bool = True, collate_fn=_collate, **prepare_options) -> tuple[torch.nn.Module, list[float]]:
     """The documented loop over ``training.prepare`` with a plain, unshuffled ``DataLoader``: rank ``d`` of ``dp``
     gets batches ``d, d + dp, ...``, so step ``k`` covers rows ``[k R, (k + 1) R)``, ``R = batch * dp * accumulation``
-    as the reference's step. Returns the unwrapped model and the logged (world-mean) loss of every step."""
+    as the reference's step (``prepare_options``: more keywords of ``training.prepare``, e.g. ``cpu_offload``).
+    Returns the unwrapped model and the logged (world-mean) loss of every step."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
     loader = DataLoader(rows, batch_size=batch, shuffle=False, collate_fn=collate_fn)
     model, optimizer, loader = training.prepare(accelerator, model, optimizer, loader, zero_stage=zero_stage,
-                                                average_tokens_across_devices=average)
+                                                average_tokens_across_devices=average, **prepare_options)
     pipelined = training.unwrap_model(model).parallel_context.pp_size > 1
     running, losses = torch.zeros(()), []
     for micro in loader:
