@@ -473,11 +473,13 @@ def check_step(args, accelerator, model, loss, step: int, checkpoint_dir: str) -
 
 
 def fit(args, accelerator, context, model, dataset, collator, tokens: str, evaluator: Evaluator | None = None,
-        **ddp_kwargs):
+        split_context: bool | None = None, **ddp_kwargs):
     """Loader, optimizer and scheduler, ``training.prepare``, then :func:`train_loop`: the part every example
-    shares. ``tokens`` describes one sample for the start-up line; ``ddp_kwargs`` go to DDP at ZeRO-0 (e.g.
-    ``find_unused_parameters``). Returns ``(model, step, losses, reporter)``."""
-    loader = om.data.build_dataloader(dataset, args.batch_size, collator, parallel_context=context, seed=args.seed)
+    shares. ``tokens`` describes one sample for the start-up line; ``split_context``: ``build_dataloader``'s
+    (``False``: the collator keeps the cp rank's part itself, as train_vlm.py's does); ``ddp_kwargs`` go to DDP at
+    ZeRO-0 (e.g. ``find_unused_parameters``). Returns ``(model, step, losses, reporter)``."""
+    loader = om.data.build_dataloader(dataset, args.batch_size, collator, parallel_context=context, seed=args.seed,
+                                      split_context=split_context)
     optimizer, scheduler = optimizer_and_scheduler(args, model)
     if args.zero and context.dp_size > 1:
         # ZeRO builds a new (sharded) optimizer after the scheduler was made on the plain one, and prepare points

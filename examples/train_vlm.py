@@ -1,10 +1,12 @@
 """Fine-tune an image-text model (LLaVA, LLaVA-NeXT, Gemma 3, Qwen2.5-VL, Qwen3-VL, Mistral 3, Idefics3 / SmolVLM,
-any type ``transformers``' ``AutoModelForImageTextToText`` builds) with tensor parallelism, ZeRO over data
-parallelism and Accelerate, on image-caption pairs.
+any type ``transformers``' ``AutoModelForImageTextToText`` builds) with tensor, pipeline or context parallelism,
+ZeRO over data parallelism and Accelerate, on image-caption pairs.
 
     torchrun --nproc_per_node 2 examples/train_vlm.py --tp 2                 # a tiny LLaVA on the built-in set
     torchrun --nproc_per_node 4 examples/train_vlm.py --tp 2 --zero 3 --freeze-vision
     torchrun --nproc_per_node 8 examples/train_vlm.py --model path/to/vlm --tp 2 --zero 3   # its own processor
+    torchrun --nproc_per_node 4 examples/train_vlm.py --pp 2 --zero 1    # vision tower on the first stage
+    torchrun --nproc_per_node 4 examples/train_vlm.py --cp 2 --zero 3    # merged sequence split over 2 ranks
     ... examples/train_vlm.py --pack --seq-len 128 --batch-size 8   # several samples packed per row (LLaVA-style)
     ACCELERATE_USE_CPU=1 accelerate launch --num_processes 2 examples/train_vlm.py --tp 2   # same script
 
@@ -21,8 +23,14 @@ loss; ``--pack``: samples packed first-fit into rows of ``--seq-len`` tokens).
 
 Writes to ``--output``: ``checkpoint/`` (resumable), ``loss.json`` and ``model/``, a Hub folder (model + processor)
 that plain ``transformers`` opens; at the end rank 0 captions a held-out image with it (``generate`` with pixel
-values). Pipeline and context parallelism are refused for image-text models (one clear error before anything
-starts).
+values).
+
+``--pp``: the language model's layers in stages, the vision tower and projector on the first
+(``oslo_models/image_text/pipeline.py``; steps and evaluations run ``train_step`` / ``eval_step``). ``--cp``: each cp
+rank merges its rows' whole images, the merged sequence is split after the merge
+(``oslo_models/image_text/context_parallel.py``; the collator pads rows to a length the layout splits and keeps the
+rank's chunk of the labels). Refused with one clear error before anything starts: ``--pp`` with ``--tp`` or ``--cp``,
+``--pack`` with ``--pp`` or ``--cp``, and what ``AutoModelForImageTextToText`` refuses.
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ import transformers
 import oslo_models as om
 from _common import UsageError, build_parser, check_launch, export, finish, fit, make_accelerator, run
 from _common import parse_args as _parse_args
+from oslo_models.image_text.context_parallel import ContextParallelCollate
 from oslo_models.image_text.demo import ShapesCaptions, llava_processor, tiny_llava_config
 
 
@@ -64,19 +73,33 @@ class CaptionEvaluator:
         self.dataset = ShapesCaptions(usable, offset=10 ** 6)
         self.collator, self.batch_size, self.context = collator, batch_size, context
 
+    def _loss(self, model, batch) -> torch.Tensor:
+        """The batch's mean caption loss: pp, ``eval_step`` (the dp mean, on every rank); cp, each chunk's summed
+        token losses over the rows' label count, summed over cp (every cp rank the rows' mean)."""
+        context = self.context
+        if context.pp_size > 1:
+            return model.eval_step(batch)
+        if context.cp_size == 1:
+            return model(**batch).loss
+        count = (batch["shift_labels"] != -100).sum().float()
+        torch.distributed.all_reduce(count, group=context.cp_group)
+        loss = model(**batch, num_items_in_batch=count.clamp(min=1.0)).loss.detach().clone()
+        torch.distributed.all_reduce(loss, group=context.cp_group)
+        return loss
+
     @torch.no_grad()
     def __call__(self, model) -> dict[str, float]:
         loader = om.data.build_dataloader(self.dataset, self.batch_size, self.collator, parallel_context=self.context,
-                                          shuffle=False, drop_last=True)
+                                          shuffle=False, drop_last=True, split_context=False)
         was_training = model.training
         model.eval()
         total, batches = torch.zeros((), dtype=torch.float64), 0
         for batch in loader:
-            total += model(**{k: v.to(self.context.device) for k, v in batch.items()}).loss.double().cpu()
+            total += self._loss(model, {k: v.to(self.context.device) for k, v in batch.items()}).double().cpu()
             batches += 1
         model.train(was_training)
         mean = (total / batches).float()
-        if self.context.world_size > 1:  # tp ranks hold equal values: the world mean is the dp mean
+        if self.context.world_size > 1:  # tp / pp / cp ranks hold equal values: the world mean is the dp mean
             torch.distributed.all_reduce(mean)
             mean = mean / self.context.world_size
         loss = float(mean)
@@ -104,21 +127,28 @@ def main(argv=None) -> None:
                          "--eval-data are not taken (use --model for a checkpoint)")
     cfg = check_launch(args, om.AutoModelForImageTextToText)
     try:
-        om.AutoModelForImageTextToText.check_parallel(cfg)  # pp / cp: refused before any process group
+        om.AutoModelForImageTextToText.check_parallel(cfg)  # what image-text models refuse, before any process group
     except NotImplementedError as error:
         raise UsageError(str(error)) from None
+    if args.pack and (args.pp > 1 or args.cp > 1):
+        raise UsageError("--pack is not implemented with --pp / --cp for image-text models (one sample per row)")
     accelerator, context = make_accelerator(args, cfg)
     model, processor = build(args, context)
     collator = om.data.ImageTextCollator(processor, pack_to=args.seq_len if args.pack else None)
+    eval_collator = om.data.ImageTextCollator(processor)
+    if context.cp_size > 1:  # whole rows and images on every cp rank, the labels split (split after the merge)
+        pad = processor.tokenizer.pad_token_id
+        collator = ContextParallelCollate(collator, context, pad)
+        eval_collator = ContextParallelCollate(eval_collator, context, pad)
     global_batch = args.batch_size * args.grad_accum * context.dp_size
     dataset = ShapesCaptions(args.train_samples or args.steps * global_batch)
-    evaluator = CaptionEvaluator(om.data.ImageTextCollator(processor), args.eval_samples, args.batch_size, context)
+    evaluator = CaptionEvaluator(eval_collator, args.eval_samples, args.batch_size, context)
     # a trained vision tower whose last layers feed nothing (LLaVA reads an inner layer's features: CLIP's last
     # layer and post_layernorm get no gradient) stops plain DDP unless it looks for unused parameters
-    ddp = {"find_unused_parameters": True} if (args.zero <= 1 and not args.freeze_vision and context.dp_size > 1
+    ddp = {"find_unused_parameters": True} if (args.zero <= 1 and not args.freeze_vision and context.dp_cp_size > 1
                                                and context.tp_size == 1 and context.pp_size == 1) else {}
     model, step, losses, reporter = fit(args, accelerator, context, model, dataset, collator, "an image + caption",
-                                        evaluator, **ddp)
+                                        evaluator, split_context=False, **ddp)
     model_dir = export(args, accelerator, model, processor, losses, "train_vlm.py", reporter)
     if accelerator.is_main_process:
         plain = transformers.AutoModelForImageTextToText.from_pretrained(model_dir).eval()  # plain transformers

@@ -68,6 +68,10 @@ def _chunk(context, kwargs: dict) -> dict:
     check_sequence_length(seq, cp, mode)
     index = token_index(seq // cp, context.cp_rank, cp, mode, device=embeds.device)
     positions = kwargs.get("position_ids")
+    if torch.is_tensor(positions) and positions.dim() == 2 and not torch.equal(
+            positions, torch.arange(seq, device=positions.device).expand_as(positions)):
+        raise NotImplementedError("context parallelism on an image-text model takes one sample per row: packed rows "
+                                  "(position_ids restarting per sample) are not implemented")
     chunked = {**kwargs, "inputs_embeds": embeds[:, index], "position_ids": None,
                "attention_mask": None if mask is None else mask[:, index]}
     for key in ("visual_pos_masks", "deepstack_visual_embeds"):
@@ -125,3 +129,33 @@ def install(model, context) -> None:
             f"context_parallel_size={context.cp_size}: {seen[0].calls if seen else 0} of the {layers} layers of "
             f"{type(model).__name__}'s language model attend through transformers' attention interface; the others "
             f"would see only this rank's chunk of the sequence")
+
+
+class ContextParallelCollate:
+    """``collate`` (e.g. ``om.data.ImageTextCollator``), then every ``[b, S]`` entry right-padded to a length the cp
+    layout splits (``2 cp`` for ring, ``cp`` for all-to-all; ``input_ids`` with ``pad_token_id``, labels with
+    ``-100``, masks and token types with 0), then :func:`context_parallel_splitter` (``self.splitter``, which
+    ``training.prepare`` recognises: it does not split such a loader again). Build the loader with
+    ``split_context=False``. No collective."""
+
+    def __init__(self, collate, parallel_context, pad_token_id: int):
+        from ..parallel_layers.context_parallel.chunking import num_chunks
+
+        self.collate, self.pad_token_id = collate, pad_token_id
+        self.splitter = context_parallel_splitter(parallel_context)
+        self.multiple = num_chunks(self.splitter.cp_size, self.splitter.mode)
+
+    def __call__(self, samples) -> dict:
+        batch = self.collate(samples)
+        if "cu_seqlens" in batch or "position_ids" in batch:
+            raise NotImplementedError("context parallelism on an image-text model takes one sample per row: packed "
+                                      "rows are not implemented")
+        seq = batch["input_ids"].shape[1]
+        extra = -seq % self.multiple
+        fill = {"input_ids": self.pad_token_id, "labels": -100}
+        if extra:
+            batch = {key: torch.nn.functional.pad(value, (0, extra), value=fill.get(key, 0))
+                     if torch.is_tensor(value) and value.dim() == 2 and value.shape[1] == seq
+                     and key in ("input_ids", "attention_mask", "labels", "token_type_ids", "mm_token_type_ids")
+                     else value for key, value in batch.items()}
+        return self.splitter(batch)
