@@ -12,7 +12,8 @@ from tests.image_text.models import config
 
 @pytest.mark.parametrize("options, words", [
     (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "pipeline them with data parallelism"),
-    (dict(context_parallel_size=2), "part of an image's tokens"),
+    (dict(pipeline_parallel_size=2, context_parallel_size=2), "pipeline them with data parallelism"),
+    (dict(expert_parallel_size=2, data_parallel_size=2), "expert_parallel_size=2"),
     (dict(tensor_parallel_size=2, sequence_parallel=True), "sequence_parallel"),
 ])
 def test_refused_before_any_process_group(options, words):
