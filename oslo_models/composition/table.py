@@ -18,6 +18,7 @@ from functools import lru_cache
 
 from .axes import AXES, Axis, Layout, _layout, combine, exclusive
 from .check import refusal
+from .generic_rows import render_rows
 
 DENSE, MOE = "llama", "mixtral"
 MOE_AXIS = Axis("moe", "mixture-of-experts model (experts replicated)", Layout(moe=True))
@@ -166,4 +167,5 @@ def render(cells: list[Cell] | None = None) -> str:
         status = "composes" if c.status == "composes" else "refused: " + c.reason.replace("|", "\\|").replace(
             "\n", " ")
         lines.append(f"| {c.name} | {c.layout.describe()} | {c.model_type} | {status} |")
+    lines += render_rows()  # the generic path's rows (generic_rows.py)
     return "\n".join(lines) + "\n"

@@ -43,19 +43,10 @@ class GenericProtocol(ModelProtocol):
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         if model.parallel_context.tp_size > 1 and any(isinstance(m, BaseTunerLayer) for m in model.modules()):
-            return (f"peft adapters on a generic-path {type(model).__name__} at tensor_parallel_size="
-                    f"{model.parallel_context.tp_size}: peft builds each rank's adapter on the local shard of the "
-                    "split layer (its own random A/B per rank, a row-split adapter's output never summed over tp), "
-                    "so it would not train the adapter a single process trains; use tp 1 with data parallelism / "
-                    "ZeRO (tested), or a native oslo_models family, whose parallel LoRA layers split the adapter")
+            return lora_tensor_parallel_refusal(type(model).__name__, model.parallel_context.tp_size)
         on_experts = _adapted_experts(model, BaseTunerLayer)
         if on_experts:
-            return (f"peft adapters on the experts split over expert_parallel_size="
-                    f"{model.parallel_context.ep_size} ({on_experts[0]}): peft's LoRA of fused expert parameters "
-                    "adds a whole-size update for every expert to this rank's DTensor slice of the experts (a plain "
-                    "tensor mixed with a DTensor: the forward fails inside the schedule or the step); target the "
-                    "attention, dense MLP or shared-expert modules only (tested at pp x ep), or use "
-                    "expert_parallel_size=1")
+            return lora_experts_refusal(model.parallel_context.ep_size, on_experts[0])
         return None
 
     def pipeline_adapter(self, model: nn.Module):
@@ -76,6 +67,23 @@ class GenericProtocol(ModelProtocol):
 
     def expert_data_parallel_mesh(self, model: nn.Module, context):
         return model._oslo_expert_mesh["edp"]  # the mesh its experts were split on (expert_parallel.py)
+
+
+def lora_tensor_parallel_refusal(class_name: str, tp_size: int) -> str:
+    """Why peft adapters on a generic model at tp > 1 are refused (``training_refusal``; the composition table)."""
+    return (f"peft adapters on a generic-path {class_name} at tensor_parallel_size={tp_size}: peft builds each "
+            "rank's adapter on the local shard of the split layer (its own random A/B per rank, a row-split adapter's "
+            "output never summed over tp), so it would not train the adapter a single process trains; use tp 1 with "
+            "data parallelism / ZeRO (tested), or a native oslo_models family, whose parallel LoRA layers split the "
+            "adapter")
+
+
+def lora_experts_refusal(ep_size: int, what: str) -> str:
+    """Why peft adapters on the experts split over ep are refused (``training_refusal``; the composition table)."""
+    return (f"peft adapters on the experts split over expert_parallel_size={ep_size} ({what}): peft's LoRA of fused "
+            "expert parameters adds a whole-size update for every expert to this rank's DTensor slice of the experts "
+            "(a plain tensor mixed with a DTensor: the forward fails inside the schedule or the step); target the "
+            "attention, dense MLP or shared-expert modules only (tested at pp x ep), or use expert_parallel_size=1")
 
 
 def _adapted_experts(model: nn.Module, tuner_layer: type) -> list[str]:
