@@ -70,20 +70,9 @@ ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 def _replica_reference_steps(reference, rows: list[dict], dp: int) -> tuple[torch.nn.Module, list[float]]:
     """Single-process ``transformers`` on each step's replicas (the rows ``training.prepare``'s loader gives dp rank
     ``d``): the global batch's token loss plus each replica's own router term (``tests/helpers/global_loss.py``)."""
-    from tests.helpers.global_loss import replica_loss, replica_weights
-    from tests.training.test_global_batch_loss import ADAMW, STEPS
+    from tests.helpers.global_loss import part_reference_steps
 
-    optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    losses = []
-    for step in range(STEPS):
-        replicas = [_collate(rows[(step * dp + d) * BATCH:(step * dp + d + 1) * BATCH]) for d in range(dp)]
-        weights = replica_weights(replicas, shift=True)
-        loss = sum(replica_loss(reference(**replica), replica, weight, shift=True)
-                   for replica, weight in zip(replicas, weights)) / dp
-        loss.backward()
-        optimizer.step(), optimizer.zero_grad()
-        losses.append(loss.item())
-    return reference, losses
+    return part_reference_steps(reference, rows, dp, BATCH, _collate)
 
 
 def _router_loss_case(path, mode, rows, replica_term: bool):

@@ -51,20 +51,9 @@ def _microbatch_reference_steps(reference, rows, dp: int):
     """``transformers`` on each step's global batch: its token loss plus the mean over every replica's
     microbatches of their own router terms (``tests/helpers/global_loss.py``: each part's token loss weighted by
     its share of the global label count)."""
-    from tests.helpers.global_loss import replica_loss, replica_weights
-    from tests.training.test_global_batch_loss import ADAMW, STEPS
+    from tests.helpers.global_loss import part_reference_steps
 
-    optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    parts, size, losses = dp * MICROBATCHES, BATCH // MICROBATCHES, []
-    for step in range(STEPS):
-        chunks = [_collate(rows[(step * parts + j) * size:(step * parts + j + 1) * size]) for j in range(parts)]
-        weights = replica_weights(chunks, shift=True)
-        loss = sum(replica_loss(reference(**chunk), chunk, weight, shift=True)
-                   for chunk, weight in zip(chunks, weights)) / parts
-        loss.backward()
-        optimizer.step(), optimizer.zero_grad()
-        losses.append(loss.item())
-    return reference, losses
+    return part_reference_steps(reference, rows, dp * MICROBATCHES, BATCH // MICROBATCHES, _collate)
 
 
 def _train(name, path, layout, zero_stage, router: bool, rows, broken=None):

@@ -68,3 +68,23 @@ def with_global_share(model, local: dict, shift: bool, accumulation_steps: int =
                                accumulation_steps=accumulation_steps, token_loss=loss_is_per_token(model))
     (batch,) = list(loader)
     return batch
+
+
+def part_reference_steps(reference, rows: list[dict], parts: int, size: int, collate, steps: int = 3):
+    """Single-process ``transformers`` trained ``steps`` AdamW steps, step ``k`` on the ``parts`` consecutive groups of
+    ``size`` rows from row ``k * parts * size`` (the replicas, or every replica's microbatches): the global batch's
+    token loss plus each part's own per-part term (the MoE router loss), each part's token loss weighted by its share
+    of the global label count (``replica_loss``). Returns the trained reference and each step's loss."""
+    from tests.helpers.pipeline import ADAMW
+
+    optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    losses = []
+    for step in range(steps):
+        chunks = [collate(rows[(step * parts + j) * size:(step * parts + j + 1) * size]) for j in range(parts)]
+        weights = replica_weights(chunks, shift=True)
+        loss = sum(replica_loss(reference(**chunk), chunk, weight, shift=True)
+                   for chunk, weight in zip(chunks, weights)) / parts
+        loss.backward()
+        optimizer.step(), optimizer.zero_grad()
+        losses.append(loss.item())
+    return reference, losses
