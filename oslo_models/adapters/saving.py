@@ -30,6 +30,7 @@ from torch import nn
 from ..conversion.atomic import make_staging_dir, publish_dir, recover_folder, remove_stale_staging
 from ..conversion.saving import run_on_main_process
 from ..distributed.agreement import check_arrival
+from ..utils.training_state import training_state, update_training_state
 
 SAVE_RULE = ("every rank calls adapters.save_adapter() / adapter_state_dict() (the adapters are gathered over the "
              "tensor-parallel ranks, then rank 0 alone writes): do not guard it with `if rank == 0:`")
@@ -85,9 +86,9 @@ def _check_export(module: nn.Module, prefix: str, keep_vars: bool) -> None:
 def guard_adapter_export(model: nn.Module) -> None:
     """Install :func:`_check_export` on a parallel model (once; ``peft`` sets ``peft_config`` per adapter)."""
     context = getattr(model, "parallel_context", None)
-    if context is None or context.world_size == 1 or model.__dict__.get("_oslo_export_guard") is not None:
+    if context is None or context.world_size == 1 or training_state(model).adapter_export_guard is not None:
         return
-    model.__dict__["_oslo_export_guard"] = model.register_state_dict_pre_hook(_check_export)
+    update_training_state(model, adapter_export_guard=model.register_state_dict_pre_hook(_check_export))
 
 
 def _context_of(model: nn.Module):

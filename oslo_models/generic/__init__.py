@@ -19,4 +19,7 @@ from __future__ import annotations
 def is_generic(model) -> bool:
     """Whether ``model`` (possibly inside DDP) is a ``transformers`` model loaded by the generic path."""
     inner = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
-    return "_oslo_generic_tp_plan" in getattr(inner, "__dict__", {})
+    from .install_state import installed_on
+
+    record = installed_on(inner)
+    return record is not None and record.tp_plan is not None

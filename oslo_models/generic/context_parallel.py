@@ -28,6 +28,7 @@ from __future__ import annotations
 from torch import nn
 
 from . import router_loss
+from .install_state import update_generic_install
 
 ATTENTION_NAME = "oslo_context_parallel"
 KEYWORD = "oslo_context_parallel"
@@ -102,11 +103,11 @@ def _pipelined_calls(model, context) -> tuple[int, int]:
     from .dummy_forward import dummy_forward
 
     calls = []
-    model.__dict__["_oslo_cp_calls"] = calls  # the stages append each ContextParallelCall they make
+    update_generic_install(model, context_parallel_calls=calls)  # each stage appends its ContextParallelCall
     try:
         dummy_forward(model, context, grad=False)
     finally:
-        model.__dict__.pop("_oslo_cp_calls", None)
+        update_generic_install(model, context_parallel_calls=None)
     return sum(call.calls for call in calls), len(model.pipeline_layout.local_layers())
 
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from .install_state import update_generic_install
+
 
 def expert_mesh(context):
     """The ``(one, pp, edp, ep, tp)`` DeviceMesh of the model's ranks, ``edp x ep = dp x cp`` (collective: every
@@ -66,7 +68,7 @@ def without_experts(tp_plan: dict[str, str], ep_plan: dict[str, str]) -> dict[st
 
 def apply(model: nn.Module, context) -> dict[str, str]:
     """Split the experts of ``model`` (meta or materialized) over ``ep`` by its ``base_model_ep_plan``; returns the
-    resolved plan and keeps the mesh as ``model._oslo_expert_mesh``."""
+    resolved plan and keeps the mesh in the model's ``GenericInstall`` (``expert_mesh``)."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     plan = expert_plan(model, context)
@@ -76,7 +78,7 @@ def apply(model: nn.Module, context) -> dict[str, str]:
     mesh = expert_mesh(context)
     # "one": no rank shares this rank's batch for the dispatch, so tp ranks route their (same) tokens each
     apply_expert_parallelism(model, mesh["ep"], mesh["one"], plan)
-    model._oslo_expert_mesh = mesh
+    update_generic_install(model, expert_mesh=mesh)
     return plan
 
 

@@ -51,6 +51,7 @@ from . import (
     vocab_embedding,
     vocab_parallel_loss,
 )
+from .install_state import generic_install, update_generic_install
 from .protocol import GenericProtocol
 
 
@@ -108,7 +109,7 @@ def _apply_tensor_parallel(model, context) -> dict[str, str]:
     applied = {name: style for name, style in applied.items() if name in known}
     if context.config.sequence_parallel:  # the layers run on sequence slices; regions gather once, exits scatter
         layers, regions = sequence_parallel.regions(model, plan)  # NotImplementedError with the reason
-        model._oslo_sequence_parallel = (layers, regions)
+        update_generic_install(model, sequence_parallel=(layers, regions))
         moe = sequence_parallel.moe_regions(model, plan, regions)
         sequence_parallel.apply_plan(model, context.mesh["tp"], applied,
                                      sequence_parallel.rowwise_overrides(applied, regions, moe))
@@ -121,23 +122,23 @@ def _attach(model, context, plan: dict[str, str]):
     """Mark ``model`` as a generic model of ``context`` (what the training helpers read)."""
     model.parallel_context = context
     model.oslo_protocol = GenericProtocol()  # how training/ asks it for units, layouts, ... (utils/model_protocol.py)
-    model._oslo_generic_tp_plan = dict(plan)  # the resolved plan; its presence marks the generic path
+    update_generic_install(model, tp_plan=dict(plan))  # the resolved plan; its presence marks the generic path
     # a causal LM's loss from its logits' vocabulary slices (the head applied colwise); whole logits without labels
-    model._oslo_vocab_parallel_loss = bool(plan) and vocab_parallel_loss.install(model, context, plan)
+    update_generic_install(model, vocab_parallel_loss=bool(plan) and vocab_parallel_loss.install(model, context, plan))
     token_loss.install(model)  # num_items_in_batch honoured, also by models that average their loss themselves
     packed_attention.install(model)  # packed documents attend within themselves (transformers' mask may not)
-    if getattr(model, "_oslo_sequence_parallel", None):
-        sequence_parallel.install(model, context, *model._oslo_sequence_parallel)
+    if generic_install(model).sequence_parallel:
+        sequence_parallel.install(model, context, *generic_install(model).sequence_parallel)
     if context.cp_size > 1:  # chunks attend across the cp group through transformers' attention interface (its
         context_parallel.install(model, context)  # hook after packed_attention's: that one sees the batch's own)
     if plan:  # what transformers' inference plans miss in training (a dummy forward each, same on every tp rank)
         # outputs of plan modules the model modifies in place: copied while autograd records
-        model._oslo_tp_output_copies = inplace_outputs.find_modified_outputs(model, context, plan)
-        inplace_outputs.copy_outputs(model, model._oslo_tp_output_copies)
+        copies = inplace_outputs.find_modified_outputs(model, context, plan)
+        inplace_outputs.copy_outputs(model, update_generic_install(model, tp_output_copies=copies).tp_output_copies)
         # replicated parameters fed by tp slices: their gradients summed over tp in the backward
-        model._oslo_tp_partial_gradients = partial_gradients.reduce_partial_gradients(model, context)
+        update_generic_install(model, tp_partial_gradients=partial_gradients.reduce_partial_gradients(model, context))
         # a vocabulary-split embedding keeps its rows' gradient only (DTensor's backward gives the whole [V, h])
-        model._oslo_vocab_slice_gradients = vocab_embedding.keep_slice_gradients(model)
+        update_generic_install(model, vocab_slice_gradients=vocab_embedding.keep_slice_gradients(model))
     if context.pp_size > 1:  # train_step / eval_step run the schedule; a plain forward is refused
         pipeline_stage.attach(model)
     if context.config.activation_checkpointing == "full":
@@ -170,7 +171,7 @@ def _load(model_class, path, config, context, dtype, download_kwargs):
     experts = expert_parallel.apply(model, context) if context.ep_size > 1 else {}  # whole experts per ep rank
     if context.pp_size > 1:  # this rank's stages only, before anything is read (pipeline_cut.py)
         pipeline_stage.cut(model, context, loaded=False)
-    mesh = context.mesh["tp"] if plan else model._oslo_expert_mesh["ep"] if experts else None
+    mesh = context.mesh["tp"] if plan else generic_install(model).expert_mesh["ep"] if experts else None
     load_config = LoadStateDictConfig(
         pretrained_model_name_or_path=str(path), download_kwargs=download_kwargs, sharded_metadata=sharded_metadata,
         device_map=None if context.device.type == "cpu" else {"": context.device}, dtype=dtype,

@@ -30,9 +30,9 @@ import torch
 
 from ..utils.documents import PACKING_KEYS, document_ids, positions_in_documents
 from .context_parallel import ATTENTION_NAME as CONTEXT_PARALLEL_ATTENTION
+from .install_state import generic_install, update_generic_install
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
-_HOOK = "_oslo_packed_attention_hook"
 
 
 def layer_kinds(config) -> list[str]:
@@ -165,6 +165,6 @@ def per_document_inputs(model, kwargs: dict) -> dict:
 def install(model) -> None:
     """Make ``model`` (a ``transformers`` decoder on the generic path) attend per document in packed batches;
     idempotent."""
-    if _HOOK in model.__dict__:
+    if generic_install(model).packed_attention_hook is not None:
         return
-    model.__dict__[_HOOK] = model.register_forward_pre_hook(_before, with_kwargs=True)
+    update_generic_install(model, packed_attention_hook=model.register_forward_pre_hook(_before, with_kwargs=True))

@@ -42,6 +42,7 @@ import torch
 
 from ..pipeline.adapter import CausalLMPipelineAdapter
 from . import router_loss, support
+from .install_state import generic_install, update_generic_install
 from .pipeline_cut import EmbeddingStandIn, LayerProbe, StageDone, StagePieces, stage_view, viewing
 
 
@@ -102,7 +103,7 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
         batch = super().prepare_batch(model, batch)  # cp: labels <- shift_labels
         batch["token_ids"] = batch["input_ids"]
         seq = batch["input_ids"].shape[1]
-        if getattr(model, "_oslo_sequence_parallel", None) and seq % context.tp_size:
+        if generic_install(model).sequence_parallel and seq % context.tp_size:
             raise ValueError(f"sequence_parallel=True needs this rank's sequence length divisible by "
                              f"tensor_parallel_size={context.tp_size}; got {seq}")
         cu_seqlens = batch.pop("cu_seqlens", None)
@@ -126,7 +127,7 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
     def use_sequence_parallel(self, model, batch) -> bool:
         """Under sequence parallelism the stages exchange the sequence slices ``[mb, s/tp, h]``: the first stage
         cuts at the model's first layer, the last gathers after its last (``sequence_parallel.install``)."""
-        return bool(getattr(model, "_oslo_sequence_parallel", None))
+        return bool(generic_install(model).sequence_parallel)
 
     def stage_io(self, model, layout, stage, microbatch, sequence_parallel):
         mb, seq_len = microbatch["input_ids"].shape
@@ -186,7 +187,7 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
             from .context_parallel import KEYWORD, chunk_inputs
 
             inputs = chunk_inputs(context, {**inputs, "position_ids": position_ids}, inputs["input_ids"])
-            calls = model.__dict__.get("_oslo_cp_calls")
+            calls = generic_install(model).context_parallel_calls
             if calls is not None:  # the load-time check counts the attention calls (context_parallel.install)
                 calls.append(inputs[KEYWORD])
         elif position_ids is not None or seq_idx is not None:
@@ -225,7 +226,7 @@ class GenericCausalLMPipelineAdapter(CausalLMPipelineAdapter):
         parallelism ``labels`` are the chunk's targets already shifted on the whole sequence (``prepare_batch``):
         the result is the chunk's share (``runner._LossFn`` sums it over cp)."""
         shifted = labels if model.parallel_context.cp_size > 1 else None
-        if getattr(model, "_oslo_vocab_parallel_loss", False):
+        if generic_install(model).vocab_parallel_loss:
             return model.loss_function(logits, labels, num_items_in_batch=num_items_in_batch, shift_labels=shifted)
         from ..parallel_layers.cross_entropy import causal_lm_loss
 
@@ -266,7 +267,7 @@ def local_stage_outputs(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, .
     point-to-point communication, the layers' own tp collectives only."""
     from types import SimpleNamespace
 
-    adapter, layout = model.__dict__["_oslo_pipeline_adapter"], model.pipeline_layout
+    adapter, layout = generic_install(model).pipeline_adapter, model.pipeline_layout
     outputs = []
     for index in layout.local_stages:
         stage = SimpleNamespace(owner=model, stage_index=index, layout=layout, is_first=index == 0,
@@ -275,7 +276,7 @@ def local_stage_outputs(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, .
         out = adapter.stage_forward(stage, x, token_ids=input_ids)
         if isinstance(out, tuple):  # (activations, routing statistics): the statistics are not the plan's concern
             out = out[0]
-        if stage.is_last and getattr(model, "_oslo_vocab_parallel_loss", False):
+        if stage.is_last and generic_install(model).vocab_parallel_loss:
             out = _gather_vocabulary(model, out)
         outputs.append(out)
     return tuple(outputs)
@@ -369,7 +370,7 @@ def cut(model, context, *, loaded: bool) -> None:
     adapter_class = GenericCausalLMPipelineAdapter
     if support.is_image_text(model.config, type(model)):  # the vision side and image batches on the first stage
         from ..image_text.pipeline import ImageTextPipelineAdapter as adapter_class
-    adapter = model.__dict__["_oslo_pipeline_adapter"] = adapter_class.for_model(model)
+    adapter = update_generic_install(model, pipeline_adapter=adapter_class.for_model(model)).pipeline_adapter
     layout = build_layout(model, context)
     cut_stages(model, adapter.pieces, layout, loaded=loaded)
     model.pipeline_layout = layout
@@ -379,4 +380,4 @@ def finish(model) -> None:
     """After the load: the tied last stage's embedding becomes the stand-in (``pipeline_cut.finish_cut``)."""
     from .pipeline_cut import finish_cut
 
-    finish_cut(model, model.__dict__["_oslo_pipeline_adapter"].pieces, model.pipeline_layout)
+    finish_cut(model, generic_install(model).pipeline_adapter.pieces, model.pipeline_layout)

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from .install_state import generic_install
+
 _COLWISE = ("colwise", "packed_colwise")
 _ROWWISE = ("rowwise", "packed_rowwise")
 _MOE_EXPERTS = "moe_tp_experts"
@@ -190,7 +192,7 @@ def install(model: nn.Module, context, layer_names: list[str], region_names: lis
             lambda module, args, kwargs: _replace_hidden(args, kwargs, cut), with_kwargs=True)
     if layer_names[-1] in held:
         model.get_submodule(layer_names[-1]).register_forward_hook(gathered_output)
-    plan = getattr(model, "_oslo_generic_tp_plan", None) or {}
+    plan = generic_install(model).tp_plan or {}
     moe = moe_regions(model, plan, region_names)
     for name in region_names:
         if not any(name.startswith(layer + ".") for layer in held):

@@ -89,9 +89,10 @@ class OsloPreTrainedModel(PreTrainedModel):
     # ------------------------------------------------------------------ peft
     @property
     def peft_config(self):
-        """The ``peft`` adapter configs (``peft`` sets this attribute on the model it adapts)."""
+        """The ``peft`` adapter configs (``peft`` sets this attribute on the model it adapts), kept in the instance
+        ``__dict__`` under the property's own name (the property, a data descriptor, is looked up first)."""
         try:
-            return self.__dict__["_oslo_peft_config"]
+            return self.__dict__["peft_config"]
         except KeyError:
             raise AttributeError("peft_config") from None
 
@@ -99,7 +100,7 @@ class OsloPreTrainedModel(PreTrainedModel):
     def peft_config(self, value) -> None:
         # peft sets it right after building the adapter layers: replace the ones it built without our parallel
         # layers (a plain LoraConfig; peft gives the model no earlier say), which would compute a split layer wrong
-        self.__dict__["_oslo_peft_config"] = value
+        self.__dict__["peft_config"] = value
         if value:
             from ..adapters.lora import adopt_adapter_layers
 
@@ -107,7 +108,7 @@ class OsloPreTrainedModel(PreTrainedModel):
 
     @peft_config.deleter
     def peft_config(self) -> None:
-        self.__dict__.pop("_oslo_peft_config", None)
+        self.__dict__.pop("peft_config", None)
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -1,4 +1,6 @@
-"""What ``prepare`` / ``shard_data_parallel`` / asynchronous checkpoints set on a model: one named record.
+"""What ``prepare`` / ``shard_data_parallel`` / asynchronous checkpoints set on a model: one named record (and
+:class:`ModelRecord`, the slot such a frozen per-model record lives in; ``generic/install_state.py`` keeps the
+generic path's install record in one too).
 
 ``training/prepare.py``, ``training/zero.py``, ``training/dtensor_data_parallel.py`` and
 ``training/async_checkpoint.py`` write it (one place per concern, through :func:`update_training_state`); the gradient
@@ -22,8 +24,6 @@ from torch import nn
 
 from .modules import unwrap_model
 
-_ATTRIBUTE = "oslo_training_state"  # in the owner's __dict__ (not a parameter, buffer or submodule)
-
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingState:
@@ -45,6 +45,8 @@ class TrainingState:
             data-parallel guard; ``None``: nobody said so yet.
         pipeline_runner: a pipelined model's ``pipeline.runner.PipelineRunner``, built on its first ``train_step`` /
             ``eval_step`` (``pipeline.runner.pipeline_runner``).
+        adapter_export_guard: a parallel model with ``peft`` adapters: the handle of the state-dict pre-hook that
+            refuses an adapter export the layout cannot gather (``adapters/saving.guard_adapter_export``), set once.
     """
 
     zero_stage: int | None = None
@@ -55,9 +57,7 @@ class TrainingState:
     async_writer: Any = None
     gradients_reduced_by: str | None = None
     pipeline_runner: Any = None
-
-
-_UNSET = TrainingState()
+    adapter_export_guard: Any = None
 
 
 def state_owner(model: nn.Module) -> nn.Module:
@@ -76,15 +76,34 @@ def state_owner(model: nn.Module) -> nn.Module:
         return model
 
 
+class ModelRecord:
+    """The slot of one frozen per-model record (a dataclass), kept in the ``__dict__`` of the model's
+    :func:`state_owner` under ``attribute`` (not a parameter, buffer or submodule); ``unset`` is what a model without
+    one reports."""
+
+    def __init__(self, attribute: str, unset):
+        self.attribute, self.unset = attribute, unset
+
+    def read(self, model: nn.Module):
+        return state_owner(model).__dict__.get(self.attribute, self.unset)
+
+    def update(self, model: nn.Module, **changes):
+        """Set the given fields (the others are kept); returns the new record. An unknown field raises ``TypeError``."""
+        owner = state_owner(model)
+        record = dataclasses.replace(owner.__dict__.get(self.attribute, self.unset), **changes)
+        owner.__dict__[self.attribute] = record
+        return record
+
+
+_RECORD = ModelRecord("oslo_training_state", TrainingState())
+
+
 def training_state(model: nn.Module) -> TrainingState:
     """The :class:`TrainingState` of ``model`` (or of the model inside its DDP / ``peft`` wrapper)."""
-    return state_owner(model).__dict__.get(_ATTRIBUTE, _UNSET)
+    return _RECORD.read(model)
 
 
 def update_training_state(model: nn.Module, **changes) -> TrainingState:
     """Set the given :class:`TrainingState` fields of ``model`` (the others are kept); returns the new record.
     An unknown field name raises ``TypeError``."""
-    owner = state_owner(model)
-    state = dataclasses.replace(owner.__dict__.get(_ATTRIBUTE, _UNSET), **changes)
-    owner.__dict__[_ATTRIBUTE] = state
-    return state
+    return _RECORD.update(model, **changes)

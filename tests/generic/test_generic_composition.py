@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import oslo_models as om
+from oslo_models.generic.install_state import generic_install
 from tests.generic.models import save
 from tests.helpers.dist import breadcrumb, run_distributed
 from tests.training.test_global_batch_loss import (
@@ -51,7 +52,7 @@ def _worker(paths):
         for average in (True, False):
             breadcrumb(f"{name} {layout} average={average}")
             model = om.AutoModelForCausalLM.from_pretrained(paths[name], parallel=om.ParallelConfig(**layout)).train()
-            assert model._oslo_vocab_parallel_loss and model._oslo_sequence_parallel
+            assert generic_install(model).vocab_parallel_loss and generic_install(model).sequence_parallel
             context = model.parallel_context
             if context.cp_size > 1:
                 assert model.config._attn_implementation == "oslo_context_parallel"

@@ -35,6 +35,7 @@ import transformers
 import oslo_models as om
 from oslo_models import training
 from oslo_models.generic import support
+from oslo_models.generic.install_state import generic_install
 from tests.generic.models import CONFIGS, save
 from tests.helpers.dist import breadcrumb, run_distributed
 from tests.helpers.global_loss import with_global_share
@@ -66,7 +67,7 @@ def _load(path, schedule="1f1b", zero_stage=0, **options):
 
 def _assert_own_stage_only(model, name):
     """This rank's parameters are its layers', plus the embedding on the first stage and the norm / head on the last."""
-    layout, pieces = model.pipeline_layout, model._oslo_pipeline_adapter.pieces
+    layout, pieces = model.pipeline_layout, generic_install(model).pipeline_adapter.pieces
     layers = {f"{pieces.layers}.{index}." for index in layout.local_layers()}
     allowed = ({pieces.embedding + "."} if layout.has_first else set()) | (
         {path + "." for path in pieces.last} if layout.has_last else set())

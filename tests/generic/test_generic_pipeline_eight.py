@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 import oslo_models as om
 from oslo_models import training
+from oslo_models.generic.install_state import generic_install
 from tests.generic.models import save
 from tests.helpers.dist import breadcrumb, run_distributed
 from tests.training.test_global_batch_loss import (
@@ -84,7 +85,7 @@ def _worker(paths):
             breadcrumb(f"{name} {layout} negative control {control}")
             model = om.AutoModelForCausalLM.from_pretrained(paths[name], parallel=om.ParallelConfig(**layout)).train()
             context = model.parallel_context
-            assert bool(getattr(model, "_oslo_sequence_parallel", None)) == context.config.sequence_parallel
+            assert bool(generic_install(model).sequence_parallel) == context.config.sequence_parallel
             assert (model.config._attn_implementation == "oslo_context_parallel") == (context.cp_size > 1)
             model, logged = _steps(model, rows, layout["zero_stage"], **(broken if control else {}))
             reference_class = type(transformers.AutoModelForCausalLM.from_config(model.config))

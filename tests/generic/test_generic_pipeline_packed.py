@@ -18,6 +18,7 @@ import transformers
 
 import oslo_models as om
 from oslo_models import training
+from oslo_models.generic.install_state import generic_install
 from tests.generic.test_generic_packed import ROWS, TYPES, _config, _inputs, packed_batch, reference
 from tests.helpers.dist import breadcrumb, run_distributed
 from tests.helpers.global_loss import with_global_share
@@ -56,7 +57,7 @@ def _worker(paths, refs, mamba_path):
         rows = slice(context.dp_rank * len(ROWS) // 2, (context.dp_rank + 1) * len(ROWS) // 2)
         batch = _inputs(how, ids[rows], pos[rows], mask[rows], labels[rows])
         torch.testing.assert_close(_step(wrapped, model, batch), ref_loss, msg=lambda m: f"{name} loss: {m}", **TOL)
-        tied = dict(model._oslo_pipeline_adapter.tied_groups(model))  # {embedding: head}
+        tied = dict(generic_install(model).pipeline_adapter.tied_groups(model))  # {embedding: head}
         for pname, param in model.named_parameters():
             expected = ref_grads.get(pname, ref_grads.get(next((e for e, h in tied.items() if h == pname), "")))
             torch.testing.assert_close(_full(param.grad), expected, msg=lambda m, p=pname: f"{name} {p}: {m}",

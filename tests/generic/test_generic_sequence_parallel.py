@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import oslo_models as om
+from oslo_models.generic.install_state import generic_install
 from tests.generic.models import save
 from tests.generic.test_generic_tp_exactness import _remove_fixes
 from tests.helpers.dist import breadcrumb, run_distributed
@@ -69,8 +70,8 @@ def _worker(paths, fixed: bool):
         breadcrumb(name)
         model = om.AutoModelForCausalLM.from_pretrained(paths[name], parallel=parallel).train()
         context = model.parallel_context
-        norms = {n for n in model._oslo_tp_partial_gradients if n.split(".")[-2] in NORMS[name]}
-        assert len(norms) == 2 * model.config.num_hidden_layers, model._oslo_tp_partial_gradients
+        norms = {n for n in generic_install(model).tp_partial_gradients if n.split(".")[-2] in NORMS[name]}
+        assert len(norms) == 2 * model.config.num_hidden_layers, generic_install(model).tp_partial_gradients
         shapes = []
         model.model.layers[0].register_forward_hook(lambda module, args, output: shapes.append(tuple(output.shape)))
         if not fixed:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import oslo_models as om
 from oslo_models import training
 from oslo_models.generic.inplace_outputs import _copy_output
+from oslo_models.generic.install_state import generic_install
 from oslo_models.generic.partial_gradients import TensorParallelGradientSum
 from tests.generic.models import auto_class, save
 from tests.generic.test_generic_training import PARAM_TOL, STEPS, TOL, _train, reference
@@ -58,14 +59,13 @@ def _worker(paths, refs, reduce: bool):
         ref_losses, ref_norms, ref_state = refs[name]
         model = auto_class(name, om).from_pretrained(paths[name], parallel=context)
         layers = model.config.num_hidden_layers
-        assert set(model._oslo_tp_partial_gradients) == {f"model.layers.{i}.{leaf}" for i in range(layers)
-                                                        for leaf in expected}, model._oslo_tp_partial_gradients
-        marked = {key for key, style in model._oslo_generic_tp_plan.items()
+        found = generic_install(model).tp_partial_gradients
+        assert set(found) == {f"model.layers.{i}.{leaf}" for i in range(layers) for leaf in expected}, found
+        marked = {key for key, style in generic_install(model).tp_plan.items()
                   if style == "replicated_with_grad_allreduce"}
-        found = model._oslo_tp_partial_gradients
         assert all(any(f == key or f.startswith(key + ".") for f in found)
                    for key in marked)  # the plan's own marks are among what the graph finds
-        assert model._oslo_tp_output_copies == COPIED[name]
+        assert generic_install(model).tp_output_copies == COPIED[name]
         if not reduce:  # act_fn, q_norm, k_norm of each layer; the copied outputs
             assert _remove_fixes(model) == 3 * layers * bool(expected) + len(COPIED[name])
         model.train()

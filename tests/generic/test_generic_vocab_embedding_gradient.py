@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import oslo_models as om
+from oslo_models.generic.install_state import generic_install
 from oslo_models.generic.vocab_embedding import SliceGradient
 from tests.generic.models import save
 from tests.helpers.dist import breadcrumb, run_distributed
@@ -53,7 +54,7 @@ class _FirstRows(SliceGradient):
 def _load(path, hook=None):
     """granite at tp 2 x dp 2; ``hook``: ``"off"`` (the embedding's hooks removed) or a ``SliceGradient`` class."""
     model = om.AutoModelForCausalLM.from_pretrained(path, parallel=om.ParallelConfig(**LAYOUT)).train()
-    assert model._oslo_vocab_slice_gradients == (EMBEDDING,)
+    assert generic_install(model).vocab_slice_gradients == (EMBEDDING,)
     if hook is not None:
         embedding = model.get_input_embeddings()
         for key, pre_hook in list(embedding._forward_pre_hooks.items()):

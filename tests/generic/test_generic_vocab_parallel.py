@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import oslo_models as om
+from oslo_models.generic.install_state import generic_install
 from oslo_models.generic.vocab_parallel_loss import VocabParallelCausalLMLoss
 from tests.generic.models import CONFIGS, save
 from tests.helpers.dist import breadcrumb, run_distributed
@@ -41,7 +42,7 @@ def _worker(paths):
         parallel = om.ParallelConfig(tensor_parallel_size=2, data_parallel_size=2)
         model = om.AutoModelForCausalLM.from_pretrained(paths[name], parallel=parallel).train()
         context = model.parallel_context
-        assert model._oslo_vocab_parallel_loss
+        assert generic_install(model).vocab_parallel_loss
         rows = sft_rows(101, 48)
         model, logged = prepared_steps(model, rows, batch=BATCH, zero_stage=3)
         reference_class = type(transformers.AutoModelForCausalLM.from_config(model.config))

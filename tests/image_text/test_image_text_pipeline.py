@@ -28,6 +28,7 @@ import transformers
 
 import oslo_models as om
 from oslo_models import training
+from oslo_models.generic.install_state import generic_install
 from tests.helpers.dist import breadcrumb, run_distributed
 from tests.helpers.global_loss import with_global_share
 from tests.image_text.batches import rows
@@ -44,7 +45,7 @@ def _train(path, name, frozen, zero, batch, swap_images=False, first_stage_only=
                                  zero_stage=zero)
     model = om.AutoModelForImageTextToText.from_pretrained(path, parallel=parallel, freeze_vision=frozen).train()
     context = model.parallel_context
-    pieces = model._oslo_pipeline_adapter.pieces
+    pieces = generic_install(model).pipeline_adapter.pieces
     names = [n for n, _ in model.named_parameters()]
     vision = [n for n in names if n.startswith(tuple(p + "." for p in pieces.first))]
     assert pieces.first and bool(vision) == model.pipeline_layout.has_first, (name, pieces.first, vision)
@@ -55,7 +56,7 @@ def _train(path, name, frozen, zero, batch, swap_images=False, first_stage_only=
     if swap_images:  # negative control: each row of the replica gets the other row's image
         local["pixel_values"] = rows(batch, [context.dp_rank + 2, context.dp_rank])["pixel_values"]
     if first_stage_only:  # negative control: the grids / token types given to the first stage only
-        inner._oslo_pipeline_adapter.every_stage = ()
+        generic_install(inner).pipeline_adapter.every_stage = ()
     local = with_global_share(inner, local, True)
     losses = []
     for step in range(STEPS):

@@ -3,8 +3,8 @@
 
 4 ranks, tiny GPT-2 (hidden 64, 2 layers, vocab 101): tp2 x dp2 ZeRO-3 with Accelerate's bf16, one AdamW step and an
 asynchronous save; then pp2 x dp2 ZeRO-3 bf16 (the stages' autocast dtype, FSDP2 stage roots, pipeline runner).
-After each, no submodule of the model (nor its wrapper) holds an attribute named ``_oslo_*`` (one memo of the models/
-layer excepted, see below), and ``training_state`` reports what was set, the same through the model and its wrapper.
+After each, no submodule of the model (nor its wrapper) holds an attribute named ``_oslo_*``, and ``training_state``
+reports what was set, the same through the model and its wrapper.
 Negative control: a planted ``_oslo_`` attribute is found; an unprepared model reports every field unset. (Losses and
 parameters of these layouts against ``transformers`` are asserted by test_clip_norms_and_zero_structure,
 test_pipeline_mixed_precision and test_async_checkpoint.)"""
@@ -70,10 +70,7 @@ def _worker(path: str, root: str) -> None:
     rows = ids.chunk(dp.dp_size)[dp.dp_rank]
     assert torch.isfinite(piped.train_step({"input_ids": rows, "labels": rows}))
     assert training.training_state(piped).pipeline_runner is not None  # built by the first train_step
-    # the one flag left: a per-model memo of the stage modules the config lacks
-    # (models/common/pipeline/pipeline_stack.py), not set by prepare; it goes with the models/ refactor
-    flags = _private_flags(piped, training.unwrap_model(piped))
-    assert [flag for flag in flags if not flag.endswith("._oslo_absent_stage_modules")] == [], flags
+    assert _private_flags(piped, training.unwrap_model(piped)) == []
 
     # Negative control: an attribute set the old way is found.
     training.unwrap_model(model).transformer.h[0]._oslo_zero_stage = 3

@@ -28,6 +28,7 @@ class StackPipelineAdapter(CausalLMPipelineAdapter):
     base_class: type = None
     prefix: str = ""
     batch_keys = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")
+    tiled_loss_head = True  # ParallelConfig.tiled_loss: the last stage returns hidden states (run_stage)
 
     @classmethod
     def of(cls, base_class: type, prefix: str, **attributes) -> type:
@@ -45,18 +46,14 @@ class StackPipelineAdapter(CausalLMPipelineAdapter):
                     tied_embedding=f"{prefix}.{spec.embed_tokens}.weight", **attributes)
         return type(f"{base_class.__name__}PipelineAdapter", (cls,), body)
 
-    def absent_modules(self, model) -> set[str]:
+    def absent_modules(self, model) -> frozenset[str]:
         """Stage module paths this config lacks (OPT's ``project_in`` when the widths agree, its final norm under
-        post-norm): found on the meta-built plain base model, once per model (not on ``model``, whose stages may
-        already have dropped what they do not run)."""
-        found = model.__dict__.get("_oslo_absent_stage_modules")
-        if found is None:
-            base = self._plain_base(model.config)
-            paths = {**self.first_modules, **self.every_stage_modules, **self.last_modules}.values()
-            found = {path for path in paths
-                     if path.startswith(f"{self.prefix}.") and base.part(path[len(self.prefix) + 1:]) is None}
-            model.__dict__["_oslo_absent_stage_modules"] = found
-        return found
+        post-norm): the base model's ``absent_parts``, fixed when it was built (not what ``model`` lacks now: its
+        stages may already have dropped what they do not run)."""
+        absent = getattr(model, self.prefix).absent_parts
+        paths = {**self.first_modules, **self.every_stage_modules, **self.last_modules}.values()
+        return frozenset(path for path in paths
+                         if path.startswith(f"{self.prefix}.") and path[len(self.prefix) + 1:] in absent)
 
     def stage_modules(self, model, layout, stage: int) -> dict[str, str]:
         absent = self.absent_modules(model)
@@ -99,10 +96,11 @@ class StackPipelineAdapter(CausalLMPipelineAdapter):
     def run_stage(self, stage, x, attention_mask=None, position_ids=None, **layer_kwargs):
         """The stage's computation; ``layer_kwargs`` go to every layer (the MoE adapter's router-logit collector).
         First stage: ``x`` is ``input_ids [mb, s]``; last stage returns the local logits ``[mb, s, V_padded/tp]``
-        (the loss runs on the split vocabulary; no gather)."""
+        (the loss runs on the split vocabulary; no gather), or its final hidden states ``[mb, s, h]`` under the
+        tiled loss (``tiles_loss``: the loss runs the head in row chunks)."""
         hidden = run_stage_stack(getattr(stage.owner, self.prefix), stage, x, attention_mask, position_ids,
                                  **layer_kwargs)
-        if not stage.is_last:
+        if not stage.is_last or self.tiles_loss(stage.owner):
             return hidden
         return soft_cap_logits(stage.lm_head(hidden), stage.owner.final_logit_softcap())  # Gemma 2/3's cap
 

@@ -93,6 +93,11 @@ class StackSpec:
             if part.role in ROLES:
                 object.__setattr__(self, part.role, part.name)
 
+    def module_names(self) -> tuple[str, ...]:
+        """The attribute names the spec gives a module (its roles and its parts), in no particular order."""
+        names = (*(getattr(self, role) for role in ROLES), *(part.name for part in self.parts))
+        return tuple(dict.fromkeys(name for name in names if name))
+
     @property
     def attention_kernels(self) -> frozenset[str]:
         """``kernels``, or the attention component's: what the classes' ``_supports_<kernel>`` flags say."""
@@ -169,6 +174,10 @@ class TransformerStack:
     causal: ClassVar[bool] = True
     #: ``transformers``' output class of the base model (GPT-2: ``BaseModelOutputWithPastAndCrossAttentions``)
     output_class: ClassVar[type] = BaseModelOutputWithPast
+    #: the spec's module names (``StackSpec.module_names``) this config builds no module for (OPT's ``project_in``
+    #: when the widths agree, its final norm under post-norm), fixed when the model is built (``part`` also finds
+    #: ``None`` where a pipeline stage dropped a module)
+    absent_parts: frozenset[str] = frozenset()
 
     def __init__(self, config, *, parallel_context=None, submodule: bool = False):
         """Builds ``stack_spec.parts`` in order with the family's options of ``config`` (``stack_options``, built
@@ -182,6 +191,7 @@ class TransformerStack:
         for part in self.stack_spec.parts:
             owner, _, name = part.name.rpartition(".")
             setattr(self.part(owner) if owner else self, name, part.build(self, config, options, fused))
+        self.absent_parts = frozenset(name for name in self.stack_spec.module_names() if self.part(name) is None)
         self.gradient_checkpointing = False
         self.post_init()
         if not submodule:
