@@ -117,8 +117,10 @@ class ParallelConfig:
         tiled_loss: long sequences: a causal LM's loss in training (labels given, ``model.training``) runs the LM
             head and the cross-entropy fused, in row chunks (``skip_logits=True`` on every such forward:
             ``fused_ops/fused_linear_cross_entropy.py``), so no ``[b, s, vocab]`` logits exist; the output's
-            ``logits`` are then ``None`` (evaluation and generation keep them). Not with pipeline parallelism (the
-            last stage's loss reads its logits).
+            ``logits`` are then ``None`` (evaluation and generation keep them). Under pipeline parallelism the
+            last stage of a stack causal LM sends its final hidden states to the schedule's loss, which runs the
+            head and the cross-entropy in row chunks (``pipeline/adapter.py``, ``CausalLMPipelineAdapter``; 1D
+            tensor parallelism only).
     """
 
     tensor_parallel_size: int = 1
@@ -207,10 +209,11 @@ class ParallelConfig:
         check_tiles_setting(self.tiled_mlp)
         if not isinstance(self.tiled_loss, bool):
             raise ValueError(f"ParallelConfig.tiled_loss must be a bool, got {self.tiled_loss!r}")
-        if self.tiled_loss and self.pipeline_parallel_size > 1:
-            raise NotImplementedError("ParallelConfig.tiled_loss with pipeline_parallel_size > 1 is not implemented: "
-                                      "the last pipeline stage computes its loss from whole logits; use "
-                                      "tiled_loss=False there")
+        if self.tiled_loss and self.pipeline_parallel_size > 1 and self.tensor_parallel_mode != "1d":
+            raise NotImplementedError(f"ParallelConfig.tiled_loss with pipeline_parallel_size > 1 and "
+                                      f"tensor_parallel_mode={self.tensor_parallel_mode!r} is not implemented (the "
+                                      "grid heads' chunked loss under a pipeline is untested); use "
+                                      "tensor_parallel_mode='1d' or tiled_loss=False")
         if check_setting(self.activation_offload) is not None and self.activation_checkpointing is not None:
             raise ValueError(f"ParallelConfig.activation_offload with activation_checkpointing="
                              f"{self.activation_checkpointing!r}: a checkpointed block saves only its input; "

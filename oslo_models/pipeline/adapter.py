@@ -85,11 +85,12 @@ class PipelineAdapter:
         raise NotImplementedError
 
     def hidden_state_io(self, model, layout, stage: int, microbatch: Mapping[str, torch.Tensor],
-                        sequence_parallel: bool, head_shape: Callable[[], tuple[int, ...]]):
+                        sequence_parallel: bool, head_shape: Callable[[], tuple[int, ...]] | None):
         """``stage_io`` of a decoder- or encoder-only family: ``input_ids [mb, s]`` into the first stage, hidden
         states ``[mb, s(/tp), h]`` between stages (split by sequence under SP; ``[mb/(dq), s, h/q]`` under the grid
         modes), a tensor of ``head_shape()`` out of the last (called there only: the head exists on the last stage
-        only; its batch dim is replaced by the local one)."""
+        only; its batch dim is replaced by the local one). ``head_shape=None``: the last stage sends out its final
+        hidden states ``[mb, s, h]`` (the tiled loss runs the head, ``CausalLMPipelineAdapter.tiles_loss``)."""
         mb, seq_len = microbatch["input_ids"].shape
         dtype = next(model.parameters()).dtype
         context = model.parallel_context
@@ -103,6 +104,8 @@ class PipelineAdapter:
         inputs = (microbatch["input_ids"],) if stage == 0 else (hidden,)
         if stage < layout.num_stages - 1:
             return inputs, (hidden,)
+        if head_shape is None:  # the final hidden states, whole sequence (the last stage gathers SP's split)
+            return inputs, (torch.empty(local_mb, seq_len, width, dtype=dtype, device="meta"),)
         head = head_shape()  # batch-major; the grid modes' heads keep this rank's batch block too
         return inputs, (torch.empty((local_mb, *head[1:]), dtype=dtype, device="meta"),)
 
@@ -144,12 +147,27 @@ class CausalLMPipelineAdapter(PipelineAdapter):
     as a rotary embedding on every stage (``every_stage_modules``), the final norm and ``lm_head`` on the last
     (``last_modules``), the head tied to ``tied_embedding`` when ``config.tie_word_embeddings``. The last stage's
     output is the vocab-split logits ``[mb, s, V_padded/tp]`` and the loss is ``transformers``' causal-LM loss
-    (labels shifted left) on them."""
+    (labels shifted left) on them.
+
+    Tiled loss (``ParallelConfig(tiled_loss=True)``, adapters with ``tiled_loss_head``; :meth:`tiles_loss`): the last
+    stage's forward stops at the final hidden states ``[mb, s, h]`` and the schedule's loss function runs
+    ``model.lm_head`` and the cross-entropy fused in row chunks (``head_loss``: no ``[mb, s, V/tp]`` logits in
+    forward nor backward). Collectives as without it (vocab-parallel head: forward all-reduce MAX and SUM per row
+    chunk, backward one all-reduce SUM of the hidden-state gradient over tp; under cp the runner's sum over cp)."""
 
     first_modules: dict[str, str] = {}
     every_stage_modules: dict[str, str] = {}
     last_modules: dict[str, str] = {}
     tied_embedding: str = ""  # the input embedding's weight, e.g. "transformer.wte.weight"
+    #: whether the last stage can hand its final hidden states to a tiled loss (its ``stage_forward`` reads
+    #: :meth:`tiles_loss`); the generic path's stages always return logits
+    tiled_loss_head: bool = False
+
+    def tiles_loss(self, model) -> bool:
+        """Whether the last stage outputs hidden states and the loss runs the head in chunks: the adapter supports
+        it and ``ParallelConfig.tiled_loss`` is on (in training and in ``eval_step`` alike: a pipeline step returns
+        only the loss)."""
+        return self.tiled_loss_head and bool(model.parallel_context.config.tiled_loss)
 
     def stage_modules(self, model, layout, stage: int) -> dict[str, str]:
         modules = {**(self.first_modules if stage == 0 else {}), **self.every_stage_modules}
@@ -168,6 +186,7 @@ class CausalLMPipelineAdapter(PipelineAdapter):
     def stage_io(self, model, layout, stage, microbatch, sequence_parallel):
         mb, seq_len = microbatch["input_ids"].shape
         return self.hidden_state_io(model, layout, stage, microbatch, sequence_parallel,
+                                    None if self.tiles_loss(model) else
                                     lambda: (mb, seq_len, model.lm_head.out_features))
 
     def prepare_batch(self, model, batch):
@@ -185,11 +204,22 @@ class CausalLMPipelineAdapter(PipelineAdapter):
 
     def loss(self, model, local_logits, labels, num_items_in_batch):
         """``transformers``' causal-LM loss; under context parallelism ``labels`` are already shifted (see
-        ``prepare_batch``) and the result is this chunk's share (``runner._LossFn`` sums it over cp)."""
+        ``prepare_batch``) and the result is this chunk's share (``runner._LossFn`` sums it over cp). With
+        :meth:`tiles_loss` ``local_logits`` are the final hidden states ``[mb, s, h]`` and the head runs here, fused
+        with the cross-entropy in row chunks."""
         from ..parallel_layers.cross_entropy import causal_lm_loss
 
         head = model.lm_head
         shifted = labels if model.parallel_context.cp_size > 1 else None
+        if self.tiles_loss(model):
+            from ..models.common.loss.lm_loss import head_loss_and_logits
+
+            cap = model.final_logit_softcap() if hasattr(model, "final_logit_softcap") else None
+            loss, _ = head_loss_and_logits(head, local_logits, labels, causal=True, skip_logits=True,
+                                           fused=model.parallel_context.config.fused_ops,
+                                           num_items_in_batch=num_items_in_batch, shift_labels=shifted,
+                                           logit_softcap=cap)
+            return loss
         return causal_lm_loss(local_logits, labels, group=getattr(head, "group", None),
                               vocab_start=getattr(head, "vocab_start_index", 0), num_items_in_batch=num_items_in_batch,
                               shift_labels=shifted)

@@ -8,9 +8,10 @@
   control: the same model with the option off keeps them); in eval mode the logits are ``transformers``'.
 - The planner: ``ParallelConfig(tiled_loss=True)`` predicts what ``estimate_memory(..., tiled_loss=True)`` does, less
   than the plain config.
-- Config: a non-bool and pipeline parallelism are refused; the example's options parse into the config, a bad
-  ``--tiled-mlp`` is a usage error; ``examples/train_clm.py --tiled-mlp 2 --tiled-loss --activation-offload --pack``
-  trains 2 steps of its small GPT-2 (one process) to finite losses.
+- Config: a non-bool is refused (pipeline parallelism is accepted: ``tests/pipeline/test_pipeline_tiled_loss.py``);
+  the example's options parse into the config, a bad ``--tiled-mlp`` is a usage error;
+  ``examples/train_clm.py --tiled-mlp 2 --tiled-loss --activation-offload --pack`` trains 2 steps of its small
+  GPT-2 (one process) to finite losses.
 """
 from __future__ import annotations
 
@@ -89,8 +90,10 @@ def test_planner_counts_the_option():
 def test_config_and_example_options():
     with pytest.raises(ValueError, match="tiled_loss must be a bool"):
         om.ParallelConfig(tiled_loss="yes")
-    with pytest.raises(NotImplementedError, match="tiled_loss with pipeline_parallel_size"):
-        om.ParallelConfig(tiled_loss=True, pipeline_parallel_size=2)
+    assert om.ParallelConfig(tiled_loss=True, pipeline_parallel_size=2).tiled_loss  # tests/pipeline/
+    # test_pipeline_tiled_loss.py trains it
+    with pytest.raises(NotImplementedError, match="tensor_parallel_mode='2d'"):
+        om.ParallelConfig(tiled_loss=True, pipeline_parallel_size=2, tensor_parallel_size=4, tensor_parallel_mode="2d")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "examples"))
     import train_clm
     from _common import UsageError
