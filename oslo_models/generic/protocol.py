@@ -17,6 +17,7 @@ from torch import nn
 
 from ..utils.model_protocol import ModelProtocol
 from ..utils.modules import outermost, repeated_blocks, shares_parameters_outside
+from .install_state import generic_install
 
 
 class GenericProtocol(ModelProtocol):
@@ -52,7 +53,7 @@ class GenericProtocol(ModelProtocol):
     def pipeline_adapter(self, model: nn.Module):
         from .pipeline_stage import GenericCausalLMPipelineAdapter
 
-        adapter = model.__dict__.get("_oslo_pipeline_adapter")  # set when the model was cut (pipeline_stage.cut)
+        adapter = generic_install(model).pipeline_adapter  # set when the model was cut (pipeline_stage.cut)
         return adapter if adapter is not None else GenericCausalLMPipelineAdapter.for_model(model)
 
     def expert_units(self, model: nn.Module) -> list[nn.Module]:
@@ -66,7 +67,7 @@ class GenericProtocol(ModelProtocol):
         unit.register_forward_pre_hook(GradientScale(expert_data_parallel_size / dp_size))
 
     def expert_data_parallel_mesh(self, model: nn.Module, context):
-        return model._oslo_expert_mesh["edp"]  # the mesh its experts were split on (expert_parallel.py)
+        return generic_install(model).expert_mesh["edp"]  # the mesh its experts were split on (expert_parallel.py)
 
 
 def lora_tensor_parallel_refusal(class_name: str, tp_size: int) -> str:

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import oslo_models as om
+from oslo_models.generic.install_state import generic_install
 from tests.generic.models import save
 from tests.helpers.dist import breadcrumb, run_distributed
 from tests.training.test_global_batch_loss import (
@@ -67,13 +68,13 @@ def _train(name, path, layout, zero_stage, router: bool, rows, broken=None):
     if broken == "experts":  # the experts averaged over dp like dense weights
         model._pipeline_runner()._expert_parameters = dict
     elif broken == "router":  # the stages' loss without the router term
-        adapter = model._oslo_pipeline_adapter
+        adapter = generic_install(model).pipeline_adapter
         adapter.microbatch_loss = lambda model, outputs, labels, items, count: adapter.loss(model, outputs[0], labels,
                                                                                             items)
     elif broken == "chunk":  # under cp, each chunk's own statistics (not summed over cp) for the router term
         from oslo_models.models.mixtral.pipeline_mixtral import aux_loss_from_statistics
 
-        adapter = model._oslo_pipeline_adapter
+        adapter = generic_install(model).pipeline_adapter
 
         def chunk_loss(model, outputs, labels, items, count):
             aux = aux_loss_from_statistics(outputs[1], model.num_experts) / model.parallel_context.cp_size
