@@ -122,6 +122,10 @@ ROWS = (
     # refused, with the reason the code gives
     _row("grid", "granite", SUPPORT, tensor_parallel_size=4, tensor_parallel_mode="2d"),
     _row("ac (selective)", "xglm", SUPPORT, activation_checkpointing="selective"),
+    _row("pp x cp x ac (offload)", "granite", SUPPORT, context_parallel_size=2, activation_checkpointing="offload",
+         **_PP),
+    _row("pp x ep x dp x ac (partitioned)", "dots1", SUPPORT, expert_parallel_size=2, data_parallel_size=2,
+         activation_checkpointing="partitioned", **_PP),
     _row("ep (no expert plan)", "granite", SUPPORT, expert_parallel_size=2, data_parallel_size=2),
     _row("tp (no plan)", "mamba", SUPPORT, tensor_parallel_size=2),
     _row("cp (no attention heads)", "mamba", SUPPORT, context_parallel_size=2),

@@ -69,6 +69,12 @@ def launched_world(monkeypatch):
      "expert-parallel plan"),
     ("granite", dict(tensor_parallel_size=4, tensor_parallel_mode="2d"), "2D/2.5D/3D grids need the native"),
     ("xglm", dict(activation_checkpointing="selective"), "activation_checkpointing='selective'"),
+    # the other checkpointing modes under pp x cp / pp x ep (issue 50; 'full' trains there:
+    # test_generic_pipeline_training_options.py)
+    ("granite", dict(pipeline_parallel_size=2, num_microbatches=2, context_parallel_size=2,
+                     activation_checkpointing="offload"), "activation_checkpointing='offload'"),
+    ("dots1", dict(pipeline_parallel_size=2, num_microbatches=2, data_parallel_size=2, expert_parallel_size=2,
+                   activation_checkpointing="partitioned"), "activation_checkpointing='partitioned'"),
 ])
 def test_refusals_come_before_any_collective(tmp_path, launched_world, name, parallel, message):
     path = save(tmp_path, [name])[name]
