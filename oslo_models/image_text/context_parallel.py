@@ -26,7 +26,9 @@ also the vision tower's, which each cp rank reaches through its chunk's image to
 Collectives per forward: the mask's all-gather of the padding over cp, the attention's (ring: ``cp - 1`` key/value
 exchanges per layer; all-to-all: two per layer). Refused at load with the reason (before the check's collectives): a
 language model given precomputed masks (Gemma 3's bidirectional attention inside each image's tokens, which the
-context-parallel mask cannot express), one whose layers do not attend through the interface, packed rows.
+context-parallel mask cannot express), one whose layers do not attend through the interface, packed rows. Qwen3-VL's
+deepstack features (added at the visual tokens inside its first layers) follow the chunk: the chunk's visual-token
+mask and those tokens' features.
 """
 from __future__ import annotations
 
@@ -74,14 +76,23 @@ def _chunk(context, kwargs: dict) -> dict:
                                   "(position_ids restarting per sample) are not implemented")
     chunked = {**kwargs, "inputs_embeds": embeds[:, index], "position_ids": None,
                "attention_mask": None if mask is None else mask[:, index]}
-    for key in ("visual_pos_masks", "deepstack_visual_embeds"):
-        if kwargs.get(key) is not None:  # Qwen3-VL's deepstack features added inside the layers
-            raise NotImplementedError("context parallelism is not implemented for Qwen3-VL's deepstack features "
-                                      "(added to the image tokens inside the first decoder layers)")
+    visual = kwargs.get("visual_pos_masks")
+    if visual is not None:  # Qwen3-VL's deepstack features, added at the visual tokens inside the first layers
+        chunked.update(_deepstack_chunk(visual, kwargs.get("deepstack_visual_embeds"), index))
     chunked = chunk_inputs(context, chunked, chunked["inputs_embeds"])
     if positions is not None:  # [b, S] or M-RoPE [3 (or 4), b, S]: the chunk's along the sequence axis
         chunked["position_ids"] = positions[..., index]
     return chunked
+
+
+def _deepstack_chunk(visual: torch.Tensor, embeds, index: torch.Tensor) -> dict:
+    """Qwen3-VL's deepstack inputs for the chunk ``index``: ``visual_pos_masks [b, S] -> [b, S/cp]`` and each layer's
+    features ``[visual tokens, h]`` (row-major over ``[b, S]``) -> those of the chunk's visual tokens, in the chunk's
+    row-major order (the order ``hidden_states[mask]`` enumerates them in)."""
+    order = (visual.flatten().long().cumsum(0) - 1).view(visual.shape)  # each visual token's row in the features
+    mask = visual[:, index]
+    picked = order[:, index][mask]
+    return {"visual_pos_masks": mask, "deepstack_visual_embeds": [layer[picked] for layer in embeds or ()]}
 
 
 def _hook(context):

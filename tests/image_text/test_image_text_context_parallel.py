@@ -5,15 +5,16 @@ One spawned group of 4 gloo processes. Each type loaded with ``om.AutoModelForIm
 folder; the 4-row image-text batch of ``batches.py`` (prompt and image tokens masked, rows with different label
 counts, right padding to a length 2 cp divides), data-parallel rank ``d`` taking rows ``d::2`` whole and their images,
 its labels split into the cp rank's chunk(s) by ``om.image_text.context_parallel_splitter`` (shifted on the whole
-sequence first). Some row's image tokens lie on both cp ranks (asserted; not in Qwen2.5-VL's all-to-all case,
-whose images all lie in the first half). The vision tower runs on every cp rank,
+sequence first). In the LLaVA, Qwen2.5-VL ring and Qwen3-VL cases some row's image tokens lie on both cp ranks
+(asserted: the split runs through an image). The vision tower runs on every cp rank,
 the merged sequence is split before the language model.
 
 - LLaVA (ring, vision trained, ZeRO-3; all-to-all, frozen, ZeRO-0), Qwen2.5-VL (ring, frozen, ZeRO-1; all-to-all,
   trained, ZeRO-3: M-RoPE positions ``[3, b, S]`` computed on the whole sequence, split along it), LLaVA-NeXT and
-  SmolVLM (ring, trained, ZeRO-0): each of 3 AdamW steps' loss (the chunks' shares summed over cp, averaged over dp)
-  and every parameter after them equal the single-process run on the whole batch (fp32, 1e-5); frozen, the vision
-  parameters are unchanged;
+  SmolVLM (ring, trained, ZeRO-0), Qwen3-VL (ring, trained, ZeRO-3: interleaved M-RoPE, its deepstack features
+  split with the chunk), Mistral 3 (all-to-all, frozen, ZeRO-2) and Idefics3 (ring, frozen, ZeRO-0): each of 3 AdamW
+  steps' loss (the chunks' shares summed over cp, averaged over dp) and every parameter after them equal the
+  single-process run on the whole batch (fp32, 1e-5); frozen, the vision parameters are unchanged;
 - negative controls (the losses differ from the reference's): LLaVA in ring mode given the all-to-all split of the
   labels; Qwen2.5-VL given text-only positions (``position_ids`` 0, 1, 2, ... on every axis);
 - refused at load with the reason: Gemma 3 (its bidirectional image-block masks).
@@ -37,7 +38,8 @@ from tests.image_text.parity import ADAMW, STEPS, TOL, reference_run
 
 # (type, cp mode, vision frozen, ZeRO stage)
 CASES = (("llava", "ring", False, 3), ("llava", "all_to_all", True, 0), ("qwen2_5_vl", "ring", True, 1),
-         ("qwen2_5_vl", "all_to_all", False, 3), ("llava_next", "ring", False, 0), ("smolvlm", "ring", False, 0))
+         ("qwen2_5_vl", "all_to_all", False, 3), ("llava_next", "ring", False, 0), ("smolvlm", "ring", False, 0),
+         ("qwen3_vl", "ring", False, 3), ("mistral3", "all_to_all", True, 2), ("idefics3", "ring", True, 0))
 MULTIPLE = 4  # 2 x cp: the ring layout's 2 cp chunks
 
 
@@ -51,13 +53,13 @@ def padded(batch: dict) -> dict:
             for key, value in batch.items()}
 
 
-def _assert_images_cross(batch, mode):
-    """Some row's image tokens lie on both cp ranks (the split runs through an image)."""
+def _images_cross(batch, mode) -> bool:
+    """Whether some row's image tokens lie on both cp ranks (the split runs through an image)."""
     seq = batch["input_ids"].shape[1]
     owner = torch.empty(seq, dtype=torch.long)
     for rank in range(2):
         owner[token_index(seq // 2, rank, 2, mode)] = rank
-    assert any(len(set(owner[row == IMAGE_TOKEN].tolist())) == 2 for row in batch["input_ids"]), mode
+    return any(len(set(owner[row == IMAGE_TOKEN].tolist())) == 2 for row in batch["input_ids"])
 
 
 def _train(path, name, mode, frozen, zero, batch, wrong_split=False, text_positions=False):
@@ -91,11 +93,12 @@ def _train(path, name, mode, frozen, zero, batch, wrong_split=False, text_positi
 
 
 def _worker(paths, refs):
+    crossed = set()
     for name, mode, frozen, zero in CASES:
         ref = refs[name, frozen]
         batch = padded(ref["batch"])
-        if (name, mode) != ("qwen2_5_vl", "all_to_all"):  # there every image lies in the first half
-            _assert_images_cross(batch, mode)
+        if _images_cross(batch, mode):
+            crossed.add((name, mode))
         model, losses = _train(paths[name], name, mode, frozen, zero, batch)
         torch.testing.assert_close(losses, torch.stack(ref["losses"]), msg=lambda m: f"{name} {mode}: {m}", **TOL)
         for pname, param in model.named_parameters():
@@ -104,6 +107,7 @@ def _worker(paths, refs):
             torch.testing.assert_close(value, ref["state"][pname], atol=1e-5, rtol=1e-4,
                                        msg=lambda m, n=pname: f"{name} {mode} frozen={frozen} {n}: {m}")
         del model
+    assert {("llava", "ring"), ("llava", "all_to_all"), ("qwen2_5_vl", "ring"), ("qwen3_vl", "ring")} <= crossed
     for name, control in (("llava", "wrong_split"), ("qwen2_5_vl", "text_positions")):
         breadcrumb(f"negative control {name} {control}")
         ref = refs[name, False]
