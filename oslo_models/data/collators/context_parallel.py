@@ -7,7 +7,9 @@ from ...parallel_layers.context_parallel.chunking import check_sequence_length, 
 from ...utils.documents import PACKING_KEYS
 
 _DEFAULT_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "token_type_ids", "attention_mask",
-                 "special_tokens_mask")
+                 "special_tokens_mask", "decoder_input_ids", "decoder_attention_mask")
+#: an encoder-decoder batch's target side (its own length), split apart from the source
+TARGET_KEYS = ("labels", "decoder_input_ids", "decoder_attention_mask")
 
 
 class ContextParallelSplitter:
@@ -27,8 +29,12 @@ class ContextParallelSplitter:
             ``transformers`` wants both). ``False`` for MLM (no shift).
         keys: batch entries to split; others pass through whole.
 
-    Raises ``ValueError`` when the sequence length does not split into the layout's chunks, or entries disagree
-    on it.
+    An encoder-decoder batch (one with ``decoder_input_ids``: shifted on the full target before the split, as
+    ``Seq2SeqCollator`` makes them) has two lengths: the source entries and the target entries (``TARGET_KEYS``)
+    are each split into the layout's chunks; its labels are not shifted (no ``shift_labels``).
+
+    Raises ``ValueError`` when a sequence length does not split into the layout's chunks, or entries of one side
+    disagree on it.
     """
 
     def __init__(self, parallel_context=None, *, cp_rank: int | None = None, cp_size: int | None = None,
@@ -50,15 +56,19 @@ class ContextParallelSplitter:
         present = [k for k in self.keys if isinstance(batch.get(k), torch.Tensor) and batch[k].dim() >= 2]
         if not present:
             raise ValueError(f"batch has none of the keys to split {self.keys}")
-        seq_lens = {k: batch[k].shape[1] for k in present}
-        if len(set(seq_lens.values())) != 1:
-            raise ValueError(f"entries disagree on the sequence length (dim 1): {seq_lens}")
-        check_sequence_length(next(iter(seq_lens.values())), self.cp_size, self.mode)
+        seq2seq = isinstance(batch.get("decoder_input_ids"), torch.Tensor)
+        sides = ([[k for k in present if k not in TARGET_KEYS], [k for k in present if k in TARGET_KEYS]] if seq2seq
+                 else [present])
+        for side in filter(None, sides):
+            seq_lens = {k: batch[k].shape[1] for k in side}
+            if len(set(seq_lens.values())) != 1:
+                raise ValueError(f"entries disagree on the sequence length (dim 1): {seq_lens}")
+            check_sequence_length(next(iter(seq_lens.values())), self.cp_size, self.mode)
         out = dict(batch)
         if isinstance(out.get("position_ids"), torch.Tensor):  # offsets over the whole rows are wrong per chunk:
             for key in PACKING_KEYS:  # the split position_ids carry the documents
                 out.pop(key, None)
-        if self.shift_labels and "labels" in out and "shift_labels" not in out:
+        if self.shift_labels and not seq2seq and "labels" in out and "shift_labels" not in out:
             out["shift_labels"] = torch.nn.functional.pad(out["labels"], (0, 1), value=-100)[:, 1:]
         for key in self.keys:
             if isinstance(out.get(key), torch.Tensor) and out[key].dim() >= 2:

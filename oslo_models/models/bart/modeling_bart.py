@@ -23,8 +23,16 @@ the grid head's rank holds (``lm_head.vocab_start_index``: the grid row's block,
 being whatever batch block the head's output has. The buffer stays whole on every rank (V floats next to the head's
 ``V h / q**2``; buffers are never split, ``conversion/loading.py``), so loading, saving and checkpoints read it as
 at 1D and adding it costs no collective. The loss runs on the vocab-split logits (no shift); ``logits`` are gathered to
-``[b, s_dec, V]`` unless ``gather_logits=False``. Context parallelism is refused (``validate_parallel_config``):
-the decoder's cross-attention would need the whole encoder output on every chunk.
+``[b, s_dec, V]`` unless ``gather_logits=False``.
+
+Context parallelism (``BartModel``, ``BartForConditionalGeneration``): each cp rank holds its chunk(s) of the source
+*and* of the target (``ContextParallelSplitter`` splits the two lengths apart); the encoder's bidirectional and the
+decoder's causal self-attention run the context-parallel core (ring / all-to-all over the stack's
+``ContextParallelMask``, learned positions at the tokens' global positions); the decoder's cross-attention reads the
+whole encoder output, gathered once per forward from the chunks (``parallel_layers/context_parallel/cross.py``: one
+all-gather of ``[b, s_enc_local, d]`` and of the padding mask; backward one all-reduce of ``[b, s_enc, d]``); the
+loss is the mean over the labelled tokens of the whole target (count and sum all-reduced over cp). The decoder
+inputs must come from the full target (``decoder_input_ids`` in the batch: a chunk cannot shift its labels).
 
 Shapes: b batch, s sequence, d d_model, n heads (n/tp per rank), V vocabulary.
 """
@@ -50,6 +58,7 @@ from transformers.utils.generic import ModelOutput, can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder
 
 from ...config import ParallelConfig
+from ...parallel_layers.context_parallel.cross import gather_encoder_mask, gather_encoder_states
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ...parallel_layers.plan import Colwise, ParallelPlan, VocabEmbedding
 from ..common.attention.cache_names import MASK_CACHE_KEYWORD, cache_field, output_cache, seq2seq_fields
@@ -59,7 +68,9 @@ from ..common.embeddings.positions import LearnedPositionalEmbedding, LearnedPos
 from ..common.loss.head_rules import SEQ2SEQ_LM
 from ..common.loss.lm_loss import full_logits
 from ..common.norms.layer_norm import LayerNorm
+from ..common.rules.capabilities import Capabilities
 from ..common.rules.parallel_rules import check_rules
+from ..common.stack.context_parallel import context_parallel_loss, context_parallel_loss_items
 from ..common.stack.outputs import capture_parallel_outputs
 from ..common.stack.stack import StackSpec, TransformerStack
 from ..modeling_utils import OsloPreTrainedModel
@@ -107,11 +118,6 @@ class BartPreTrainedModel(OsloPreTrainedModel):
         if parallel.tensor_parallel_mode != "1d" and cls.grid_refusal:
             raise NotImplementedError(f"{cls.__name__} under tensor_parallel_mode={parallel.tensor_parallel_mode!r} "
                                       f"is not implemented: {cls.grid_refusal}; use '1d'")
-        if parallel.context_parallel_size > 1:
-            raise NotImplementedError(f"BART under context_parallel_size={parallel.context_parallel_size} is not "
-                                      "implemented: every decoder chunk's cross-attention reads the whole encoder "
-                                      "output, which the encoder would have to gather from its chunks first; use "
-                                      "context_parallel_size=1")
         layerdrop = max(config.encoder_layerdrop, config.decoder_layerdrop)
         if layerdrop and parallel.world_size > 1:
             raise NotImplementedError(f"BART's layerdrop={layerdrop} (skipping whole layers at random in training, "
@@ -173,6 +179,7 @@ class BartEncoder(_BartStack):
 
     stack_spec = BART_ENCODER_SPEC
     layer_class, num_layers_attr = BartEncoderLayer, "encoder_layers"
+    causal = False  # under context parallelism: a bidirectional ContextParallelMask
     _can_record_outputs = {"hidden_states": BartEncoderLayer, "attentions": BartAttention}
 
     def layer_masks(self, shape_like, attention_mask, past_key_values, position_ids, kinds) -> dict:
@@ -259,6 +266,7 @@ class BartModel(BartPreTrainedModel):
 
     hf_twin = transformers.BartModel
     parallel_plan = ParallelPlan(bart_styles())
+    capabilities = Capabilities(context_parallel=True)
     _tied_weights_keys = {"decoder.embed_tokens.weight": "shared.weight",
                           "encoder.embed_tokens.weight": "shared.weight"}
 
@@ -292,7 +300,11 @@ class BartModel(BartPreTrainedModel):
         """As ``transformers``: without decoder inputs the decoder reads ``input_ids`` shifted right."""
         kwargs.pop("return_dict", None)
         past_key_values = cache if past_key_values is None else past_key_values
+        context = self.parallel_context
         if decoder_input_ids is None and decoder_inputs_embeds is None:
+            if context.cp_size > 1:
+                raise ValueError("BART under context parallelism needs decoder_input_ids (shifted on the full "
+                                 "sequence before the split: a chunk cannot shift its own)")
             if input_ids is None:
                 raise ValueError("If no `decoder_input_ids` or `decoder_inputs_embeds` are passed, `input_ids` "
                                  "cannot be `None`. Please pass either `input_ids` or `decoder_input_ids` or "
@@ -303,9 +315,12 @@ class BartModel(BartPreTrainedModel):
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
                                            inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
         encoder_outputs = as_encoder_output(encoder_outputs)
+        # under cp every decoder chunk reads the whole encoder output (context_parallel/cross.py); else itself
         decoder_outputs = self.decoder(input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
-                                       encoder_hidden_states=encoder_outputs.last_hidden_state,
-                                       encoder_attention_mask=attention_mask, past_key_values=past_key_values,
+                                       encoder_hidden_states=gather_encoder_states(encoder_outputs.last_hidden_state,
+                                                                                   context),
+                                       encoder_attention_mask=gather_encoder_mask(attention_mask, context),
+                                       past_key_values=past_key_values,
                                        inputs_embeds=decoder_inputs_embeds, use_cache=use_cache, return_dict=True,
                                        **kwargs)
         return Seq2SeqModelOutput(
@@ -323,6 +338,7 @@ class BartForConditionalGeneration(BartPreTrainedModel, GenerationMixin):
     hf_twin = transformers.BartForConditionalGeneration
     parallel_plan = ParallelPlan({**bart_styles("model"), "lm_head": Colwise(vocab=True)})
     pipeline_adapter = BartPipelineAdapter  # pipeline_parallel_size > 1: stages, see pipeline_bart.py
+    capabilities = Capabilities(context_parallel=True)
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
     _keys_to_ignore_on_load_missing = ["final_logits_bias"]
     # a buffer, read by ``load_from_reader`` (the parameter loader would call it unused)
@@ -385,6 +401,9 @@ class BartForConditionalGeneration(BartPreTrainedModel, GenerationMixin):
         if labels is not None:
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
+                if self.parallel_context.cp_size > 1:
+                    raise ValueError("BART under context parallelism needs decoder_input_ids with labels (shifted "
+                                     "on the full sequence before the split: a chunk cannot shift its own labels)")
                 decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id,
                                                        self.config.decoder_start_token_id)
         if skip_logits and labels is None:
@@ -396,8 +415,10 @@ class BartForConditionalGeneration(BartPreTrainedModel, GenerationMixin):
                              use_cache=use_cache, return_dict=True, **kwargs)
         local_logits = self.head_logits(outputs.last_hidden_state)
         loss = None
-        if labels is not None:  # on the vocab-split logits, no shift (transformers' CrossEntropyLoss)
-            loss = SEQ2SEQ_LM.loss(self, local_logits, labels, num_items_in_batch)
+        if labels is not None:  # on the vocab-split logits, no shift (transformers' CrossEntropyLoss); under cp the
+            # mean over the whole target's labelled tokens (count and sum over cp)
+            count = context_parallel_loss_items(self, labels, num_items_in_batch, causal=False)
+            loss = context_parallel_loss(self, SEQ2SEQ_LM.loss(self, local_logits, labels, count))
         logits = None if skip_logits else full_logits(local_logits, self.lm_head, gather_logits)
         return Seq2SeqLMOutput(loss=loss, logits=logits, **seq2seq_fields(outputs))
 
