@@ -148,6 +148,11 @@ class StagePieces:
             for depth in range(len(parts)):
                 owner_path = ".".join(parts[:depth])
                 owner = model.get_submodule(owner_path) if owner_path else model
+                direct = [key for key, value in owner._parameters.items() if value is not None]
+                if depth and direct:  # a stage holds modules: a bare parameter could not go with the first stage
+                    raise NotImplementedError(
+                        f"{name}: its {type(owner).__name__} holds the parameter {direct[0]!r} directly, beside its "
+                        f"decoder (LLaVA-NeXT's image_newline); the generic pipeline puts whole modules on a stage")
                 for child_name, child in owner.named_children():
                     if child_name == parts[depth] or not _has_parameters(child):
                         continue
