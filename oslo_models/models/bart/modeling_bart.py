@@ -118,6 +118,9 @@ class BartPreTrainedModel(OsloPreTrainedModel):
         if parallel.tensor_parallel_mode != "1d" and cls.grid_refusal:
             raise NotImplementedError(f"{cls.__name__} under tensor_parallel_mode={parallel.tensor_parallel_mode!r} "
                                       f"is not implemented: {cls.grid_refusal}; use '1d'")
+        if parallel.context_parallel_size > 1 and parallel.pipeline_parallel_size > 1:
+            raise NotImplementedError("BART under context parallelism with pipeline_parallel_size > 1 is not "
+                                      "implemented (untested); use one of them")
         layerdrop = max(config.encoder_layerdrop, config.decoder_layerdrop)
         if layerdrop and parallel.world_size > 1:
             raise NotImplementedError(f"BART's layerdrop={layerdrop} (skipping whole layers at random in training, "

@@ -13,6 +13,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.t5.modeling_t5 import T5Attention as _HFT5Attention
 from transformers.models.t5.modeling_t5 import eager_attention_forward
 
+from ...parallel_layers.context_parallel.gathered import gathered_attention
+from ...parallel_layers.context_parallel.mask import ContextParallelMask
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ..common import DenseActDense, DenseGatedActDense, RMSNorm, attend, split_heads
 from ..common.attention.attention import AttentionModule
@@ -24,7 +26,13 @@ class T5Attention(AttentionModule):
     """Self- or cross-attention on this rank's heads. Input ``[b, s(/tp), d]``; output ``[b, s(/tp), d]``
     (``o`` is row-parallel: all-reduce, or reduce-scatter under SP). Returns ``(output, position_bias, weights)``
     with ``position_bias [1, n/tp, s_q, s_k]`` for the next blocks to reuse and ``weights [b, n/tp, s_q, s_k]``
-    (eager attention only, else ``None``)."""
+    (eager attention only, else ``None``).
+
+    Under context parallelism (``mask`` a ``ContextParallelMask``: the self-attention of a cp stack) this rank's
+    queries attend the gathered keys of the whole sequence (``context_parallel/gathered.py``: one all-gather of keys
+    and of values), with the bias ``[1, n/tp, s_local, s]`` of its queries' global positions against every key's
+    (``compute_bias(query_positions=...)``); the cross-attention reads the gathered encoder output with a plain
+    mask and needs nothing else."""
 
     tp_plan = T5_ATTENTION_PLAN
 
@@ -53,9 +61,14 @@ class T5Attention(AttentionModule):
             self.relative_attention_bias = Embedding(self.relative_attention_num_buckets, self.n_heads)
         self.dropout = Dropout(config.dropout_rate)  # attention probabilities (a float in transformers: no keys)
 
-    def compute_bias(self, query_length: int, key_length: int, device=None, past_seen_tokens=0) -> torch.Tensor:
-        """Bucketed relative position bias for this rank's heads: ``[1, n/tp, query_length, key_length]``."""
-        context_position = torch.arange(query_length, dtype=torch.long, device=device)[:, None] + past_seen_tokens
+    def compute_bias(self, query_length: int, key_length: int, device=None, past_seen_tokens=0,
+                     query_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Bucketed relative position bias for this rank's heads: ``[1, n/tp, query_length, key_length]``;
+        ``query_positions [query_length]``: the queries' positions (a cp rank's global ones), else ``past + arange``."""
+        if query_positions is not None:
+            context_position = query_positions.to(device=device, dtype=torch.long)[:, None]
+        else:
+            context_position = torch.arange(query_length, dtype=torch.long, device=device)[:, None] + past_seen_tokens
         memory_position = torch.arange(key_length, dtype=torch.long, device=device)[None, :]
         buckets = _HFT5Attention._relative_position_bucket(
             memory_position - context_position, bidirectional=not self.is_decoder,
@@ -86,13 +99,21 @@ class T5Attention(AttentionModule):
                 if is_cross_attention and isinstance(past_key_values, EncoderDecoderCache):
                     past_key_values.is_updated[self.layer_idx] = True
 
+        cp_mask = mask if isinstance(mask, ContextParallelMask) else None
         if position_bias is None:
             query_length, key_length = query.shape[2], key.shape[2]  # full lengths, also under SP
+            if cp_mask is not None:  # this rank's queries against the whole sequence's keys
+                key_length *= cp_mask.size
             if self.has_relative_attention_bias:
-                position_bias = self.compute_bias(query_length, key_length, query.device, past_seen)
+                position_bias = self.compute_bias(query_length, key_length, query.device, past_seen,
+                                                  None if cp_mask is None else cp_mask.token_index[cp_mask.rank])
             else:
                 position_bias = torch.zeros((1, query.shape[1], query_length, key_length), device=query.device,
                                             dtype=query.dtype)
+        if cp_mask is not None:
+            out = gathered_attention(query, key, value, cp_mask, bias=position_bias, scaling=1.0,
+                                     dropout=self.dropout)
+            return self.o(out.reshape(*out.shape[:-2], -1)), position_bias, None
         out, weights = attend(self, query, key, value, mask, dropout=self.dropout, scaling=1.0,
                               eager_fallback=eager_attention_forward, position_bias=position_bias, **kwargs)
         return self.o(out), position_bias, weights

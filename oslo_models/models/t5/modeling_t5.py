@@ -43,6 +43,8 @@ from transformers.utils.generic import ModelOutput, can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder
 
 from ...config import ParallelConfig
+from ...parallel_layers.context_parallel import build_context_parallel_mask
+from ...parallel_layers.context_parallel.cross import gather_encoder_mask, gather_encoder_states
 from ...parallel_layers.layers import Dropout, Embedding, Linear
 from ...parallel_layers.sharding import VocabSplit
 from ..common import (
@@ -55,7 +57,9 @@ from ..common import (
 )
 from ..common.attention.cache_names import MASK_CACHE_KEYWORD, cache_field, output_cache
 from ..common.loss.lm_loss import head_loss_and_logits
+from ..common.rules.capabilities import Capabilities
 from ..common.rules.parallel_rules import check_rules
+from ..common.stack.context_parallel import context_parallel_loss, context_parallel_loss_items
 from ..common.stack.outputs import capture_parallel_outputs
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_t5 import T5Config
@@ -89,6 +93,9 @@ class T5PreTrainedModel(OsloPreTrainedModel):
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
         rules = [rule for component in cls.parallel_components for rule in component.parallel_rules(config)]
         check_rules(dict.fromkeys(rules), config, parallel)
+        if parallel.context_parallel_size > 1 and parallel.pipeline_parallel_size > 1:
+            raise NotImplementedError("T5 under context parallelism with pipeline_parallel_size > 1 is not "
+                                      "implemented (untested); use one of them")
 
     def tie_parallel_weights(self) -> None:
         """The stacks' ``embed_tokens`` always share ``shared``; ``lm_head`` does too unless the checkpoint
@@ -134,11 +141,17 @@ class T5PreTrainedModel(OsloPreTrainedModel):
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
                                            inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
         encoder_outputs = _as_encoder_output(encoder_outputs)
+        context = self.parallel_context
+        if context.cp_size > 1 and decoder_input_ids is None and decoder_inputs_embeds is None:
+            raise ValueError("T5 under context parallelism needs decoder_input_ids (shifted on the full sequence "
+                             "before the split: a chunk cannot shift its own labels)")
+        # under cp every decoder chunk's cross-attention reads the whole encoder output (context_parallel/cross.py)
         decoder_outputs = self.decoder(input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
                                        inputs_embeds=decoder_inputs_embeds, past_key_values=past_key_values,
-                                       encoder_hidden_states=encoder_outputs.last_hidden_state,
-                                       encoder_attention_mask=attention_mask, use_cache=use_cache, return_dict=True,
-                                       **kwargs)
+                                       encoder_hidden_states=gather_encoder_states(encoder_outputs.last_hidden_state,
+                                                                                   context),
+                                       encoder_attention_mask=gather_encoder_mask(attention_mask, context),
+                                       use_cache=use_cache, return_dict=True, **kwargs)
         return encoder_outputs, decoder_outputs
 
     def _shift_right(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -194,8 +207,17 @@ class T5Stack(T5PreTrainedModel):
     def stack_inputs(self, shape_like, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                      past_key_values=None, *, sequence_parallel: bool | None = None) -> T5StackInputs:
         """``shape_like``: ``[b, s, d]`` (the masks read only its batch, length, dtype and device: a pipeline stage
-        passes a zero-size expanded view). ``sequence_parallel``: the stage's decision; else this call's."""
-        if self.is_decoder:
+        passes a zero-size expanded view). ``sequence_parallel``: the stage's decision; else this call's. Under
+        context parallelism the self-attention mask is a ``ContextParallelMask`` (causal in the decoder; one
+        all-gather of the padding mask) and ``encoder_hidden_states`` / ``encoder_attention_mask`` are the gathered
+        whole encoder's."""
+        if self.parallel_context.cp_size > 1:
+            if past_key_values is not None and past_key_values.get_seq_length() > 0:
+                raise NotImplementedError("a key/value cache (generation) under context parallelism is not "
+                                          "implemented")
+            mask = build_context_parallel_mask(self.parallel_context, attention_mask, shape_like,
+                                               causal=self.is_decoder)
+        elif self.is_decoder:
             self_cache = (past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache)
                           else past_key_values)
             mask = create_causal_mask(config=self.config, inputs_embeds=shape_like, attention_mask=attention_mask,
@@ -319,6 +341,7 @@ class T5Model(T5PreTrainedModel):
 
     hf_twin = transformers.T5Model
     stack_class = T5Stack
+    capabilities = Capabilities(context_parallel=True)
     _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight",
                           "decoder.embed_tokens.weight": "shared.weight"}
 
@@ -355,6 +378,7 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
     hf_twin = transformers.T5ForConditionalGeneration
     stack_class = T5Stack
     pipeline_adapter = T5PipelineAdapter  # pipeline_parallel_size > 1: stages, see pipeline_t5.py
+    capabilities = Capabilities(context_parallel=True)
     _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight",
                           "decoder.embed_tokens.weight": "shared.weight",
                           "lm_head.weight": "shared.weight"}
@@ -411,6 +435,9 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
                 labels=None, use_cache=None, gather_logits: bool = True, num_items_in_batch=None,
                 skip_logits: bool = False, **kwargs):
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
+            if self.parallel_context.cp_size > 1:
+                raise ValueError("T5 under context parallelism needs decoder_input_ids with labels (shifted on the "
+                                 "full sequence before the split: a chunk cannot shift its own labels)")
             decoder_input_ids = self._shift_right(labels)
         encoder_outputs, decoder_outputs = self.run_stacks(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
@@ -420,9 +447,13 @@ class T5ForConditionalGeneration(T5PreTrainedModel, GenerationMixin):
             sequence_output = sequence_output * (self.model_dim ** -0.5)
         # logits [b, s_dec, V] ([b, s_dec, V_padded/tp] with gather_logits=False, padding columns -inf; None with
         # skip_logits: the loss then runs fused and chunked, see common/loss/lm_loss.py)
+        # under cp the mean over the whole target's labelled tokens (count and sum over cp)
+        if labels is not None:
+            num_items_in_batch = context_parallel_loss_items(self, labels, num_items_in_batch, causal=False)
         loss, logits = head_loss_and_logits(self.lm_head, sequence_output, labels, causal=False,
                                             skip_logits=skip_logits, fused=self.parallel_context.config.fused_ops,
                                             gather_logits=gather_logits, num_items_in_batch=num_items_in_batch)
+        loss = context_parallel_loss(self, loss)
         return self.lm_output(loss, logits, encoder_outputs, decoder_outputs, labels)
 
     def lm_output(self, loss, logits, encoder_outputs, decoder_outputs, labels) -> ModelOutput:

@@ -5,7 +5,10 @@ one core for every family (``attention.py``).
 - ``chunking.py``: which tokens each rank holds (mirrored chunks for the ring), split/merge of a batch;
 - ``mask.py``: ``ContextParallelMask``, built once per forward, carried in place of the attention mask;
 - ``loss.py``: the loss mean over the whole sequence, gradients that the dp x cp average sums;
-- ``dropout.py``: attention-probability dropout whose keep bits are a hash of global coordinates.
+- ``dropout.py``: attention-probability dropout whose keep bits are a hash of global coordinates;
+- ``cross.py``: an encoder-decoder's encoder output gathered from the chunks for every decoder chunk's
+  cross-attention (BART, T5);
+- ``gathered.py``: the gathered-keys core for an additive pair bias (T5's relative position bias).
 """
 from .all_to_all import all_to_all_attention, heads_to_sequence, sequence_to_heads
 from .attention import attention_function, context_parallel_attention

@@ -50,9 +50,11 @@ def context_parallel_attention(module, query: torch.Tensor, key: torch.Tensor, v
     ``softcap`` (Gemma 2) caps the scores inside each block; ALiBi rides on the mask (``mask.alibi``, Bloom /
     Falcon); ``s_aux [n]`` (gpt-oss's sinks) joins every row's denominator once; a query that sees no key follows
     the module's kernel (eager: the mean of all values, zeros with sinks; else zeros). Additive position biases (T5)
-    are not supported. The per-block kernel: :func:`choose_impl` of the module's ``attn_implementation``."""
+    go through ``gathered.py`` instead. The per-block kernel: :func:`choose_impl` of the module's
+    ``attn_implementation``."""
     if kwargs.get("position_bias") is not None:
-        raise NotImplementedError("an additive position bias (T5) under context parallelism is not implemented")
+        raise NotImplementedError("an additive position bias (T5) in the ring / all-to-all core is not implemented: "
+                                  "such a layer runs context_parallel/gathered.py's gathered_attention instead")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     core = {RING: ring_attention, ALL_TO_ALL: all_to_all_attention}.get(attention_mask.mode, hybrid_attention)
     sinks = kwargs.get("s_aux")  # gpt-oss's learned sinks [n] of this rank's heads

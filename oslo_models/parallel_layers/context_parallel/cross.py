@@ -20,10 +20,10 @@ import torch.distributed as dist
 from .chunking import merge_sequence, split_sequence
 
 
-def _gather(x: torch.Tensor, context, dim: int) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(context.cp_size)]
-    dist.all_gather(parts, x.contiguous(), group=context.cp_group)
-    return merge_sequence(parts, context.config.context_parallel_mode, dim=dim)
+def _gather(x: torch.Tensor, group, size: int, mode: str, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return merge_sequence(parts, mode, dim=dim)
 
 
 class _GatherSummingGradients(torch.autograd.Function):
@@ -31,26 +31,33 @@ class _GatherSummingGradients(torch.autograd.Function):
     chunk(s) of it (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, context, dim):
-        ctx.context, ctx.dim = context, dim
-        return _gather(x, context, dim)
+    def forward(ctx, x, group, rank, size, mode, dim):
+        ctx.group, ctx.rank, ctx.size, ctx.mode, ctx.dim = group, rank, size, mode, dim
+        return _gather(x, group, size, mode, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        context = ctx.context
         total = grad.contiguous().clone()
-        dist.all_reduce(total, group=context.cp_group)
-        return split_sequence(total, context.cp_rank, context.cp_size, context.config.context_parallel_mode,
-                              ctx.dim), None, None
+        dist.all_reduce(total, group=ctx.group)
+        return split_sequence(total, ctx.rank, ctx.size, ctx.mode, ctx.dim), None, None, None, None, None
+
+
+def gather_summing_gradients(x: torch.Tensor, group, rank: int, size: int, mode: str, dim: int = 1) -> torch.Tensor:
+    """``x`` (this rank's chunk(s) along ``dim``) -> the whole sequence over the cp ``group`` of ``size`` (layout
+    ``mode``); backward: the gradient summed over the group, this rank's chunk(s) (see the module docstring)."""
+    return _GatherSummingGradients.apply(x, group, rank, size, mode, dim)
 
 
 def gather_encoder_states(x: torch.Tensor, context, dim: int = 1) -> torch.Tensor:
     """See the module docstring; ``x`` itself at cp=1."""
-    return x if context.cp_size == 1 else _GatherSummingGradients.apply(x, context, dim)
+    if context.cp_size == 1:
+        return x
+    return gather_summing_gradients(x, context.cp_group, context.cp_rank, context.cp_size,
+                                    context.config.context_parallel_mode, dim)
 
 
 def gather_encoder_mask(mask: torch.Tensor | None, context) -> torch.Tensor | None:
     """The encoder padding mask of the whole sequence ``[b, s_enc]`` (``None`` stays ``None``; itself at cp=1)."""
     if mask is None or context.cp_size == 1:
         return mask
-    return _gather(mask, context, 1)
+    return _gather(mask, context.cp_group, context.cp_size, context.config.context_parallel_mode, 1)
