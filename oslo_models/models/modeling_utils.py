@@ -32,10 +32,10 @@ from ..distributed.context import ParallelContext, _world_from_environment
 from ..distributed.data_parallel import install_data_parallel_guard
 from ..parallel_layers.plan import ParallelPlan
 from ..parallel_layers.sequence_parallel import bind_sequence_parallel_region
-from .common.feed_forward.bias_act import configure_fused_ops
 from .common.loading.pretrained_options import parse_load_options
 from .common.rules.parallel_rules import check_rules, spec_rules
 from .common.stack.context_parallel import check_context_parallel
+from .common.stack.fused_kernels import configure_fused_ops
 from .common.stack.outputs import install_recording_hooks
 
 

@@ -131,7 +131,7 @@ class AlbertLayer(nn.Module):
 class AlbertLayerGroup(GradientCheckpointingLayer):
     """``inner_group_num`` layers run in turn: the unit the stack runs (once per layer of the depth it serves)."""
 
-    def __init__(self, config, group_idx: int | None = None, *, fused: bool = False):
+    def __init__(self, config, group_idx: int | None = None):
         super().__init__()
         self.albert_layers = nn.ModuleList([AlbertLayer(config) for _ in range(config.inner_group_num)])
 
@@ -151,7 +151,7 @@ class AlbertTransformer(nn.Module):
     the stack), filled by the spec's parts."""
 
 
-def embedding_hidden_mapping_in(config, options=None, fused: bool = False) -> Linear:
+def embedding_hidden_mapping_in(config, options=None) -> Linear:
     """The replicated ``[e, h]`` projection after the embeddings."""
     return Linear(config.embedding_size, config.hidden_size)
 

@@ -206,7 +206,7 @@ class BertLayer(BlockTemplate):
     optional_roles = ("cross_attn",)
     names = dict(attn="attention", cross_attn="crossattention", intermediate="intermediate", output="output")
 
-    def __init__(self, config, layer_idx: int | None = None, *, fused: bool = False):  # fused: configure_fused_ops
+    def __init__(self, config, layer_idx: int | None = None):
         cross = None
         if getattr(config, "add_cross_attention", False):
             if not config.is_decoder:

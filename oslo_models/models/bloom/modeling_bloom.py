@@ -70,11 +70,11 @@ class BloomBlock(PreNormBlock):
 
     names = dict(attn_norm="input_layernorm", attn="self_attention", mlp_norm="post_attention_layernorm", mlp="mlp")
 
-    def __init__(self, config: BloomConfig, layer_idx: int, *, fused: bool = False):
+    def __init__(self, config: BloomConfig, layer_idx: int):
         hidden, eps = config.hidden_size, config.layer_norm_epsilon
         super().__init__(attn_norm=LayerNorm(hidden, eps=eps),
                          attn=BloomAttention(config, layer_idx, attention_dropout=config.attention_dropout,
-                                             output_dropout=config.hidden_dropout, fused=fused),
+                                             output_dropout=config.hidden_dropout),
                          mlp_norm=LayerNorm(hidden, eps=eps),
                          mlp=BloomMLP(hidden, 4 * hidden, act=GeLUFunction.apply, dropout=config.hidden_dropout))
         self.residual_after_norm = bool(config.apply_residual_connection_post_layernorm)

@@ -148,7 +148,7 @@ class DebertaV2Layer(BlockTemplate):
     roles = ("attn", "intermediate", "output")
     names = dict(attn="attention", intermediate="intermediate", output="output")
 
-    def __init__(self, config, layer_idx: int | None = None, *, fused: bool = False):
+    def __init__(self, config, layer_idx: int | None = None):
         super().__init__(attn=DebertaV2Attention(config), intermediate=DebertaV2Intermediate(config),
                          output=DebertaV2Output(config))
 
@@ -274,10 +274,10 @@ class DebertaV2Model(PoolingArgument, TransformerStack, DebertaV2PreTrainedModel
     causal = False
     output_class = BaseModelOutput
 
-    def build_layer(self, config, layer_idx: int, options, fused: bool) -> DebertaV2Layer:
+    def build_layer(self, config, layer_idx: int, options) -> DebertaV2Layer:
         """The spec's layer; the first one also runs the encoder's convolution (deberta-v2-xlarge / xxlarge), held
         as a plain attribute so its keys stay ``encoder.conv.*``."""
-        layer = DebertaV2Layer(config, layer_idx, fused=fused)
+        layer = DebertaV2Layer(config, layer_idx)
         if layer_idx == 0 and self.encoder.conv is not None:
             object.__setattr__(layer, "encoder_conv", self.encoder.conv)
         return layer

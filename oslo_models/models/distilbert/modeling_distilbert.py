@@ -136,7 +136,7 @@ class TransformerBlock(PostNormBlock):
 
     names = dict(attn="attention", attn_norm="sa_layer_norm", mlp="ffn", mlp_norm="output_layer_norm")
 
-    def __init__(self, config, layer_idx: int | None = None, *, fused: bool = False):
+    def __init__(self, config, layer_idx: int | None = None):
         super().__init__(attn=DistilBertSelfAttention(config), attn_norm=DistilBertLayerNorm(config.dim, eps=_EPS),
                          mlp=DistilBertFFN(config.dim, config.hidden_dim, act=config.activation,
                                            dropout=config.dropout),

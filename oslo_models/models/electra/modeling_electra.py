@@ -53,7 +53,7 @@ class ElectraEmbeddings(BertEmbeddings):
     width_attribute = "embedding_size"
 
 
-def embeddings_project(config, options=None, fused: bool = False) -> Linear | None:
+def embeddings_project(config, options=None) -> Linear | None:
     """The replicated ``[e, h]`` projection after the embeddings; ``None`` when ``e == h``."""
     projected = config.embedding_size != config.hidden_size
     return Linear(config.embedding_size, config.hidden_size) if projected else None

@@ -89,12 +89,12 @@ class FalconDecoderLayer(ParallelResidualBlock):
 
     names = dict(attn_norm="input_layernorm", attn="self_attention", mlp_norm="post_attention_layernorm", mlp="mlp")
 
-    def __init__(self, config: FalconConfig, layer_idx: int, *, fused: bool = False):
+    def __init__(self, config: FalconConfig, layer_idx: int):
         hidden, eps = config.hidden_size, config.layer_norm_epsilon
         self.parallel = parallel_block(config)
         attention = FalconAttention(config, layer_idx, bias=config.bias, rotary=not config.alibi,
                                     attention_dropout=config.attention_dropout if config.alibi else 0.0,
-                                    output_dropout=0.0 if self.parallel else config.attention_dropout, fused=fused)
+                                    output_dropout=0.0 if self.parallel else config.attention_dropout)
         mlp = FalconMLP(hidden, config.ffn_hidden_size, act=config.activation, bias=config.bias,
                         dropout=0.0 if self.parallel else config.hidden_dropout)
         if two_norms(config):

@@ -121,7 +121,7 @@ class GPT2MLP(nn.Module):
 class GPT2Block(PreNormBlock):
     names = dict(attn_norm="ln_1", attn="attn", mlp_norm="ln_2", mlp="mlp")
 
-    def __init__(self, config: GPT2Config, layer_idx: int, *, fused: bool = False):  # fused: configure_fused_ops
+    def __init__(self, config: GPT2Config, layer_idx: int):
         super().__init__(attn_norm=LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon),
                          attn=GPT2Attention(config, layer_idx),
                          mlp_norm=LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon),

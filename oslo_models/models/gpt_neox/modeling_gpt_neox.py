@@ -49,9 +49,8 @@ class GPTNeoXAttention(HeadPackedAttention):
     """``query_key_value`` (per-head packed, column-parallel by whole heads) and ``dense`` (row-parallel), biased when
     ``attention_bias``; partial rotary; attention-probability dropout ``attention_dropout``."""
 
-    def __init__(self, config: GPTNeoXConfig, layer_idx: int, *, fused: bool = False):
-        super().__init__(config, layer_idx, bias=config.attention_bias, attention_dropout=config.attention_dropout,
-                         fused=fused)
+    def __init__(self, config: GPTNeoXConfig, layer_idx: int):
+        super().__init__(config, layer_idx, bias=config.attention_bias, attention_dropout=config.attention_dropout)
 
 
 class GPTNeoXMLP(DenseMLP):
@@ -64,12 +63,12 @@ class GPTNeoXLayer(ParallelResidualBlock):
 
     names = dict(attn_norm="input_layernorm", attn="attention", mlp_norm="post_attention_layernorm", mlp="mlp")
 
-    def __init__(self, config: GPTNeoXConfig, layer_idx: int, *, fused: bool = False):
+    def __init__(self, config: GPTNeoXConfig, layer_idx: int):
         def norm():
             return LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
         # registered in transformers' order (input_layernorm, post_attention_layernorm, ..., attention, mlp)
-        super().__init__(attn_norm=norm(), mlp_norm=norm(), attn=GPTNeoXAttention(config, layer_idx, fused=fused),
+        super().__init__(attn_norm=norm(), mlp_norm=norm(), attn=GPTNeoXAttention(config, layer_idx),
                          mlp=GPTNeoXMLP(config.hidden_size, config.intermediate_size, act=config.hidden_act),
                          order=("attn_norm", "mlp_norm", "attn", "mlp"))
         self.use_parallel_residual = config.use_parallel_residual

@@ -61,8 +61,8 @@ class GPTJAttention(GroupedQueryAttention):
     tp_plan = {"q_proj": Colwise(), "k_proj": KVHeadColwise(), "v_proj": KVHeadColwise(), "out_proj": Rowwise(),
                "attn_dropout": TPDropout(always_split=True), "resid_dropout": TPDropout()}
 
-    def __init__(self, config: GPTJConfig, layer_idx: int, *, fused: bool = False):
-        super().__init__(config, layer_idx, fused=fused, interleaved_rotary=True,
+    def __init__(self, config: GPTJConfig, layer_idx: int):
+        super().__init__(config, layer_idx, interleaved_rotary=True,
                          eager_fallback=eager_attention_forward)
         self.attn_dropout = Dropout(config.attn_pdrop)
         self.resid_dropout = Dropout(config.resid_pdrop)
@@ -84,10 +84,10 @@ class GPTJBlock(ParallelResidualBlock):
 
     names = dict(attn_norm="ln_1", attn="attn", mlp="mlp")
 
-    def __init__(self, config: GPTJConfig, layer_idx: int, *, fused: bool = False):
+    def __init__(self, config: GPTJConfig, layer_idx: int):
         inner = config.n_inner if config.n_inner is not None else 4 * config.n_embd
         super().__init__(attn_norm=LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
-                         attn=GPTJAttention(config, layer_idx, fused=fused),
+                         attn=GPTJAttention(config, layer_idx),
                          mlp=GPTJMLP(config.n_embd, inner, act=config.activation_function,
                                      dropout=config.resid_pdrop))
 

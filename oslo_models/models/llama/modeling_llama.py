@@ -74,12 +74,11 @@ class LlamaDecoderLayer(PreNormBlock):
 
     names = dict(attn_norm="input_layernorm", attn="self_attn", mlp_norm="post_attention_layernorm", mlp="mlp")
 
-    def __init__(self, config, layer_idx: int, *, options: DecoderOptions, attention_type: str, mlp: nn.Module,
-                 fused: bool = False):
-        attention = decoder_attention(config, layer_idx, options, attention_type, fused=fused)
+    def __init__(self, config, layer_idx: int, *, options: DecoderOptions, attention_type: str, mlp: nn.Module):
+        attention = decoder_attention(config, layer_idx, options, attention_type)
         # registered in transformers' order (self_attn, mlp, input_layernorm, post_attention_layernorm)
-        super().__init__(attn=attention, mlp=mlp, attn_norm=decoder_norm(config, options, fused=fused),
-                         mlp_norm=decoder_norm(config, options, fused=fused),
+        super().__init__(attn=attention, mlp=mlp, attn_norm=decoder_norm(config, options),
+                         mlp_norm=decoder_norm(config, options),
                          order=("attn", "mlp", "attn_norm", "mlp_norm"))
         self.attention_type = attention_type
 
@@ -91,16 +90,15 @@ class SandwichDecoderLayer(SandwichNormBlock):
     two post norms. Registered as ``transformers`` registers them: ``self_attn``, ``mlp``, then the norms in block
     order."""
 
-    def __init__(self, config, layer_idx: int, *, options: DecoderOptions, attention_type: str, mlp: nn.Module,
-                 fused: bool = False):
-        norms = {role: decoder_norm(config, options, fused=fused)
+    def __init__(self, config, layer_idx: int, *, options: DecoderOptions, attention_type: str, mlp: nn.Module):
+        norms = {role: decoder_norm(config, options)
                  for role in self.roles if role.endswith("norm") and role in self.names}
-        super().__init__(attn=decoder_attention(config, layer_idx, options, attention_type, fused=fused), mlp=mlp,
+        super().__init__(attn=decoder_attention(config, layer_idx, options, attention_type), mlp=mlp,
                          **norms, order=("attn", "mlp", *norms))
         self.attention_type = attention_type
 
 
-def decoder_attention(config, layer_idx: int, options: DecoderOptions, attention_type: str, *, fused: bool = False):
+def decoder_attention(config, layer_idx: int, options: DecoderOptions, attention_type: str):
     """Layer ``layer_idx``'s attention from the family's ``DecoderOptions``: its ``attention`` class, the biases and
     q/k norms, and, when set, ``scaling`` / ``softcap`` (Gemma 2/3); the config's ``sliding_window`` on
     ``"sliding_attention"`` layers."""
@@ -108,13 +106,13 @@ def decoder_attention(config, layer_idx: int, options: DecoderOptions, attention
     extra = {key: value for key, value in (("scaling", options.scaling), ("softcap", options.softcap))
              if value is not None}
     return options.attention(config, layer_idx, qkv_bias=options.qkv_bias, o_bias=options.o_bias,
-                             qk_norm=options.qk_norm, sliding_window=window, fused=fused, **extra)
+                             qk_norm=options.qk_norm, sliding_window=window, **extra)
 
 
-def decoder_norm(config, options: DecoderOptions, fused: bool = False) -> RMSNorm:
+def decoder_norm(config, options: DecoderOptions) -> RMSNorm:
     """A residual-stream RMS norm of the family's ``norm_formula`` (``DecoderOptions``; Llama ``"llama"``, Gemma:
     ``"gemma"``, OLMo 2: ``"olmo2"``; see ``common/norms/rms_norm.py``); also the final norm's builder."""
-    return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula=options.norm_formula, fused=fused)
+    return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula=options.norm_formula)
 
 
 #: the Llama-shaped base model's parts, in transformers' registration order (Gemma 3 and Phi-3 swap the rotary)
@@ -177,11 +175,11 @@ class LlamaModel(TransformerStack, LlamaPreTrainedModel):
     is_base_model = True
     capabilities = Capabilities(context_parallel=True)
 
-    def build_layer(self, config, layer_idx: int, options: DecoderOptions, fused: bool) -> nn.Module:
+    def build_layer(self, config, layer_idx: int, options: DecoderOptions) -> nn.Module:
         """The spec's block with the layer's attention type and feed-forward (``build_mlp``)."""
         return self.stack_spec.block(config, layer_idx, options=options,
                                      attention_type=self.attention_types(config)[layer_idx],
-                                     mlp=self.build_mlp(config, layer_idx, options), fused=fused)
+                                     mlp=self.build_mlp(config, layer_idx, options))
 
 
 LlamaPreTrainedModel.base_model_class = LlamaModel

@@ -61,6 +61,7 @@ from ..common.rules.parallel_rules import Features, Heads
 from ..common.stack.blocks import PreNormBlock
 from ..common.stack.context_parallel import context_parallel_loss, context_parallel_loss_items
 from ..common.stack.encoder_stack import PoolingArgument
+from ..common.stack.fused_kernels import FusedKernels
 from ..common.stack.outputs import capture_parallel_outputs, passed_on
 from ..common.stack.stack import StackSpec, TransformerStack
 from ..common.stack.stack_parts import Embeddings, FinalNorm, Layers, Rotary
@@ -78,7 +79,7 @@ from .configuration_modernbert import ModernBertConfig
 from .pipeline_modernbert import ModernBertStages
 
 
-def _norm(config, options=None, fused: bool = False) -> LayerNorm:
+def _norm(config, options=None) -> LayerNorm:
     """ModernBERT's LayerNorm (``norm_bias``): the MLP norm, the final norm's builder, the heads' norm."""
     return LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
 
@@ -113,7 +114,7 @@ class ModernBertEmbeddings(nn.Module):
         return self.drop(self.norm(self.tok_embeddings(input_ids) if inputs_embeds is None else inputs_embeds))
 
 
-class ModernBertAttention(AttentionModule):
+class ModernBertAttention(FusedKernels, AttentionModule):
     """Bidirectional attention on this rank's heads with rotary positions: input ``[b, s(/tp), h]``, output
     ``([b, s(/tp), h], weights)``. ``Wqkv`` column-parallel in three packed blocks (gathers the sequence under SP),
     ``Wo`` row-parallel (all-reduce / reduce-scatter: the only forward collective), ``out_drop`` on the residual
@@ -135,7 +136,7 @@ class ModernBertAttention(AttentionModule):
                              f"heads ({config.num_attention_heads})")
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim ** -0.5
-        self.is_causal, self.fused = False, False
+        self.is_causal = False
         # transformers' rule: the kernel's window is the half-window + 1 (flash attention's inclusive bounds)
         local = config.layer_types[layer_idx] == SLIDING
         self.sliding_window = config.sliding_window + 1 if local else None
@@ -143,9 +144,6 @@ class ModernBertAttention(AttentionModule):
         self.Wo = Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
         self.out_drop = Dropout(config.attention_dropout)
         self.attn_dropout = Dropout(config.attention_dropout)
-
-    def configure_fused_ops(self, enabled: bool) -> None:
-        self.fused = enabled  # the Triton rotary kernel where it runs
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         qkv = self.Wqkv(hidden_states)  # [b, s, 3*(n/tp)*d]: q | k | v, each head-major
@@ -184,7 +182,7 @@ class ModernBertMLP(nn.Module):
 class ModernBertEncoderLayer(PreNormBlock):
     names = dict(attn_norm="attn_norm", attn="attn", mlp_norm="mlp_norm", mlp="mlp")
 
-    def __init__(self, config, layer_idx: int, *, fused: bool = False):  # fused: configure_fused_ops
+    def __init__(self, config, layer_idx: int):
         super().__init__(attn_norm=nn.Identity() if layer_idx == 0 else ModernBertNorm(
             config.hidden_size, eps=config.norm_eps, bias=config.norm_bias),
             attn=ModernBertAttention(config, layer_idx), mlp_norm=_norm(config), mlp=ModernBertMLP(config))

@@ -126,7 +126,7 @@ class OPTDecoderLayer(PreNormBlock):
 
 OPT_SPEC = StackSpec(block=OPTDecoderLayer,
                      components=dict(attn_norm=LayerNorm, attn=OPTAttention, mlp_norm=LayerNorm, mlp=OPTFeedForward),
-                     parts=(Built("decoder", lambda config, options, fused: OPTDecoder(config)),),
+                     parts=(Built("decoder", lambda config, options: OPTDecoder(config)),),
                      embed_tokens="decoder.embed_tokens", position_embedding="decoder.embed_positions",
                      input_projection="decoder.project_in", layers="decoder.layers",
                      final_norm="decoder.final_layer_norm", output_projection="decoder.project_out",

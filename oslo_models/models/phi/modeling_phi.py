@@ -48,8 +48,8 @@ class PhiAttention(GroupedQueryAttention):
                "q_layernorm": HeadLayerNormStyle(), "k_layernorm": HeadLayerNormStyle(),
                "attn_dropout": TPDropout(always_split=True)}
 
-    def __init__(self, config: PhiConfig, layer_idx: int, *, fused: bool = False):
-        super().__init__(config, layer_idx, qkv_bias=True, o_bias=True, fused=fused)
+    def __init__(self, config: PhiConfig, layer_idx: int):
+        super().__init__(config, layer_idx, qkv_bias=True, o_bias=True)
         if config.qk_layernorm:
             width = config.hidden_size // config.num_attention_heads  # transformers' width (= head_dim)
             self.q_layernorm = PlainLayerNorm(width, eps=config.layer_norm_eps)
@@ -71,9 +71,9 @@ class PhiDecoderLayer(ParallelResidualBlock):
 
     names = dict(attn_norm="input_layernorm", attn="self_attn", mlp="mlp")
 
-    def __init__(self, config: PhiConfig, layer_idx: int, *, fused: bool = False):
+    def __init__(self, config: PhiConfig, layer_idx: int):
         # registered in transformers' order (self_attn, mlp, input_layernorm, resid_dropout)
-        super().__init__(attn=PhiAttention(config, layer_idx, fused=fused),
+        super().__init__(attn=PhiAttention(config, layer_idx),
                          mlp=PhiMLP(config.hidden_size, config.intermediate_size, act=config.hidden_act),
                          attn_norm=LayerNorm(config.hidden_size, eps=config.layer_norm_eps),
                          order=("attn", "mlp", "attn_norm"))

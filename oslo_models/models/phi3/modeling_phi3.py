@@ -36,13 +36,12 @@ class Phi3DecoderLayer(PreNormBlock):
     names = dict(attn_norm="input_layernorm", attn="self_attn", mlp_norm="post_attention_layernorm", mlp="mlp",
                  attn_dropout="resid_attn_dropout", mlp_dropout="resid_mlp_dropout")
 
-    def __init__(self, config, layer_idx: int, *, options: dict, attention_type: str, mlp: nn.Module,
-                 fused: bool = False):
+    def __init__(self, config, layer_idx: int, *, options: dict, attention_type: str, mlp: nn.Module):
         window = config.sliding_window if attention_type == SLIDING else None
-        attention = PackedQKVAttention(config, layer_idx, sliding_window=window, fused=fused)
+        attention = PackedQKVAttention(config, layer_idx, sliding_window=window)
 
         def norm():
-            return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula="llama", fused=fused)
+            return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, formula="llama")
 
         super().__init__(attn=attention, mlp=mlp, attn_norm=norm(), mlp_norm=norm(),
                          attn_dropout=ResidualDropout(config.resid_pdrop),

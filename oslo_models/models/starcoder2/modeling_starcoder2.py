@@ -40,8 +40,8 @@ class Starcoder2DecoderLayer(PreNormBlock):
                  attn_dropout="attn_residual_dropout")
 
     def __init__(self, config, layer_idx: int, *, options: llama.DecoderOptions, attention_type: str,
-                 mlp: nn.Module, fused: bool = False):
-        attention = llama.decoder_attention(config, layer_idx, options, attention_type, fused=fused)
+                 mlp: nn.Module):
+        attention = llama.decoder_attention(config, layer_idx, options, attention_type)
         super().__init__(attn=attention, mlp=mlp, attn_norm=LayerNorm(config.hidden_size, eps=config.norm_epsilon),
                          mlp_norm=LayerNorm(config.hidden_size, eps=config.norm_epsilon),
                          attn_dropout=ResidualDropout(config.residual_dropout),

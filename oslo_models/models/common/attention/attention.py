@@ -22,6 +22,7 @@ from ....parallel_layers.plan import Colwise, Rowwise, TPDropout
 from ..embeddings.rotary import apply_partial_rotary
 from ..norms.rms_norm import RMSNorm, SequenceParallelRMSNormStyle
 from ..rules.parallel_rules import Heads, KeyValueHeads
+from ..stack.fused_kernels import FusedKernels
 
 
 def num_key_value_heads(config) -> int:
@@ -80,7 +81,7 @@ class AttentionModule(nn.Module):
     kernels = frozenset({"sdpa", "flash_attn", "flex_attn", "attention_backend"})
 
 
-class GroupedQueryAttention(AttentionModule):
+class GroupedQueryAttention(FusedKernels, AttentionModule):
     """Causal self-attention with rotary positions and grouped-query heads: the Llama / Mistral / Qwen2 / Qwen3
     attention (module names and keys ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and Qwen3's ``q_norm``,
     ``k_norm``), written single-device.
@@ -88,7 +89,8 @@ class GroupedQueryAttention(AttentionModule):
     Switches: ``qkv_bias`` / ``o_bias`` (Llama's ``attention_bias``, Qwen2's q/k/v biases), ``qk_norm`` (Qwen3's RMS
     norms over ``head_dim``, before rotary; a formula name instead of ``True`` picks it, Gemma 3: ``"gemma"``),
     ``sliding_window`` (this layer's window, or ``None``; the mask does the windowing, the value is passed on for
-    kernels that take it), ``fused`` (the Triton rotary kernel). Off by default, for the other Hub decoders:
+    kernels that take it); ``fused`` (the Triton rotary kernel) is set when the model is built
+    (``common/stack/fused_kernels.py``). Off by default, for the other Hub decoders:
 
     - ``scaling``: the score scale instead of ``head_dim ** -0.5`` (Gemma: ``query_pre_attn_scalar ** -0.5``);
     - ``softcap``: logit soft-capping ``c * tanh(scores / c)`` before the mask (Gemma 2 ``attn_logit_softcapping``),
@@ -128,9 +130,8 @@ class GroupedQueryAttention(AttentionModule):
         return [Heads("num_attention_heads", heads), KeyValueHeads("num_key_value_heads", kv_heads, heads)]
 
     def __init__(self, config, layer_idx: int, *, qkv_bias: bool = False, o_bias: bool = False,
-                 qk_norm: bool | str = False, sliding_window: int | None = None, fused: bool = False,
-                 eager_fallback=None, scaling: float | None = None, softcap: float | None = None,
-                 interleaved_rotary: bool = False):
+                 qk_norm: bool | str = False, sliding_window: int | None = None, eager_fallback=None,
+                 scaling: float | None = None, softcap: float | None = None, interleaved_rotary: bool = False):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -138,12 +139,12 @@ class GroupedQueryAttention(AttentionModule):
         self.scaling = self.head_dim ** -0.5 if scaling is None else scaling
         self.softcap = softcap
         self.is_causal = True
-        self.sliding_window, self.fused, self.interleaved_rotary = sliding_window, fused, interleaved_rotary
+        self.sliding_window, self.interleaved_rotary = sliding_window, interleaved_rotary
         self.build_projections(config.hidden_size, num_heads, num_kv, qkv_bias=qkv_bias, o_bias=o_bias)
         if qk_norm:  # True: Qwen3's (the "llama" formula); a formula name: that one (Gemma 3: "gemma")
             formula = qk_norm if isinstance(qk_norm, str) else "llama"
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, formula=formula, fused=fused)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, formula=formula, fused=fused)
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, formula=formula)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, formula=formula)
         self.attn_dropout = Dropout(getattr(config, "attention_dropout", 0.0) or 0.0)
         if eager_fallback is None and softcap is not None:  # Gemma 2's eager kernel soft-caps
             from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as eager_fallback

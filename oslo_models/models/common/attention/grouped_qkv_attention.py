@@ -28,6 +28,7 @@ from ....parallel_layers.layers import Dropout, Linear
 from ....parallel_layers.plan import Rowwise, TPDropout
 from ..embeddings.rotary import apply_rotary
 from ..rules.parallel_rules import Heads, Rule
+from ..stack.fused_kernels import FusedKernels
 from .attention import AttentionModule, attend
 
 
@@ -52,7 +53,7 @@ class QKVGroups(Rule):
                              f"{tp}/{groups} ranks while replicating its key/value head")
 
 
-class GroupedQKVAttention(AttentionModule):
+class GroupedQKVAttention(FusedKernels, AttentionModule):
     """See the module docstring. ``forward(hidden_states, position_embeddings=None, attention_mask=None,
     past_key_values=None)`` -> ``(output, weights)``; ``weights`` only with the eager kernel."""
 
@@ -73,14 +74,14 @@ class GroupedQKVAttention(AttentionModule):
         return [Heads("num_attention_heads", heads), QKVGroups("key/value head groups", groups, heads)]
 
     def __init__(self, config, layer_idx: int, *, bias: bool = True, rotary: bool = False,
-                 attention_dropout: float = 0.0, output_dropout: float = 0.0, fused: bool = False):
+                 attention_dropout: float = 0.0, output_dropout: float = 0.0):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         num_heads, groups = config.num_attention_heads, self.qkv_groups(config)
         self.head_dim = config.hidden_size // num_heads
         self.scaling = self.head_dim ** -0.5
         self.is_causal = True
-        self.rotary, self.fused = rotary, fused
+        self.rotary = rotary
         self.query_key_value = GroupedQKVLinear(config.hidden_size, num_groups=groups,
                                                 q_per_group=num_heads // groups, head_dim=self.head_dim, bias=bias)
         self.dense = Linear(num_heads * self.head_dim, config.hidden_size, bias=bias)

@@ -27,10 +27,11 @@ from ....parallel_layers.layers import Dropout, Linear
 from ....parallel_layers.plan import Colwise, Rowwise, TPDropout
 from ..embeddings.rotary import apply_partial_rotary
 from ..rules.parallel_rules import Heads
+from ..stack.fused_kernels import FusedKernels
 from .attention import AttentionModule, attend
 
 
-class HeadPackedAttention(AttentionModule):
+class HeadPackedAttention(FusedKernels, AttentionModule):
     """``query_key_value`` packed per head (``[n, 3, d]`` rows) and ``dense``, with biases when ``bias`` (GPT-NeoX's
     ``attention_bias``); ``attention_dropout`` on the probabilities (drawn from the tensor-parallel RNG stream: each
     rank drops elements of its own heads). ``fused``: the Triton rotary kernel where its layout matches."""
@@ -44,7 +45,7 @@ class HeadPackedAttention(AttentionModule):
         return [Heads("num_attention_heads", config.num_attention_heads)]
 
     def __init__(self, config, layer_idx: int, *, bias: bool = True, attention_dropout: float = 0.0,
-                 fused: bool = False, eager_fallback=None):
+                 eager_fallback=None):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         if config.hidden_size % config.num_attention_heads:
@@ -52,7 +53,7 @@ class HeadPackedAttention(AttentionModule):
                              f"{config.num_attention_heads}")
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim ** -0.5
-        self.is_causal, self.fused = True, fused
+        self.is_causal = True
         self.add_module(self.qkv_name, Linear(config.hidden_size, 3 * config.hidden_size, bias=bias))
         self.add_module(self.out_name, Linear(config.hidden_size, config.hidden_size, bias=bias))
         self.attn_dropout = Dropout(attention_dropout)

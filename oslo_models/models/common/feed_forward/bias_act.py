@@ -11,7 +11,8 @@ Which GELU: the one the config names, exactly as ``transformers``' ``ACT2FN`` co
 (GPT-2, T5 v1.1 gated-GELU). Every other activation (``relu``, ``gelu_fast``, ``quick_gelu``, a callable, ...)
 runs unfused, as do layers whose ``forward`` does not take ``skip_bias_add`` (the 2D/2.5D/3D grid layers).
 
-The choice is made once, when the model is built (``configure_fused_ops``, called by ``finish_init`` after the
+The choice is made once, when the model is built (the MLPs' ``configure_fused_ops``, called through
+``common/stack/fused_kernels.configure_fused_ops`` by ``finish_init`` after the
 plan swapped the layers in); ``forward`` only asks the dispatcher whether the kernel runs on these tensors
 (CUDA, or ``OSLO_FUSED_OPS=force`` under the interpreter). When it does not, the unfused path runs unchanged, so
 CPU numerics are bit for bit those of ``transformers``.
@@ -48,11 +49,3 @@ def linear_act(linear: nn.Module, act, x: torch.Tensor, *, approximate: str | No
         return fused_ops.bias_gelu(y, bias, approximate)
     return act(linear(x, sequence_parallel=sequence_parallel))
 
-
-def configure_fused_ops(model: nn.Module, enabled: bool) -> None:
-    """Let every submodule with a ``configure_fused_ops(enabled)`` method pick its fused paths, once the parallel
-    layers are in place (``OsloPreTrainedModel.finish_init``)."""
-    for module in model.modules():
-        configure = getattr(module, "configure_fused_ops", None)
-        if module is not model and callable(configure):
-            configure(enabled)

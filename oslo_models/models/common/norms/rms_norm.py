@@ -6,7 +6,8 @@ rounds):
 
 - ``"t5"`` (``T5LayerNorm``): the statistic in fp32, the product in the weight's dtype when that is half precision;
 - ``"llama"`` (``LlamaRMSNorm``, and Mistral/Qwen2/Qwen3's copies): normalize in fp32, round to the input's dtype,
-  then scale. This one can run the fused Triton kernel (``fused_ops.rms_norm``) when ``fused=True``; the
+  then scale. This one can run the fused Triton kernel (``fused_ops.rms_norm``) when ``fused`` (set when the model
+  is built: ``common/stack/fused_kernels.py``); the
   dispatcher takes the kernel on CUDA (or under ``OSLO_FUSED_OPS=force``) and the same formula in torch elsewhere;
 - ``"olmo2"`` (``Olmo2RMSNorm``): normalize and scale in fp32, round the product to the input's dtype;
 - ``"gemma"`` (``GemmaRMSNorm``, Gemma 1/2/3): ``x * (1 + weight)``, all in fp32, rounded to the input's dtype.
@@ -25,22 +26,22 @@ from .... import fused_ops
 from ....parallel_layers.mappings import copy_to_tensor_parallel_region
 from ....parallel_layers.plan import Style, build_grid_layer
 from ....parallel_layers.sequence_parallel import SequenceParallelAware
+from ..stack.fused_kernels import FusedKernels
 
 FORMULAS = ("t5", "llama", "olmo2", "gemma")
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(FusedKernels, nn.Module):
     """``weight * x / sqrt(mean(x**2) + eps)`` over the last dim (see the module docstring for ``formula``)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, formula: str = "t5", fused: bool = False,
-                 device=None, dtype=None):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, formula: str = "t5", device=None, dtype=None):
         super().__init__()
         if formula not in FORMULAS:
             raise ValueError(f"RMSNorm formula must be one of {FORMULAS}, got {formula!r}")
         init = torch.zeros if formula == "gemma" else torch.ones  # gemma stores ``weight - 1``
         self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
-        self.formula, self.fused = formula, fused
+        self.formula = formula
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.formula == "llama":
@@ -73,17 +74,18 @@ class SequenceParallelRMSNorm(SequenceParallelAware, RMSNorm):
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, group, always_reduce: bool = False,
-                 formula: str = "t5", fused: bool = False, device=None, dtype=None):
-        super().__init__(hidden_size, eps, formula=formula, fused=fused, device=device, dtype=dtype)
+                 formula: str = "t5", device=None, dtype=None):
+        super().__init__(hidden_size, eps, formula=formula, device=device, dtype=dtype)
         self.group, self.always_reduce = group, always_reduce
 
     @classmethod
     def from_plain(cls, module: RMSNorm, group, *, always_reduce: bool = False,
                    fused: bool | None = None) -> "SequenceParallelRMSNorm":
         weight = module.weight
-        return cls(weight.shape[0], module.variance_epsilon, group=group, always_reduce=always_reduce,
-                   formula=getattr(module, "formula", "t5"), fused=module.fused if fused is None else fused,
-                   device=weight.device, dtype=weight.dtype)
+        norm = cls(weight.shape[0], module.variance_epsilon, group=group, always_reduce=always_reduce,
+                   formula=getattr(module, "formula", "t5"), device=weight.device, dtype=weight.dtype)
+        norm.fused = module.fused if fused is None else fused
+        return norm
 
     def forward(self, x: torch.Tensor, *, sequence_parallel: bool | None = None) -> torch.Tensor:
         partial = self.always_reduce or self.sequence_parallel_active(sequence_parallel)

@@ -187,20 +187,19 @@ class TransformerStack:
         if not self.stack_spec.parts:
             return
         options = self.stack_options(config)
-        fused = self.parallel_context.config.fused_ops
         for part in self.stack_spec.parts:
             owner, _, name = part.name.rpartition(".")
-            setattr(self.part(owner) if owner else self, name, part.build(self, config, options, fused))
+            setattr(self.part(owner) if owner else self, name, part.build(self, config, options))
         self.absent_parts = frozenset(name for name in self.stack_spec.module_names() if self.part(name) is None)
         self.gradient_checkpointing = False
         self.post_init()
         if not submodule:
             self.finish_init()
 
-    def build_layer(self, config, layer_idx: int, options, fused: bool) -> nn.Module:
+    def build_layer(self, config, layer_idx: int, options) -> nn.Module:
         """Layer ``layer_idx`` (the ``Layers`` part): the spec's block built from the config (a family whose block
         takes its options or other arguments overrides this)."""
-        return self.stack_spec.block(config, layer_idx, fused=fused)
+        return self.stack_spec.block(config, layer_idx)
 
     # ------------------------------------------------------------------ hooks
     def part(self, name: str | None) -> nn.Module | None:

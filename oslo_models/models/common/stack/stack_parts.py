@@ -1,9 +1,9 @@
 """The entries of a ``StackSpec``'s ``parts``: each is one module of a base model, under its ``transformers`` name,
 with the rule that builds it (the shape of torchtitan's ``Config.build()``). ``TransformerStack.__init__`` builds
 the parts in the order given (``transformers``' registration order, so the module tree and the state-dict keys are
-``transformers``'), each with ``(model, config, options, fused)``: the base model (for its ``build_layer`` hook),
-the config, the family's frozen options of that config (``stack_options``, built once per model) and whether the
-fused kernels are on (``ParallelConfig.fused_ops``).
+``transformers``'), each with ``(model, config, options)``: the base model (for its ``build_layer`` hook), the
+config and the family's frozen options of that config (``stack_options``, built once per model). Fused kernels are
+not an argument: ``finish_init`` switches them on the built components (``fused_kernels.py``).
 
 A part with a ``role`` also tells the stack's phases which attribute plays it (``StackSpec.embed_tokens``,
 ``layers``, ``final_norm``, ...): the name is written once, in the part.
@@ -26,8 +26,8 @@ from ..norms.layer_norm import LayerNorm
 ROLES = ("embed_tokens", "position_embedding", "embedding_dropout", "layers", "final_norm", "rotary",
          "input_projection", "embedding_norm", "output_projection", "embeddings", "pooler")
 
-#: ``(config, options, fused) -> nn.Module``: how a norm or another single module is made
-Builder = Callable[[Any, Any, bool], nn.Module]
+#: ``(config, options) -> nn.Module``: how a norm or another single module is made
+Builder = Callable[[Any, Any], nn.Module]
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Part:
     name: str
     role: ClassVar[str | None] = None
 
-    def build(self, model, config, options, fused: bool) -> nn.Module | None:
+    def build(self, model, config, options) -> nn.Module | None:
         raise NotImplementedError
 
 
@@ -51,7 +51,7 @@ class TokenEmbedding(Part):
     width: str = "hidden_size"
     role: ClassVar[str] = "embed_tokens"
 
-    def build(self, model, config, options, fused: bool) -> nn.Module:
+    def build(self, model, config, options) -> nn.Module:
         return Embedding(config.vocab_size, getattr(config, self.width),
                          config.pad_token_id if self.padding else None)
 
@@ -63,7 +63,7 @@ class PositionEmbedding(Part):
     size: str = "max_position_embeddings"
     role: ClassVar[str] = "position_embedding"
 
-    def build(self, model, config, options, fused: bool) -> nn.Module:
+    def build(self, model, config, options) -> nn.Module:
         return Embedding(getattr(config, self.size), config.hidden_size)
 
 
@@ -74,42 +74,42 @@ class EmbeddingDropout(Part):
     rate: str = "embd_pdrop"
     role: ClassVar[str] = "embedding_dropout"
 
-    def build(self, model, config, options, fused: bool) -> nn.Module:
+    def build(self, model, config, options) -> nn.Module:
         return Dropout(getattr(config, self.rate))
 
 
 @dataclass(frozen=True)
 class Layers(Part):
-    """``ModuleList`` of ``config.<count>`` layers, each from the base model's ``build_layer(config, i, options,
-    fused)`` (by default the spec's ``block``)."""
+    """``ModuleList`` of ``config.<count>`` layers, each from the base model's ``build_layer(config, i, options)``
+    (by default the spec's ``block``)."""
 
     count: str = "num_hidden_layers"
     role: ClassVar[str] = "layers"
 
-    def build(self, model, config, options, fused: bool) -> nn.Module:
-        return nn.ModuleList([model.build_layer(config, i, options, fused) for i in range(getattr(config, self.count))])
+    def build(self, model, config, options) -> nn.Module:
+        return nn.ModuleList([model.build_layer(config, i, options) for i in range(getattr(config, self.count))])
 
 
 @dataclass(frozen=True)
 class Built(Part):
-    """A module from a ``build(config, options, fused)`` function."""
+    """A module from a ``make(config, options)`` function."""
 
     make: Builder = None
 
-    def build(self, model, config, options, fused: bool) -> nn.Module:
-        return self.make(config, options, fused)
+    def build(self, model, config, options) -> nn.Module:
+        return self.make(config, options)
 
 
 @dataclass(frozen=True)
 class FinalNorm(Built):
-    """The norm after the last layer: ``make(config, options, fused)``."""
+    """The norm after the last layer: ``make(config, options)``."""
 
     role: ClassVar[str] = "final_norm"
 
 
 @dataclass(frozen=True)
 class EmbeddingNorm(Built):
-    """The norm after the embeddings (Bloom's ``word_embeddings_layernorm``): ``make(config, options, fused)``."""
+    """The norm after the embeddings (Bloom's ``word_embeddings_layernorm``): ``make(config, options)``."""
 
     role: ClassVar[str] = "embedding_norm"
 
@@ -121,7 +121,7 @@ class Rotary(Part):
     module: type = None
     role: ClassVar[str] = "rotary"
 
-    def build(self, model, config, options, fused: bool) -> nn.Module:
+    def build(self, model, config, options) -> nn.Module:
         return self.module(config)
 
 
@@ -131,7 +131,7 @@ class Module(Part):
 
     module: type = None
 
-    def build(self, model, config, options, fused: bool) -> nn.Module:
+    def build(self, model, config, options) -> nn.Module:
         return self.module(config)
 
 
@@ -142,7 +142,7 @@ class Container(Part):
 
     module: type = nn.Module
 
-    def build(self, model, config, options, fused: bool) -> nn.Module:
+    def build(self, model, config, options) -> nn.Module:
         return self.module()
 
 
@@ -161,7 +161,7 @@ class Pooling(Module):
     """A module ``module(config)`` built only when the base model is built with ``add_pooling_layer=True``
     (``transformers``' argument; else the attribute is ``None``): ALBERT's ``pooler_activation``."""
 
-    def build(self, model, config, options, fused: bool) -> nn.Module | None:
+    def build(self, model, config, options) -> nn.Module | None:
         return self.module(config) if model.add_pooling_layer else None
 
 
@@ -175,6 +175,6 @@ class Pooler(Pooling):
 
 def layer_norm(eps: str, width: str = "hidden_size") -> Builder:
     """A builder of ``LayerNorm(config.<width>, eps=config.<eps>)`` (the LayerNorm families' norms)."""
-    def make(config, options=None, fused: bool = False) -> LayerNorm:
+    def make(config, options=None) -> LayerNorm:
         return LayerNorm(getattr(config, width), eps=getattr(config, eps))
     return make
