@@ -45,7 +45,7 @@ from ...parallel_layers.plan import (
 )
 from ..common import full_logits, token_loss
 from ..common.feed_forward.bias_act import fused_gelu_approximation, linear_act
-from ..common.loading.legacy_keys import LegacyKeyReader
+from ..common.loading.legacy_keys import legacy_key_view
 from ..common.rules.capabilities import Capabilities
 from ..common.rules.parallel_rules import Features, Heads
 from ..common.stack.blocks import BlockTemplate
@@ -366,7 +366,7 @@ class BertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
 
     def load_from_reader(self, reader, *, progress: bool = False, **options):
         # LayerNorm.gamma/beta keys of old checkpoints
-        return super().load_from_reader(LegacyKeyReader.wrap(reader), progress=progress, **options)
+        return super().load_from_reader(legacy_key_view(reader), progress=progress, **options)
 
     def set_output_embeddings(self, new_embeddings) -> None:
         """The new decoder, and (as ``transformers``) the head's own ``bias`` becomes the decoder's bias."""

@@ -5,14 +5,15 @@ GPT-NeoX is the case: ``transformers`` 5 holds the LM head as ``lm_head`` (its m
 so older ``transformers`` versions load what it saves. This is the same two-way renaming for the sliced loader and
 the saver, with nothing read early:
 
-- ``RenamedKeyReader``: a ``CheckpointReader`` view that shows stored keys under the module names (a checkpoint
-  already in the module names passes through);
+- ``RenamedKeyReader``: a ``CheckpointReader`` view that shows stored keys under other names (here the module
+  names; a checkpoint already in them passes through);
 - ``RenamedHubKeys``: the model mixin that applies it when loading and renames the gathered state back when saving
   (``hub_key_renames``: ``(stored prefix, module prefix)`` pairs, matched at the start of a key).
 """
 from __future__ import annotations
 
-from typing import ClassVar
+import functools
+from typing import Callable, ClassVar
 
 import torch
 
@@ -26,18 +27,17 @@ def _rename(key: str, renames, *, to_module: bool) -> str:
 
 
 class RenamedKeyReader:
-    """A ``CheckpointReader`` seen with stored key prefixes renamed to the module's (see the module docstring)."""
+    """A ``CheckpointReader`` seen under other key names: ``rename(stored key)`` is the key the model asks for, and a
+    read goes to the stored key (no tensor is read early). ``legacy_keys.py`` and :class:`RenamedHubKeys` use it."""
 
-    def __init__(self, reader, renames):
+    def __init__(self, reader, rename: Callable[[str], str]):
         self.reader = reader
-        self._to_stored = {_rename(key, renames, to_module=True): key for key in reader.keys()}
+        self._to_stored = {rename(key): key for key in reader.keys()}
 
     @classmethod
-    def wrap(cls, reader, renames):
-        """``reader`` itself when no stored key needs renaming, else the renaming view."""
-        if not any(_rename(key, renames, to_module=True) != key for key in reader.keys()):
-            return reader
-        return cls(reader, renames)
+    def wrap(cls, reader, rename: Callable[[str], str]):
+        """``reader`` itself when no stored key needs renaming (the common case), else the renaming view."""
+        return cls(reader, rename) if any(rename(key) != key for key in reader.keys()) else reader
 
     def keys(self):
         return self._to_stored.keys()
@@ -59,8 +59,8 @@ class RenamedHubKeys:
     hub_key_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def load_from_reader(self, reader, *, progress: bool = False, **options):
-        return super().load_from_reader(RenamedKeyReader.wrap(reader, self.hub_key_renames), progress=progress,
-                                        **options)
+        to_module = functools.partial(_rename, renames=self.hub_key_renames, to_module=True)
+        return super().load_from_reader(RenamedKeyReader.wrap(reader, to_module), progress=progress, **options)
 
     def full_state_dict(self):
         full = super().full_state_dict()
