@@ -29,8 +29,8 @@ values).
 (``oslo_models/image_text/pipeline.py``; steps and evaluations run ``train_step`` / ``eval_step``). ``--cp``: each cp
 rank merges its rows' whole images, the merged sequence is split after the merge
 (``oslo_models/image_text/context_parallel.py``; the collator pads rows to a length the layout splits and keeps the
-rank's chunk of the labels). Refused with one clear error before anything starts: ``--pp`` with ``--tp`` or ``--cp``,
-``--pack`` with ``--pp`` or ``--cp``, and what ``AutoModelForImageTextToText`` refuses.
+rank's chunk of the labels). Refused with one clear error before anything starts: ``--pp`` with ``--cp``, ``--pack``
+with ``--pp`` or ``--cp``, and what ``AutoModelForImageTextToText`` refuses.
 """
 from __future__ import annotations
 

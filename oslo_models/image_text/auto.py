@@ -23,12 +23,12 @@ collectives: the plan's (all-reduces over tp in the decoder's rowwise projection
 state); the language model (and LM head) train.
 
 Pipeline parallelism (``pipeline.py``): the language model's layers cut into stages, the vision tower and projector
-on the first stage, with data parallelism and ZeRO 0-3; ``model.train_step(batch)`` runs the schedule. Context
-parallelism (``context_parallel.py``): every cp rank merges the whole rows' image features, the merged sequence is
-split before the language model (batches: :func:`~oslo_models.image_text.context_parallel_splitter`).
+on the first stage, with tensor and data parallelism and ZeRO 0-3; ``model.train_step(batch)`` runs the schedule.
+Context parallelism (``context_parallel.py``): every cp rank merges the whole rows' image features, the merged
+sequence is split before the language model (batches: :func:`~oslo_models.image_text.context_parallel_splitter`).
 
 Not implemented, refused before any process group with the reason (:func:`refusals`): pipeline parallelism with
-tensor or context parallelism (untested), expert parallelism and sequence parallelism (not tested for these
+context parallelism (untested), expert parallelism and sequence parallelism (not tested for these
 classes). Under context parallelism a type whose language model takes precomputed masks (Gemma 3) is refused at load.
 """
 from __future__ import annotations
@@ -85,11 +85,10 @@ def refusals(parallel) -> list[str]:
     if config is None:
         return []
     reasons = []
-    pp, cp, tp = config.pipeline_parallel_size, config.context_parallel_size, config.tensor_parallel_size
-    if pp > 1 and (cp > 1 or tp > 1):
-        reasons.append(f"pipeline_parallel_size={pp} with tensor_parallel_size={tp} / context_parallel_size={cp} is "
-                       f"not implemented (untested) for image-text models: pipeline them with data parallelism "
-                       f"(ZeRO 0-3) only")
+    pp, cp = config.pipeline_parallel_size, config.context_parallel_size
+    if pp > 1 and cp > 1:
+        reasons.append(f"pipeline_parallel_size={pp} with context_parallel_size={cp} is not implemented (untested) "
+                       f"for image-text models: pipeline them with tensor and data parallelism (ZeRO 0-3)")
     if config.expert_parallel_size > 1:
         reasons.append(f"expert_parallel_size={config.expert_parallel_size} is not implemented (untested) for "
                        f"image-text models")

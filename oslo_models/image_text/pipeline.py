@@ -27,7 +27,10 @@ concatenates its rows' entries back. An image belongs to a row by its tokens: on
 (LLaVA, LLaVA-NeXT, Gemma 3, Qwen-VL; Idefics3 / SmolVLM hold ``pixel_values [b, images, ...]`` by row already); a
 batch whose image runs do not match its images is a ``ValueError`` before the schedule's first send.
 
-Collectives: the pipeline's (``pipeline/runner.py``); none added. Freezing the vision side
+With tensor parallelism each stage's language-model layers are split by ``transformers``' plan (the head colwise,
+the vocabulary-parallel loss on the last stage) and the vision tower is replicated over tp on the first stage.
+
+Collectives: the pipeline's (``pipeline/runner.py``) and the plan's; none added. Freezing the vision side
 (``freeze_vision=True``) leaves it without gradients on the first stage. Refused before any collective: packed rows
 (restarting ``position_ids`` / ``seq_idx`` / ``cu_seqlens``: Qwen's M-RoPE positions are computed from the grid) and
 videos (``pixel_values_videos`` is not a batch key).
@@ -120,14 +123,16 @@ class ImageTextPipelineAdapter(GenericCausalLMPipelineAdapter):
 
     def stage_io(self, model, layout, stage, microbatch, sequence_parallel):
         """``input_ids [mb, s]`` into the first stage, hidden states ``[mb, s, h]`` (the language model's width: the
-        image-text config has none of its own) between stages, the logits ``[mb, s, V]`` out of the last."""
+        image-text config has none of its own) between stages, the logits ``[mb, s, V]`` out of the last (under tp
+        this rank's vocabulary slice ``[mb, s, V/tp]``)."""
         mb, seq_len = microbatch["input_ids"].shape
         dtype = self._dtype(model)
         hidden = torch.empty(mb, seq_len, self.pieces.hidden_size, dtype=dtype, device="meta")
         inputs = (microbatch["input_ids"],) if stage == 0 else (hidden,)
         if stage < layout.num_stages - 1:
             return inputs, (hidden,)
-        vocab = model.get_output_embeddings().weight.shape[0]
+        weight = model.get_output_embeddings().weight  # under tp this rank's vocabulary slice (colwise head)
+        vocab = (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
         return inputs, (torch.empty(mb, seq_len, vocab, dtype=dtype, device="meta"),)
 
     def stage_forward(self, stage, x, statistics=None, attention_mask=None, token_ids=None, position_ids=None,

@@ -3,8 +3,8 @@ tiny LLaVA on the built-in shapes-caption set (loss down), evaluates held-out sa
 plain ``transformers`` opens: the vision tower and projector in it are the initial ones (frozen) while the language
 model moved, and plain ``transformers`` + the saved processor caption a held-out image with the tokens the script
 printed. At dp 2 ZeRO-3 it evaluates mid-run and checkpoints. At pp 2 and at cp 2 it logs the one-process run's
-losses and evaluation and saves its parameters. Pipeline parallelism with tensor parallelism is refused with one clear
-error (exit status 2) before anything starts."""
+losses and evaluation and saves its parameters. Pipeline parallelism with context parallelism is refused with one
+clear error (exit status 2) before anything starts."""
 from __future__ import annotations
 
 import json
@@ -90,12 +90,12 @@ def test_train_vlm_pipeline_and_context_parallel(tmp_path):
             torch.testing.assert_close(saved[key], value, atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{name} {k}: {m}")
 
 
-def test_train_vlm_refuses_pipeline_with_tensor_parallel(tmp_path):
+def test_train_vlm_refuses_pipeline_with_context_parallel(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=examples.ROOT, WORLD_SIZE="4")
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, os.path.join(examples.EXAMPLES, "train_vlm.py"), "--pp", "2", "--tp",
+    result = subprocess.run([sys.executable, os.path.join(examples.EXAMPLES, "train_vlm.py"), "--pp", "2", "--cp",
                              "2", "--output", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "pipeline_parallel_size=2 with tensor_parallel_size=2" in result.stdout + result.stderr
+    assert "pipeline_parallel_size=2 with context_parallel_size=2" in result.stdout + result.stderr

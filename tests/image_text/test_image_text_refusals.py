@@ -11,8 +11,7 @@ from tests.image_text.models import config
 
 
 @pytest.mark.parametrize("options, words", [
-    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "pipeline them with data parallelism"),
-    (dict(pipeline_parallel_size=2, context_parallel_size=2), "pipeline them with data parallelism"),
+    (dict(pipeline_parallel_size=2, context_parallel_size=2), "pipeline them with tensor and data parallelism"),
     (dict(expert_parallel_size=2, data_parallel_size=2), "expert_parallel_size=2"),
     (dict(tensor_parallel_size=2, sequence_parallel=True), "sequence_parallel"),
 ])
