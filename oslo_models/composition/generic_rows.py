@@ -5,10 +5,11 @@ named with the test that trains it (or checks its refusal).
 A row is one layout on one tiny model type of ``tests/generic/models.py``. Its status is decided here, before any
 process group, by the same checks ``from_pretrained`` and ``training.prepare`` run on a generic model: the type's
 ``generic.support.check_parallel`` (its plans, heads, causal-LM class, the modes the path has) on the type's default
-``transformers`` config, then ``training.layout_rules.check_training_layout`` (ZeRO, offload, mixed precision). Two
-refusals need the model as it is wrapped (peft adapters at tp > 1, or on experts split over ep): their reason comes
-from ``generic.protocol`` (the text ``training.prepare`` raises). What a row adds beyond ``ParallelConfig`` and the
-ZeRO stage is its ``option`` (LoRA, compiled layers, a resumed checkpoint).
+``transformers`` config, then ``training.layout_rules.check_training_layout`` (ZeRO, offload, mixed precision).
+Three refusals need the model as it is wrapped (peft adapters at tp > 1 or on experts split over ep,
+``torch.compile`` of a whole pipelined model): their reason comes from ``generic.protocol`` (the text
+``training.prepare`` raises). What a row adds beyond ``ParallelConfig`` and the ZeRO stage is its ``option`` (LoRA,
+compiled layers, a resumed checkpoint).
 ``tests/generic/test_generic_composition_rows.py`` checks that each named test exists and trains that type, that the
 rows cover every axis the generic path has, and which rows the code refuses; the page ``docs/composition.md``
 (``table.render``) prints them.
@@ -43,7 +44,7 @@ class GenericRow:
     layout: Layout
     test: str  # "path::function" of the test that trains it (or checks the refusal)
     option: str = ""  # beyond ParallelConfig and the ZeRO stage: "LoRA", "compiled layers", ...
-    wrapped_refusal: str = ""  # "lora_tp" / "lora_experts": refused by training.prepare on the wrapped model
+    wrapped_refusal: str = ""  # "lora_tp" / "lora_experts" / "compile_pp": training.prepare refuses the wrapped model
 
     @property
     def describe(self) -> str:
@@ -133,6 +134,8 @@ ROWS = (
          "lora_tp", tensor_parallel_size=2, data_parallel_size=2),
     _row("pp x ep x dp x lora (experts)", "dots1", OPTIONS, "LoRA on the experts", "lora_experts",
          expert_parallel_size=2, data_parallel_size=2, **_PP),
+    _row("pp x cp x compile (whole model)", "granite", OPTIONS, "torch.compile(model)", "compile_pp",
+         context_parallel_size=2, **_PP),
 )
 
 
@@ -149,7 +152,7 @@ def _representative(model_type: str):
 
 def decide(row: GenericRow) -> str | None:
     """The reason the generic path refuses ``row`` before any process group (``None``: it composes)."""
-    from ..generic.protocol import lora_experts_refusal, lora_tensor_parallel_refusal
+    from ..generic.protocol import compiled_pipeline_refusal, lora_experts_refusal, lora_tensor_parallel_refusal
     from ..generic.support import check_parallel
     from ..training.layout_rules import check_training_layout
 
@@ -166,6 +169,8 @@ def decide(row: GenericRow) -> str | None:
         return lora_tensor_parallel_refusal(model_class.__name__, parallel.tensor_parallel_size)
     if row.wrapped_refusal == "lora_experts":
         return lora_experts_refusal(parallel.expert_parallel_size, "target_parameters 'down_proj'")
+    if row.wrapped_refusal == "compile_pp":
+        return compiled_pipeline_refusal(model_class.__name__)
     return None
 
 

@@ -20,8 +20,10 @@ a plain DataLoader of SFT rows whose label counts differ:
   with a DTensor/Tensor mix and the other stage hung);
 - negative controls: an NVMe run (ZeRO-0, where the runner reduces the experts' gradients) with the runner's expert
   rule off (the experts averaged over dp like dense weights) trains away; the LoRA adapters moved from their loaded
-  values; the compiled runs captured graphs, while ``torch.compile(model)`` of the whole pipelined model captures
-  none (``train_step`` runs the stages through the schedule, outside the compiled ``forward``: compile the layers).
+  values; the compiled runs captured graphs;
+- refused before any collective: ``torch.compile(model)`` of the whole pipelined model (``train_step`` runs the
+  stages through the schedule, outside the compiled ``forward``, so it would compile nothing; the reason says to
+  compile the layers); negative control: with the refusal off it trains but captures no graph.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import torch
 
 import oslo_models as om
 from oslo_models import adapters
+from oslo_models.generic.protocol import GenericProtocol
 from tests.generic.models import save
 from tests.helpers.dist import breadcrumb, run_distributed
 from tests.training.test_global_batch_loss import (
@@ -51,6 +54,13 @@ CP = dict(PP, context_parallel_size=2)
 # (name, layout, ZeRO stage, option): option one of offload / nvme / lora / ac / compile
 CASES = [("dots1", EP, 3, "offload"), ("dots1", EP, 2, "nvme"), ("dots1", EP, 0, "lora"), ("dots1", EP, 3, "lora"),
          ("dots1", EP, 1, "ac"), ("dots1", EP, 0, "compile"), ("granite", CP, 0, "ac"), ("granite", CP, 0, "compile")]
+
+
+class _NoCompileRefusal(GenericProtocol):
+    """The generic protocol without its refusal of a compiled pipelined model (the negative control)."""
+
+    def training_refusal(self, model):
+        return super().training_refusal(getattr(model, "_orig_mod", model))
 
 
 def _compile_layers(model) -> int:
@@ -117,11 +127,18 @@ def _worker(paths, root):
     assert differ.item(), "the broken nvme run matched transformers"
     del model, reference
 
-    breadcrumb("torch.compile of the whole pipelined model compiles nothing")
+    breadcrumb("torch.compile of the whole pipelined model compiles nothing: refused")
     model = om.AutoModelForCausalLM.from_pretrained(paths["granite"], parallel=om.ParallelConfig(**CP)).train()
+    with pytest.raises(NotImplementedError, match="torch.compile of a whole pipelined GraniteForCausalLM"):
+        prepared_steps(torch.compile(model, backend="aot_eager"), rows, batch=BATCH)
+    del model
+    breadcrumb("negative control: with the refusal off, the whole-model compile captures no graph")
+    model = om.AutoModelForCausalLM.from_pretrained(paths["granite"], parallel=om.ParallelConfig(**CP)).train()
+    model.oslo_protocol = _NoCompileRefusal()
     torch._dynamo.utils.counters.clear()
     prepared_steps(torch.compile(model, backend="aot_eager"), rows, batch=BATCH)
     assert not torch._dynamo.utils.counters["stats"]["unique_graphs"], "the pipelined stages were compiled"
+    del model
 
     breadcrumb("refused: LoRA on the experts split over ep")
     model = om.AutoModelForCausalLM.from_pretrained(paths["dots1"], parallel=om.ParallelConfig(**EP)).train()
