@@ -4,6 +4,7 @@ Accelerate.
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 examples/train_seq2seq.py --tp 2   # CPU
     accelerate launch --num_processes 4 examples/train_seq2seq.py --model t5-small --tp 2 --zero 2 --bf16
     torchrun --nproc_per_node 2 examples/train_seq2seq.py --tp 2 --steps 50
+    torchrun --nproc_per_node 4 examples/train_seq2seq.py --cp 2 --zero 1   # source and target split over 2 ranks
 
 Without ``--model`` a tiny T5 is built from config; without ``--data`` the built-in public-domain corpus
 (examples/data) is tokenized with a BPE (``<pad>`` = 0, ``</s>`` = 1, ``<unk>`` = 2 and ``--sentinels``
@@ -17,6 +18,7 @@ plain ``transformers.T5ForConditionalGeneration`` loads. Options and ``--config 
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -64,6 +66,16 @@ def tokenizer_trainer(sentinels: int):
     return train_tokenizer
 
 
+def pad_multiple(args) -> int | None:
+    """Source and target lengths padded to a multiple of tp under sequence parallelism and of the context-parallel
+    chunks (``2 cp`` for the ring, ``cp`` for all-to-all: each side is split into them)."""
+    multiple = args.tp if args.sequence_parallel else 1
+    if args.cp > 1:
+        chunks = 2 * args.cp if args.cp_mode == "ring" else args.cp
+        multiple = multiple * chunks // math.gcd(multiple, chunks)
+    return multiple if multiple > 1 else None
+
+
 def build_model(args, tokenizer, context):
     torch.manual_seed(args.seed)  # every rank alike: the same full initial weights, sliced per rank
     if args.model:
@@ -93,7 +105,7 @@ def main(argv=None) -> None:
     dataset = om.data.PackedCausalLMDataset(prefix, raw_len, seed=args.seed, num_samples=args.steps * global_batch)
     make_collator = functools.partial(om.data.T5SpanCorruptionCollator, tokenizer, noise_density=args.noise_density,
                                       mean_noise_span_length=args.mean_noise_span_length, seed=args.seed,
-                                      pad_to_multiple_of=args.tp if args.sequence_parallel else None)
+                                      pad_to_multiple_of=pad_multiple(args))
     evaluator = evaluator_for(args, context, eval_prefix, raw_len, make_collator)
     model, step, losses, reporter = fit(args, accelerator, context, model, dataset, make_collator(),
                                         f"{raw_len} raw -> {args.seq_len} input / {target_len} target tokens",
