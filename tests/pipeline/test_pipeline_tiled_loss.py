@@ -5,7 +5,8 @@ logits). One world of 4 gloo processes:
 - Llama (untied) at pp 2 x dp 2 (1F1B, 2 microbatches per replica) through ``training.prepare`` at ZeRO-1 and ZeRO-3,
   and Qwen2 (embeddings tied across the stages) at pp 2 x tp 2 + SP (a vocab-parallel head), on SFT rows whose label
   counts differ (prompts masked, right padding, a row with no label): the logged loss of 3 AdamW steps and every
-  parameter after them equal single-process ``transformers`` on the global batch (fp32, 1e-5).
+  parameter after them equal single-process ``transformers`` on the global batch (fp32, 1e-5); then ``eval_step``'s
+  loss equals ``transformers``'.
 - Bytes: one ``train_step`` of Llama (vocab 2000) at pp 2 x dp 2 keeps no logits-sized tensor for the backward on the
   last stage with the option, and at least one ``[mb, s, V]`` fp32 tensor per microbatch without it (the control).
 - Negative control: the tiled head with each microbatch's own token mean instead of its share of the global batch's
@@ -86,6 +87,19 @@ def _logits_bytes(path, tiled: bool) -> tuple[int, int]:
     return (hooks.bytes if model.pipeline_layout.has_last else -1), mb * seq * 2000 * 4
 
 
+def _eval_matches(model, reference, rows):
+    """``eval_step`` (the tiled head in the schedule's forward only) on this replica's rows of the first global
+    batch equals ``transformers``' loss of that batch."""
+    context = model.parallel_context
+    dp = context.dp_size
+    mine = rows[context.dp_rank * BATCH:(context.dp_rank + 1) * BATCH]
+    local = {key: torch.stack([row[key] for row in mine]) for key in mine[0]}
+    whole = {key: torch.stack([row[key] for row in rows[:BATCH * dp]]) for key in rows[0]}
+    with torch.no_grad():
+        expected = reference(**whole).loss
+    torch.testing.assert_close(model.eval_step(local), expected, atol=1e-5, rtol=1e-5)
+
+
 def _world(paths):
     rows = sft_rows(101, 48)
     for name, layout, zero_stage in (("llama", PP_DP, 1), ("llama", PP_DP, 3), ("qwen2", PP_TP, 0)):
@@ -94,6 +108,7 @@ def _world(paths):
         torch.testing.assert_close(torch.tensor(logged), torch.tensor(expected), atol=1e-5, rtol=1e-5,
                                    msg=lambda m: f"{name} zero{zero_stage} logged losses: {m}")
         assert_same_parameters(model, reference)
+        _eval_matches(model, reference, rows)
         del model, reference
     breadcrumb("negative control: each microbatch's own mean")
     model, reference, _, _ = _train(paths["llama"], PP_DP, 1, rows, broken=True)
