@@ -8,7 +8,8 @@ answer here is the answer there (and the composition table, ``table.py``, is gen
   family refuses under an axis, e.g. MoE under sequence parallelism);
 - context parallelism's class check (``check_context_parallel``);
 - the pipeline's class check (``check_pipeline_support``);
-- the training wrappers' rules (``training.layout_rules.check_training_layout``: ZeRO, offload, mixed precision).
+- the training wrappers' rules (``training.layout_rules.check_training_layout``: ZeRO, offload, mixed precision,
+  a whole-model ``torch.compile`` under a pipeline).
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def check_layout(layout: Layout, model_class: type, config) -> None:
     parallel = layout.parallel_config()
     parallel.resolve_data_parallel_size(layout.world_size)
     check_model_layout(model_class, config, parallel)
-    check_training_layout(parallel, cpu_offload=layout.cpu_offload, mixed_precision=layout.mixed_precision)
+    check_training_layout(parallel, cpu_offload=layout.cpu_offload, mixed_precision=layout.mixed_precision,
+                          compiled=layout.compile)
 
 
 def refusal(layout: Layout, model_class: type, config) -> str | None:

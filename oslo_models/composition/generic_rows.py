@@ -6,10 +6,10 @@ A row is one layout on one tiny model type of ``tests/generic/models.py``. Its s
 process group, by the same checks ``from_pretrained`` and ``training.prepare`` run on a generic model: the type's
 ``generic.support.check_parallel`` (its plans, heads, causal-LM class, the modes the path has) on the type's default
 ``transformers`` config, then ``training.layout_rules.check_training_layout`` (ZeRO, offload, mixed precision).
-Three refusals need the model as it is wrapped (peft adapters at tp > 1 or on experts split over ep,
-``torch.compile`` of a whole pipelined model): their reason comes from ``generic.protocol`` (the text
-``training.prepare`` raises). What a row adds beyond ``ParallelConfig`` and the ZeRO stage is its ``option`` (LoRA,
-compiled layers, a resumed checkpoint).
+Two refusals need the model as it is wrapped (peft adapters at tp > 1 or on experts split over ep): their reason
+comes from ``generic.protocol`` (the text ``training.prepare`` raises); ``torch.compile`` of a whole pipelined model
+(``compile_pp``) is ``check_training_layout``'s, for native models too. What a row adds beyond ``ParallelConfig``
+and the ZeRO stage is its ``option`` (LoRA, compiled layers, a resumed checkpoint).
 ``tests/generic/test_generic_composition_rows.py`` checks that each named test exists and trains that type, that the
 rows cover every axis the generic path has, and which rows the code refuses; the page ``docs/composition.md``
 (``table.render``) prints them.
@@ -152,7 +152,7 @@ def _representative(model_type: str):
 
 def decide(row: GenericRow) -> str | None:
     """The reason the generic path refuses ``row`` before any process group (``None``: it composes)."""
-    from ..generic.protocol import compiled_pipeline_refusal, lora_experts_refusal, lora_tensor_parallel_refusal
+    from ..generic.protocol import lora_experts_refusal, lora_tensor_parallel_refusal
     from ..generic.support import check_parallel
     from ..training.layout_rules import check_training_layout
 
@@ -162,15 +162,14 @@ def decide(row: GenericRow) -> str | None:
         parallel.resolve_data_parallel_size(row.layout.world_size)
         check_parallel(config, parallel, model_class)
         check_training_layout(parallel, cpu_offload=row.layout.cpu_offload,
-                              mixed_precision=row.layout.mixed_precision)
+                              mixed_precision=row.layout.mixed_precision,
+                              compiled=row.wrapped_refusal == "compile_pp")
     except (ValueError, NotImplementedError) as error:
         return str(error)
     if row.wrapped_refusal == "lora_tp":
         return lora_tensor_parallel_refusal(model_class.__name__, parallel.tensor_parallel_size)
     if row.wrapped_refusal == "lora_experts":
         return lora_experts_refusal(parallel.expert_parallel_size, "target_parameters 'down_proj'")
-    if row.wrapped_refusal == "compile_pp":
-        return compiled_pipeline_refusal(model_class.__name__)
     return None
 
 

@@ -43,9 +43,6 @@ class GenericProtocol(ModelProtocol):
     def training_refusal(self, model: nn.Module) -> str | None:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
-        compiled = getattr(model, "_orig_mod", None)  # torch.compile's wrapper
-        if compiled is not None and compiled.parallel_context.pp_size > 1:
-            return compiled_pipeline_refusal(type(compiled).__name__)
         if model.parallel_context.tp_size > 1 and any(isinstance(m, BaseTunerLayer) for m in model.modules()):
             return lora_tensor_parallel_refusal(type(model).__name__, model.parallel_context.tp_size)
         on_experts = _adapted_experts(model, BaseTunerLayer)
@@ -80,16 +77,6 @@ def lora_tensor_parallel_refusal(class_name: str, tp_size: int) -> str:
             "output never summed over tp), so it would not train the adapter a single process trains; use tp 1 with "
             "data parallelism / ZeRO (tested), or a native oslo_models family, whose parallel LoRA layers split the "
             "adapter")
-
-
-def compiled_pipeline_refusal(class_name: str) -> str:
-    """Why ``torch.compile`` of a whole pipelined generic model is refused (``training_refusal``; the composition
-    table): it would compile nothing."""
-    return (f"torch.compile of a whole pipelined {class_name}: model.train_step runs each stage through the pipeline "
-            "schedule, outside the compiled forward, so nothing would be compiled (the stages run eagerly); compile "
-            "the decoder layers this rank holds instead, before training.prepare: layer.compile() for each layer of "
-            "model.model.layers with parameters (the other ranks' layers are parameter-free probes; tested at "
-            "pp x cp and pp x ep)")
 
 
 def lora_experts_refusal(ep_size: int, what: str) -> str:

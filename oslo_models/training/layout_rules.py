@@ -10,11 +10,12 @@ from ..config import ParallelConfig
 
 
 def check_training_layout(parallel: ParallelConfig, *, zero_stage: int | None = None, cpu_offload: bool = False,
-                          mixed_precision: str = "no", gradient_accumulation_steps: int = 1) -> None:
+                          mixed_precision: str = "no", gradient_accumulation_steps: int = 1,
+                          compiled: bool = False) -> None:
     """``ValueError`` / ``NotImplementedError`` for training options that do not fit ``parallel``.
 
     ``zero_stage``: ``None`` takes ``parallel.zero_stage``; ``mixed_precision``: ``"no"``, ``"bf16"`` or
-    ``"fp16"`` (Accelerate's names)."""
+    ``"fp16"`` (Accelerate's names); ``compiled``: the model is a ``torch.compile`` wrapper of the whole model."""
     stage = parallel.zero_stage if zero_stage is None else zero_stage
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be one of (0, 1, 2, 3), got {stage!r}")
@@ -38,9 +39,19 @@ def check_training_layout(parallel: ParallelConfig, *, zero_stage: int | None = 
                                       "optimizer state over dp too, or 0")
     if pp == 1:
         return
+    if compiled:
+        raise ValueError(compiled_pipeline_refusal())
     if gradient_accumulation_steps > 1:
         raise ValueError("gradient_accumulation_steps > 1 with pipeline_parallel_size > 1: the pipeline already "
                          "accumulates over its microbatches; raise ParallelConfig.num_microbatches (and the batch) "
                          "instead")
     # mixed_precision 'bf16' and 'fp16' both compose with pp: the stages autocast themselves and train_step scales
     # each microbatch's loss with the fp16 GradScaler (pipeline/runner.py)
+
+
+def compiled_pipeline_refusal() -> str:
+    """Why ``torch.compile`` of a whole pipelined model is refused (native and generic): it would compile nothing."""
+    return ("torch.compile of a whole model with pipeline_parallel_size > 1: model.train_step runs each stage through "
+            "the pipeline schedule, outside the compiled forward, so nothing would be compiled (the stages would run "
+            "eagerly); compile the decoder layers this rank holds instead, before training.prepare (layer.compile() "
+            "for each layer with parameters; tested at pp x cp and pp x ep)")

@@ -166,7 +166,8 @@ def prepare(accelerator, model, *objects, zero_stage: int | None = None, cpu_off
     _check_world(accelerator, context)
     check_training_layout(context.config, zero_stage=zero_stage, cpu_offload=cpu_offload,
                           mixed_precision=check_mixed_precision(accelerator),
-                          gradient_accumulation_steps=accelerator.gradient_accumulation_steps)
+                          gradient_accumulation_steps=accelerator.gradient_accumulation_steps,
+                          compiled=getattr(model, "_orig_mod", None) is not None)
     optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
     if len(optimizers) > 1:
         raise ValueError("pass at most one optimizer (one model, one optimizer)")

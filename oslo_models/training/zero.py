@@ -259,7 +259,8 @@ def shard_data_parallel(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         raise ValueError("the model is already wrapped for data parallelism; pass the plain model")
     stage = context.config.zero_stage if zero_stage is None else zero_stage
     cpu_offload = cpu_offload or context.config.offload == "cpu"
-    check_training_layout(context.config, zero_stage=stage, cpu_offload=cpu_offload)
+    check_training_layout(context.config, zero_stage=stage, cpu_offload=cpu_offload,
+                          compiled=getattr(model, "_orig_mod", None) is not None)
     refusal = protocol_of(model).training_refusal(unwrap_model(model))
     if refusal is not None:
         raise NotImplementedError(refusal)

@@ -28,7 +28,6 @@ FOUR_RANKS = (
     ("pp", "nvme"),                           # pp2 x dp2 x ZeRO-3 + disk
     ("tp", "z1", "bf16"),                     # tp2 x dp2 x ZeRO-1 x bf16
     ("tp", "off", "fp16"),                    # tp2 x dp2 x ZeRO-3 + cpu offload x fp16
-    ("pp", "tp", "compile"),                  # pp2 x tp2 x compile (pp2 x dp2 x compile trains too: run by hand)
     ("grid", "compile", "moe"),               # Mixtral: 2D tp4 (experts replicated) x compile (with dp: 8 ranks,
     #                                           450 s here before the SUMMA collectives ran eagerly under compile;
     #                                           at 4 ranks ~2.5 min, the same with the Mixtral as with the Llama)

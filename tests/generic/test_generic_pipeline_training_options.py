@@ -34,7 +34,6 @@ import torch
 
 import oslo_models as om
 from oslo_models import adapters
-from oslo_models.generic.protocol import GenericProtocol
 from tests.generic.models import save
 from tests.helpers.dist import breadcrumb, run_distributed
 from tests.training.test_global_batch_loss import (
@@ -56,11 +55,21 @@ CASES = [("dots1", EP, 3, "offload"), ("dots1", EP, 2, "nvme"), ("dots1", EP, 0,
          ("dots1", EP, 1, "ac"), ("dots1", EP, 0, "compile"), ("granite", CP, 0, "ac"), ("granite", CP, 0, "compile")]
 
 
-class _NoCompileRefusal(GenericProtocol):
-    """The generic protocol without its refusal of a compiled pipelined model (the negative control)."""
+def _without_compile_rule():
+    """``training.prepare`` without its refusal of a compiled pipelined model (the negative control)."""
+    import importlib
+    from unittest import mock
 
-    def training_refusal(self, model):
-        return super().training_refusal(getattr(model, "_orig_mod", model))
+    from oslo_models.training import layout_rules
+
+    # the modules (oslo_models.training exports the function prepare under the module's name)
+    prepare, zero = (importlib.import_module(f"oslo_models.training.{name}") for name in ("prepare", "zero"))
+
+    def check(*args, **kwargs):
+        return layout_rules.check_training_layout(*args, **{**kwargs, "compiled": False})
+
+    return (mock.patch.multiple(prepare, check_training_layout=check),
+            mock.patch.multiple(zero, check_training_layout=check))
 
 
 def _compile_layers(model) -> int:
@@ -129,14 +138,15 @@ def _worker(paths, root):
 
     breadcrumb("torch.compile of the whole pipelined model compiles nothing: refused")
     model = om.AutoModelForCausalLM.from_pretrained(paths["granite"], parallel=om.ParallelConfig(**CP)).train()
-    with pytest.raises(NotImplementedError, match="torch.compile of a whole pipelined GraniteForCausalLM"):
+    with pytest.raises(ValueError, match="torch.compile of a whole model with pipeline_parallel_size > 1"):
         prepared_steps(torch.compile(model, backend="aot_eager"), rows, batch=BATCH)
     del model
     breadcrumb("negative control: with the refusal off, the whole-model compile captures no graph")
     model = om.AutoModelForCausalLM.from_pretrained(paths["granite"], parallel=om.ParallelConfig(**CP)).train()
-    model.oslo_protocol = _NoCompileRefusal()
     torch._dynamo.utils.counters.clear()
-    prepared_steps(torch.compile(model, backend="aot_eager"), rows, batch=BATCH)
+    in_prepare, in_zero = _without_compile_rule()
+    with in_prepare, in_zero:
+        prepared_steps(torch.compile(model, backend="aot_eager"), rows, batch=BATCH)
     assert not torch._dynamo.utils.counters["stats"]["unique_graphs"], "the pipelined stages were compiled"
     del model
 
