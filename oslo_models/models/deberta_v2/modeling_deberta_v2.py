@@ -52,17 +52,15 @@ from ..common import enter_sequence_parallel
 from ..common.attention.causal_masks import FULL
 from ..common.attention.disentangled_attention import DisentangledSelfAttention, relative_span
 from ..common.attention.encoder_masks import encoder_documents, same_document
-from ..common.loss.head_rules import MULTIPLE_CHOICE, TOKEN_CLASSIFICATION
+from ..common.loss.head_rules import TOKEN_CLASSIFICATION
 from ..common.stack.blocks import BlockTemplate
 from ..common.stack.encoder_stack import PoolingArgument
 from ..common.stack.outputs import capture_parallel_outputs, passed_on
 from ..common.stack.stack import StackSpec, TransformerStack
 from ..common.stack.stack_parts import Embeddings, Layers, Rotary
-from ..encoder_heads import EncoderForQuestionAnswering, EncoderHeadModel, ForMaskedLM
+from ..encoder_heads import EncoderForQuestionAnswering, EncoderHeadModel, ForMaskedLM, ForMultipleChoice
 from ..heads import (
     StackFamilyModel,
-    flatten_choices,
-    multiple_choice_output,
     sequence_classification_loss,
     token_classification_output,
 )
@@ -484,15 +482,9 @@ class DebertaV2ForQuestionAnswering(EncoderForQuestionAnswering, DebertaV2PreTra
     hf_twin = transformers.DebertaV2ForQuestionAnswering
 
 
-class DebertaV2ForMultipleChoice(_PooledHead, DebertaV2PreTrainedModel):
-    hf_twin = transformers.DebertaV2ForMultipleChoice
-    head_rule = MULTIPLE_CHOICE
-    outputs_one = True
+class DebertaV2ForMultipleChoice(_PooledHead, ForMultipleChoice, DebertaV2PreTrainedModel):
+    """``ForMultipleChoice``'s forward over ``_PooledHead``'s ``pooler``, ``dropout`` and one-score ``classifier``
+    (the base model has no pooler)."""
 
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs):
-        num_choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        outputs = self.encode(*flatten_choices(input_ids, attention_mask, token_type_ids, position_ids,
-                                               inputs_embeds), **kwargs)
-        return multiple_choice_output(self.head_logits(outputs.last_hidden_state), labels, num_choices, outputs)
+    hf_twin = transformers.DebertaV2ForMultipleChoice
+    outputs_one, uses_pooler = True, False

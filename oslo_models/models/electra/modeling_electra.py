@@ -43,7 +43,6 @@ from ..encoder_heads import (
     ForMultipleChoice,
     classifier_dropout,
 )
-from ..heads import flatten_choices, multiple_choice_output
 from .configuration_electra import ElectraConfig
 
 
@@ -209,12 +208,3 @@ class ElectraForMultipleChoice(ForMultipleChoice, ElectraPreTrainedModel):
         """``[b*c, s, h] -> [b*c, 1]``; run on the model or on a pipeline's last stage
         (``common/loss/head_rules.py``)."""
         return self.classifier(self.sequence_summary(hidden))
-
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs):
-        num_choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        outputs = self.encode(*flatten_choices(input_ids, attention_mask, token_type_ids, position_ids,
-                                               inputs_embeds), **kwargs)
-        logits = self.head_logits(outputs.last_hidden_state)  # [b*c, 1]
-        return multiple_choice_output(logits, labels, num_choices, outputs)
