@@ -9,7 +9,8 @@ One spawned group of 4 gloo processes: ``T5ForConditionalGeneration`` (tiny: 8 b
 with right padding in source and target (rows of unequal label counts): 3 AdamW steps (``train_matches``: loss, this
 rank's logits chunk, every gradient including ``relative_attention_bias``, every parameter) equal single-process
 ``transformers`` at 1e-5. Negative control: the bias built from the chunk-local query positions (``arange(s_local)``,
-what a cp rank knows without the mask's global positions) is off. Without ``decoder_input_ids`` under cp: an error.
+what a cp rank knows without the mask's global positions) is off. Without ``decoder_input_ids`` under cp: an error;
+``context_parallel_mode="hybrid"``: refused before anything is built.
 """
 from __future__ import annotations
 
@@ -72,6 +73,10 @@ def _worker(path):
             train_matches(model, _reference(path), data, steps=1, shift_labels=False)
     finally:
         T5Attention.compute_bias = local_positions
+    with pytest.raises(NotImplementedError, match="hybrid"):
+        om.T5ForConditionalGeneration.validate_parallel_config(
+            tiny_config("t5"), om.ParallelConfig(context_parallel_size=4, context_parallel_mode="hybrid",
+                                                 context_parallel_all_to_all_size=2))
     breadcrumb("refusal: no decoder_input_ids")
     local = {k: v[:, :v.shape[1] // 2] for k, v in data.items() if k != "decoder_input_ids"}
     with pytest.raises(ValueError, match="decoder_input_ids"):

@@ -96,6 +96,9 @@ class T5PreTrainedModel(OsloPreTrainedModel):
         if parallel.context_parallel_size > 1 and parallel.pipeline_parallel_size > 1:
             raise NotImplementedError("T5 under context parallelism with pipeline_parallel_size > 1 is not "
                                       "implemented (untested); use one of them")
+        if parallel.context_parallel_size > 1 and parallel.context_parallel_mode == "hybrid":
+            raise NotImplementedError("T5 under context_parallel_mode='hybrid' is not implemented: its relative "
+                                      "position bias runs the gathered-keys core (ring or all_to_all layouts)")
 
     def tie_parallel_weights(self) -> None:
         """The stacks' ``embed_tokens`` always share ``shared``; ``lm_head`` does too unless the checkpoint
