@@ -3,7 +3,8 @@ bidirectional and the decoder's causal self-attention through the context-parall
 the encoder output gathered from the chunks (``parallel_layers/context_parallel/cross.py``).
 
 One spawned group of 4 gloo processes: ``BartForConditionalGeneration`` (tiny, ``final_logits_bias`` non-zero) at
-cp 2 x dp 2 in ring and all-to-all mode, and at cp 2 x tp 2 (ring), on a batch with right padding in the source and
+cp 2 x dp 2 in ring and all-to-all mode, at cp 2 x tp 2 (ring) and at cp 4 hybrid (all-to-all
+inside pairs, ring across), on a batch with right padding in the source and
 the target (rows of unequal label counts): 3 AdamW steps (``train_matches``: loss, this rank's logits chunk, every
 gradient, every parameter) equal single-process ``transformers`` at 1e-5. Negative control: the encoder output
 gathered with the rule of a value every rank computes alike (its own chunk of the gradient, not the sum over cp:
@@ -54,7 +55,9 @@ def _worker(path):
     for name, layout in (("cp2 ring x dp2", dict(context_parallel_size=2, data_parallel_size=2)),
                          ("cp2 all_to_all x dp2", dict(context_parallel_size=2, data_parallel_size=2,
                                                       context_parallel_mode="all_to_all")),
-                         ("cp2 ring x tp2", dict(context_parallel_size=2, tensor_parallel_size=2))):
+                         ("cp2 ring x tp2", dict(context_parallel_size=2, tensor_parallel_size=2)),
+                         ("cp4 hybrid (all-to-all 2)", dict(context_parallel_size=4, context_parallel_mode="hybrid",
+                                                            context_parallel_all_to_all_size=2))):
         breadcrumb(name)
         train_matches(_model(path, **layout), _reference(path), data, steps=3, shift_labels=False)
     breadcrumb("negative control: the encoder chunks' gradient not summed over cp")
