@@ -44,7 +44,6 @@ from .heads import (
     flatten_choices,
     multiple_choice_output,
     question_answering_output,
-    sequence_classification_loss,
     token_classification_output,
 )
 
@@ -252,7 +251,8 @@ class EncoderForSequenceClassification(EncoderHeadModel):
                 inputs_embeds=None, labels=None, **kwargs) -> SequenceClassifierOutput:
         outputs = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
         logits = self.classify(outputs)
-        loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
+        # the task rule's loss (DeBERTa's keeps its own), the one a pipeline's last stage runs
+        loss = self.head_rule.classification_loss(logits, labels, self.config) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits, **passed_on(outputs))
 
 

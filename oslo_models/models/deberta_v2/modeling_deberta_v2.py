@@ -31,9 +31,8 @@ import transformers
 from torch import nn
 from torch.nn import functional as F
 from transformers.activations import ACT2FN
-from transformers.modeling_outputs import BaseModelOutput, SequenceClassifierOutput
+from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.deberta_v2.modeling_deberta_v2 import build_relative_position
-from transformers.utils.generic import can_return_tuple
 
 from ...config import ParallelConfig
 from ...parallel_layers.head_parallel import VocabBias
@@ -52,18 +51,20 @@ from ..common import enter_sequence_parallel
 from ..common.attention.causal_masks import FULL
 from ..common.attention.disentangled_attention import DisentangledSelfAttention, relative_span
 from ..common.attention.encoder_masks import encoder_documents, same_document
-from ..common.loss.head_rules import TOKEN_CLASSIFICATION
 from ..common.stack.blocks import BlockTemplate
 from ..common.stack.encoder_stack import PoolingArgument
-from ..common.stack.outputs import capture_parallel_outputs, passed_on
+from ..common.stack.outputs import capture_parallel_outputs
 from ..common.stack.stack import StackSpec, TransformerStack
 from ..common.stack.stack_parts import Embeddings, Layers, Rotary
-from ..encoder_heads import EncoderForQuestionAnswering, EncoderHeadModel, ForMaskedLM, ForMultipleChoice
-from ..heads import (
-    StackFamilyModel,
-    sequence_classification_loss,
-    token_classification_output,
+from ..encoder_heads import (
+    EncoderForQuestionAnswering,
+    EncoderForSequenceClassification,
+    EncoderForTokenClassification,
+    EncoderHeadModel,
+    ForMaskedLM,
+    ForMultipleChoice,
 )
+from ..heads import StackFamilyModel, sequence_classification_loss
 from ..modeling_utils import OsloPreTrainedModel
 from .configuration_deberta_v2 import DebertaV2Config
 from .pipeline_deberta_v2 import DEBERTA_SEQUENCE_CLASSIFICATION, DebertaV2Stages
@@ -434,6 +435,7 @@ class _PooledHead(EncoderHeadModel):
     ``transformers``' order; a pipeline's last stage holds them under the same names and runs ``head_logits``."""
 
     outputs_one = False
+    uses_pooler = False  # the base model has no pooler: ``ContextPooler`` is the head's
     pipeline_head_modules = {"pooler": "pooler", "dropout": "dropout", "classifier": "classifier"}
 
     def build_head(self, config) -> None:
@@ -447,35 +449,17 @@ class _PooledHead(EncoderHeadModel):
         return self.classifier(self.dropout(self.pooler(hidden)))
 
 
-class DebertaV2ForSequenceClassification(_PooledHead, DebertaV2PreTrainedModel):
+class DebertaV2ForSequenceClassification(_PooledHead, EncoderForSequenceClassification, DebertaV2PreTrainedModel):
+    """``EncoderForSequenceClassification``'s forward over ``_PooledHead``; the loss is DeBERTa's rule
+    (``DEBERTA_SEQUENCE_CLASSIFICATION``)."""
+
     hf_twin = transformers.DebertaV2ForSequenceClassification
     head_rule = DEBERTA_SEQUENCE_CLASSIFICATION
 
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs) -> SequenceClassifierOutput:
-        outputs = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        logits = self.head_logits(outputs.last_hidden_state)
-        loss = deberta_classification_loss(logits, labels, self.config) if labels is not None else None
-        return SequenceClassifierOutput(loss=loss, logits=logits, **passed_on(outputs))
 
-
-class DebertaV2ForTokenClassification(EncoderHeadModel, DebertaV2PreTrainedModel):
+class DebertaV2ForTokenClassification(EncoderForTokenClassification, DebertaV2PreTrainedModel):
     hf_twin = transformers.DebertaV2ForTokenClassification
-    accepts_packed = True
-    head_rule = TOKEN_CLASSIFICATION
-
-    def build_head(self, config) -> None:
-        self.num_labels = config.num_labels
-        self.dropout = Dropout(config.hidden_dropout_prob)
-        self.classifier = Linear(config.hidden_size, config.num_labels)
-
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, num_items_in_batch=None, **kwargs):
-        outputs = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))
-        return token_classification_output(logits, labels, outputs, num_items_in_batch)
+    classifier_dropout = staticmethod(lambda config: config.hidden_dropout_prob)
 
 
 class DebertaV2ForQuestionAnswering(EncoderForQuestionAnswering, DebertaV2PreTrainedModel):
