@@ -134,6 +134,12 @@ def refusals(config, parallel, model_class: type | None = None) -> list[str]:
     if ep > 1 and not getattr(text_config(config), "base_model_ep_plan", None):
         reasons.append(f"expert_parallel_size={ep}: transformers gives {model_type!r} no expert-parallel plan "
                        f"(base_model_ep_plan), so the generic path has no experts to split")
+    asked = [f"{name}={getattr(parallel, name)!r}" for name in ("tiled_mlp", "activation_offload", "tiled_loss")
+             if getattr(parallel, name)]
+    if asked:  # built into the native stack's blocks and heads (models/common/stack/long_sequence.py)
+        reasons.append(f"{', '.join(asked)}: the long-sequence tools (sequence-tiled MLP, activation offload, tiled "
+                       f"loss) are built into the native families' blocks and heads; the generic path runs "
+                       f"transformers' own modules, which have none of them (use activation_checkpointing='full')")
     mode = parallel.activation_checkpointing
     if mode is not None and mode not in _CHECKPOINTING_MODES:
         reasons.append(f"activation_checkpointing={mode!r}: the generic path has transformers' own checkpointing "

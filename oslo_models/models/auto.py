@@ -74,10 +74,6 @@ class _AutoModel:
         model_class = cls.model_class_for(config)
         if cls._is_generic(model_class):
             from ..generic.loading import from_pretrained
-            from .common.stack.long_sequence import refuse_on_generic_path
-
-            refuse_on_generic_path(parallel, model_class)
-
             return from_pretrained(model_class, pretrained_model_name_or_path, parallel=parallel, revision=revision,
                                    token=token, cache_dir=cache_dir, local_files_only=local_files_only,
                                    subfolder=subfolder, **kwargs)
@@ -94,10 +90,6 @@ class _AutoModel:
         model_class = cls.model_class_for(config)
         if cls._is_generic(model_class):
             from ..generic.loading import from_config
-            from .common.stack.long_sequence import refuse_on_generic_path
-
-            refuse_on_generic_path(parallel, model_class)
-
             return from_config(model_class, config, parallel=parallel, **kwargs)
         if not isinstance(config, model_class.config_class):
             config = model_class.config_class.from_dict(config.to_dict())

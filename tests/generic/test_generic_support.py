@@ -75,6 +75,9 @@ def launched_world(monkeypatch):
                      activation_checkpointing="offload"), "activation_checkpointing='offload'"),
     ("dots1", dict(pipeline_parallel_size=2, num_microbatches=2, data_parallel_size=2, expert_parallel_size=2,
                    activation_checkpointing="partitioned"), "activation_checkpointing='partitioned'"),
+    # the native stack's long-sequence tools: ignored silently on the generic path before
+    ("granite", dict(tiled_loss=True), "tiled_loss=True: the long-sequence tools"),
+    ("granite", dict(tiled_mlp=2, activation_offload=True), "tiled_mlp=2, activation_offload=True: the long-seq"),
 ])
 def test_refusals_come_before_any_collective(tmp_path, launched_world, name, parallel, message):
     path = save(tmp_path, [name])[name]

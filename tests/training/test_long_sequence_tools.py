@@ -170,8 +170,8 @@ def test_tiled_mlp_refusals(tmp_path):
                                                 progress=False)
     granite = transformers.GraniteConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=101)
-    for options in (dict(tiled_mlp=2), dict(activation_offload=True)):  # the generic path: refused before loading
-        with pytest.raises(NotImplementedError, match="generic path"):
+    for options in (dict(tiled_mlp=2), dict(activation_offload=True), dict(tiled_loss=True)):  # the generic path:
+        with pytest.raises(ValueError, match="generic path.*long-sequence tools"):  # refused before loading
             om.AutoModelForCausalLM.from_config(granite, parallel=om.ParallelConfig(**options))
     gpt2 = save_tiny(tmp_path / "gpt2", "gpt2", "LMHeadModel", resid_pdrop=0.1)
     with pytest.raises(ValueError, match="dropout"):

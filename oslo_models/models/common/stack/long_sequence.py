@@ -101,17 +101,3 @@ def apply_activation_offload(model, setting) -> None:
             block.register_forward_pre_hook(switch.enter, with_kwargs=True),
             block.register_forward_hook(switch.leave, with_kwargs=True, always_call=True)]
     model.activation_offload = switch.hooks
-
-
-def refuse_on_generic_path(parallel, model_class: type) -> None:
-    """``NotImplementedError`` when ``parallel`` (a ``ParallelConfig``, a ``ParallelContext`` or ``None``) asks for
-    a long-sequence option on the generic path (``transformers``' own modules: their feed-forwards are not block
-    templates, and their blocks are not wired for the offload hooks). Called before anything is loaded."""
-    config = getattr(parallel, "config", parallel)
-    tiled = getattr(config, "tiled_mlp", None)
-    offload = getattr(config, "activation_offload", False)
-    if tiled is not None or (offload is not None and offload is not False):
-        raise NotImplementedError(f"tiled_mlp={tiled!r} / activation_offload={offload!r} on the generic path "
-                                  f"({model_class.__name__}, transformers' own modules) are not implemented: the "
-                                  "native families have them; use activation_checkpointing='full' and the tiled "
-                                  "loss is not available there either")
