@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import transformers
 
-from ..common.attention.causal_masks import FULL, SLIDING
+from ..common.attention.causal_masks import every_layer_slides
 from ..llama import modeling_llama as llama
 from ..llama.configuration_llama import MistralConfig
 
@@ -18,11 +18,8 @@ class MistralPreTrainedModel(llama.LlamaPreTrainedModel):
     def decoder_options(cls, config) -> llama.DecoderOptions:
         return cls.switches()
 
-    @classmethod
-    def attention_types(cls, config) -> list[str]:
-        """Every layer slides when ``sliding_window`` is set; ``layer_types`` is ignored, as by ``MistralModel``."""
-        kind = SLIDING if config.sliding_window is not None else FULL
-        return [kind] * config.num_hidden_layers
+    #: every layer slides when ``sliding_window`` is set; ``layer_types`` is ignored, as by ``MistralModel``
+    attention_types = staticmethod(every_layer_slides)
 
 
 class MistralModel(MistralPreTrainedModel, llama.LlamaModel):

@@ -21,7 +21,7 @@ import transformers
 from torch import nn
 
 from ..common import PackedGatedMLP, PackedQKVAttention, PartialRotaryEmbedding, RMSNorm
-from ..common.attention.causal_masks import FULL, SLIDING
+from ..common.attention.causal_masks import SLIDING, every_layer_slides
 from ..common.stack.blocks import PreNormBlock, ResidualDropout
 from ..common.stack.stack import StackSpec
 from ..common.stack.stack_parts import Rotary
@@ -65,10 +65,8 @@ class Phi3PreTrainedModel(llama.LlamaPreTrainedModel):
     def decoder_options(cls, config) -> llama.DecoderOptions:
         return cls.switches()
 
-    @classmethod
-    def attention_types(cls, config) -> list[str]:
-        """Every layer slides when ``sliding_window`` is set (``Phi3Model`` picks one mask for all layers)."""
-        return [SLIDING if config.sliding_window is not None else FULL] * config.num_hidden_layers
+    #: every layer slides when ``sliding_window`` is set (``Phi3Model`` picks one mask for all layers)
+    attention_types = staticmethod(every_layer_slides)
 
     @classmethod
     def build_mlp(cls, config, layer_idx: int, options=None) -> nn.Module:

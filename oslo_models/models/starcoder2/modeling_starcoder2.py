@@ -20,7 +20,7 @@ import transformers
 from torch import nn
 
 from ..common import DenseMLP, GroupedQueryAttention, LayerNorm, RotaryEmbedding
-from ..common.attention.causal_masks import FULL, SLIDING
+from ..common.attention.causal_masks import every_layer_slides
 from ..common.stack.blocks import PreNormBlock, ResidualDropout
 from ..common.stack.stack import StackSpec
 from ..common.stack.stack_parts import EmbeddingDropout, FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
@@ -71,10 +71,8 @@ class Starcoder2PreTrainedModel(llama.LlamaPreTrainedModel):
         return Starcoder2MLP(config.hidden_size, config.intermediate_size, act=config.hidden_act,
                              bias=config.use_bias, dropout=config.residual_dropout)
 
-    @classmethod
-    def attention_types(cls, config) -> list[str]:
-        """Every layer slides when ``sliding_window`` is set (``Starcoder2Model`` picks one mask for all)."""
-        return [SLIDING if config.sliding_window is not None else FULL] * config.num_hidden_layers
+    #: every layer slides when ``sliding_window`` is set (``Starcoder2Model`` picks one mask for all)
+    attention_types = staticmethod(every_layer_slides)
 
 
 class Starcoder2Model(Starcoder2PreTrainedModel, llama.LlamaModel):

@@ -33,6 +33,12 @@ def layer_types(config) -> list[str]:
     return [SLIDING if getattr(config, "sliding_window", None) else FULL] * config.num_hidden_layers
 
 
+def every_layer_slides(config) -> list[str]:
+    """One kind for all ``num_hidden_layers`` layers, ``layer_types`` ignored (Mistral, Phi-3, Starcoder2: the model
+    picks one mask for all layers): ``"sliding_attention"`` when ``sliding_window`` is not ``None``."""
+    return [SLIDING if config.sliding_window is not None else FULL] * config.num_hidden_layers
+
+
 def uses_flex(config, device: torch.device) -> bool:
     """Whether packed documents run on the FlexAttention core: asked for (``attn_implementation=
     "flex_attention"``), or the default SDPA on a device where Flex trains (CUDA) with no attention dropout
