@@ -39,15 +39,16 @@ class QKVGroups(Rule):
 
     query_heads: int = 0
 
-    def check(self, parallel, model_type):
-        if parallel.tensor_parallel_mode != "1d":
-            raise NotImplementedError(f"{model_type}: a fused query_key_value of grouped heads under "
-                                      f"tensor_parallel_mode={parallel.tensor_parallel_mode!r} is not implemented; "
-                                      "use tensor_parallel_mode='1d'")
-        tp, groups = parallel.tensor_parallel_size, self.value
-        if tp <= groups and groups % tp:
-            raise ValueError(f"{model_type}: {self.name}={groups} is not divisible by tensor_parallel_size={tp}")
-        if tp > groups and (tp % groups or self.query_heads // groups % (tp // groups)):
+    def check_grid(self, parallel, model_type):
+        raise NotImplementedError(f"{model_type}: a fused query_key_value of grouped heads under "
+                                  f"tensor_parallel_mode={parallel.tensor_parallel_mode!r} is not implemented; "
+                                  "use tensor_parallel_mode='1d'")
+
+    def check_tp(self, tp, model_type):
+        groups = self.value
+        if tp <= groups:
+            super().check_tp(tp, model_type)
+        elif tp % groups or self.query_heads // groups % (tp // groups):
             raise ValueError(f"{model_type}: tensor_parallel_size={tp} exceeds {self.name}={groups} but does not "
                              f"split each group's {self.query_heads // groups} query heads evenly over "
                              f"{tp}/{groups} ranks while replicating its key/value head")

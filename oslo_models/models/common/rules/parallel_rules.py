@@ -23,22 +23,29 @@ from ....parallel_layers.kv_heads import check_grid_heads
 
 @dataclass(frozen=True)
 class Rule:
+    """A size the plan splits over the tensor-parallel ranks: 1D: ``check_tp`` (``tp`` must divide it); 2D/2.5D/3D:
+    ``check_grid`` (heads over the grid's ``q``). A rule overrides what differs."""
+
     name: str  # the config attribute, as the user knows it (``num_attention_heads``, ``n_inner``)
     value: int
 
     def check(self, parallel: ParallelConfig, model_type: str) -> None:
-        raise NotImplementedError
+        if parallel.tensor_parallel_mode != "1d":
+            self.check_grid(parallel, model_type)
+        else:
+            self.check_tp(parallel.tensor_parallel_size, model_type)
+
+    def check_grid(self, parallel: ParallelConfig, model_type: str) -> None:
+        check_grid_heads(self.value, parallel, f"{model_type}: {self.name}")
+
+    def check_tp(self, tp: int, model_type: str) -> None:
+        if self.value % tp:
+            raise ValueError(f"{model_type}: {self.name}={self.value} is not divisible by tensor_parallel_size={tp}")
 
 
 @dataclass(frozen=True)
 class Heads(Rule):
-    def check(self, parallel, model_type):
-        if parallel.tensor_parallel_mode != "1d":
-            check_grid_heads(self.value, parallel, f"{model_type}: {self.name}")
-            return
-        tp = parallel.tensor_parallel_size
-        if self.value % tp:
-            raise ValueError(f"{model_type}: {self.name}={self.value} is not divisible by tensor_parallel_size={tp}")
+    """Attention heads split over the ranks (the defaults)."""
 
 
 @dataclass(frozen=True)
@@ -49,28 +56,22 @@ class KeyValueHeads(Rule):
         if self.query_heads % self.value:
             raise ValueError(f"{model_type}: num_attention_heads={self.query_heads} is not a multiple of "
                              f"{self.name}={self.value}")
-        if parallel.tensor_parallel_mode != "1d":
-            check_grid_heads(self.value, parallel, f"{model_type}: {self.name}")
-            return
-        tp = parallel.tensor_parallel_size
-        if tp <= self.value and self.value % tp:
-            raise ValueError(f"{model_type}: {self.name}={self.value} is not divisible by tensor_parallel_size={tp}")
-        if tp > self.value and tp % self.value:
+        super().check(parallel, model_type)
+
+    def check_tp(self, tp, model_type):
+        if tp <= self.value:
+            super().check_tp(tp, model_type)
+        elif tp % self.value:
             raise ValueError(f"{model_type}: tensor_parallel_size={tp} exceeds {self.name}={self.value} but is not "
                              f"a multiple of it, so the key/value heads cannot be replicated evenly")
 
 
 @dataclass(frozen=True)
 class Features(Rule):
-    def check(self, parallel, model_type):
-        if parallel.tensor_parallel_mode != "1d":
-            q = parallel.grid_shape[-1]
-            if self.value % q:
-                raise ValueError(f"{model_type}: {self.name}={self.value} is not divisible by the grid's q={q}")
-            return
-        tp = parallel.tensor_parallel_size
-        if self.value % tp:
-            raise ValueError(f"{model_type}: {self.name}={self.value} is not divisible by tensor_parallel_size={tp}")
+    def check_grid(self, parallel, model_type):
+        q = parallel.grid_shape[-1]
+        if self.value % q:
+            raise ValueError(f"{model_type}: {self.name}={self.value} is not divisible by the grid's q={q}")
 
 
 @dataclass(frozen=True)
