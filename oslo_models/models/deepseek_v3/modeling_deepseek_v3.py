@@ -29,20 +29,15 @@ from __future__ import annotations
 import dataclasses
 
 import transformers
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast
-from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder
 
 from ...parallel_layers.moe.router_variants import GroupLimitedRouter
-from ..common.attention.cache_names import cache_field, output_cache
 from ..common.attention.latent_attention import MultiHeadLatentAttention
 from ..common.feed_forward.mlp import GatedMLP
-from ..common.feed_forward.moe import RouterLogits
 from ..common.feed_forward.moe_variants import SharedExpertsMoe
 from ..common.loading.expert_keys import ExpertKeyLayout
 from ..common.pipeline.pipeline_stack import StackPipelineAdapter
 from ..common.rules.capabilities import Capabilities
-from ..common.stack.outputs import passed_on
 from ..llama import modeling_llama as llama
 from ..mixtral import modeling_mixtral as mixtral
 from .configuration_deepseek_v3 import DeepseekV3Config
@@ -98,28 +93,13 @@ DeepseekV3PreTrainedModel.base_model_class = DeepseekV3Model
 
 
 class DeepseekV3ForCausalLM(DeepseekV3PreTrainedModel, mixtral.MixtralForCausalLM):
-    """``DeepseekV3ForCausalLM``: the causal-LM loss alone (no router loss, as ``transformers``), router logits with
-    ``output_router_logits``. Pipeline stages: the shared stack's (``StackPipelineAdapter``)."""
+    """``DeepseekV3ForCausalLM``: ``MixtralForCausalLM``'s forward with the causal-LM loss alone (no router loss,
+    as ``transformers``: ``router_aux_loss``), router logits with ``output_router_logits`` (as routed: the grid is
+    refused, ``moe_grid=False``). Pipeline stages: the shared stack's (``StackPipelineAdapter``)."""
 
     hf_twin = transformers.DeepseekV3ForCausalLM
     pipeline_adapter_class = StackPipelineAdapter
-
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None, logits_to_keep=0,
-                gather_logits: bool = True, num_items_in_batch=None, **kwargs) -> MoeCausalLMOutputWithPast:
-        if output_router_logits is None:
-            output_router_logits = self.config.output_router_logits
-        collected = RouterLogits()
-        out = llama.LlamaForCausalLM.forward(
-            self, input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-            logits_to_keep=logits_to_keep, gather_logits=gather_logits, num_items_in_batch=num_items_in_batch,
-            router_logits=collected, **kwargs)
-        return MoeCausalLMOutputWithPast(loss=out.loss, aux_loss=None, logits=out.logits,
-                                         **cache_field(output_cache(out)),
-                                         router_logits=tuple(collected.logits) if output_router_logits else None,
-                                         **passed_on(out))
+    router_aux_loss = False
 
 
 class DeepseekV3ForSequenceClassification(DeepseekV3PreTrainedModel, llama.LlamaForSequenceClassification):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from typing import ClassVar, Mapping
 
 import torch
 import transformers
@@ -156,6 +156,9 @@ class MixtralForCausalLM(MixtralPreTrainedModel, llama.LlamaForCausalLM):
 
     pipeline_adapter_class = MixtralPipelineAdapter
     hf_twin = transformers.MixtralForCausalLM
+    #: whether ``output_router_logits`` adds the load-balancing loss (DeepSeek-V3: no router loss, as
+    #: ``transformers``)
+    router_aux_loss: ClassVar[bool] = True
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -170,7 +173,7 @@ class MixtralForCausalLM(MixtralPreTrainedModel, llama.LlamaForCausalLM):
                               num_items_in_batch=num_items_in_batch, router_logits=collected, **kwargs)
         router_logits = collected.logits
         loss, aux_loss = out.loss, None
-        if output_router_logits:
+        if output_router_logits and self.router_aux_loss:
             aux_loss = self._aux_loss(router_logits, attention_mask)
             if labels is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
