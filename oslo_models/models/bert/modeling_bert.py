@@ -47,7 +47,7 @@ from ..common import full_logits, token_loss
 from ..common.feed_forward.bias_act import fused_gelu_approximation, linear_act
 from ..common.loading.legacy_keys import legacy_key_view
 from ..common.rules.capabilities import Capabilities
-from ..common.rules.parallel_rules import Features, Heads
+from ..common.rules.parallel_rules import Features, Heads, check_head_size
 from ..common.stack.blocks import BlockTemplate
 from ..common.stack.encoder_stack import EncoderStack
 from ..common.stack.outputs import passed_on
@@ -350,9 +350,7 @@ class BertPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
         super().validate_parallel_config(config, parallel)  # the components' rules: heads, intermediate_size
         name = type(config).__name__.replace("Config", "")
-        if config.hidden_size % config.num_attention_heads:
-            raise ValueError(f"{name} hidden_size={config.hidden_size} is not divisible by num_attention_heads="
-                             f"{config.num_attention_heads}")
+        check_head_size(config, name)
         if getattr(config, "add_cross_attention", False) and parallel.tensor_parallel_mode != "1d":
             raise NotImplementedError(f"{name} with cross-attention (add_cross_attention) under tensor_parallel_mode="
                                       f"{parallel.tensor_parallel_mode!r} is not implemented: the grid layers take "

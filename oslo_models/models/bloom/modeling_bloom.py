@@ -33,7 +33,7 @@ from ..common.attention.grouped_qkv_attention import GroupedQKVAttention
 from ..common.embeddings.positions import alibi_attention_mask, local_alibi_slopes
 from ..common.feed_forward.mlp import DenseMLP
 from ..common.norms.layer_norm import LayerNorm
-from ..common.rules.parallel_rules import Features
+from ..common.rules.parallel_rules import Features, check_head_size
 from ..common.stack.blocks import PreNormBlock
 from ..common.stack.stack import StackSpec, TransformerStack
 from ..common.stack.stack_parts import EmbeddingNorm, FinalNorm, Layers, TokenEmbedding, layer_norm
@@ -99,9 +99,7 @@ class BloomPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
         super().validate_parallel_config(config, parallel)  # heads, the fused q|k|v groups, 4h
-        if config.hidden_size % config.num_attention_heads:
-            raise ValueError(f"Bloom hidden_size={config.hidden_size} is not divisible by n_head="
-                             f"{config.num_attention_heads}")
+        check_head_size(config, "Bloom", heads="n_head")
 
 
 class BloomModel(TransformerStack, BloomPreTrainedModel):

@@ -51,6 +51,7 @@ from ..common import enter_sequence_parallel
 from ..common.attention.causal_masks import FULL
 from ..common.attention.disentangled_attention import DisentangledSelfAttention, relative_span
 from ..common.attention.encoder_masks import encoder_documents, same_document
+from ..common.rules.parallel_rules import check_head_size
 from ..common.stack.blocks import BlockTemplate
 from ..common.stack.encoder_stack import PoolingArgument
 from ..common.stack.outputs import capture_parallel_outputs
@@ -237,9 +238,7 @@ class DebertaV2PreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
         super().validate_parallel_config(config, parallel)  # the components' rules: heads, intermediate_size
-        if config.hidden_size % config.num_attention_heads:
-            raise ValueError(f"DebertaV2 hidden_size={config.hidden_size} is not divisible by num_attention_heads="
-                             f"{config.num_attention_heads}")
+        check_head_size(config, "DebertaV2")
         if getattr(config, "conv_kernel_size", 0) > 0 and (parallel.sequence_parallel or
                                                            parallel.pipeline_parallel_size > 1):
             raise NotImplementedError("DeBERTa-v2's convolution layer (conv_kernel_size > 0, deberta-v2-xlarge / "

@@ -40,6 +40,7 @@ from ..common.embeddings.rotary import RotaryEmbedding
 from ..common.feed_forward.mlp import DenseMLP
 from ..common.norms.layer_norm import LayerNorm
 from ..common.rules.capabilities import Capabilities
+from ..common.rules.parallel_rules import check_head_size
 from ..common.stack.blocks import ParallelResidualBlock, PreNormBlock
 from ..common.stack.stack import StackSpec, TransformerStack
 from ..common.stack.stack_parts import FinalNorm, Layers, Rotary, TokenEmbedding, layer_norm
@@ -131,9 +132,7 @@ class FalconPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
         super().validate_parallel_config(config, parallel)  # heads, the fused q|k|v groups, ffn_hidden_size
-        if config.hidden_size % config.num_attention_heads:
-            raise ValueError(f"Falcon hidden_size={config.hidden_size} is not divisible by num_attention_heads="
-                             f"{config.num_attention_heads}")
+        check_head_size(config, "Falcon")
         if config.new_decoder_architecture and not config.parallel_attn:
             raise ValueError("Falcon with new_decoder_architecture=True needs parallel_attn=True (transformers' "
                              "Falcon cannot run the other combination either)")

@@ -26,7 +26,7 @@ from ..common.attention.attention import AttentionModule, attend
 from ..common.feed_forward.bias_act import fused_gelu_approximation, linear_act
 from ..common.norms.layer_norm import LayerNorm
 from ..common.rules.capabilities import Capabilities
-from ..common.rules.parallel_rules import Features, Heads
+from ..common.rules.parallel_rules import Features, Heads, check_head_size
 from ..common.stack.blocks import PreNormBlock
 from ..common.stack.stack import StackSpec, TransformerStack
 from ..common.stack.stack_parts import (
@@ -150,9 +150,7 @@ class GPT2PreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
         super().validate_parallel_config(config, parallel)  # the components' rules: heads, n_inner
-        if config.hidden_size % config.num_attention_heads:
-            raise ValueError(f"GPT-2 n_embd={config.hidden_size} is not divisible by n_head="
-                             f"{config.num_attention_heads}")
+        check_head_size(config, "GPT-2", hidden="n_embd", heads="n_head")
         if getattr(config, "add_cross_attention", False):
             raise NotImplementedError("GPT-2 with add_cross_attention=True is not implemented yet")
 

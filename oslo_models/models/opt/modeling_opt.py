@@ -37,7 +37,7 @@ from ..common.embeddings.positions import LearnedPositionalEmbedding, LearnedPos
 from ..common.feed_forward.mlp import DenseMLP
 from ..common.norms.layer_norm import LayerNorm
 from ..common.rules.capabilities import Capabilities
-from ..common.rules.parallel_rules import Heads
+from ..common.rules.parallel_rules import Heads, check_head_size
 from ..common.stack.blocks import PostNormBlock, PreNormBlock
 from ..common.stack.stack import StackSpec, TransformerStack
 from ..common.stack.stack_parts import Built
@@ -173,9 +173,7 @@ class OPTPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:
         super().validate_parallel_config(config, parallel)  # heads, ffn_dim
-        if config.hidden_size % config.num_attention_heads:
-            raise ValueError(f"OPT hidden_size={config.hidden_size} is not divisible by num_attention_heads="
-                             f"{config.num_attention_heads}")
+        check_head_size(config, "OPT")
         if config.layerdrop:
             raise NotImplementedError(f"OPT's layerdrop={config.layerdrop} (skipping whole layers at random in "
                                       "training) is not implemented: load the model with layerdrop=0")

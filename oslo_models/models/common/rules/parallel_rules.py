@@ -107,3 +107,11 @@ def spec_rules(spec, config) -> list[Rule]:
 def check_rules(rules, config, parallel: ParallelConfig) -> None:
     for rule in rules:
         rule.check(parallel, config.model_type)
+
+
+def check_head_size(config, model: str, hidden: str = "hidden_size", heads: str = "num_attention_heads") -> None:
+    """``ValueError`` unless the attention heads divide the hidden size; ``model``, ``hidden`` and ``heads``: how the
+    message names the model and the two sizes (GPT-2: ``n_embd``, ``n_head``)."""
+    if config.hidden_size % config.num_attention_heads:
+        raise ValueError(f"{model} {hidden}={config.hidden_size} is not divisible by {heads}="
+                         f"{config.num_attention_heads}")
