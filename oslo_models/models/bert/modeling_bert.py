@@ -292,10 +292,13 @@ class BertLMPredictionHead(nn.Module):
     tp_plan = {"": VocabBias(), "decoder": Colwise(vocab=True), "transform.dense": StreamLinear(),
                "transform.LayerNorm": SequenceParallelNorm()}
 
+    #: the replicated transform; the decoder reads its ``dense`` outputs (DeBERTa's: ``embedding_size``)
+    transform_class: type = BertPredictionHeadTransform
+
     def __init__(self, config):
         super().__init__()
-        self.transform = BertPredictionHeadTransform(config)
-        self.decoder = Linear(config.hidden_size, config.vocab_size, bias=True)
+        self.transform = self.transform_class(config)
+        self.decoder = Linear(self.transform.dense.out_features, config.vocab_size, bias=True)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def features(self, hidden_states):
@@ -308,10 +311,11 @@ class BertLMPredictionHead(nn.Module):
 
 class BertOnlyMLMHead(nn.Module):
     tp_plan = prefixed("predictions", BertLMPredictionHead.tp_plan)
+    prediction_class: type = BertLMPredictionHead
 
     def __init__(self, config):
         super().__init__()
-        self.predictions = BertLMPredictionHead(config)
+        self.predictions = self.prediction_class(config)
 
     def features(self, sequence_output):
         return self.predictions.features(sequence_output)

@@ -35,17 +35,20 @@ from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.deberta_v2.modeling_deberta_v2 import build_relative_position
 
 from ...config import ParallelConfig
-from ...parallel_layers.head_parallel import VocabBias
 from ...parallel_layers.layers import Dropout, Embedding, LayerNorm, Linear
 from ...parallel_layers.plan import (
-    Colwise,
     PositionEmbedding,
     SequenceParallelNorm,
-    StreamLinear,
     TPDropout,
     VocabEmbedding,
 )
-from ..bert.modeling_bert import BertIntermediate, BertOutput, BertSelfOutput
+from ..bert.modeling_bert import (
+    BertIntermediate,
+    BertLMPredictionHead,
+    BertOnlyMLMHead,
+    BertOutput,
+    BertSelfOutput,
+)
 from ..bert.parallel_plan import prefixed
 from ..common import enter_sequence_parallel
 from ..common.attention.causal_masks import FULL
@@ -340,39 +343,19 @@ class LegacyDebertaV2PredictionHeadTransform(nn.Module):
         return self.LayerNorm(self.transform_act_fn(self.dense(hidden_states)))
 
 
-class LegacyDebertaV2LMPredictionHead(nn.Module):
-    """Replicated transform (h -> e), then the vocab-parallel ``decoder`` (tied to the word embeddings; its bias
-    tied to this module's ``bias``): ``[b, s, h] -> [b, s, V_padded/tp]``."""
+class LegacyDebertaV2LMPredictionHead(BertLMPredictionHead):
+    """BERT's prediction head over DeBERTa's transform (h -> e): the vocab-parallel ``decoder`` reads ``[b, s, e]``
+    (tied to the word embeddings; its bias tied to this module's ``bias``): ``[b, s, h] -> [b, s, V_padded/tp]``."""
 
-    tp_plan = {"": VocabBias(), "decoder": Colwise(vocab=True), "transform.dense": StreamLinear(),
-               "transform.LayerNorm": SequenceParallelNorm()}
+    transform_class = LegacyDebertaV2PredictionHeadTransform
 
     def __init__(self, config):
-        super().__init__()
-        self.transform = LegacyDebertaV2PredictionHeadTransform(config)
+        super().__init__(config)
         self.embedding_size = self.transform.embedding_size
-        self.decoder = Linear(self.embedding_size, config.vocab_size)
-        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
-
-    def features(self, hidden_states):
-        return self.transform(hidden_states)
-
-    def forward(self, hidden_states):
-        return self.decoder(self.transform(hidden_states))
 
 
-class LegacyDebertaV2OnlyMLMHead(nn.Module):
-    tp_plan = prefixed("predictions", LegacyDebertaV2LMPredictionHead.tp_plan)
-
-    def __init__(self, config):
-        super().__init__()
-        self.predictions = LegacyDebertaV2LMPredictionHead(config)
-
-    def features(self, sequence_output):
-        return self.predictions.features(sequence_output)
-
-    def forward(self, sequence_output):
-        return self.predictions(sequence_output)
+class LegacyDebertaV2OnlyMLMHead(BertOnlyMLMHead):
+    prediction_class = LegacyDebertaV2LMPredictionHead
 
 
 class ContextPooler(nn.Module):
