@@ -21,10 +21,11 @@ from ..rules.parallel_rules import Features
 from .bias_act import fused_gelu_approximation, linear_act
 
 
-class DenseActDense(nn.Module):
-    """``wo(dropout(act(wi(x))))`` (original T5: ReLU)."""
+class _T5FeedForward(nn.Module):
+    """What T5's two feed-forwards share: the column-parallel ``inputs`` (no bias; the first one activated, fused
+    with its GELU when enabled), the row-parallel ``wo`` and the dropout between; ``inner`` is the variant's."""
 
-    tp_plan = {"wi": Colwise(), "wo": Rowwise(), "dropout": TPDropout(always_split=True)}
+    inputs: tuple[str, ...] = ()
 
     @classmethod
     def parallel_rules(cls, config) -> list:
@@ -32,45 +33,48 @@ class DenseActDense(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, *, act: str, dropout: float):
         super().__init__()
-        self.wi = Linear(d_model, d_ff, bias=False)
+        for name in self.inputs:
+            self.add_module(name, Linear(d_model, d_ff, bias=False))
         self.wo = Linear(d_ff, d_model, bias=False)
         self.dropout = Dropout(dropout)
         self.act_name, self.act = act, ACT2FN[act]
         self.fused_gelu = None  # bias_gelu's ``approximate`` for GELU variants when fused (configure_fused_ops)
 
     def configure_fused_ops(self, enabled: bool) -> None:
-        self.fused_gelu = fused_gelu_approximation(enabled, self.act_name, self.wi)
+        self.fused_gelu = fused_gelu_approximation(enabled, self.act_name, getattr(self, self.inputs[0]))
+
+    def activated(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``act(first input(x))``: ``[b, s, d] -> [b, s, d_ff/tp]``."""
+        return linear_act(getattr(self, self.inputs[0]), self.act, hidden_states, approximate=self.fused_gelu)
+
+    def inner(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = linear_act(self.wi, self.act, hidden_states, approximate=self.fused_gelu)  # [b, s, d_ff/tp]
-        hidden_states = self.dropout(hidden_states)
+        hidden_states = self.dropout(self.inner(hidden_states))  # [b, s, d_ff/tp]
+        # the cast keeps a fp32 ``wo`` (Flan-T5 in 8-bit setups) working, as transformers does
         return self.wo(hidden_states.to(self.wo.weight.dtype))
 
 
-class DenseGatedActDense(nn.Module):
+class DenseActDense(_T5FeedForward):
+    """``wo(dropout(act(wi(x))))`` (original T5: ReLU)."""
+
+    tp_plan = {"wi": Colwise(), "wo": Rowwise(), "dropout": TPDropout(always_split=True)}
+    inputs = ("wi",)
+
+    def inner(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.activated(hidden_states)
+
+
+class DenseGatedActDense(_T5FeedForward):
     """``wo(dropout(act(wi_0(x)) * wi_1(x)))`` (T5 v1.1 / Flan-T5: gated GELU). Each rank gates its own
     ``d_ff/tp`` columns of both branches, so the product needs no communication."""
 
     tp_plan = {"wi_0": Colwise(), "wi_1": Colwise(), "wo": Rowwise(), "dropout": TPDropout(always_split=True)}
-    parallel_rules = DenseActDense.parallel_rules
+    inputs = ("wi_0", "wi_1")
 
-    def __init__(self, d_model: int, d_ff: int, *, act: str, dropout: float):
-        super().__init__()
-        self.wi_0 = Linear(d_model, d_ff, bias=False)
-        self.wi_1 = Linear(d_model, d_ff, bias=False)
-        self.wo = Linear(d_ff, d_model, bias=False)
-        self.dropout = Dropout(dropout)
-        self.act_name, self.act = act, ACT2FN[act]
-        self.fused_gelu = None  # bias_gelu's ``approximate`` for GELU variants when fused (configure_fused_ops)
-
-    def configure_fused_ops(self, enabled: bool) -> None:
-        self.fused_gelu = fused_gelu_approximation(enabled, self.act_name, self.wi_0)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        gate = linear_act(self.wi_0, self.act, hidden_states, approximate=self.fused_gelu)
-        hidden_states = self.dropout(gate * self.wi_1(hidden_states))
-        # the cast keeps a fp32 ``wo`` (Flan-T5 in 8-bit setups) working, as transformers does
-        return self.wo(hidden_states.to(self.wo.weight.dtype))
+    def inner(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.activated(hidden_states) * self.wi_1(hidden_states)
 
 
 class GatedMLP(nn.Module):
