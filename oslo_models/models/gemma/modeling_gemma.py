@@ -44,8 +44,7 @@ class GemmaPreTrainedModel(llama.LlamaPreTrainedModel):
 
     @classmethod
     def decoder_options(cls, config) -> llama.DecoderOptions:
-        bias = bool(config.attention_bias)
-        return cls.switches(qkv_bias=bias, o_bias=bias, norm_formula="gemma")
+        return cls.biased_switches(config, norm_formula="gemma")
 
     @classmethod
     def build_mlp(cls, config, layer_idx: int, options=None):

@@ -82,8 +82,7 @@ class GptOssPreTrainedModel(mixtral.MixtralPreTrainedModel):
 
     @classmethod
     def decoder_options(cls, config) -> mixtral.MoeOptions:
-        bias = bool(config.attention_bias)
-        return cls.switches(qkv_bias=bias, o_bias=bias, norm_formula="olmo2")
+        return cls.biased_switches(config, norm_formula="olmo2")
 
     @classmethod
     def build_mlp(cls, config, layer_idx: int, options=None):

@@ -146,8 +146,14 @@ class LlamaPreTrainedModel(StackFamilyModel, OsloPreTrainedModel):
     def decoder_options(cls, config) -> DecoderOptions:
         """The switches of this family's decoder for ``config`` (Llama: ``attention_bias`` on q/k/v/o,
         ``mlp_bias``); a family overrides it with its own (``switches(...)``)."""
+        return cls.biased_switches(config, mlp_bias=bool(getattr(config, "mlp_bias", False)))
+
+    @classmethod
+    def biased_switches(cls, config, **values) -> DecoderOptions:
+        """``switches(**values)`` with ``config.attention_bias`` on q/k/v and o (Llama, Qwen3, Gemma, OLMo 2,
+        GPT-OSS)."""
         bias = bool(getattr(config, "attention_bias", False))
-        return cls.switches(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
+        return cls.switches(qkv_bias=bias, o_bias=bias, **values)
 
     @classmethod
     def stack_options(cls, config) -> DecoderOptions:

@@ -39,8 +39,7 @@ class Olmo2PreTrainedModel(llama.LlamaPreTrainedModel):
 
     @classmethod
     def decoder_options(cls, config) -> llama.DecoderOptions:
-        bias = bool(config.attention_bias)
-        return cls.switches(qkv_bias=bias, o_bias=bias, norm_formula="olmo2")
+        return cls.biased_switches(config, norm_formula="olmo2")
 
 
 class Olmo2Model(Olmo2PreTrainedModel, llama.LlamaModel):

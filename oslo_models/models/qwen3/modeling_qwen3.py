@@ -15,8 +15,7 @@ class Qwen3PreTrainedModel(llama.LlamaPreTrainedModel):
 
     @classmethod
     def decoder_options(cls, config) -> llama.DecoderOptions:
-        bias = bool(config.attention_bias)
-        return cls.switches(qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return cls.biased_switches(config, qk_norm=True)
 
 
 class Qwen3Model(Qwen3PreTrainedModel, llama.LlamaModel):

@@ -32,9 +32,8 @@ class Qwen3MoePreTrainedModel(Qwen2MoePreTrainedModel):
         moe = mixtral.moe_switches(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
                                    intermediate_size=config.moe_intermediate_size, act=config.hidden_act,
                                    normalize=config.norm_topk_prob, weights_in_logits_dtype=True)
-        bias = bool(config.attention_bias)
-        return cls.switches(qkv_bias=bias, o_bias=bias, qk_norm=True, moe=moe, sparse_layers=cls.sparse_layers(config),
-                            dense_intermediate_size=config.intermediate_size)
+        return cls.biased_switches(config, qk_norm=True, moe=moe, sparse_layers=cls.sparse_layers(config),
+                                   dense_intermediate_size=config.intermediate_size)
 
 
 class Qwen3MoeModel(Qwen3MoePreTrainedModel, mixtral.MixtralModel):
