@@ -130,6 +130,18 @@ class EncoderHeadModel(HeadModel):
                                  position_ids=position_ids, inputs_embeds=inputs_embeds, **kwargs)
 
 
+class _MLMTiedKeys:
+    """``_tied_weights_keys`` of an MLM head: the decoder's weight (``mlm_decoder_path``) is the word embeddings (the
+    spec's ``embed_tokens``); a decoder under ``_decoder_bias_owner`` also ties its bias to the owner's ``bias``."""
+
+    def __get__(self, obj, cls):
+        decoder = cls.mlm_decoder_path()
+        keys = {f"{decoder}.weight": f"{cls.base_model_prefix}.{cls.stack_spec.embed_tokens}.weight"}
+        if cls.decoder_path is None and cls._decoder_bias_owner is not None:
+            keys[f"{decoder}.bias"] = f"{cls._decoder_bias_owner}.bias"
+        return keys
+
+
 class ForMaskedLM(EncoderHeadModel):
     """The encoder with its MLM head ``head_class`` at ``head_name``: a replicated transform (``features``), then the
     vocab-parallel ``decoder`` (weight tied to the word embeddings, bias to the head's ``bias`` at
@@ -149,6 +161,7 @@ class ForMaskedLM(EncoderHeadModel):
     #: the modules ``mlm_transform`` reads, when not the one module at ``head_name`` (DistilBERT's transform, activation
     #: and norm live on the model itself); a pipeline's last stage holds them under these names
     mlm_head_modules: ClassVar[tuple[str, ...] | None] = None
+    _tied_weights_keys = _MLMTiedKeys()
 
     @classmethod
     def mlm_decoder_path(cls) -> str:

@@ -263,8 +263,6 @@ class AlbertForMaskedLM(ForMaskedLM, AlbertPreTrainedModel):
     head_name, head_class = "predictions", AlbertMLMHead
     _decoder_bias_owner = "predictions"
     capabilities = Capabilities(context_parallel=True)
-    _tied_weights_keys = {"predictions.decoder.weight": "albert.embeddings.word_embeddings.weight",
-                          "predictions.decoder.bias": "predictions.bias"}
 
 
 class AlbertForPreTraining(ForMaskedLM, AlbertPreTrainedModel):
@@ -277,7 +275,6 @@ class AlbertForPreTraining(ForMaskedLM, AlbertPreTrainedModel):
     uses_pooler = True
     head_name, head_class = "predictions", AlbertMLMHead
     _decoder_bias_owner = "predictions"
-    _tied_weights_keys = AlbertForMaskedLM._tied_weights_keys
     pipeline_adapter_class = None  # no pipeline stages for MLM + SOP
 
     def build_head(self, config) -> None:

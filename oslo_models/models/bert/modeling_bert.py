@@ -415,8 +415,6 @@ class BertForMaskedLM(ForMaskedLM, BertPreTrainedModel):
     head_name, head_class = "cls", BertOnlyMLMHead
     _decoder_bias_owner = "cls.predictions"
     capabilities = Capabilities(context_parallel=True)
-    _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
-                          "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
 
 class BertLMHeadModel(EncoderForCausalLM, BertPreTrainedModel):
@@ -425,7 +423,6 @@ class BertLMHeadModel(EncoderForCausalLM, BertPreTrainedModel):
     hf_twin = transformers.BertLMHeadModel
     head_name, head_class = "cls", BertOnlyMLMHead
     _decoder_bias_owner = "cls.predictions"
-    _tied_weights_keys = BertForMaskedLM._tied_weights_keys
 
 
 class BertForPreTraining(ForMaskedLM, BertPreTrainedModel):
@@ -438,7 +435,6 @@ class BertForPreTraining(ForMaskedLM, BertPreTrainedModel):
     uses_pooler = True
     head_name, head_class = "cls", BertPreTrainingHeads
     _decoder_bias_owner = "cls.predictions"
-    _tied_weights_keys = BertForMaskedLM._tied_weights_keys
     pipeline_adapter_class = None  # no pipeline stages for MLM + NSP
 
     @can_return_tuple

@@ -401,8 +401,6 @@ class DebertaV2ForMaskedLM(ForMaskedLM, DebertaV2PreTrainedModel):
     head_name, head_class = "cls", LegacyDebertaV2OnlyMLMHead
     _decoder_bias_owner = "cls.predictions"
     _keys_to_ignore_on_load_unexpected = [r"mask_predictions.*"]
-    _tied_weights_keys = {"cls.predictions.decoder.bias": "cls.predictions.bias",
-                          "cls.predictions.decoder.weight": "deberta.embeddings.word_embeddings.weight"}
 
     @classmethod
     def validate_parallel_config(cls, config, parallel: ParallelConfig) -> None:

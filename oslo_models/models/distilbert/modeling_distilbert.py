@@ -186,7 +186,6 @@ class DistilBertForMaskedLM(ForMaskedLM, DistilBertPreTrainedModel):
     head_styles = {"vocab_transform": StreamLinear(), "vocab_layer_norm": SequenceParallelNorm(),
                    "vocab_projector": Colwise(vocab=True)}
     capabilities = Capabilities(context_parallel=True)
-    _tied_weights_keys = {"vocab_projector.weight": "distilbert.embeddings.word_embeddings.weight"}
 
     def build_head(self, config) -> None:
         self.activation = get_activation(config.activation)

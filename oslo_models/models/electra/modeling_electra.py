@@ -147,7 +147,6 @@ class ElectraForMaskedLM(ForMaskedLM, ElectraPreTrainedModel):
     head_styles = {**prefixed("generator_predictions", ElectraGeneratorPredictions.tp_plan),
                    "generator_lm_head": Colwise(vocab=True)}
     capabilities = Capabilities(context_parallel=True)
-    _tied_weights_keys = {"generator_lm_head.weight": "electra.embeddings.word_embeddings.weight"}
 
     def build_head(self, config) -> None:
         super().build_head(config)

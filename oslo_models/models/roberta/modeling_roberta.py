@@ -117,8 +117,6 @@ class RobertaForMaskedLM(ForMaskedLM, RobertaPreTrainedModel):
     head_name, head_class = "lm_head", RobertaLMHead
     _decoder_bias_owner = "lm_head"
     capabilities = Capabilities(context_parallel=True)  # with position_ids given (RobertaModel.stack_inputs says why)
-    _tied_weights_keys = {"lm_head.decoder.weight": "roberta.embeddings.word_embeddings.weight",
-                          "lm_head.decoder.bias": "lm_head.bias"}
 
 
 class RobertaForCausalLM(EncoderForCausalLM, RobertaPreTrainedModel):
@@ -127,7 +125,6 @@ class RobertaForCausalLM(EncoderForCausalLM, RobertaPreTrainedModel):
     hf_twin = transformers.RobertaForCausalLM
     head_name, head_class = "lm_head", RobertaLMHead
     _decoder_bias_owner = "lm_head"
-    _tied_weights_keys = RobertaForMaskedLM._tied_weights_keys
 
 
 class RobertaForSequenceClassification(EncoderForSequenceClassification, RobertaPreTrainedModel):
