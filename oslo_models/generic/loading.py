@@ -42,6 +42,7 @@ from . import (
     context_parallel,
     expert_parallel,
     inplace_outputs,
+    lora_tensor_parallel,
     packed_attention,
     partial_gradients,
     pipeline_stage,
@@ -127,6 +128,7 @@ def _attach(model, context, plan: dict[str, str]):
     update_generic_install(model, vocab_parallel_loss=bool(plan) and vocab_parallel_loss.install(model, context, plan))
     token_loss.install(model)  # num_items_in_batch honoured, also by models that average their loss themselves
     packed_attention.install(model)  # packed documents attend within themselves (transformers' mask may not)
+    lora_tensor_parallel.install(model)  # peft adapters loaded at tp take their base layers' placements
     if generic_install(model).sequence_parallel:
         sequence_parallel.install(model, context, *generic_install(model).sequence_parallel)
     if context.cp_size > 1:  # chunks attend across the cp group through transformers' attention interface (its

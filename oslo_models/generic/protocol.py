@@ -43,8 +43,11 @@ class GenericProtocol(ModelProtocol):
     def training_refusal(self, model: nn.Module) -> str | None:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
-        if model.parallel_context.tp_size > 1 and any(isinstance(m, BaseTunerLayer) for m in model.modules()):
-            return lora_tensor_parallel_refusal(type(model).__name__, model.parallel_context.tp_size)
+        context = model.parallel_context
+        if context.tp_size > 1 and any(isinstance(m, BaseTunerLayer) for m in model.modules()):
+            refusal = _lora_tensor_parallel_refusal(model)
+            if refusal:
+                return refusal
         on_experts = _adapted_experts(model, BaseTunerLayer)
         if on_experts:
             return lora_experts_refusal(model.parallel_context.ep_size, on_experts[0])
@@ -70,13 +73,34 @@ class GenericProtocol(ModelProtocol):
         return generic_install(model).expert_mesh["edp"]  # the mesh its experts were split on (expert_parallel.py)
 
 
-def lora_tensor_parallel_refusal(class_name: str, tp_size: int) -> str:
-    """Why peft adapters on a generic model at tp > 1 are refused (``training_refusal``; the composition table)."""
-    return (f"peft adapters on a generic-path {class_name} at tensor_parallel_size={tp_size}: peft builds each "
-            "rank's adapter on the local shard of the split layer (its own random A/B per rank, a row-split adapter's "
-            "output never summed over tp), so it would not train the adapter a single process trains; use tp 1 with "
-            "data parallelism / ZeRO (tested), or a native oslo_models family, whose parallel LoRA layers split the "
-            "adapter")
+def _lora_tensor_parallel_refusal(model: nn.Module) -> str | None:
+    """Why these peft adapters on a generic model at tp > 1 are refused, or ``None``: LoRA loaded from an adapter
+    folder on the plan's colwise/rowwise layers (``lora_tensor_parallel.py``) at tp x dp (ZeRO 0-3) is exact."""
+    from .lora_tensor_parallel import unconverted_adapters
+
+    context = model.parallel_context
+    unconverted = unconverted_adapters(model)
+    if unconverted:
+        return lora_tensor_parallel_refusal(type(model).__name__, context.tp_size, unconverted[0])
+    if context.pp_size > 1 or context.cp_size > 1:
+        return (f"peft adapters on a generic-path {type(model).__name__} at tensor_parallel_size={context.tp_size} "
+                f"with pipeline_parallel_size={context.pp_size} / context_parallel_size={context.cp_size}: not "
+                "tested (LoRA at tp is checked at tp x dp, ZeRO 0 and 3); use tp x dp, or pp / cp with tp 1")
+    return None
+
+
+def lora_tensor_parallel_refusal(class_name: str, tp_size: int, where: str = "") -> str:
+    """Why peft adapters not converted to their base's placements (``lora_tensor_parallel.py``) on a generic model
+    at tp > 1 are refused (``training_refusal``; the composition table)."""
+    where = f" ({where})" if where else ""
+    return (f"peft adapters on a generic-path {class_name} at tensor_parallel_size={tp_size}{where} that were not "
+            "loaded from an adapter folder, or that adapt a module the tensor-parallel plan does not split colwise / "
+            "rowwise: peft builds each rank's adapter on the local shard of the split layer (its own random A/B per "
+            "rank, a row-split adapter's output never summed over tp), so it would not train the adapter a single "
+            "process trains. Save the adapter peft makes on the single-process model (or any trained one) and load it "
+            "with oslo_models.adapters.load_adapter (or peft.PeftModel.from_pretrained) on the parallel model: the "
+            "adapters of the plan's colwise/rowwise layers then take their base's placements and train exactly; or "
+            "use tp 1 with data parallelism / ZeRO, or a native oslo_models family")
 
 
 def lora_experts_refusal(ep_size: int, what: str) -> str:
