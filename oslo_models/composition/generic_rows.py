@@ -6,7 +6,8 @@ A row is one layout on one tiny model type of ``tests/generic/models.py``. Its s
 process group, by the same checks ``from_pretrained`` and ``training.prepare`` run on a generic model: the type's
 ``generic.support.check_parallel`` (its plans, heads, causal-LM class, the modes the path has) on the type's default
 ``transformers`` config, then ``training.layout_rules.check_training_layout`` (ZeRO, offload, mixed precision).
-Two refusals need the model as it is wrapped (peft adapters at tp > 1 or on experts split over ep): their reason
+Two refusals need the model as it is wrapped (peft adapters at tp > 1 not loaded from a folder - a fresh
+``get_peft_model`` draws them on the local shards - or on experts split over ep): their reason
 comes from ``generic.protocol`` (the text ``training.prepare`` raises); ``torch.compile`` of a whole pipelined model
 (``compile_pp``) is ``check_training_layout``'s, for native models too. What a row adds beyond ``ParallelConfig``
 and the ZeRO stage is its ``option`` (LoRA, compiled layers, a resumed checkpoint).
@@ -35,6 +36,7 @@ EXPERT_ZERO_EIGHT = ("tests/pipeline/test_pipeline_expert_zero_eight.py::"
                      "test_pipeline_expert_parallel_zero_on_eight_ranks")
 PIPELINE_EIGHT = _G + "test_generic_pipeline_eight.py::test_generic_pipeline_on_eight_ranks"
 FOUR_AXES = _G + "test_generic_composition.py::test_generic_four_axes_on_eight_ranks"
+LORA_TP = _G + "test_generic_lora_tensor_parallel.py::test_generic_lora_tensor_parallel"
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ ROWS = (
          context_parallel_size=2, data_parallel_size=2, zero_stage=3),
     _row("tp x sp x cp x ep x dp x z3", "glm4_moe", FOUR_AXES, tensor_parallel_size=2, sequence_parallel=True,
          context_parallel_size=2, expert_parallel_size=2, data_parallel_size=2, zero_stage=3),
+    _row("tp x dp x lora", "granite", LORA_TP, "LoRA (loaded adapter)", tensor_parallel_size=2, data_parallel_size=2),
+    _row("tp x dp x z3 x lora", "granite", LORA_TP, "LoRA (loaded adapter)", tensor_parallel_size=2,
+         data_parallel_size=2, zero_stage=3),
     # pipeline parallelism
     _row("pp x dp x z3", "qwen3_next", _G + "test_generic_pipeline.py::test_generic_pipeline", data_parallel_size=2,
          zero_stage=3, **_PP),
@@ -130,8 +135,9 @@ ROWS = (
     _row("ep (no expert plan)", "granite", SUPPORT, expert_parallel_size=2, data_parallel_size=2),
     _row("tp (no plan)", "mamba", SUPPORT, tensor_parallel_size=2),
     _row("cp (no attention heads)", "mamba", SUPPORT, context_parallel_size=2),
-    _row("tp x dp x lora", "granite", _G + "test_generic_lora_refusal.py::test_generic_lora_at_tp_is_refused", "LoRA",
-         "lora_tp", tensor_parallel_size=2, data_parallel_size=2),
+    _row("tp x dp x lora (fresh adapter)", "granite", _G + "test_generic_lora_refusal.py::"
+         "test_generic_lora_at_tp_is_refused", "LoRA from get_peft_model", "lora_tp", tensor_parallel_size=2,
+         data_parallel_size=2),
     _row("pp x ep x dp x lora (experts)", "dots1", OPTIONS, "LoRA on the experts", "lora_experts",
          expert_parallel_size=2, data_parallel_size=2, **_PP),
     _row("pp x cp x compile (whole model)", "granite", OPTIONS, "torch.compile(model)", "compile_pp",

@@ -18,7 +18,7 @@ from oslo_models.composition.generic_rows import ROWS, decide
 
 ROOT = Path(__file__).resolve().parents[2]
 REFUSED = {"grid", "ac (selective)", "pp x cp x ac (offload)", "pp x ep x dp x ac (partitioned)",
-           "ep (no expert plan)", "tp (no plan)", "cp (no attention heads)", "tp x dp x lora",
+           "ep (no expert plan)", "tp (no plan)", "cp (no attention heads)", "tp x dp x lora (fresh adapter)",
            "pp x ep x dp x lora (experts)", "pp x cp x compile (whole model)"}
 AXES = {"tp", "sp", "pp", "dp", "z1", "z2", "z3", "off", "nvme", "cp", "ep", "ac", "compile", "lora", "moe"}
 
