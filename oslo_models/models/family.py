@@ -7,7 +7,11 @@ A family folder (``models/llama``, ``models/roberta``, ...) declares its model t
                      classes={"base": "LlamaModel", "causal_lm": "LlamaForCausalLM", ...},
                      tiny_config=dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, ...)),
     )
-    __getattr__, __dir__, __all__ = family_exports(__name__, {".configuration_llama": [...], ".modeling_llama": [...]})
+    __getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES, also={".modeling_llama": ["LlamaDecoderLayer"]})
+
+The export table is derived from the records (:func:`record_exports`): the config class from
+``configuration_<folder>``, the model classes, ``<Prefix>PreTrainedModel`` and the spec from ``modeling_<folder>``;
+only what lives elsewhere is written out.
 
 The record names classes by string and the package exports them lazily (PEP 562), so collecting the records
 (``models.registry``) imports no model code and no torch; the classes are imported when first asked for. Adding a
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -123,10 +128,44 @@ def lazy_exports(package: str, table: Mapping[str, list[str]]) -> tuple[Callable
     return __getattr__, __dir__
 
 
-def family_exports(package: str, table: Mapping[str, list[str]]) -> tuple[Callable, Callable, list[str]]:
-    """``(__getattr__, __dir__, __all__)`` of a family folder's ``__init__``: :func:`lazy_exports` of ``table`` and
-    every name it lists, in order. One line per family::
+def record_exports(package: str, records: tuple[FamilyRecord, ...], also: Mapping[str, list[str]] | None = None,
+                   others: str | None = None, config_from: str | None = None,
+                   spec_from: str | None = None) -> dict[str, list[str]]:
+    """The export table (module relative to ``package`` -> names) of a family folder, derived from its records.
 
-        __getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+    The first record is the folder's own type: its config class comes from ``.configuration_<folder>``; its model
+    classes, ``<Prefix>PreTrainedModel`` (``Prefix``: what its class names share, ``Llama``, ``GPT2``, ``Gemma3``)
+    and its spec from ``.modeling_<folder>``. ``config_from`` / ``spec_from`` name another family folder whose
+    ``configuration_<it>`` / ``modeling_<it>`` holds the config class / the spec (Qwen2's are Llama's). The records
+    after the first (the same code under other names: XLM-RoBERTa and CamemBERT, mT5) have their config and model
+    classes in ``others``. ``also`` names what lives elsewhere or is exported besides (extra heads, layer classes,
+    a plan): a name it lists moves to its module there, and a module it adds comes after the derived ones."""
+    folder = package.rsplit(".", 1)[-1]
+    first, *rest = records
+    configuration = f"..{config_from}.configuration_{config_from}" if config_from else f".configuration_{folder}"
+    modeling = f".modeling_{folder}"
+    prefix = os.path.commonprefix(list(first.classes.values()))
+    table: dict[str, list[str]] = {configuration: [first.config],
+                                   modeling: [*first.classes.values(), f"{prefix}PreTrainedModel"]}
+    if first.spec:
+        table.setdefault(f"..{spec_from}.modeling_{spec_from}" if spec_from else modeling, []).append(first.spec)
+    if rest:
+        table[others] = [name for record in rest for name in (record.config, *record.classes.values())]
+    moved = {name for names in (also or {}).values() for name in names}
+    table = {module: [name for name in names if name not in moved] for module, names in table.items()}
+    for module, names in (also or {}).items():
+        table.setdefault(module, []).extend(names)
+    return {module: list(dict.fromkeys(names)) for module, names in table.items() if names}
+
+
+def family_exports(package: str, records: tuple[FamilyRecord, ...], also: Mapping[str, list[str]] | None = None,
+                   others: str | None = None, config_from: str | None = None,
+                   spec_from: str | None = None) -> tuple[Callable, Callable, list[str]]:
+    """``(__getattr__, __dir__, __all__)`` of a family folder's ``__init__``: :func:`lazy_exports` of the table
+    :func:`record_exports` derives from ``records`` (with ``also``, ``others``, ``config_from``, ``spec_from``),
+    and every name it lists, in order. One line per family::
+
+        __getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)
     """
+    table = record_exports(package, records, also, others, config_from, spec_from)
     return (*lazy_exports(package, table), [name for names in table.values() for name in names])

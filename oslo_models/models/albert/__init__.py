@@ -1,18 +1,9 @@
 """ALBERT: factorized embeddings (``embedding_size`` -> hidden by ``encoder.embedding_hidden_mapping_in``) and
 ``num_hidden_groups`` layer groups whose parameters are shared across the ``num_hidden_layers`` layers, the MLM
-and sentence-order heads and the heads of the ``transformers`` contract.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+and sentence-order heads and the heads of the ``transformers`` contract."""
 from ..bert import TINY_ENCODER
 from ..family import FamilyRecord, family_exports
 
-_EXPORTS = {
-    ".configuration_albert": ["AlbertConfig"],
-    ".modeling_albert": ["AlbertModel", "AlbertForMaskedLM", "AlbertForPreTraining", "AlbertForSequenceClassification",
-                         "AlbertForTokenClassification", "AlbertForQuestionAnswering", "AlbertForMultipleChoice",
-                         "AlbertPreTrainedModel", "ALBERT_SPEC"],
-}
 # the tiny BERT with 16-wide embeddings and 4 layers run by 2 groups of 2 inner layers (each group's parameters
 # shared by 2 layers: layers 0-1 run group 0, layers 2-3 group 1), no dropout
 FAMILIES = (
@@ -27,4 +18,4 @@ FAMILIES = (
                           "multiple_choice": "AlbertForMultipleChoice"}, spec="ALBERT_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)

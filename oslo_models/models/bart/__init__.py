@@ -1,16 +1,7 @@
 """BART: the encoder-decoder, its conditional-generation, sequence-classification and question-answering heads, and
-its decoder alone as a causal LM.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+its decoder alone as a causal LM."""
 from ..family import FamilyRecord, family_exports
 
-_EXPORTS = {
-    ".configuration_bart": ["BartConfig"],
-    ".modeling_bart": ["BartModel", "BartForConditionalGeneration", "BartPreTrainedModel", "BART_ENCODER_SPEC",
-                       "BART_DECODER_SPEC"],
-    ".heads_bart": ["BartForSequenceClassification", "BartForQuestionAnswering", "BartForCausalLM"],
-}
 # The tiny BART of the tests: vocab 101 (odd: the vocab-parallel layers pad it), scaled embeddings (sqrt(d_model)),
 # a non-zero final_logits_bias comes from the tests' checkpoints, GELU, no dropout.
 TINY_BART = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -25,4 +16,6 @@ FAMILIES = (
                           "question_answering": "BartForQuestionAnswering", "causal_lm": "BartForCausalLM"}),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES, also={
+    ".modeling_bart": ["BART_ENCODER_SPEC", "BART_DECODER_SPEC"],
+    ".heads_bart": ["BartForSequenceClassification", "BartForQuestionAnswering", "BartForCausalLM"]})

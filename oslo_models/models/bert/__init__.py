@@ -1,15 +1,6 @@
-"""BERT: the encoder, its masked-LM / pre-training heads and the heads of the ``transformers`` contract.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+"""BERT: the encoder, its masked-LM / pre-training heads and the heads of the ``transformers`` contract."""
 from ..family import FamilyRecord, family_exports
 
-_EXPORTS = {
-    ".configuration_bert": ["BertConfig"],
-    ".modeling_bert": ["BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification",
-                       "BertForTokenClassification", "BertForQuestionAnswering", "BertPreTrainedModel",
-                       "BertLMHeadModel", "BertForMultipleChoice", "BertForNextSentencePrediction", "BERT_SPEC"],
-}
 # the tiny BERT of the tests: vocab 101 is not divisible by 2 or 4, so the vocab-parallel layers pad it
 TINY_ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=101,
                     max_position_embeddings=64, type_vocab_size=2, hidden_dropout_prob=0.0,
@@ -23,4 +14,4 @@ FAMILIES = (
         "next_sentence_prediction": "BertForNextSentencePrediction"}, spec="BERT_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)

@@ -1,16 +1,7 @@
 """Bloom: ALiBi positions (each tensor-parallel rank builds the bias of its own heads), an embedding LayerNorm and a
-fused ``query_key_value`` packed per head, on the shared stack.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+fused ``query_key_value`` packed per head, on the shared stack."""
 from ..family import FamilyRecord, decoder_classes, family_exports
 
-_EXPORTS = {
-    ".configuration_bloom": ["BloomConfig"],
-    ".modeling_bloom": ["BloomModel", "BloomForCausalLM", "BloomForSequenceClassification",
-                        "BloomForTokenClassification", "BloomForQuestionAnswering", "BloomPreTrainedModel",
-                        "BLOOM_SPEC"],
-}
 FAMILIES = (
     FamilyRecord(
         model_type="bloom", package=__name__, config="BloomConfig",
@@ -22,4 +13,4 @@ FAMILIES = (
         spec="BLOOM_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)

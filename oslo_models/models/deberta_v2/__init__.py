@@ -1,16 +1,7 @@
 """DeBERTa-v2 / v3: BERT's post-norm encoder with disentangled attention (content-to-position and
-position-to-content terms over shared relative embeddings in log buckets), heads split under tensor parallelism.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+position-to-content terms over shared relative embeddings in log buckets), heads split under tensor parallelism."""
 from ..family import FamilyRecord, family_exports
 
-_EXPORTS = {
-    ".configuration_deberta_v2": ["DebertaV2Config"],
-    ".modeling_deberta_v2": ["DebertaV2Model", "DebertaV2ForMaskedLM", "DebertaV2ForSequenceClassification",
-                             "DebertaV2ForTokenClassification", "DebertaV2ForQuestionAnswering",
-                             "DebertaV2ForMultipleChoice", "DebertaV2PreTrainedModel", "DEBERTA_V2_SPEC"],
-}
 # DeBERTa-v3's shape: relative attention with both terms over 4 log buckets (shorter than the test sequences, so
 # far tokens share buckets), the shared key (share_att_key), the LayerNorm on the relative embeddings, no absolute
 # positions; an embedding size below the hidden size (embed_proj) and token types; vocab 101 pads under tp; weights
@@ -31,4 +22,4 @@ FAMILIES = (
                           "multiple_choice": "DebertaV2ForMultipleChoice"}, spec="DEBERTA_V2_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)

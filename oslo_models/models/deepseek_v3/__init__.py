@@ -1,13 +1,7 @@
 """DeepSeek-V3: multi-head latent attention and a grouped-top-k MoE with shared experts on the Mixtral code
-(``modeling_deepseek_v3.py``). Names are imported on first use (PEP 562): importing this package, as
-``models.registry`` does to read ``FAMILIES``, imports no model code."""
+(``modeling_deepseek_v3.py``)."""
 from ..family import WITHOUT_QA, FamilyRecord, decoder_classes, family_exports
 
-_EXPORTS = {
-    ".configuration_deepseek_v3": ["DeepseekV3Config"],
-    ".modeling_deepseek_v3": ["DeepseekV3Model", "DeepseekV3ForCausalLM", "DeepseekV3ForSequenceClassification",
-                              "DeepseekV3ForTokenClassification", "DeepseekV3PreTrainedModel", "DEEPSEEK_V3_SPEC"],
-}
 # DeepSeek-V3's tiny model: layer 0 dense (first_k_dense_replace=1), layer 1 sparse; 8 routed experts in 4 groups,
 # the best 2 groups kept (topk_group < n_group), top-2 of those, renormalized and scaled by 2.5; one shared expert.
 # MLA with a low-rank query (q_lora_rank; the plain q_proj is the family test's), values narrower than keys
@@ -26,4 +20,4 @@ FAMILIES = (
                  tiny_config=TINY_DEEPSEEK_V3, spec="DEEPSEEK_V3_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)

@@ -1,18 +1,9 @@
 """DistilBERT: a post-norm encoder under its own module names (``q_lin``/``k_lin``/``v_lin``/``out_lin``,
 ``ffn.lin1``/``lin2``, ``sa_layer_norm``, ``output_layer_norm``), no token types, learned or sinusoidal positions,
 its MLM head (``vocab_transform``, ``vocab_layer_norm``, ``vocab_projector``) and the heads of the ``transformers``
-contract.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+contract."""
 from ..family import FamilyRecord, family_exports
 
-_EXPORTS = {
-    ".configuration_distilbert": ["DistilBertConfig"],
-    ".modeling_distilbert": ["DistilBertModel", "DistilBertForMaskedLM", "DistilBertForSequenceClassification",
-                             "DistilBertForTokenClassification", "DistilBertForQuestionAnswering",
-                             "DistilBertForMultipleChoice", "DistilBertPreTrainedModel", "DISTILBERT_SPEC"],
-}
 # the tiny BERT's sizes under DistilBERT's names, with sinusoidal position tables (a trainable table initialized
 # with the sinusoid: only the initialization differs), no dropout
 TINY_DISTILBERT = dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64, vocab_size=101, max_position_embeddings=64,
@@ -27,4 +18,4 @@ FAMILIES = (
                           "multiple_choice": "DistilBertForMultipleChoice"}, spec="DISTILBERT_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)

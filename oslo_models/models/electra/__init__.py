@@ -1,19 +1,9 @@
 """ELECTRA: BERT's encoder with embeddings narrower than the hidden width (``embedding_size``, projected by
 ``embeddings_project``), the generator's MLM head (``ElectraForMaskedLM``), the discriminator's replaced-token head
-(``ElectraForPreTraining``) and the heads of the ``transformers`` contract.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+(``ElectraForPreTraining``) and the heads of the ``transformers`` contract."""
 from ..bert import TINY_ENCODER
 from ..family import FamilyRecord, family_exports
 
-_EXPORTS = {
-    ".configuration_electra": ["ElectraConfig"],
-    ".modeling_electra": ["ElectraModel", "ElectraForMaskedLM", "ElectraForPreTraining",
-                          "ElectraForSequenceClassification", "ElectraForTokenClassification",
-                          "ElectraForQuestionAnswering", "ElectraForMultipleChoice", "ElectraPreTrainedModel",
-                          "ELECTRA_SPEC"],
-}
 # the tiny BERT with embeddings half as wide as the hidden states, so ``embeddings_project`` exists (no dropout)
 FAMILIES = (
     FamilyRecord(model_type="electra", package=__name__, config="ElectraConfig",
@@ -25,4 +15,4 @@ FAMILIES = (
                      "multiple_choice": "ElectraForMultipleChoice"}, spec="ELECTRA_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)

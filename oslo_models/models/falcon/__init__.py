@@ -1,17 +1,8 @@
 """Falcon: both architectures (``new_decoder_architecture``: grouped key/value heads; the old one: multi-query with
 one key/value head replicated over tensor-parallel ranks, or per-head q|k|v), parallel or sequential residual,
-rotary or ALiBi positions, on the shared stack.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+rotary or ALiBi positions, on the shared stack."""
 from ..family import FamilyRecord, decoder_classes, family_exports
 
-_EXPORTS = {
-    ".configuration_falcon": ["FalconConfig"],
-    ".modeling_falcon": ["FalconModel", "FalconForCausalLM", "FalconForSequenceClassification",
-                         "FalconForTokenClassification", "FalconForQuestionAnswering", "FalconPreTrainedModel",
-                         "FALCON_SPEC"],
-}
 FAMILIES = (
     FamilyRecord(
         model_type="falcon", package=__name__, config="FalconConfig",
@@ -25,4 +16,4 @@ FAMILIES = (
         spec="FALCON_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)

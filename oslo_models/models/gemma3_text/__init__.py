@@ -1,14 +1,8 @@
 """Gemma 3 (text): thin classes over the Gemma 2 code (``models/gemma2``); its config class lives in
-``gemma/configuration_gemma.py``. Names are imported on first use (PEP 562): importing this package, as
-``models.registry`` does to read ``FAMILIES``, imports no model code."""
+``gemma/configuration_gemma.py``."""
 from ..family import FamilyRecord, family_exports
 from ..gemma import TINY_GEMMA
 
-_EXPORTS = {
-    "..gemma.configuration_gemma": ["Gemma3TextConfig"],
-    ".modeling_gemma3_text": ["Gemma3TextModel", "Gemma3ForCausalLM", "Gemma3TextForSequenceClassification",
-                              "Gemma3PreTrainedModel", "Gemma3DecoderLayer", "Gemma3RotaryEmbedding", "GEMMA3_SPEC"],
-}
 # Gemma 3's tiny model: layer 0 local (sliding window 3, shorter than the 8-token test sequences; rotary base 100),
 # layer 1 global (base 10000 with linear scaling x2): two rotary embeddings that differ; q/k norms; a final logit
 # soft-cap that caps (most logits exceed half of 1.0 at initializer_range 0.1); query_pre_attn_scalar=24
@@ -23,4 +17,5 @@ FAMILIES = (FamilyRecord(model_type="gemma3_text", package=__name__, config="Gem
                                   "sequence_classification": "Gemma3TextForSequenceClassification"},
                          tiny_config=TINY_GEMMA3, spec="GEMMA3_SPEC"),)
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES, config_from="gemma", also={
+    ".modeling_gemma3_text": ["Gemma3DecoderLayer", "Gemma3RotaryEmbedding"]})

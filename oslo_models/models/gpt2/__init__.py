@@ -1,14 +1,6 @@
-"""GPT-2: the decoder, its LM head and the heads of the ``transformers`` contract.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+"""GPT-2: the decoder, its LM head and the heads of the ``transformers`` contract."""
 from ..family import FamilyRecord, family_exports
 
-_EXPORTS = {
-    ".configuration_gpt2": ["GPT2Config"],
-    ".modeling_gpt2": ["GPT2Model", "GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPT2ForTokenClassification",
-                       "GPT2ForQuestionAnswering", "GPT2PreTrainedModel", "GPT2_SPEC"],
-}
 FAMILIES = (
     FamilyRecord(
         model_type="gpt2", package=__name__, config="GPT2Config",
@@ -22,4 +14,4 @@ FAMILIES = (
         spec="GPT2_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)

@@ -1,16 +1,7 @@
 """GPT-NeoX (Pythia, GPT-NeoX-20B): q|k|v packed per head, partial rotary (``rotary_pct``), parallel or sequential
-residual (``use_parallel_residual``), on the shared stack.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+residual (``use_parallel_residual``), on the shared stack."""
 from ..family import FamilyRecord, decoder_classes, family_exports
 
-_EXPORTS = {
-    ".configuration_gpt_neox": ["GPTNeoXConfig"],
-    ".modeling_gpt_neox": ["GPTNeoXModel", "GPTNeoXForCausalLM", "GPTNeoXForSequenceClassification",
-                           "GPTNeoXForTokenClassification", "GPTNeoXForQuestionAnswering", "GPTNeoXPreTrainedModel",
-                           "GPTNeoXLayer", "GPT_NEOX_SPEC"],
-}
 FAMILIES = (
     FamilyRecord(
         model_type="gpt_neox", package=__name__, config="GPTNeoXConfig",
@@ -24,4 +15,4 @@ FAMILIES = (
         spec="GPT_NEOX_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES, also={".modeling_gpt_neox": ["GPTNeoXLayer"]})

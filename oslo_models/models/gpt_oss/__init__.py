@@ -1,13 +1,7 @@
 """gpt-oss: attention sinks, alternating sliding/full layers and a biased, clamped-SwiGLU MoE on the Mixtral code
-(``modeling_gpt_oss.py``). Names are imported on first use (PEP 562): importing this package, as
-``models.registry`` does to read ``FAMILIES``, imports no model code."""
+(``modeling_gpt_oss.py``)."""
 from ..family import WITHOUT_QA, FamilyRecord, decoder_classes, family_exports
 
-_EXPORTS = {
-    ".configuration_gpt_oss": ["GptOssConfig"],
-    ".modeling_gpt_oss": ["GptOssModel", "GptOssForCausalLM", "GptOssForSequenceClassification",
-                          "GptOssForTokenClassification", "GptOssPreTrainedModel", "GPT_OSS_SPEC"],
-}
 # gpt-oss's tiny model: layer 0 sliding (window 3, shorter than the test sequences), layer 1 full; sinks (drawn by
 # transformers' init) in every softmax; q/k/v/o biases; 4 experts, top-2, router bias; swiglu_limit 0.02, below the
 # spread of the gate/up activations, so the clamps act on both sides. Router logits and the aux loss on.
@@ -25,4 +19,4 @@ FAMILIES = (
                  tiny_config=TINY_GPT_OSS, spec="GPT_OSS_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)

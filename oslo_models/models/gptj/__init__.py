@@ -1,15 +1,7 @@
 """GPT-J: parallel residual with one shared ``ln_1``, interleaved partial rotary (``rotary_dim``), no attention
-biases, a biased LM head, on the shared stack.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+biases, a biased LM head, on the shared stack."""
 from ..family import FamilyRecord, decoder_classes, family_exports
 
-_EXPORTS = {
-    ".configuration_gptj": ["GPTJConfig"],
-    ".modeling_gptj": ["GPTJModel", "GPTJForCausalLM", "GPTJForSequenceClassification", "GPTJForQuestionAnswering",
-                       "GPTJPreTrainedModel", "GPTJBlock", "GPTJ_SPEC"],
-}
 FAMILIES = (
     FamilyRecord(
         model_type="gptj", package=__name__, config="GPTJConfig",
@@ -21,4 +13,4 @@ FAMILIES = (
         spec="GPTJ_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES, also={".modeling_gptj": ["GPTJBlock"]})

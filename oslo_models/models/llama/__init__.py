@@ -1,16 +1,7 @@
 """Llama and the Llama-shaped decoders' shared code (Mistral, Qwen2 and Qwen3 are thin classes over it, in their own
-folders; their config classes live in ``configuration_llama``).
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+folders; their config classes live in ``configuration_llama``)."""
 from ..family import FamilyRecord, decoder_classes, family_exports
 
-_EXPORTS = {
-    ".configuration_llama": ["LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config"],
-    ".modeling_llama": ["LlamaDecoderLayer", "LlamaForCausalLM", "LlamaForQuestionAnswering",
-                        "LlamaForSequenceClassification", "LlamaForTokenClassification", "LlamaModel",
-                        "LlamaPreTrainedModel", "LLAMA_SPEC"],
-}
 # The tiny Llama-shaped decoders of the tests share these sizes: grouped-query attention with 8 query / 2 key-value
 # heads (tp=4 replicates key/value heads), vocab 101 (odd: the vocab-parallel layers pad it).
 TINY_DECODER = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -30,4 +21,5 @@ FAMILIES = (FamilyRecord(model_type="llama", package=__name__, config="LlamaConf
                          classes=decoder_classes("Llama"),
                          tiny_config={**TINY_DECODER, "attention_bias": True, "mlp_bias": True}),)
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES, also={
+    ".configuration_llama": ["MistralConfig", "Qwen2Config", "Qwen3Config"], ".modeling_llama": ["LlamaDecoderLayer"]})

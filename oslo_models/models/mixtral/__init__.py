@@ -1,14 +1,7 @@
 """Mixtral: the Llama-shaped decoder with mixture-of-experts feed-forwards (Qwen2-MoE is a thin class over it, in
-its own folder; its config class lives in ``configuration_mixtral``).
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+its own folder; its config class lives in ``configuration_mixtral``)."""
 from ..family import FamilyRecord, decoder_classes, family_exports
 
-_EXPORTS = {
-    ".configuration_mixtral": ["MixtralConfig", "Qwen2MoeConfig"],
-    ".modeling_mixtral": ["MixtralModel", "MixtralForCausalLM", "MixtralPreTrainedModel", "MOE_SPEC"],
-}
 # The tiny mixture-of-experts decoders of the tests share these: 4 query / 2 key-value heads, top-2 routing, the
 # router logits and aux loss (a large coefficient, so a wrong aux loss shows), vocab 61.
 TINY_MOE = dict(vocab_size=61, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -21,4 +14,4 @@ FAMILIES = (
                  spec="MOE_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES, also={".configuration_mixtral": ["Qwen2MoeConfig"]})

@@ -1,16 +1,7 @@
 """ModernBERT: a pre-norm encoder with GeGLU (fused ``Wi``), alternating global / local (sliding-window) bidirectional
-attention with two rotary bases, no biases and a final norm, on the shared stack.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+attention with two rotary bases, no biases and a final norm, on the shared stack."""
 from ..family import FamilyRecord, family_exports
 
-_EXPORTS = {
-    ".configuration_modernbert": ["ModernBertConfig"],
-    ".modeling_modernbert": ["ModernBertModel", "ModernBertForMaskedLM", "ModernBertForSequenceClassification",
-                             "ModernBertForTokenClassification", "ModernBertForQuestionAnswering",
-                             "ModernBertForMultipleChoice", "ModernBertPreTrainedModel", "MODERNBERT_SPEC"],
-}
 # 3 layers with a global one every 2nd (global, local, global); a local window of 2 tokens each side
 # (local_attention=4) is shorter than every test sequence; the two rotary bases differ; vocab 101 pads under tp;
 # weights drawn 10x wider than the default, so the attention pattern moves the logits far past the tolerance (at
@@ -29,4 +20,4 @@ FAMILIES = (
                           "multiple_choice": "ModernBertForMultipleChoice"}, spec="MODERNBERT_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)

@@ -1,16 +1,8 @@
 """OPT: learned positions with offset 2 counted from the attention mask, pre- or post-norm blocks
 (``do_layer_norm_before``), ``word_embed_proj_dim`` projections, the base model under ``decoder``, on the shared
-stack.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+stack."""
 from ..family import FamilyRecord, decoder_classes, family_exports
 
-_EXPORTS = {
-    ".configuration_opt": ["OPTConfig"],
-    ".modeling_opt": ["OPTModel", "OPTForCausalLM", "OPTForSequenceClassification", "OPTForQuestionAnswering",
-                      "OPTPreTrainedModel", "OPT_SPEC"],
-}
 FAMILIES = (
     FamilyRecord(
         model_type="opt", package=__name__, config="OPTConfig",
@@ -23,4 +15,4 @@ FAMILIES = (
         spec="OPT_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)

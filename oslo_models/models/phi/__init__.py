@@ -1,15 +1,7 @@
 """Phi (phi-1, phi-1.5, phi-2): parallel residual with one LayerNorm, partial rotary, optional per-head q/k layer
-norms (``qk_layernorm``), biased ``dense`` and ``lm_head``, on the shared stack.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+norms (``qk_layernorm``), biased ``dense`` and ``lm_head``, on the shared stack."""
 from ..family import WITHOUT_QA, FamilyRecord, decoder_classes, family_exports
 
-_EXPORTS = {
-    ".configuration_phi": ["PhiConfig"],
-    ".modeling_phi": ["PhiModel", "PhiForCausalLM", "PhiForSequenceClassification", "PhiForTokenClassification",
-                      "PhiPreTrainedModel", "PhiDecoderLayer", "PHI_SPEC"],
-}
 FAMILIES = (
     FamilyRecord(
         model_type="phi", package=__name__, config="PhiConfig",
@@ -24,4 +16,4 @@ FAMILIES = (
         spec="PHI_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES, also={".modeling_phi": ["PhiDecoderLayer"]})

@@ -1,14 +1,8 @@
 """Phi-3: the Llama decoder with a fused grouped-query ``qkv_proj``, a fused ``gate_up_proj``, partial / longrope
-rotary and residual dropouts (``modeling_phi3.py``). Names are imported on first use (PEP 562): importing this
-package, as ``models.registry`` does to read ``FAMILIES``, imports no model code."""
+rotary and residual dropouts (``modeling_phi3.py``)."""
 from ..family import WITHOUT_QA, FamilyRecord, decoder_classes, family_exports
 from ..llama import TINY_DECODER
 
-_EXPORTS = {
-    ".configuration_phi3": ["Phi3Config"],
-    ".modeling_phi3": ["Phi3Model", "Phi3ForCausalLM", "Phi3ForSequenceClassification", "Phi3ForTokenClassification",
-                       "Phi3PreTrainedModel", "Phi3DecoderLayer", "PHI3_SPEC"],
-}
 # Phi-3's tiny model: q|k|v blocks of 8, 1 and 1 heads (unequal; tp=2 replicates the key/value head), half the head
 # rotary (head_dim 8, rotary 4), longrope whose long factors take over past 6 positions (inside the tests' 8-token
 # sequences and decode loops), so short and long factors and the attention factor of 64/6 all act.
@@ -22,4 +16,4 @@ FAMILIES = (
                  spec="PHI3_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES, also={".modeling_phi3": ["Phi3DecoderLayer"]})

@@ -1,14 +1,7 @@
-"""Qwen3-MoE: a thin class over the Mixtral / Qwen2-MoE code (``modeling_qwen3_moe.py``). Names are imported on first
-use (PEP 562): importing this package, as ``models.registry`` does to read ``FAMILIES``, imports no model code."""
+"""Qwen3-MoE: a thin class over the Mixtral / Qwen2-MoE code (``modeling_qwen3_moe.py``)."""
 from ..family import FamilyRecord, decoder_classes, family_exports
 from ..mixtral import TINY_MOE
 
-_EXPORTS = {
-    ".configuration_qwen3_moe": ["Qwen3MoeConfig"],
-    ".modeling_qwen3_moe": ["Qwen3MoeModel", "Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification",
-                            "Qwen3MoeForTokenClassification", "Qwen3MoeForQuestionAnswering",
-                            "Qwen3MoePreTrainedModel"],
-}
 # Qwen3-MoE's tiny model: q/k norms with head_dim 12 (not hidden/heads) and attention biases; layers 0 and 2 sparse,
 # layer 1 dense (decoder_sparse_step=1 with mlp_only_layers=[1]); top-k renormalized (norm_topk_prob); the router
 # logits and the load-balancing loss on (TINY_MOE).
@@ -20,6 +13,5 @@ FAMILIES = (
                               "norm_topk_prob": True, "head_dim": 12, "attention_bias": True},
                  spec="MOE_SPEC"),
 )
-_EXPORTS["..mixtral.modeling_mixtral"] = ["MOE_SPEC"]
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES, spec_from="mixtral")

@@ -1,22 +1,8 @@
 """RoBERTa (BERT's encoder with RoBERTa's embeddings) and, under their own ``model_type``, XLM-RoBERTa and CamemBERT
-(``variants.py``: RoBERTa's classes with their own config classes and class names).
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+(``variants.py``: RoBERTa's classes with their own config classes and class names)."""
 from ..bert import TINY_ENCODER
 from ..family import FamilyRecord, family_exports
 
-_EXPORTS = {
-    ".configuration_roberta": ["RobertaConfig"],
-    ".modeling_roberta": ["RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification",
-                          "RobertaForTokenClassification", "RobertaForQuestionAnswering", "RobertaPreTrainedModel",
-                          "RobertaForCausalLM", "RobertaForMultipleChoice", "ROBERTA_SPEC"],
-    ".variants": ["XLMRobertaConfig", "XLMRobertaModel", "XLMRobertaForMaskedLM",
-                  "XLMRobertaForSequenceClassification", "XLMRobertaForTokenClassification",
-                  "XLMRobertaForQuestionAnswering", "CamembertConfig", "CamembertModel", "CamembertForMaskedLM",
-                  "CamembertForSequenceClassification", "CamembertForTokenClassification",
-                  "CamembertForQuestionAnswering"],
-}
 # the tiny BERT with RoBERTa's special tokens (padding 1; positions start after it)
 _TINY = {**TINY_ENCODER, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
 
@@ -38,4 +24,4 @@ FAMILIES = (
         "question_answering": "CamembertForQuestionAnswering"}, spec="ROBERTA_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES, others=".variants")

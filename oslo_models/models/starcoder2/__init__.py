@@ -1,14 +1,7 @@
 """StarCoder2: LayerNorms with biases, grouped-query attention with biases and a sliding window, a biased two-layer
-MLP, residual and embedding dropouts (``modeling_starcoder2.py``). Names are imported on first use (PEP 562):
-importing this package, as ``models.registry`` does to read ``FAMILIES``, imports no model code."""
+MLP, residual and embedding dropouts (``modeling_starcoder2.py``)."""
 from ..family import WITHOUT_QA, FamilyRecord, decoder_classes, family_exports
 
-_EXPORTS = {
-    ".configuration_starcoder2": ["Starcoder2Config"],
-    ".modeling_starcoder2": ["Starcoder2Model", "Starcoder2ForCausalLM", "Starcoder2ForSequenceClassification",
-                             "Starcoder2ForTokenClassification", "Starcoder2PreTrainedModel",
-                             "Starcoder2DecoderLayer", "STARCODER2_SPEC"],
-}
 # StarCoder2's tiny model: 8 query / 2 key-value heads, biases everywhere (use_bias), a sliding window of 3 (shorter
 # than the tests' sequences) in every layer, tied embeddings (transformers' default for the type). The dropouts are
 # 0 here (the zoo compares training-mode outputs); the family test draws them against transformers with one seed.
@@ -22,4 +15,5 @@ FAMILIES = (
                  spec="STARCODER2_SPEC"),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES,
+                                               also={".modeling_starcoder2": ["Starcoder2DecoderLayer"]})

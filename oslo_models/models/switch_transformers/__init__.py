@@ -1,14 +1,6 @@
-"""Switch Transformers: T5 with sparse (mixture-of-experts) feed-forwards, on the T5 pieces.
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+"""Switch Transformers: T5 with sparse (mixture-of-experts) feed-forwards, on the T5 pieces."""
 from ..family import FamilyRecord, family_exports
 
-_EXPORTS = {
-    ".configuration_switch_transformers": ["SwitchTransformersConfig"],
-    ".modeling_switch_transformers": ["SwitchTransformersModel", "SwitchTransformersForConditionalGeneration",
-                                      "SwitchTransformersEncoderModel", "SwitchTransformersPreTrainedModel"],
-}
 FAMILIES = (
     FamilyRecord(
         model_type="switch_transformers", package=__name__, config="SwitchTransformersConfig",
@@ -22,4 +14,4 @@ FAMILIES = (
                          router_z_loss_coef=0.3, router_aux_loss_coef=0.2)),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)

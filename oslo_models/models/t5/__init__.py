@@ -1,17 +1,7 @@
 """T5 (encoder-decoder, its encoder alone, and the heads of the ``transformers`` contract) and, under its own
-``model_type``, mT5 (``mt5.py``: T5's classes with mT5's config class and class names).
-
-Names are imported on first use (PEP 562): importing this package, as ``models.registry`` does to read
-``FAMILIES``, imports no model code."""
+``model_type``, mT5 (``mt5.py``: T5's classes with mT5's config class and class names)."""
 from ..family import FamilyRecord, family_exports
 
-_EXPORTS = {
-    ".configuration_t5": ["T5Config"],
-    ".modeling_t5": ["T5Model", "T5ForConditionalGeneration", "T5EncoderModel", "T5PreTrainedModel"],
-    ".heads_t5": ["T5ForSequenceClassification", "T5ForTokenClassification", "T5ForQuestionAnswering"],
-    ".mt5": ["MT5Config", "MT5Model", "MT5ForConditionalGeneration", "MT5EncoderModel"],
-    ".parallel_plan": ["T5_PLAN"],
-}
 # The tiny T5 of the tests: vocab 101 (odd: the vocab-parallel layers pad it), 8 relative-position buckets with
 # max distance 16 (so the test sequences reach the log-spaced buckets), no dropout.
 TINY_T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=101, dropout_rate=0.0,
@@ -30,4 +20,6 @@ FAMILIES = (
                           "text_encoding": "MT5EncoderModel"}),
 )
 
-__getattr__, __dir__, __all__ = family_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES, others=".mt5", also={
+    ".heads_t5": ["T5ForSequenceClassification", "T5ForTokenClassification", "T5ForQuestionAnswering"],
+    ".parallel_plan": ["T5_PLAN"]})
