@@ -101,6 +101,22 @@ def decoder_classes(prefix: str, tasks: tuple[str, ...] = STACK_TASKS) -> dict[s
     return {task: prefix + _STACK_SUFFIXES[task] for task in tasks}
 
 
+#: the tasks of the masked-LM encoders' heads (``models/encoder_heads.py``), in the order an encoder's record lists them
+ENCODER_TASKS = ("base", "masked_lm", "pretraining", "sequence_classification", "token_classification",
+                 "question_answering", "multiple_choice")
+#: the same without a pre-training head (DeBERTa-v2, DistilBERT, ModernBERT)
+WITHOUT_PRETRAINING = tuple(task for task in ENCODER_TASKS if task != "pretraining")
+_ENCODER_SUFFIXES = {**_STACK_SUFFIXES, "masked_lm": "ForMaskedLM", "pretraining": "ForPreTraining",
+                     "multiple_choice": "ForMultipleChoice"}
+
+
+def encoder_classes(prefix: str, tasks: tuple[str, ...] = ENCODER_TASKS) -> dict[str, str]:
+    """An encoder record's ``classes``: task -> ``{prefix}Model``, ``{prefix}ForMaskedLM``, ``{prefix}ForPreTraining``,
+    ``{prefix}ForSequenceClassification``, ``{prefix}ForTokenClassification``, ``{prefix}ForQuestionAnswering``,
+    ``{prefix}ForMultipleChoice`` for ``tasks`` (``transformers``' names; the modeling file writes each class out)."""
+    return {task: prefix + _ENCODER_SUFFIXES[task] for task in tasks}
+
+
 def lazy_exports(package: str, table: Mapping[str, list[str]]) -> tuple[Callable, Callable]:
     """``(__getattr__, __dir__)`` for a package whose public names are imported on first use (PEP 562).
 

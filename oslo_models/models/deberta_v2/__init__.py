@@ -1,6 +1,6 @@
 """DeBERTa-v2 / v3: BERT's post-norm encoder with disentangled attention (content-to-position and
 position-to-content terms over shared relative embeddings in log buckets), heads split under tensor parallelism."""
-from ..family import FamilyRecord, family_exports
+from ..family import WITHOUT_PRETRAINING, FamilyRecord, encoder_classes, family_exports
 
 # DeBERTa-v3's shape: relative attention with both terms over 4 log buckets (shorter than the test sequences, so
 # far tokens share buckets), the shared key (share_att_key), the LayerNorm on the relative embeddings, no absolute
@@ -15,11 +15,7 @@ TINY_DEBERTA_V2 = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=
                        pooler_dropout=0.0, pad_token_id=0, initializer_range=0.2)
 FAMILIES = (
     FamilyRecord(model_type="deberta-v2", package=__name__, config="DebertaV2Config", tiny_config=TINY_DEBERTA_V2,
-                 classes={"base": "DebertaV2Model", "masked_lm": "DebertaV2ForMaskedLM",
-                          "sequence_classification": "DebertaV2ForSequenceClassification",
-                          "token_classification": "DebertaV2ForTokenClassification",
-                          "question_answering": "DebertaV2ForQuestionAnswering",
-                          "multiple_choice": "DebertaV2ForMultipleChoice"}, spec="DEBERTA_V2_SPEC"),
+                 classes=encoder_classes("DebertaV2", WITHOUT_PRETRAINING), spec="DEBERTA_V2_SPEC"),
 )
 
 __getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)

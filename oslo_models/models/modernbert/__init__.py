@@ -1,6 +1,6 @@
 """ModernBERT: a pre-norm encoder with GeGLU (fused ``Wi``), alternating global / local (sliding-window) bidirectional
 attention with two rotary bases, no biases and a final norm, on the shared stack."""
-from ..family import FamilyRecord, family_exports
+from ..family import WITHOUT_PRETRAINING, FamilyRecord, encoder_classes, family_exports
 
 # 3 layers with a global one every 2nd (global, local, global); a local window of 2 tokens each side
 # (local_attention=4) is shorter than every test sequence; the two rotary bases differ; vocab 101 pads under tp;
@@ -13,11 +13,7 @@ TINY_MODERNBERT = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=
                        attention_dropout=0.0, classifier_dropout=0.0, initializer_range=0.2)
 FAMILIES = (
     FamilyRecord(model_type="modernbert", package=__name__, config="ModernBertConfig", tiny_config=TINY_MODERNBERT,
-                 classes={"base": "ModernBertModel", "masked_lm": "ModernBertForMaskedLM",
-                          "sequence_classification": "ModernBertForSequenceClassification",
-                          "token_classification": "ModernBertForTokenClassification",
-                          "question_answering": "ModernBertForQuestionAnswering",
-                          "multiple_choice": "ModernBertForMultipleChoice"}, spec="MODERNBERT_SPEC"),
+                 classes=encoder_classes("ModernBert", WITHOUT_PRETRAINING), spec="MODERNBERT_SPEC"),
 )
 
 __getattr__, __dir__, __all__ = family_exports(__name__, FAMILIES)
