@@ -31,12 +31,11 @@ from oslo_models.parallel_layers.context_parallel import ContextParallelMask, sp
 from oslo_models.parallel_layers.context_parallel.attention import choose_impl
 from oslo_models.parallel_layers.context_parallel.flex_blocks import block_vjp, pair_block_mask
 from oslo_models.parallel_layers.context_parallel.ring import FLEX, TILES, _merge
+from tests.helpers.cp_steps import TOL, assert_run_matches, cp_run, reference_run
 from tests.helpers.decoders import hf_class, save_tiny
 from tests.helpers.dense_attention import check_core
 from tests.helpers.dist import breadcrumb, run_distributed
 
-TOL = dict(rtol=1e-5, atol=1e-5)
-PARAM_TOL = dict(rtol=1e-4, atol=1e-5)  # Adam divides by sqrt(v): float noise of tiny gradients is amplified
 STEPS = 3
 
 
@@ -168,20 +167,10 @@ def _one_per_row(batch: dict):
     return ids, mask, labels
 
 
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-6)
-
-
 def reference(path):
     model = hf_class("gemma2").from_pretrained(path, attn_implementation="eager").train()
-    opt, losses = _adamw(model.parameters()), []
-    for step in range(STEPS):
-        ids, mask, labels = _one_per_row(_packed(model.config.vocab_size, step))
-        loss = model(ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        opt.step(), opt.zero_grad()
-        losses.append(loss.detach())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    rows = (_one_per_row(_packed(model.config.vocab_size, step)) for step in range(STEPS))
+    return reference_run(model, (dict(input_ids=ids, attention_mask=mask, labels=labels) for ids, mask, labels in rows))
 
 
 def _train(path, mode, steps, *, packed=True):
@@ -189,20 +178,16 @@ def _train(path, mode, steps, *, packed=True):
                                                     parallel=om.ParallelConfig(context_parallel_size=2,
                                                                                context_parallel_mode=mode)).train()
     assert model.config._attn_implementation == "flex_attention"
-    om.distributed.mark_gradients_reduced(model, "caller")  # the chunks' gradients are averaged below
-    context, opt, losses = model.parallel_context, _adamw(model.parameters()), []
-    for step in range(steps):
-        batch = _packed(model.config.vocab_size, step)
+    om.distributed.mark_gradients_reduced(model, "caller")  # the chunks' gradients are averaged in cp_run
+    split = ContextParallelSplitter(model.parallel_context, shift_labels=True)
+
+    def batch(step):
+        whole = _packed(model.config.vocab_size, step)
         if not packed:
-            batch.pop("position_ids")
-        loss = model(**ContextParallelSplitter(context, shift_labels=True)(batch)).loss
-        loss.backward()
-        for param in model.parameters():  # what data parallelism over dp x cp does
-            torch.distributed.all_reduce(param.grad, group=context.cp_group)
-            param.grad /= context.cp_size
-        opt.step(), opt.zero_grad()
-        losses.append(loss.detach())
-    return model, losses
+            whole.pop("position_ids")
+        return split(whole)
+
+    return model, cp_run(model, (batch(step) for step in range(steps)))
 
 
 def _worker(path, ref_losses, ref_params):
@@ -213,11 +198,7 @@ def _worker(path, ref_losses, ref_params):
         check_core(context, mode, {"documents dropped": _drop_documents}, impl=FLEX)
         breadcrumb(f"gemma2 {mode}")
         model, losses = _train(path, mode, STEPS)
-        for step, (got, expected) in enumerate(zip(losses, ref_losses)):
-            torch.testing.assert_close(got, expected, **TOL, msg=lambda m, s=step: f"{mode} loss {s}: {m}")
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(param.detach(), ref_params[name], **PARAM_TOL,
-                                       msg=lambda m, n=name: f"{mode} {n}: {m}")
+        assert_run_matches(mode, model, losses, ref_losses, ref_params)
         _, leaked = _train(path, mode, 1, packed=False)
         assert (leaked[0] - ref_losses[0]).abs() > 1e-4, (mode, leaked[0], ref_losses[0])
 
