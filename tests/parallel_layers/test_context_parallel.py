@@ -168,9 +168,14 @@ def test_model_level_errors_before_any_collective():
     with pytest.raises(ValueError, match=r"heads per tensor-parallel rank .* divisible by context_parallel_size=3"):
         check_context_parallel(om.GPT2LMHeadModel, tiny_gpt2_config(), a2a)
     check_context_parallel(om.GPT2LMHeadModel, tiny_gpt2_config(), om.ParallelConfig(context_parallel_size=3))
-    with pytest.raises(NotImplementedError, match="T5ForConditionalGeneration"):
-        check_context_parallel(om.T5ForConditionalGeneration, transformers.T5Config(),
-                               om.ParallelConfig(context_parallel_size=2))
+    # T5 / BART: the encoder-decoder LMs run under cp (test_t5_context_parallel, test_bart_context_parallel); an
+    # encoder alone and the pooling heads do not
+    check_context_parallel(om.T5ForConditionalGeneration, transformers.T5Config(),
+                           om.ParallelConfig(context_parallel_size=2))
+    for cls, config in ((om.T5EncoderModel, transformers.T5Config()),
+                        (om.BartForSequenceClassification, transformers.BartConfig())):
+        with pytest.raises(NotImplementedError, match=cls.__name__):
+            check_context_parallel(cls, config, om.ParallelConfig(context_parallel_size=2))
     # attention dropout and the stack decoders' classification heads run under cp; the encoders' heads do not
     cp2 = om.ParallelConfig(context_parallel_size=2)
     for cls in (om.GPT2LMHeadModel, om.GPT2ForSequenceClassification, om.GPT2ForTokenClassification,

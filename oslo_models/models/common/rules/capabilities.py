@@ -17,8 +17,9 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
-    #: runs under context parallelism (the base models and LM heads of GPT-2, BERT and the stack decoders, the stack
-    #: decoders' classification heads; not the heads that pool one token of an encoder)
+    #: runs under context parallelism (the base models and LM heads of GPT-2, BERT and the stack decoders, T5's and
+    #: BART's base models and conditional-generation heads, the stack decoders' classification heads; not the heads
+    #: that pool one token of an encoder)
     context_parallel: bool | None = None
     #: its MoE router loss sums its statistics over the context-parallel ranks (needed for cp with experts)
     moe_context_parallel: bool | None = None

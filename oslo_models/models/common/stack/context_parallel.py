@@ -166,8 +166,9 @@ def check_context_parallel(model_class, config, parallel) -> None:
     """Before any collective: ``NotImplementedError`` for a model class that does not run under context parallelism
     (its ``Capabilities.context_parallel``, ``common/rules/capabilities.py``; not ``transformers``' own
     ``_supports_context_parallel``, which is ``True`` on every model: the base models and LM heads of GPT-2, BERT and
-    the stack decoders, and the stack decoders' classification heads; heads that pool one token of an encoder do
-    not), ``ValueError`` for heads that all-to-all cannot split."""
+    the stack decoders, T5's and BART's base models and conditional-generation heads, and the stack decoders'
+    classification heads; heads that pool one token of an encoder do not), ``ValueError`` for heads that all-to-all
+    cannot split."""
     cp = parallel.context_parallel_size
     if cp == 1:
         return
@@ -176,8 +177,9 @@ def check_context_parallel(model_class, config, parallel) -> None:
     # MoE: only a family whose router loss reduces its statistics over cp (``moe_context_parallel``)
     if (experts and not capabilities.moe_context_parallel) or not capabilities.context_parallel:
         raise NotImplementedError(f"{model_class.__name__} under context_parallel_size={cp} is not implemented; "
-                                  f"the base models and LM heads of GPT-2, BERT and the stack decoders are, and "
-                                  f"the stack decoders' sequence/token classification and question answering heads")
+                                  f"the base models and LM heads of GPT-2, BERT and the stack decoders are, T5's "
+                                  f"and BART's base models and conditional-generation heads, and the stack "
+                                  f"decoders' sequence/token classification and question answering heads")
     if parallel.context_parallel_mode in ("all_to_all", "hybrid"):
         # the heads follow the tensor-parallel split: tp blocks at 1D, the grid's q hidden blocks at 2D/2.5D/3D
         split, name = ((parallel.tensor_parallel_size, "tensor_parallel_size") if parallel.tensor_parallel_mode == "1d"
