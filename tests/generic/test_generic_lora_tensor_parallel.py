@@ -26,6 +26,7 @@ from oslo_models import adapters, training  # noqa: E402
 from tests.generic.models import save  # noqa: E402
 from tests.helpers.dist import breadcrumb, run_distributed  # noqa: E402
 from tests.helpers.global_loss import with_global_share  # noqa: E402
+from tests.helpers.lora import assert_adapters, lora_adapters  # noqa: E402
 from tests.helpers.pipeline import ADAMW  # noqa: E402
 from tests.training.test_global_batch_loss import _collate, sft_rows  # noqa: E402
 
@@ -33,20 +34,8 @@ ROWS = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _full(tensor):
-    tensor = tensor.detach()
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _adapters(model) -> dict:
-    return {name: _full(param).clone() for name, param in model.named_parameters() if "lora_" in name}
-
-
 def _assert_adapters(local: dict, reference, atol=1e-5):
-    full = dict(reference.named_parameters())
-    assert len(local) == len([n for n in full if "lora_" in n]) == 2 * 2 * len(TARGETS)
-    for name, value in local.items():
-        torch.testing.assert_close(value, full[name].detach(), atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    assert_adapters(local, reference, atol, count=2 * 2 * len(TARGETS))
 
 
 def _reference(base, adapter):
@@ -64,7 +53,7 @@ def _worker(base, adapter, root):
         inner = model.get_base_model()
         context = inner.parallel_context
         reference = _reference(base, adapter)
-        loaded = _adapters(model)
+        loaded = lora_adapters(model)
         _assert_adapters(loaded, reference)  # the loaded pieces are peft's full tensors
         per = ROWS // 2
         local = [with_global_share(inner, _collate(rows[s * ROWS + context.dp_rank * per:
@@ -94,7 +83,7 @@ def _worker(base, adapter, root):
             if step == 0 and zero_stage == 0:
                 dist.all_reduce(broken, group=context.dp_group)
                 assert (broken - loss).abs() / context.dp_size > 1e-4, (broken, loss)
-        trained = _adapters(model)
+        trained = lora_adapters(model)
         _assert_adapters(trained, reference)
         for key, value in loaded.items():  # negative control: the adapters were trained
             assert (trained[key] - value).abs().max() > 1e-4, key

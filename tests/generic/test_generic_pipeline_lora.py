@@ -28,28 +28,13 @@ from oslo_models import adapters, training  # noqa: E402
 from tests.generic.models import save  # noqa: E402
 from tests.helpers.dist import breadcrumb, run_distributed  # noqa: E402
 from tests.helpers.global_loss import with_global_share  # noqa: E402
+from tests.helpers.lora import assert_adapters, lora_adapters  # noqa: E402
 from tests.helpers.pipeline import ADAMW  # noqa: E402
 from tests.training.test_global_batch_loss import _collate, sft_rows  # noqa: E402
 
 ROWS = 8  # global batch of a step
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 CASES = [("granite", 0), ("cohere2", 0), ("granite", 3), ("cohere2", 2)]  # (name, ZeRO stage)
-
-
-def _full(tensor):
-    tensor = tensor.detach()
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _adapters(model) -> dict:
-    return {name: _full(param).clone() for name, param in model.named_parameters() if "lora_" in name}
-
-
-def _assert_adapters(local: dict, reference, atol=1e-5):
-    full = dict(reference.named_parameters())
-    assert local
-    for name, value in local.items():
-        torch.testing.assert_close(value, full[name].detach(), atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _worker(paths, root):
@@ -65,7 +50,7 @@ def _worker(paths, root):
                                       adapter, is_trainable=True)
         inner = model.get_base_model()
         layers = {f"layers.{index}." for index in inner.pipeline_layout.local_layers()}
-        loaded = _adapters(model)
+        loaded = lora_adapters(model)
         assert loaded and all(any(layer in key for layer in layers) for key in loaded), sorted(loaded)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
         wrapped, optimizer = training.prepare(Accelerator(cpu=True), model, optimizer, zero_stage=zero_stage)
@@ -87,15 +72,15 @@ def _worker(paths, root):
             ref_optimizer.step(), ref_optimizer.zero_grad()
             torch.testing.assert_close(loss / dist.get_world_size(), expected.detach(), atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"{name} step {step} loss: {m}")
-        trained = _adapters(model)
-        _assert_adapters(trained, reference)
+        trained = lora_adapters(model)
+        assert_adapters(trained, reference)
         for key, value in loaded.items():  # negative control: this stage's adapters were trained
             assert (trained[key] - value).abs().max() > 1e-4, key
         folder = os.path.join(root, f"{name}_zero{zero_stage}")
         adapters.save_adapter(model, folder)
         if dist.get_rank() == 0:
             saved = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), folder)
-            _assert_adapters({n: p.detach() for n, p in saved.named_parameters() if "lora_" in n}, reference)
+            assert_adapters({n: p.detach() for n, p in saved.named_parameters() if "lora_" in n}, reference)
             assert len([n for n, _ in saved.named_parameters() if "lora_" in n]) == 2 * len(loaded)
         dist.barrier()
 
